@@ -1,0 +1,88 @@
+"""Load an experiment config: YAML file + ``--set key.path=value`` overrides -> validated config.
+
+All user mistakes surface as ``ConfigError`` with the offending file or dotted key in
+the message: unreadable YAML, unknown keys, wrong types, impossible trees (checked
+by building the tree with the configured number of clients per language).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from bhfl_core.config import ConfigError, ExperimentConfig
+from bhfl_core.topology import ClientInfo, build_tree
+
+
+def apply_override(data: dict[str, Any], assignment: str) -> dict[str, Any]:
+    """Apply one ``a.b.c=value`` (value parsed as YAML) to a nested dict, returning a copy."""
+    if "=" not in assignment:
+        raise ConfigError(f"--set {assignment!r}: expected KEY=VALUE, e.g. tree.root.rounds=2")
+    path, raw = assignment.split("=", 1)
+    keys = path.strip().split(".")
+    if not all(keys):
+        raise ConfigError(f"--set {assignment!r}: empty key in {path!r}")
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--set {path}: value {raw!r} is not valid YAML ({exc})") from None
+    out = copy.deepcopy(data)
+    cursor = out
+    for i, key in enumerate(keys[:-1]):
+        nxt = cursor.setdefault(key, {})
+        if nxt is None:
+            nxt = cursor[key] = {}
+        if not isinstance(nxt, dict):
+            raise ConfigError(f"--set {path}: {'.'.join(keys[: i + 1])} is a value, not a section")
+        cursor = nxt
+    cursor[keys[-1]] = value
+    return out
+
+
+def format_validation_error(exc: ValidationError) -> str:
+    lines = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"] if not str(p).startswith(("function-", "constrained-"))) or "(top level)"
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            msg = "unknown key (check the spelling; docs/config.md lists every key)"
+        lines.append(f"{loc}: {msg}")
+    return "\n".join(dict.fromkeys(lines))
+
+
+def validate_tree(config: ExperimentConfig) -> None:
+    """Build the tree with placeholder clients so impossible trees fail before any work."""
+    per_language = config.data.clients_per_language
+    clients = [ClientInfo(f"{lang}-{i}", lang, 1) for lang in config.data.source.languages for i in range(per_language)]
+    build_tree(config, clients)
+
+
+def config_from_dict(data: Any, overrides: Sequence[str] = (), source: str = "config") -> ExperimentConfig:
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: the top level must be a mapping of keys, got {type(data).__name__}")
+    for assignment in overrides:
+        data = apply_override(data, assignment)
+    try:
+        config = ExperimentConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(f"{source}: invalid config\n{format_validation_error(exc)}") from None
+    validate_tree(config)
+    return config
+
+
+def load_config(path: str | Path, overrides: Sequence[str] = ()) -> ExperimentConfig:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} not found")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    return config_from_dict(data, overrides, source=str(path))

@@ -1,0 +1,1 @@
+"""Data preparation: sources, language-clustered partitions, tokenisation, on-disk cache."""

@@ -1,0 +1,40 @@
+"""Tokenizers: a WordPiece trained on public (proxy) text, or any hub/local tokenizer.
+
+The tiny default model gets a WordPiece tokenizer trained with ``tokenizers`` on the
+root's proxy split only (public data: training it on client text would leak private
+vocabulary). It is saved and reloaded through ``PreTrainedTokenizerFast`` so the code
+path after this point is the one a hub model takes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+
+
+def train_wordpiece(texts: Iterable[str], vocab_size: int, max_length: int, out_dir: Path) -> PreTrainedTokenizerFast:
+    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True, strip_accents=False, handle_chinese_chars=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.train_from_iterator(texts, trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS))
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]",
+        pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", tok.token_to_id("[CLS]")), ("[SEP]", tok.token_to_id("[SEP]"))],
+    )
+    tok.decoder = decoders.WordPiece()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]", sep_token="[SEP]",
+        mask_token="[MASK]", model_max_length=max_length,
+    )
+    fast.save_pretrained(out_dir)
+    return fast
+
+
+def load_tokenizer(name_or_dir: str | Path) -> PreTrainedTokenizerBase:
+    return AutoTokenizer.from_pretrained(str(name_or_dir))

@@ -1,0 +1,1 @@
+"""Prefect flows, MLflow tracking and the ``bhfl`` CLI."""

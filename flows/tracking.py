@@ -1,0 +1,115 @@
+"""MLflow tracking through ``MlflowClient`` with explicit run ids (thread-safe from tasks).
+
+Layout in the store: one experiment per config ``name``; one parent run per
+experiment run; under it a run per server node, nested like the tree (root ->
+intermediate servers -> edge servers), tagged ``bhfl.node``, ``bhfl.level`` (depth,
+root = 0) and ``bhfl.role``. Training metrics use ``step = node round``; evaluation
+metrics are ``eval/<test_set>/<metric>`` with ``step = root round``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+from mlflow import MlflowClient
+from mlflow.entities import Metric, Param, RunTag
+from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID, MLFLOW_RUN_NOTE
+
+from bhfl_core.tree import Tree
+
+_BATCH = 900  # MLflow accepts at most 1000 entities per log_batch
+
+
+def default_tracking_uri(run_root: Path) -> str:
+    return f"sqlite:///{(run_root / 'mlflow.db').resolve()}"
+
+
+def _artifact_root(tracking_uri: str) -> str | None:
+    """A file artefact folder next to a local SQLite store; None lets a server decide."""
+    parsed = urlparse(tracking_uri)
+    if parsed.scheme == "sqlite":
+        db = Path(tracking_uri[len("sqlite:///"):])
+        return (db.parent / "mlartifacts").resolve().as_uri()
+    return None
+
+
+def flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
+    out: dict[str, str] = {}
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping) and value:
+            out.update(flatten(value, name + "."))
+        else:
+            out[name] = json.dumps(value) if isinstance(value, (list, dict)) else str(value)
+    return out
+
+
+class Tracker:
+    def __init__(self, tracking_uri: str) -> None:
+        self.uri = tracking_uri
+        self.client = MlflowClient(tracking_uri)
+        self.experiment_id = ""
+        self.parent_id = ""
+        self.node_runs: dict[str, str] = {}
+
+    def start(self, name: str, params: Mapping[str, Any], tree: Tree, tags: Mapping[str, str], description: str) -> str:
+        exp = self.client.get_experiment_by_name(name)
+        self.experiment_id = exp.experiment_id if exp else self.client.create_experiment(name, artifact_location=_artifact_root(self.uri))
+        parent = self.client.create_run(self.experiment_id, run_name=name, tags={**tags, MLFLOW_RUN_NOTE: description})
+        self.parent_id = parent.info.run_id
+        flat = flatten(params)
+        self._batched(self.parent_id, params=[Param(k[:250], v[:6000]) for k, v in sorted(flat.items())])
+        # parents before children: walk the tree top-down
+        order = [tree.root]
+        while order:
+            node = order.pop(0)
+            if node.is_leaf:
+                continue
+            parent_run = self.parent_id if node.parent is None else self.node_runs[node.parent]
+            run = self.client.create_run(self.experiment_id, run_name=node.id, tags={
+                MLFLOW_PARENT_RUN_ID: parent_run, "bhfl.node": node.id, "bhfl.level": str(node.depth),
+                "bhfl.role": node.role.value, **({"bhfl.group": node.group} if node.group else {}),
+            })
+            self.node_runs[node.id] = run.info.run_id
+            order.extend(tree.children(node.id))
+        return self.parent_id
+
+    def _batched(self, run_id: str, metrics: Iterable[Metric] = (), params: Iterable[Param] = ()) -> None:
+        metrics, params = list(metrics), list(params)
+        for i in range(0, max(len(metrics), 1), _BATCH):
+            chunk = metrics[i : i + _BATCH]
+            if chunk:
+                self.client.log_batch(run_id, metrics=chunk)
+        for i in range(0, len(params), 100):
+            self.client.log_batch(run_id, params=params[i : i + 100])
+
+    def log_metrics(self, run_id: str, values: Mapping[str, float], step: int) -> None:
+        now = int(time.time() * 1000)
+        self._batched(run_id, [Metric(k, float(v), now, step) for k, v in values.items() if v == v])
+
+    def log_node(self, node_id: str, values: Mapping[str, float], step: int) -> None:
+        if node_id in self.node_runs:
+            self.log_metrics(self.node_runs[node_id], values, step)
+
+    def log_text(self, text: str, artifact_path: str, run_id: str | None = None) -> None:
+        self.client.log_text(run_id or self.parent_id, text, artifact_path)
+
+    def log_artifact(self, path: Path, artifact_dir: str | None = None) -> None:
+        self.client.log_artifact(self.parent_id, str(path), artifact_dir)
+
+    def set_tags(self, tags: Mapping[str, str]) -> None:
+        for k, v in tags.items():
+            self.client.set_tag(self.parent_id, k, v)
+
+    def finish(self, status: str) -> None:
+        for run_id in [*self.node_runs.values(), self.parent_id]:
+            if run_id:
+                self.client.set_terminated(run_id, status)
+
+    def ui_url(self, host: str = "127.0.0.1", port: int = 5000) -> str:
+        return f"http://{host}:{port}/#/experiments/{self.experiment_id}/runs/{self.parent_id}"

@@ -1,0 +1,79 @@
+"""Training tasks: a worker trains its list of clients in one task; servers train on proxy data.
+
+One task per worker (not per client): the task takes one model instance from the
+pool and, client after client, loads the parent's flat vector, runs the client's
+EXECUTENODE (down-aggregation into its persistent model, local training, checkpoint)
+and folds the result into a running weighted sum. Only that sum (one vector) and a
+few numbers go back to the server.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from bhfl_core.aggregation import WeightedSum
+from bhfl_core.engine import ChildrenReport, RoundKey, execute_node
+from bhfl_core.local_train import train_model
+from bhfl_core.params import get_flat, set_flat
+from bhfl_core.rng import derive_seed
+from bhfl_core.state_store import StateStore
+from bhfl_core.tree import Node
+from tasks.context import RunContext, get_context
+
+
+@dataclass
+class WorkerReport:
+    aggregate: WeightedSum = field(default_factory=WeightedSum)
+    losses: dict[str, tuple[float, int]] = field(default_factory=dict)  # client -> (mean loss, examples)
+
+
+class LocalTrainer:
+    """EngineHooks for nodes executed inside a worker: TRAIN on the node's own data."""
+
+    def __init__(self, ctx: RunContext, model: torch.nn.Module, device: torch.device) -> None:
+        self.ctx, self.model, self.device = ctx, model, device
+        self.last: tuple[float, int] = (float("nan"), 0)
+
+    def run_children(self, node: Node, cohort: list[Node], theta: torch.Tensor, key: RoundKey) -> ChildrenReport:
+        raise RuntimeError(f"node {node.id!r} has children; servers run in subflows, not inside a worker")
+
+    def train(self, node: Node, theta: torch.Tensor, key: RoundKey) -> tuple[torch.Tensor, dict[str, float]]:
+        assert node.settings.train is not None
+        data = self.ctx.shard(self.ctx.clients[node.id].train.path) if node.is_leaf else self.ctx.proxy("train")
+        set_flat(self.model, theta)
+        seed = derive_seed(self.ctx.config.seed, "train", *key.parts())
+        result = train_model(self.model, data, node.settings.train, seed, self.device)
+        self.last = (result.loss, result.examples)
+        prefix = "train" if node.is_leaf else "proxy_train"
+        return get_flat(self.model), {f"{prefix}/loss": result.loss, f"{prefix}/steps": float(result.steps)}
+
+    def round_done(self, node: Node, key: RoundKey, theta: torch.Tensor, metrics: dict[str, float]) -> None:
+        return None
+
+
+@task(name="train-clients", cache_policy=NO_CACHE, persist_result=False)
+def train_clients(run_path: str, caller: str, client_ids: list[str], phi_path: str) -> WorkerReport:
+    """Execute a list of clients from the parent model at ``phi_path``; return their weighted sum."""
+    ctx = get_context(run_path)
+    phi = StateStore.read_message(phi_path)
+    report = WorkerReport()
+    with ctx.models.take() as (model, device):
+        trainer = LocalTrainer(ctx, model, device)
+        for client_id in client_ids:
+            node = ctx.tree[client_id]
+            theta = execute_node(ctx.tree, node, phi, ctx.store, trainer, ctx.config.seed, caller)
+            report.aggregate.add(theta, node.weight)
+            report.losses[client_id] = trainer.last
+    return report
+
+
+@task(name="proxy-train", cache_policy=NO_CACHE, persist_result=False)
+def proxy_train(run_path: str, node_id: str, key: RoundKey, theta: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+    """TRAIN a server's model on its proxy split."""
+    ctx = get_context(run_path)
+    with ctx.models.take() as (model, device):
+        return LocalTrainer(ctx, model, device).train(ctx.tree[node_id], theta, key)
