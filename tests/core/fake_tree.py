@@ -1,0 +1,51 @@
+"""A tiny hand-built tree and in-process hooks whose TRAIN adds a known vector."""
+
+from __future__ import annotations
+
+import torch
+
+from bhfl_core.engine import ChildrenReport, RoundKey, execute_node
+from bhfl_core.node_opt import NodeOptParams
+from bhfl_core.state_store import StateStore
+from bhfl_core.tree import Node, NodeSettings, Role, TrainParams, Tree
+
+
+def settings(rounds=1, eta_down=1.0, eta_up=1.0, persistent=True, train=False, cohort=None, kind="fedavg"):
+    return NodeSettings(
+        rounds=rounds, cohort=cohort, persistent=persistent, train=TrainParams() if train else None,
+        opt_up=NodeOptParams(kind=kind, eta=eta_up), opt_down=NodeOptParams(kind="fedavg", eta=eta_down),
+    )
+
+
+def two_edge_tree(client_settings: NodeSettings, root_rounds: int = 1, root_train: bool = True) -> Tree:
+    """root -> edges A, B -> clients a1 (1 example), a2 (3), b1 (2), b2 (2)."""
+    weights = {"a1": 1.0, "a2": 3.0, "b1": 2.0, "b2": 2.0}
+    nodes = {cid: Node(cid, Role.CLIENT, 2, "A" if cid[0] == "a" else "B", (), client_settings, w) for cid, w in weights.items()}
+    nodes["A"] = Node("A", Role.EDGE, 1, "root", ("a1", "a2"), settings(), 4.0)
+    nodes["B"] = Node("B", Role.EDGE, 1, "root", ("b1", "b2"), settings(), 4.0)
+    nodes["root"] = Node("root", Role.ROOT, 0, None, ("A", "B"), settings(rounds=root_rounds, train=root_train), 8.0)
+    return Tree(nodes=nodes, root_id="root")
+
+
+STEPS = {"a1": [1.0, 0.0], "a2": [0.0, 2.0], "b1": [2.0, 2.0], "b2": [4.0, 0.0], "root": [0.0, -1.0]}
+
+
+class AddVectorHooks:
+    """Children run by plain recursion; TRAIN adds STEPS[node] to the model."""
+
+    def __init__(self, tree: Tree, store: StateStore) -> None:
+        self.tree, self.store = tree, store
+        self.rounds: list[tuple[str, int]] = []
+
+    def run_children(self, node, cohort, theta, key: RoundKey) -> ChildrenReport:
+        report = ChildrenReport()
+        for child in cohort:
+            out = execute_node(self.tree, child, theta, self.store, self, 0, f"{node.id}:{key.round}")
+            report.aggregate.add(out, child.weight)
+        return report
+
+    def train(self, node, theta, key):
+        return theta + torch.tensor(STEPS[node.id]), {}
+
+    def round_done(self, node, key, theta, metrics):
+        self.rounds.append((node.id, key.round))

@@ -1,0 +1,68 @@
+"""Config validation: unknown keys, wrong types and impossible trees name the key."""
+
+from pathlib import Path
+
+import pytest
+
+from bhfl_core.config import ConfigError
+from bhfl_core.config_loader import apply_override, config_from_dict, load_config
+from bhfl_core.topology import ClientInfo, build_tree
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_embedded_default_is_valid_and_matches_the_issue_shape():
+    cfg = load_config(REPO / "configs" / "embedded.yaml")
+    clients = [ClientInfo(f"{lang}-{i}", lang, 10) for lang in cfg.data.source.languages for i in range(6)]
+    tree = build_tree(cfg, clients)
+    assert tree.root.settings.train is not None  # proxy training at the root
+    assert sorted(tree.root.children) == ["europe-east", "europe-west"]
+    edges = [n for n in tree if n.role.value == "edge"]
+    assert sorted(e.id for e in edges) == [f"edge-{l}" for l in sorted(cfg.data.source.languages)]
+    assert all(e.settings.cohort and e.settings.cohort < len(e.children) for e in edges)
+    assert tree.distance("en-0", "de-0") == 6 and tree.distance("en-0", "edge-en") == 1
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["tree.root.roundz=2"], "tree.root.roundz: unknown key"),
+        (["tree.root.rounds=two"], "tree.root.rounds"),
+        (["tree.edge.cohort=7"], "tree.edge.cohort: cohort of 7 is larger than the 6 children of node 'edge-en'"),
+        (["tree.server.proxy_train=true"], "tree.server.proxy_train: node 'europe-west' has no proxy split"),
+        (["tree.nodes.edge-xx.eta_down=0.5"], "tree.nodes.edge-xx: no such node"),
+        (["tree.nodes.edge-de.cohort=9"], "tree.nodes.edge-de.cohort: cohort of 9"),
+        (["tree.groups.europe-east=[de]"], "tree.groups: languages ['ru'] are not under any intermediate server"),
+        (["tree.groups.europe-east=[de, ru, xx]"], "language 'xx' is not in data.source.languages"),
+        (["tree.edge.opt_up.kind=adamz"], "unknown NODEOPT 'adamz'"),
+        (["data.sizes.min=1"], "data.sizes.min"),
+        (["tree.root"], "expected KEY=VALUE"),
+        (["seed.x=1"], "seed is a value, not a section"),
+    ],
+)
+def test_errors_name_the_key(overrides, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(REPO / "configs" / "embedded.yaml", overrides)
+    assert message in str(err.value)
+
+
+def test_set_overrides_by_dotted_path_with_yaml_values():
+    cfg = load_config(REPO / "configs" / "embedded.yaml", ["tree.root.rounds=2", "tree.nodes.edge-de.eta_down=0.5",
+                                                           "data.source.languages=[en, de]", "tree.groups={}"])
+    assert cfg.tree.root.rounds == 2 and cfg.tree.nodes["edge-de"].eta_down == 0.5
+    clients = [ClientInfo(f"{lang}-{i}", lang, 10) for lang in ("en", "de") for i in range(6)]
+    tree = build_tree(cfg, clients)
+    assert tree["edge-de"].settings.opt_down.eta == 0.5 and tree["edge-en"].settings.opt_down.eta == 1.0
+    assert tree["edge-de"].parent == "root"  # no groups: edges under the root
+
+
+def test_override_and_file_errors(tmp_path):
+    assert apply_override({"a": {"b": 1}}, "a.c=[1, 2]") == {"a": {"b": 1, "c": [1, 2]}}
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("tree: [unclosed\n")
+    with pytest.raises(ConfigError, match="bad.yaml: not valid YAML"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        config_from_dict([1, 2])

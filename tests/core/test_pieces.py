@@ -1,0 +1,109 @@
+"""Aggregation, metrics, placement, state store, flat parameters."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from bhfl_core.aggregation import WeightedSum
+from bhfl_core.evaluation import worst_fraction_mean
+from bhfl_core.metrics import accuracy, macro_f1
+from bhfl_core.node_opt import NodeOptParams
+from bhfl_core.params import get_flat, set_flat
+from bhfl_core.placement import split_by_load
+from bhfl_core.state_store import NodeState, StateStore
+
+
+def test_weighted_sum_merge_equals_single_sum():
+    xs = [torch.tensor([1.0, 2.0]), torch.tensor([3.0, -1.0]), torch.tensor([0.5, 0.5])]
+    ws = [1.0, 2.0, 5.0]
+    whole = WeightedSum()
+    for x, w in zip(xs, ws):
+        whole.add(x, w)
+    left, right = WeightedSum(), WeightedSum()
+    left.add(xs[0], ws[0])
+    right.add(xs[1], ws[1])
+    right.add(xs[2], ws[2])
+    left.merge(right)
+    expected = [(1 * 1 + 2 * 3 + 5 * 0.5) / 8, (1 * 2 + 2 * -1 + 5 * 0.5) / 8]
+    assert whole.mean().tolist() == pytest.approx(expected)
+    assert torch.equal(left.mean(), whole.mean())
+    with pytest.raises(ValueError):
+        WeightedSum().mean()
+    with pytest.raises(ValueError):
+        WeightedSum().add(xs[0], 0)
+
+
+def test_metrics_by_hand():
+    # truth rows, predictions columns: class 0: 3 right, 1 predicted as 1; class 1: 1 right; class 2 absent
+    c = torch.tensor([[3, 1, 0], [0, 1, 0], [0, 0, 0]])
+    assert accuracy(c) == pytest.approx(4 / 5)
+    f1_0 = 2 * 3 / (4 + 3)  # 2TP / (true + predicted)
+    f1_1 = 2 * 1 / (1 + 2)
+    assert macro_f1(c) == pytest.approx((f1_0 + f1_1) / 2)  # absent class 2 not averaged
+    assert worst_fraction_mean([0.9, 0.1, 0.5, 0.7] * 5) == pytest.approx(0.1)  # lowest 2 of 20
+
+
+def test_split_by_load_balances_and_is_deterministic():
+    items = ["a", "b", "c", "d", "e"]
+    loads = [10, 1, 9, 2, 8]
+    plan = split_by_load(items, loads, 2)
+    assert sorted(sum(plan, [])) == items
+    totals = sorted(sum(loads[items.index(i)] for i in b) for b in plan)
+    assert totals == [13, 17]  # LPT: a(10)->w0, c(9)->w1, e(8)->w1, d(2)->w0, b(1)->w0
+    assert plan == split_by_load(items, loads, 2)
+    assert split_by_load(items[:1], loads[:1], 4) == [["a"]]  # never empty lists
+
+
+def test_state_store_roundtrip_and_atomicity(tmp_path):
+    store = StateStore(tmp_path)
+    assert store.load("x") == NodeState()
+    st = NodeState(torch.arange(4.0), {"m": torch.ones(4), "step": torch.tensor(3)}, {"v": torch.zeros(4)}, rounds_done=5)
+    store.save("x", st)
+    back = store.load("x")
+    assert torch.equal(back.model, st.model) and back.rounds_done == 5
+    assert torch.equal(back.opt_up["m"], st.opt_up["m"]) and int(back.opt_up["step"]) == 3
+    assert set(back.opt_down) == {"v"}
+    assert [p.name for p in (tmp_path / "nodes").iterdir()] == ["x.safetensors"]  # no temp files left
+
+    class Boom(Exception):
+        pass
+
+    bad = NodeState(model=torch.arange(4.0) + 100)
+    import bhfl_core.state_store as ss
+
+    original = ss.save_file
+    ss.save_file = lambda *a, **k: (_ for _ in ()).throw(Boom())
+    try:
+        with pytest.raises(Boom):
+            store.save("x", bad)
+    finally:
+        ss.save_file = original
+    assert torch.equal(store.load_model("x"), st.model)  # the old checkpoint survives a failed write
+    assert [p.name for p in (tmp_path / "nodes").iterdir()] == ["x.safetensors"]
+
+
+def test_flat_parameters_roundtrip():
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1))
+    flat = get_flat(model)
+    assert flat.shape == (3 * 2 + 2 + 2 * 1 + 1,)
+    set_flat(model, torch.arange(flat.numel(), dtype=torch.float32))
+    assert model[0].bias.tolist() == [6.0, 7.0]
+    with pytest.raises(ValueError, match="trainable parameters"):
+        set_flat(model, torch.zeros(3))
+
+
+def test_core_never_imports_prefect_or_mlflow():
+    code = (
+        "import sys, pkgutil, importlib, bhfl_core\n"
+        "for m in pkgutil.iter_modules(bhfl_core.__path__): importlib.import_module('bhfl_core.' + m.name)\n"
+        "bad = [m for m in sys.modules if m.split('.')[0] in ('prefect', 'mlflow')]\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_node_opt_params_frozen():
+    with pytest.raises(Exception):
+        NodeOptParams().eta = 2.0  # type: ignore[misc]

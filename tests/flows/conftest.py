@@ -1,0 +1,12 @@
+"""One Prefect test server per session (real server, throw-away SQLite) for the flow tests."""
+
+import pytest
+from prefect.settings import temporary_settings
+from prefect.testing.utilities import prefect_test_harness
+
+
+@pytest.fixture(scope="session", autouse=True)
+def prefect_backend():
+    with prefect_test_harness(server_startup_timeout=120):
+        with temporary_settings(updates={"flows.heartbeat_frequency": None}):
+            yield

@@ -1,0 +1,89 @@
+"""A shrunken experiment through the real flows, checked in the real MLflow store."""
+
+import csv
+import io
+from pathlib import Path
+
+import pytest
+from mlflow import MlflowClient
+
+from bhfl_core.state_store import StateStore
+from flows.experiment import run_experiment
+from tests.small import small_config
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    root = tmp_path_factory.mktemp("runs")
+    result = run_experiment(small_config(), root)
+    return root, result
+
+
+def _runs(client, experiment_id):
+    return {r.info.run_name: r for r in client.search_runs([experiment_id], max_results=1000)}
+
+
+def test_nested_node_runs_with_tags(finished):
+    root, result = finished
+    client = MlflowClient(result["tracking_uri"])
+    assert result["tracking_uri"] == f"sqlite:///{root.resolve() / 'mlflow.db'}"
+    exp = client.get_experiment_by_name("itest")
+    runs = _runs(client, exp.experiment_id)
+    parent = runs["itest"]
+    assert parent.info.status == "FINISHED" and parent.info.run_id == result["run_id"]
+    expected = {
+        "root": ("0", "root", "itest"), "west": ("1", "server", "root"), "east": ("1", "server", "root"),
+        "edge-en": ("2", "edge", "west"), "edge-fr": ("2", "edge", "west"), "edge-de": ("2", "edge", "east"),
+    }
+    assert set(runs) == set(expected) | {"itest"}  # one run per server node, none for clients
+    for name, (level, role, parent_name) in expected.items():
+        tags = runs[name].data.tags
+        assert tags["bhfl.node"] == name and tags["bhfl.level"] == level and tags["bhfl.role"] == role
+        assert tags["mlflow.parentRunId"] == runs[parent_name].info.run_id
+        assert runs[name].info.status == "FINISHED"
+    assert parent.data.params["tree.root.rounds"] == "2"
+    assert parent.data.params["tree.groups.west"] == '["en", "fr"]'
+    assert parent.data.tags["bhfl.data_fingerprint"] and parent.data.tags["bhfl.config_hash"]
+
+
+def test_per_round_metrics_use_round_steps(finished):
+    _, result = finished
+    client = MlflowClient(result["tracking_uri"])
+    runs = _runs(client, result["experiment_id"])
+    root_id, edge_id = runs["root"].info.run_id, runs["edge-en"].info.run_id
+    assert [m.step for m in client.get_metric_history(root_id, "proxy_train/loss")] == [1, 2]
+    edge_loss = client.get_metric_history(edge_id, "train/loss")
+    assert [m.step for m in edge_loss] == [1, 2] and all(m.value > 0 for m in edge_loss)
+    assert [m.value for m in client.get_metric_history(edge_id, "train/clients")] == [2.0, 2.0]  # cohort
+    # eval.every = 1: evaluated after root round 1 and at the end (round 2)
+    union = client.get_metric_history(root_id, "eval/union/accuracy")
+    assert sorted(m.step for m in union) == [1, 2] and all(0 <= m.value <= 1 for m in union)
+    assert client.get_metric_history(edge_id, "eval/proxy/macro_f1")
+
+
+def test_matrix_artifact_covers_every_model_and_test_set(finished):
+    root, result = finished
+    client = MlflowClient(result["tracking_uri"])
+    local = client.download_artifacts(result["run_id"], "eval/matrix.csv", str(root / "dl"))
+    rows = list(csv.DictReader(io.StringIO(Path(local).read_text())))
+    assert list(rows[0]) == ["node", "level", "test_set", "metric", "value"]
+    nodes = {r["node"] for r in rows}
+    clients = [f"{lang}-{i:02d}" for lang in ("en", "de", "fr") for i in range(3)]
+    assert {"root", "west", "east", "edge-en", "edge-de", "edge-fr"} <= nodes
+    store = StateStore(Path(result["run_path"]) / "state")
+    trained_clients = {c for c in clients if store.has(c)}
+    assert trained_clients and nodes - {"root", "west", "east", "edge-en", "edge-de", "edge-fr"} == trained_clients
+    test_sets = {r["test_set"] for r in rows}
+    assert test_sets == set(clients) | {"proxy", "union"}
+    assert len(rows) == len(nodes) * len(test_sets) * 2
+    assert {r["metric"] for r in rows} == {"accuracy", "macro_f1"}
+    assert {r["level"] for r in rows if r["node"] == "root"} == {"0"}
+    artifacts = {a.path for a in client.list_artifacts(result["run_id"])}
+    assert {"config.yaml", "eval", "data"} <= artifacts
+
+
+def test_node_state_files_written(finished):
+    _, result = finished
+    store = StateStore(Path(result["run_path"]) / "state")
+    for node in ("root", "west", "east", "edge-en", "edge-de", "edge-fr"):
+        assert store.load(node).rounds_done == 2 and store.load_model(node) is not None

@@ -1,0 +1,28 @@
+"""A shrunken experiment config shared by the integration tests (same code paths, tiny sizes)."""
+
+from pathlib import Path
+
+from bhfl_core.config_loader import load_config
+
+REPO = Path(__file__).resolve().parents[1]
+
+SMALL = [
+    "name=itest",
+    "data.source.languages=[en, de, fr]",
+    "data.clients_per_language=3",
+    "data.sizes={median: 30, sigma: 0.5, min: 10, max: 60}",
+    "data.proxy={train_per_language: 30, test_per_language: 20}",
+    "model.tiny={vocab_size: 400, hidden_size: 32, num_hidden_layers: 1, num_attention_heads: 2, intermediate_size: 64}",
+    "model.max_length=32",
+    "tree.groups={west: [en, fr], east: [de]}",
+    "tree.root.rounds=2",
+    "tree.edge.rounds=1",
+    "tree.edge.cohort=2",
+    "tree.client.train.epochs=1",
+    "eval.every=1",
+    "runtime.workers=2",
+]
+
+
+def small_config(*extra: str):
+    return load_config(REPO / "configs" / "embedded.yaml", [*SMALL, *extra])
