@@ -37,7 +37,7 @@ TrackingOption = Annotated[
 
 
 def _fail(message: str) -> None:
-    console.print(f"[bold red]error:[/] {message}", highlight=False)
+    console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
     raise typer.Exit(code=2)
 
 
@@ -47,6 +47,8 @@ def _prepare_environment(run_dir: Path, verbose: bool) -> None:
     if "PREFECT_API_URL" not in os.environ:
         os.environ.setdefault("PREFECT_HOME", str((run_dir / ".prefect").resolve()))
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    # a brand-new Prefect database migrates on first start: allow for a slow, loaded machine
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "INFO" if verbose else "WARNING")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")

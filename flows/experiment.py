@@ -46,7 +46,7 @@ from flows.progress import Reporter, SilentReporter
 from flows.tracking import Tracker, default_tracking_uri
 from tasks.context import CONFIG_FILE, DATA_POINTER, RunContext, get_context, resolve_devices, resolve_workers
 from tasks.evaluation import evaluate_models
-from tasks.training import proxy_train, train_clients
+from tasks.training import WorkerReport, proxy_train, train_clients
 
 
 @dataclass
@@ -67,11 +67,31 @@ def _runtime(run_path: str) -> FlowRuntime:
 
 
 class FlowHooks:
-    """EngineHooks for servers: children as subflows (servers) or worker tasks (clients)."""
+    """EngineHooks for servers: children as subflows (servers) or worker tasks (clients).
 
-    def __init__(self, rt: FlowRuntime) -> None:
+    ``inline=True`` runs the very same node and worker code without Prefect (plain
+    recursion, workers one after another); benchmarks use it to measure what the
+    orchestration costs.
+    """
+
+    def __init__(self, rt: FlowRuntime, inline: bool = False) -> None:
         self.rt = rt
+        self.inline = inline
         self.run_path = str(rt.ctx.run_path)
+
+    def _run_child(self, child: Node, phi_path: str, caller: str) -> str:
+        if self.inline:
+            return _execute(self.run_path, child.id, phi_path, caller, inline=True)
+        child_flow = node_flow.with_options(
+            flow_run_name=f"{child.id} <- {caller}", task_runner=ThreadPoolTaskRunner(max_workers=self.rt.ctx.workers)
+        )
+        return child_flow(self.run_path, child.id, phi_path, caller)
+
+    def _run_workers(self, plan: list[list[str]], phi_path: str, caller: str) -> list[WorkerReport]:
+        if self.inline:
+            return [train_clients.fn(self.run_path, caller, ids, phi_path) for ids in plan]
+        futures = [train_clients.submit(self.run_path, caller, ids, phi_path) for ids in plan]
+        return [f.result() for f in futures]  # plan order, so the float sums are deterministic
 
     def run_children(self, node: Node, cohort: list[Node], theta: torch.Tensor, key: RoundKey) -> ChildrenReport:
         ctx = self.rt.ctx
@@ -79,17 +99,12 @@ class FlowHooks:
         caller = f"{node.id}:{key.round}"
         report = ChildrenReport()
         for child in (c for c in cohort if not c.is_leaf):
-            child_flow = node_flow.with_options(
-                flow_run_name=f"{child.id} <- {caller}", task_runner=ThreadPoolTaskRunner(max_workers=ctx.workers)
-            )
-            report.aggregate.add(StateStore.read_message(child_flow(self.run_path, child.id, phi_path, caller)), child.weight)
+            report.aggregate.add(StateStore.read_message(self._run_child(child, phi_path, caller)), child.weight)
         leaves = [c for c in cohort if c.is_leaf]
         if leaves:
             plan = split_by_load([c.id for c in leaves], [c.weight for c in leaves], ctx.workers)
-            futures = [train_clients.submit(self.run_path, caller, ids, phi_path) for ids in plan]
             losses: dict[str, tuple[float, int]] = {}
-            for future in futures:  # plan order, so the float sums are deterministic
-                worker = future.result()
+            for worker in self._run_workers(plan, phi_path, caller):
                 report.aggregate.merge(worker.aggregate)
                 losses.update(worker.losses)
             seen = sum(n for _, n in losses.values())
@@ -99,7 +114,8 @@ class FlowHooks:
         return report
 
     def train(self, node: Node, theta: torch.Tensor, key: RoundKey) -> tuple[torch.Tensor, dict[str, float]]:
-        return proxy_train(self.run_path, node.id, key, theta)
+        fn = proxy_train.fn if self.inline else proxy_train
+        return fn(self.run_path, node.id, key, theta)
 
     def round_done(self, node: Node, key: RoundKey, theta: torch.Tensor, metrics: dict[str, float]) -> None:
         self.rt.tracker.log_node(node.id, metrics, step=key.round + 1)
@@ -107,20 +123,25 @@ class FlowHooks:
         every = self.rt.ctx.config.eval.every
         is_last = key.round + 1 >= node.settings.rounds
         if node.parent is None and every and (key.round + 1) % every == 0 and not is_last:
-            evaluate_all(self.rt, step=key.round + 1)
+            evaluate_all(self.rt, step=key.round + 1, inline=self.inline)
+
+
+def _execute(run_path: str, node_id: str, phi_path: str | None, caller: str, inline: bool = False) -> str:
+    """EXECUTENODE for one internal node, from and to message files; returns the path of theta_T."""
+    rt = _runtime(run_path)
+    ctx = rt.ctx
+    phi = StateStore.read_message(phi_path) if phi_path else None
+    theta = execute_node(ctx.tree, ctx.tree[node_id], phi, ctx.store, FlowHooks(rt, inline), ctx.config.seed, caller)
+    return ctx.store.write_message(f"{node_id}.up", theta)
 
 
 @flow(name="node", validate_parameters=False)
 def node_flow(run_path: str, node_id: str, phi_path: str | None, caller: str) -> str:
-    """One execution of an internal node (EXECUTENODE); returns the path of theta_T."""
-    rt = _runtime(run_path)
-    ctx = rt.ctx
-    phi = StateStore.read_message(phi_path) if phi_path else None
-    theta = execute_node(ctx.tree, ctx.tree[node_id], phi, ctx.store, FlowHooks(rt), ctx.config.seed, caller)
-    return ctx.store.write_message(f"{node_id}.up", theta)
+    """One execution of an internal node as a Prefect subflow."""
+    return _execute(run_path, node_id, phi_path, caller)
 
 
-def evaluate_all(rt: FlowRuntime, step: int) -> list[EvalRow]:
+def evaluate_all(rt: FlowRuntime, step: int, inline: bool = False) -> list[EvalRow]:
     """Score every server model and every persistent client model on every test split."""
     ctx = rt.ctx
     nodes = [n.id for n in ctx.tree.servers()]
@@ -128,8 +149,12 @@ def evaluate_all(rt: FlowRuntime, step: int) -> list[EvalRow]:
         nodes += [n.id for n in ctx.tree.clients() if n.settings.persistent]
     plan = split_by_load(nodes, [1.0] * len(nodes), ctx.workers)
     confusions: dict[str, Any] = {}
-    for future in [evaluate_models.submit(str(ctx.run_path), ids) for ids in plan]:
-        confusions.update(future.result())
+    if inline:
+        for ids in plan:
+            confusions.update(evaluate_models.fn(str(ctx.run_path), ids))
+    else:
+        for future in [evaluate_models.submit(str(ctx.run_path), ids) for ids in plan]:
+            confusions.update(future.result())
     rows = eval_rows(ctx.tree, confusions)
     per_node: dict[str, dict[str, float]] = {}
     for r in rows:
@@ -168,6 +193,10 @@ def _describe(config: ExperimentConfig, ctx: RunContext) -> str:
 @flow(name="bhfl-experiment", validate_parameters=False)
 def experiment_flow(config: dict[str, Any], run_root: str, tracking_uri: str, run_path: str) -> dict[str, Any]:
     """Run one experiment end to end; returns where its results are and the headline metrics."""
+    return _experiment(config, run_root, tracking_uri, run_path, inline=False)
+
+
+def _experiment(config: dict[str, Any], run_root: str, tracking_uri: str, run_path: str, inline: bool) -> dict[str, Any]:
     started = time.time()
     cfg = ExperimentConfig.model_validate(config)
     root = Path(run_root).resolve()
@@ -175,7 +204,7 @@ def experiment_flow(config: dict[str, Any], run_root: str, tracking_uri: str, ru
     path.mkdir(parents=True, exist_ok=True)
     (path / CONFIG_FILE).write_text(yaml.safe_dump(dump(cfg), sort_keys=False))
 
-    data_root = Path(prepare_data_task(cfg, str(root / "cache")))
+    data_root = Path((prepare_data_task.fn if inline else prepare_data_task)(cfg, str(root / "cache")))
     (path / DATA_POINTER).write_text(json.dumps({"data_root": str(data_root)}))
     ctx = get_context(path)
     torch.set_num_threads(cfg.runtime.torch_threads or os.cpu_count() or 1)
@@ -191,12 +220,21 @@ def experiment_flow(config: dict[str, Any], run_root: str, tracking_uri: str, ru
             init = get_flat(ctx.build_model(cfg.seed + cfg.model.init_seed_offset))
             ctx.store.save(ctx.tree.root_id, NodeState(model=init))
         rt.reporter.start(ctx.tree.root.settings.rounds)
-        root_flow = node_flow.with_options(flow_run_name="root", task_runner=ThreadPoolTaskRunner(max_workers=ctx.workers))
-        root_flow(str(path), ctx.tree.root_id, None, "")
-        rows = evaluate_all(rt, step=ctx.tree.root.settings.rounds)
+        train_started = time.time()
+        if inline:
+            _execute(str(path), ctx.tree.root_id, None, "", inline=True)
+        else:
+            root_flow = node_flow.with_options(flow_run_name="root", task_runner=ThreadPoolTaskRunner(max_workers=ctx.workers))
+            root_flow(str(path), ctx.tree.root_id, None, "")
+        train_s = time.time() - train_started
+        eval_started = time.time()
+        rows = evaluate_all(rt, step=ctx.tree.root.settings.rounds, inline=inline)
+        eval_s = time.time() - eval_started
         tracker.log_text(matrix_csv(rows), "eval/matrix.csv")
         headline = headline_metrics(ctx.tree, rows)
-        tracker.log_metrics(tracker.parent_id, {"wall_time_s": time.time() - started}, step=0)
+        timings = {"time/setup_s": train_started - started, "time/train_s": train_s, "time/final_eval_s": eval_s,
+                   "time/total_s": time.time() - started}
+        tracker.log_metrics(tracker.parent_id, timings, step=0)
         tracker.finish("FINISHED")
     except BaseException:
         tracker.finish("FAILED")
@@ -210,6 +248,7 @@ def experiment_flow(config: dict[str, Any], run_root: str, tracking_uri: str, ru
         "experiment_id": tracker.experiment_id,
         "run_id": tracker.parent_id,
         "headline": headline,
+        "timings": timings,
         "wall_time_s": time.time() - started,
     }
 
@@ -220,19 +259,29 @@ def new_run_path(run_root: Path, name: str) -> Path:
 
 
 def run_experiment(
-    config: ExperimentConfig, run_root: Path, tracking_uri: str | None = None, reporter: Reporter | None = None
+    config: ExperimentConfig,
+    run_root: Path,
+    tracking_uri: str | None = None,
+    reporter: Reporter | None = None,
+    inline: bool = False,
 ) -> dict[str, Any]:
-    """Run the experiment flow in this process (Prefect's local server unless PREFECT_API_URL is set)."""
+    """Run the experiment flow in this process (Prefect's local server unless PREFECT_API_URL is set).
+
+    ``inline=True`` runs the same code with no Prefect at all (benchmarks: orchestration share).
+    """
     global _REPORTER
     run_root = run_root.resolve()
     run_root.mkdir(parents=True, exist_ok=True)
     _REPORTER = reporter or SilentReporter()
     uri = tracking_uri or default_tracking_uri(run_root)
+    path = str(new_run_path(run_root, config.name))
     try:
+        if inline:
+            return _experiment(dump(config), str(run_root), uri, path, inline=True)
         # Flow heartbeats only detect crashed deployment runs; off, each subflow ends ~1 s sooner.
         with temporary_settings(updates={"flows.heartbeat_frequency": None}):
             workers = resolve_workers(config, resolve_devices(config.runtime.device))
             flow_ = experiment_flow.with_options(task_runner=ThreadPoolTaskRunner(max_workers=workers))
-            return flow_(dump(config), str(run_root), uri, str(new_run_path(run_root, config.name)))
+            return flow_(dump(config), str(run_root), uri, path)
     finally:
         _REPORTER = SilentReporter()

@@ -1,0 +1,54 @@
+"""Orchestration share: the same experiment with Prefect subflows/tasks and inline (no Prefect).
+
+Both runs execute identical node and worker code (flows.experiment.FlowHooks with
+inline=False/True) on the same prepared data, so the difference in training time is
+what Prefect orchestration costs (subflow and task runs against the local server).
+Run:  .venv/bin/python benchmarks/orchestration.py [--set KEY=VALUE ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("config", nargs="?", default=str(REPO / "configs" / "embedded.yaml"))
+    parser.add_argument("--set", dest="overrides", action="append", default=[])
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        os.environ.setdefault("PREFECT_HOME", str(Path(tmp) / ".prefect"))
+        from bhfl_core.config_loader import load_config
+        from flows.experiment import run_experiment
+
+        config = load_config(args.config, args.overrides)
+        results = {}
+        for mode in ("inline", "prefect"):  # inline first also warms the data cache for both
+            started = time.time()
+            result = run_experiment(config, Path(tmp), inline=mode == "inline")
+            results[mode] = (result, time.time() - started)
+    print(f"{'mode':8} {'setup_s':>8} {'train_s':>8} {'eval_s':>8} {'total_s':>8}  root/union/acc")
+    for mode, (result, wall) in results.items():
+        t = result["timings"]
+        print(f"{mode:8} {t['time/setup_s']:8.1f} {t['time/train_s']:8.1f} {t['time/final_eval_s']:8.1f} {wall:8.1f}"
+              f"  {result['headline'].get('root/union/accuracy', float('nan')):.4f}")
+    inline_t = results["inline"][0]["timings"]["time/train_s"]
+    prefect_t = results["prefect"][0]["timings"]["time/train_s"]
+    print(f"orchestration share of training time: {1 - inline_t / prefect_t:.1%} "
+          f"({prefect_t - inline_t:.1f} s of {prefect_t:.1f} s)")
+
+
+if __name__ == "__main__":
+    main()
