@@ -158,9 +158,11 @@ class TreeConfig(Strict):
     """root -> intermediate servers (``groups``) -> one edge server per language -> clients.
 
     ``groups`` maps each intermediate server to the languages (edge servers) under it;
-    leave it empty for root -> edges directly.
+    leave it empty for root -> edges directly. ``flat: true`` puts every client
+    directly under the root (classic one-server FL: FedAvg / FedOPT baselines).
     """
 
+    flat: bool = False
     groups: dict[str, list[str]] = {}
     root: LevelSettings = LevelSettings(rounds=4, proxy_train=True)
     server: LevelSettings = LevelSettings()
@@ -195,6 +197,8 @@ class ExperimentConfig(Strict):
     @model_validator(mode="after")
     def _groups(self) -> ExperimentConfig:
         languages = self.data.source.languages
+        if self.tree.flat and self.tree.groups:
+            raise ValueError("tree.flat: a flat tree (root -> clients) cannot also have tree.groups")
         seen: dict[str, str] = {}
         for group, langs in self.tree.groups.items():
             if group in languages or group == "root":

@@ -77,12 +77,38 @@ def config_from_dict(data: Any, overrides: Sequence[str] = (), source: str = "co
     return config
 
 
-def load_config(path: str | Path, overrides: Sequence[str] = ()) -> ExperimentConfig:
-    path = Path(path)
+def merge(base: dict[str, Any], child: dict[str, Any]) -> dict[str, Any]:
+    """Deep merge: mappings merge key by key; anything else (and an empty mapping ``{}``) replaces."""
+    out = copy.deepcopy(base)
+    for key, value in child.items():
+        if isinstance(value, dict) and value and isinstance(out.get(key), dict):
+            out[key] = merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def read_yaml(path: Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """Read a config file, resolving ``base: other.yaml`` (relative to the file) recursively."""
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} not found")
     try:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from None
-    return config_from_dict(data, overrides, source=str(path))
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of keys, got {type(data).__name__}")
+    base = data.pop("base", None)
+    if base is None:
+        return data
+    base_path = (path.parent / str(base)).resolve()
+    if base_path in _seen:
+        raise ConfigError(f"{path}: base: {base} includes itself")
+    return merge(read_yaml(base_path, (*_seen, path.resolve())), data)
+
+
+def load_config(path: str | Path, overrides: Sequence[str] = ()) -> ExperimentConfig:
+    path = Path(path)
+    return config_from_dict(read_yaml(path), overrides, source=str(path))

@@ -90,6 +90,14 @@ def build_tree(config: ExperimentConfig, clients: Sequence[ClientInfo], proxy_no
         settings = _resolve(config, node_id, role, len(children), node_id in proxy_nodes)
         nodes[node_id] = Node(node_id, role, depth, parent, tuple(children), settings, float(weight), group)
 
+    if config.tree.flat:
+        for c in clients:
+            add(c.id, Role.CLIENT, 1, ROOT_ID, [], c.num_train, c.language)
+        top = [c.id for c in clients]
+        add(ROOT_ID, Role.ROOT, 0, None, top, sum(c.num_train for c in clients), None)
+        _check_overrides(config, nodes)
+        return Tree(nodes=nodes, root_id=ROOT_ID)
+
     for lang in languages:
         cs = by_language[lang]
         parent = edge_parent.get(lang, ROOT_ID)
@@ -101,7 +109,12 @@ def build_tree(config: ExperimentConfig, clients: Sequence[ClientInfo], proxy_no
     top = list(groups) if groups else [edge_id(lang) for lang in languages]
     add(ROOT_ID, Role.ROOT, 0, None, top, sum(nodes[c].weight for c in top), None)
 
+    _check_overrides(config, nodes)
+    return Tree(nodes=nodes, root_id=ROOT_ID)
+
+
+def _check_overrides(config: ExperimentConfig, nodes: dict[str, Node]) -> None:
     unknown = sorted(set(config.tree.nodes) - set(nodes))
     if unknown:
-        raise ConfigError(f"tree.nodes.{unknown[0]}: no such node (node ids: root, {', '.join(top)}, edge-<language>, <client ids>)")
-    return Tree(nodes=nodes, root_id=ROOT_ID)
+        servers = ", ".join(n for n, node in nodes.items() if not node.is_leaf)
+        raise ConfigError(f"tree.nodes.{unknown[0]}: no such node (servers: {servers}; clients: <language>-NN)")

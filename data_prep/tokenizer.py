@@ -21,7 +21,9 @@ def train_wordpiece(texts: Iterable[str], vocab_size: int, max_length: int, out_
     tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
     tok.normalizer = normalizers.BertNormalizer(lowercase=True, strip_accents=False, handle_chinese_chars=True)
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    tok.train_from_iterator(texts, trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS))
+    trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False)
+    tok.train_from_iterator(texts, trainer)
+    tok.model = _canonical(tok.get_vocab())
     tok.post_processor = processors.TemplateProcessing(
         single="[CLS] $A [SEP]",
         pair="[CLS] $A [SEP] $B:1 [SEP]:1",
@@ -34,6 +36,17 @@ def train_wordpiece(texts: Iterable[str], vocab_size: int, max_length: int, out_
     )
     fast.save_pretrained(out_dir)
     return fast
+
+
+def _canonical(vocab: dict[str, int]) -> models.WordPiece:
+    """The same vocabulary with ids in a fixed order (special tokens, then sorted).
+
+    The trainer breaks ties between equally frequent merges in hash-map order, so two
+    trainings on the same text give the same vocabulary under different ids, and so
+    different embeddings for the same seed. Sorting makes the ids a function of the text.
+    """
+    ordered = SPECIAL_TOKENS + sorted(t for t in vocab if t not in SPECIAL_TOKENS)
+    return models.WordPiece({t: i for i, t in enumerate(ordered)}, unk_token="[UNK]")
 
 
 def load_tokenizer(name_or_dir: str | Path) -> PreTrainedTokenizerBase:
