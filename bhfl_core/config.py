@@ -55,10 +55,16 @@ class EmbeddedSource(Strict):
 
 
 class ProxySpec(Strict):
-    """Language-balanced proxy data held by the root (public data)."""
+    """Language-balanced public proxy data, carved out before the clients.
+
+    ``servers`` lists who holds a proxy split (node ids or the levels ``root``,
+    ``server``, ``edge``): the root holds all of it; any other server holds the
+    language-group share of the languages under it. Only holders may ``proxy_train``.
+    """
 
     train_per_language: Annotated[int, Field(ge=0)] = 200
     test_per_language: Annotated[int, Field(ge=0)] = 100
+    servers: list[str] = ["root"]
 
 
 class DataConfig(Strict):
@@ -154,6 +160,45 @@ class NodeOverride(Strict):
     proxy_train: bool | None = None
 
 
+class UpResidual(Strict):
+    """Up-residual rule: each ``from`` server sends K of its children's models to ``to``.
+
+    ``from`` / ``to`` name a level (``root``, ``server``, ``edge``) or a node id; ``to``
+    must be an ancestor of ``from`` (the selected child models skip ``from``'s aggregation).
+    ``combine: each`` sends the K models with their example weights; ``mean`` sends
+    their plain mean as one model of weight 1 (one vote per sending server).
+    ``opt`` / ``eta`` configure the receiving node's optimiser for this input kind;
+    unset, they copy the receiver's ``opt_up`` / ``eta_up`` (with a state of their own).
+    """
+
+    source: str = Field(alias="from")
+    to: str
+    k: Annotated[int, Field(ge=1)] = 1
+    select: Literal["l2", "loss", "cosine"] = "l2"
+    combine: Literal["each", "mean"] = "each"
+    eta: Annotated[float, Field(gt=0)] | None = None
+    opt: OptSettings | None = None
+
+
+class DownResidual(Strict):
+    """Down-residual rule: each ``from`` server sends its round-start model to ``to``.
+
+    ``to`` (a level or node id) must be a descendant of ``from``. The receiver
+    folds it into its next down-aggregation with ``opt`` / ``eta`` (default: its
+    ``opt_down`` / ``eta_down``, with a state of their own).
+    """
+
+    source: str = Field(alias="from")
+    to: str
+    eta: Annotated[float, Field(gt=0)] | None = None
+    opt: OptSettings | None = None
+
+
+class ResidualsConfig(Strict):
+    up: list[UpResidual] = []
+    down: list[DownResidual] = []
+
+
 class TreeConfig(Strict):
     """root -> intermediate servers (``groups``) -> one edge server per language -> clients.
 
@@ -169,6 +214,7 @@ class TreeConfig(Strict):
     edge: LevelSettings = LevelSettings(rounds=2)
     client: LevelSettings = LevelSettings()
     nodes: dict[str, NodeOverride] = {}
+    residuals: ResidualsConfig = ResidualsConfig()
 
 
 # ---------------------------------------------------------------- runtime / eval
@@ -220,7 +266,7 @@ class ExperimentConfig(Strict):
 
 def dump(config: ExperimentConfig) -> dict[str, Any]:
     """The resolved config as plain data (JSON/YAML-safe)."""
-    return config.model_dump(mode="json")
+    return config.model_dump(mode="json", by_alias=True)
 
 
 class ConfigError(ValueError):

@@ -47,7 +47,8 @@ def apply_override(data: dict[str, Any], assignment: str) -> dict[str, Any]:
 def format_validation_error(exc: ValidationError) -> str:
     lines = []
     for err in exc.errors():
-        loc = ".".join(str(p) for p in err["loc"] if not str(p).startswith(("function-", "constrained-"))) or "(top level)"
+        parts = [p for p in err["loc"] if not str(p).startswith(("function-", "constrained-"))]
+        loc = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in parts).lstrip(".") or "(top level)"
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
             msg = "unknown key (check the spelling; docs/config.md lists every key)"

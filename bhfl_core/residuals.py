@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from bhfl_core.aggregation import WeightedSum
+
 SELECTORS = ("l2", "loss", "cosine")
 
 
@@ -42,8 +44,9 @@ class UpLink:
 
     rule: int
     target: str
-    k: int
-    select: str
+    k: int = 1
+    select: str = "l2"
+    combine: str = "each"  # each: K weighted models; mean: their plain mean as one model
 
     @property
     def key(self) -> str:
@@ -52,6 +55,8 @@ class UpLink:
 
 @dataclass(frozen=True)
 class DownLink:
+    """Node -> descendant residual edge of rule ``rule`` (accumulator key ``down<rule>``)."""
+
     rule: int
     target: str
 
@@ -97,3 +102,17 @@ def needs(links: Iterable[UpLink]) -> tuple[int, str | None]:
     selects = {link.select for link in links}
     select = "cosine" if "cosine" in selects or len(selects) > 1 else selects.pop()
     return max(link.k for link in links), select
+
+
+def contribution(chosen: Sequence[Candidate], combine: str) -> WeightedSum:
+    """What one sending round adds to the receiver's accumulator."""
+    out = WeightedSum()
+    if combine == "mean":
+        plain = WeightedSum()
+        for c in chosen:
+            plain.add(c.theta, 1.0)
+        out.add(plain.mean(), 1.0)
+    else:
+        for c in chosen:
+            out.add(c.theta, c.weight)
+    return out

@@ -19,6 +19,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from bhfl_core.aggregation import WeightedSum
 from bhfl_core.node_opt import OptState
 
 _MODEL = "model"
@@ -30,6 +31,7 @@ class NodeState:
     opt_up: OptState = field(default_factory=dict)
     opt_down: OptState = field(default_factory=dict)
     rounds_done: int = 0
+    opt_res: dict[str, OptState] = field(default_factory=dict)  # per residual input kind
 
     def to_tensors(self) -> dict[str, torch.Tensor]:
         tensors: dict[str, torch.Tensor] = {}
@@ -37,15 +39,23 @@ class NodeState:
             tensors[_MODEL] = self.model
         tensors.update({f"up.{k}": v for k, v in self.opt_up.items()})
         tensors.update({f"down.{k}": v for k, v in self.opt_down.items()})
+        for kind, opt in self.opt_res.items():
+            tensors.update({f"res.{kind}.{k}": v for k, v in opt.items()})
         return tensors
 
     @classmethod
     def from_tensors(cls, tensors: dict[str, torch.Tensor], rounds_done: int) -> NodeState:
+        opt_res: dict[str, OptState] = {}
+        for name, value in tensors.items():
+            if name.startswith("res."):
+                kind, k = name[4:].split(".", 1)
+                opt_res.setdefault(kind, {})[k] = value
         return cls(
             model=tensors.get(_MODEL),
             opt_up={k[3:]: v for k, v in tensors.items() if k.startswith("up.")},
             opt_down={k[5:]: v for k, v in tensors.items() if k.startswith("down.")},
             rounds_done=rounds_done,
+            opt_res=opt_res,
         )
 
 
@@ -97,6 +107,38 @@ class StateStore:
 
     def save(self, node_id: str, state: NodeState) -> None:
         atomic_save(state.to_tensors(), self.node_path(node_id), {"rounds_done": str(state.rounds_done)})
+
+    # Residual accumulators R_up / R_down: one file per sending round, so posting is
+    # idempotent (a re-run round overwrites its own file) and needs no read-modify-write.
+
+    def post_residual(self, target: str, kind: str, tag: str, part: WeightedSum) -> None:
+        """Append a sender's contribution to ``target``'s accumulator of residual ``kind``."""
+        assert part.total is not None
+        path = self.root / "residuals" / target / kind / f"{tag}.safetensors"
+        atomic_save({"total": part.total}, path, {"weight": repr(part.weight)})
+
+    def pending_residuals(self, target: str, direction: str) -> dict[str, tuple[WeightedSum, list[Path]]]:
+        """``{kind: (accumulated sum, its files)}`` for the ``up`` or ``down`` kinds waiting at ``target``."""
+        folder = self.root / "residuals" / target
+        out: dict[str, tuple[WeightedSum, list[Path]]] = {}
+        if not folder.is_dir():
+            return out
+        for kind_dir in sorted(d for d in folder.iterdir() if d.name.startswith(direction)):
+            files = sorted(kind_dir.glob("*.safetensors"))
+            if not files:
+                continue
+            acc = WeightedSum()
+            for f in files:  # sorted: the float sums do not depend on directory order
+                tensors, meta = load_tensors(f)
+                acc.merge(WeightedSum(tensors["total"], float(meta["weight"])))
+            out[kind_dir.name] = (acc, files)
+        return out
+
+    @staticmethod
+    def consume(files: list[Path]) -> None:
+        """Empty an accumulator once the state that read it is saved."""
+        for f in files:
+            f.unlink(missing_ok=True)
 
     def message_path(self, name: str) -> Path:
         return self.root / "messages" / f"{name}.safetensors"

@@ -9,11 +9,12 @@ the children, proxy training without proxy data, overrides for unknown nodes) ra
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
-from bhfl_core.config import ConfigError, ExperimentConfig, LevelSettings, NodeOverride
+from bhfl_core.config import ConfigError, ExperimentConfig, LevelSettings, NodeOverride, OptSettings
 from bhfl_core.node_opt import NodeOptParams
+from bhfl_core.residuals import DownLink, UpLink
 from bhfl_core.tree import Node, NodeSettings, Role, TrainParams, Tree
 
 ROOT_ID = "root"
@@ -33,7 +34,12 @@ def edge_id(language: str) -> str:
     return f"edge-{language}"
 
 
-def _resolve(config: ExperimentConfig, node_id: str, role: Role, num_children: int, has_proxy: bool) -> NodeSettings:
+def _holds_proxy(config: ExperimentConfig, node_id: str, role: Role) -> bool:
+    proxy = config.data.proxy
+    return proxy.train_per_language > 0 and (node_id in proxy.servers or _LEVEL_KEY[role] in proxy.servers)
+
+
+def _resolve(config: ExperimentConfig, node_id: str, role: Role, num_children: int) -> NodeSettings:
     level_key = f"tree.{_LEVEL_KEY[role]}"
     level: LevelSettings = getattr(config.tree, _LEVEL_KEY[role])
     override = config.tree.nodes.get(node_id, NodeOverride())
@@ -55,8 +61,12 @@ def _resolve(config: ExperimentConfig, node_id: str, role: Role, num_children: i
 
     train: TrainParams | None = None
     if role is Role.CLIENT or values["proxy_train"]:
-        if role is not Role.CLIENT and not has_proxy:
-            raise ConfigError(f"{origin['proxy_train']}: node {node_id!r} has no proxy split to train on")
+        if role is not Role.CLIENT and not _holds_proxy(config, node_id, role):
+            raise ConfigError(
+                f"{origin['proxy_train']}: node {node_id!r} has no proxy split to train on "
+                f"(data.proxy.servers is {config.data.proxy.servers}, "
+                f"data.proxy.train_per_language is {config.data.proxy.train_per_language})"
+            )
         t = values["train"]
         train = TrainParams(lr=t.lr, epochs=t.epochs, max_steps=t.max_steps, batch_size=t.batch_size,
                             optimizer=t.optimizer, weight_decay=t.weight_decay)
@@ -69,8 +79,8 @@ def _resolve(config: ExperimentConfig, node_id: str, role: Role, num_children: i
                         persistent=values["persistent"], train=train)
 
 
-def build_tree(config: ExperimentConfig, clients: Sequence[ClientInfo], proxy_nodes: Collection[str] = (ROOT_ID,)) -> Tree:
-    """The tree for ``config`` over ``clients``; ``proxy_nodes`` are the servers holding proxy data."""
+def build_tree(config: ExperimentConfig, clients: Sequence[ClientInfo]) -> Tree:
+    """The tree for ``config`` over ``clients`` (settings resolved, residuals wired)."""
     languages = config.data.source.languages
     by_language: dict[str, list[ClientInfo]] = {lang: [] for lang in languages}
     for c in clients:
@@ -87,7 +97,7 @@ def build_tree(config: ExperimentConfig, clients: Sequence[ClientInfo], proxy_no
     depth_edge = 2 if groups else 1
 
     def add(node_id: str, role: Role, depth: int, parent: str | None, children: list[str], weight: float, group: str | None) -> None:
-        settings = _resolve(config, node_id, role, len(children), node_id in proxy_nodes)
+        settings = _resolve(config, node_id, role, len(children))
         nodes[node_id] = Node(node_id, role, depth, parent, tuple(children), settings, float(weight), group)
 
     if config.tree.flat:
@@ -95,8 +105,7 @@ def build_tree(config: ExperimentConfig, clients: Sequence[ClientInfo], proxy_no
             add(c.id, Role.CLIENT, 1, ROOT_ID, [], c.num_train, c.language)
         top = [c.id for c in clients]
         add(ROOT_ID, Role.ROOT, 0, None, top, sum(c.num_train for c in clients), None)
-        _check_overrides(config, nodes)
-        return Tree(nodes=nodes, root_id=ROOT_ID)
+        return _finish(config, nodes)
 
     for lang in languages:
         cs = by_language[lang]
@@ -108,13 +117,96 @@ def build_tree(config: ExperimentConfig, clients: Sequence[ClientInfo], proxy_no
         add(group, Role.SERVER, 1, ROOT_ID, [edge_id(lang) for lang in langs], sum(nodes[edge_id(lang)].weight for lang in langs), group)
     top = list(groups) if groups else [edge_id(lang) for lang in languages]
     add(ROOT_ID, Role.ROOT, 0, None, top, sum(nodes[c].weight for c in top), None)
-
-    _check_overrides(config, nodes)
-    return Tree(nodes=nodes, root_id=ROOT_ID)
+    return _finish(config, nodes)
 
 
-def _check_overrides(config: ExperimentConfig, nodes: dict[str, Node]) -> None:
+def _finish(config: ExperimentConfig, nodes: dict[str, Node]) -> Tree:
+    """Check node-name references, wire residual links, freeze the tree."""
+    _check_names(config, nodes)
+    tree = Tree(nodes=nodes, root_id=ROOT_ID)
+    return _wire_residuals(config, tree)
+
+
+def _servers_hint(nodes: dict[str, Node]) -> str:
+    servers = ", ".join(n for n, node in nodes.items() if not node.is_leaf)
+    return f"servers: {servers}; clients: <language>-NN"
+
+
+def _check_names(config: ExperimentConfig, nodes: dict[str, Node]) -> None:
     unknown = sorted(set(config.tree.nodes) - set(nodes))
     if unknown:
-        servers = ", ".join(n for n, node in nodes.items() if not node.is_leaf)
-        raise ConfigError(f"tree.nodes.{unknown[0]}: no such node (servers: {servers}; clients: <language>-NN)")
+        raise ConfigError(f"tree.nodes.{unknown[0]}: no such node ({_servers_hint(nodes)})")
+    for i, name in enumerate(config.data.proxy.servers):
+        if name in ("root", "server", "edge"):
+            continue
+        if name not in nodes or nodes[name].is_leaf:
+            raise ConfigError(f"data.proxy.servers[{i}]: {name!r} is not a server or a level (root, server, edge); "
+                              f"{_servers_hint(nodes)}")
+
+
+def _matches(selector: str, node: Node) -> bool:
+    return node.id == selector or _LEVEL_KEY[node.role] == selector
+
+
+def _lookup(tree: Tree, selector: str, key: str) -> list[Node]:
+    found = [n for n in tree if _matches(selector, n)]
+    if not found:
+        raise ConfigError(f"{key}: {selector!r} matches no node (a level: root, server, edge, client; or a node id)")
+    return found
+
+
+def _receiver_opt(node: Node, direction: str, opt: OptSettings | None, eta: float | None) -> NodeOptParams:
+    """A residual kind's optimiser at ``node``: the rule's settings over the node's own for that direction."""
+    own: NodeOptParams = getattr(node.settings, f"opt_{direction}")
+    if opt is None:
+        return replace(own, eta=own.eta if eta is None else eta)
+    return NodeOptParams(kind=opt.kind, eta=own.eta if eta is None else eta, beta1=opt.beta1, beta2=opt.beta2, tau=opt.tau)
+
+
+def _wire_residuals(config: ExperimentConfig, tree: Tree) -> Tree:
+    """Resolve ``tree.residuals`` into per-node links (senders) and optimiser kinds (receivers)."""
+    sends_up: dict[str, list[UpLink]] = {}
+    sends_down: dict[str, list[DownLink]] = {}
+    receives: dict[str, list[tuple[str, NodeOptParams]]] = {}
+
+    for i, rule in enumerate(config.tree.residuals.up):
+        key = f"tree.residuals.up[{i}]"
+        _lookup(tree, rule.to, f"{key}.to")
+        for src in _lookup(tree, rule.source, f"{key}.from"):
+            if src.is_leaf:
+                raise ConfigError(f"{key}.from: {src.id!r} is a client; up-residuals are selected by a server among its children")
+            if rule.select == "loss" and not all(c.is_leaf for c in tree.children(src.id)):
+                raise ConfigError(f"{key}.select: 'loss' ranks clients by training loss, but the children of {src.id!r} are servers")
+            targets = [a for a in tree.ancestors(src.id) if _matches(rule.to, tree[a])]
+            if not targets:
+                raise ConfigError(f"{key}.to: {rule.to!r} is not an ancestor of {src.id!r}; up-residuals go to ancestors")
+            for target in targets:
+                link = UpLink(i, target, rule.k, rule.select, rule.combine)
+                sends_up.setdefault(src.id, []).append(link)
+                receives.setdefault(target, []).append((link.key, _receiver_opt(tree[target], "up", rule.opt, rule.eta)))
+
+    for i, rule in enumerate(config.tree.residuals.down):
+        key = f"tree.residuals.down[{i}]"
+        _lookup(tree, rule.to, f"{key}.to")
+        for src in _lookup(tree, rule.source, f"{key}.from"):
+            below = [n for n in tree if src.id in tree.ancestors(n.id)]
+            targets = [n for n in below if _matches(rule.to, n)]
+            if not targets:
+                raise ConfigError(f"{key}.to: {rule.to!r} is not a descendant of {src.id!r}; down-residuals go to descendants")
+            for target in targets:
+                link = DownLink(i, target.id)
+                sends_down.setdefault(src.id, []).append(link)
+                receives.setdefault(target.id, []).append((link.key, _receiver_opt(target, "down", rule.opt, rule.eta)))
+
+    if not (sends_up or sends_down):
+        return tree
+    nodes = {
+        node_id: replace(node, settings=replace(
+            node.settings,
+            res_up=tuple(sends_up.get(node_id, ())),
+            res_down=tuple(sends_down.get(node_id, ())),
+            res_in=tuple(dict(receives.get(node_id, ())).items()),
+        ))
+        for node_id, node in tree.nodes.items()
+    }
+    return Tree(nodes=nodes, root_id=tree.root_id)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from bhfl_core.node_opt import NodeOptParams
+from bhfl_core.residuals import DownLink, UpLink
 
 
 class Role(str, Enum):
@@ -44,6 +45,15 @@ class NodeSettings:
     opt_down: NodeOptParams = NodeOptParams()
     persistent: bool = True
     train: TrainParams | None = None  # None = no local/proxy training at this node
+    res_up: tuple[UpLink, ...] = ()  # residuals this node sends to ancestors
+    res_down: tuple[DownLink, ...] = ()  # residuals this node sends to descendants
+    res_in: tuple[tuple[str, NodeOptParams], ...] = ()  # residual kinds it receives -> their optimiser
+
+    def residual_opt(self, key: str) -> NodeOptParams:
+        for k, params in self.res_in:
+            if k == key:
+                return params
+        raise KeyError(f"no residual input {key!r} configured for this node")
 
 
 @dataclass(frozen=True)

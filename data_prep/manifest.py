@@ -18,6 +18,8 @@ class Shard(BaseModel):
     path: str
     size: int
     label_hist: list[int]
+    # proxy shards: language -> [start, stop) rows, so a server can take its languages' share
+    language_rows: dict[str, tuple[int, int]] = {}
 
 
 class ClientEntry(BaseModel):

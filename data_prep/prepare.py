@@ -28,7 +28,7 @@ from data_prep.manifest import MANIFEST_NAME, ClientEntry, Manifest, Shard
 from data_prep.partition import partition_pool, pool_size_needed
 from data_prep.tokenizer import load_tokenizer, train_wordpiece
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: proxy shards record per-language row ranges
 MODEL_COLUMNS = ["input_ids", "attention_mask", "token_type_ids", "labels"]
 
 
@@ -38,7 +38,7 @@ def fingerprint(config: ExperimentConfig) -> str:
     key = {
         "format": FORMAT_VERSION,
         "seed": config.seed,
-        "data": resolved["data"],
+        "data": {**resolved["data"], "proxy": {k: v for k, v in resolved["data"]["proxy"].items() if k != "servers"}},
         "tokenizer": {"name": model["name"], "max_length": model["max_length"],
                       "vocab_size": model["tiny"]["vocab_size"] if model["name"] == TINY else None},
     }
@@ -66,6 +66,17 @@ def _embedded_pool(config: ExperimentConfig) -> Dataset:
 
 def _label_hist(labels: np.ndarray, rows: list[int]) -> list[int]:
     return np.bincount(labels[rows], minlength=len(CATEGORIES)).tolist()
+
+
+def _language_rows(row_languages: np.ndarray) -> dict[str, tuple[int, int]]:
+    """[start, stop) per language of a shard whose rows are grouped by language."""
+    out: dict[str, tuple[int, int]] = {}
+    for lang in dict.fromkeys(row_languages.tolist()):
+        idx = np.flatnonzero(row_languages == lang)
+        if idx[-1] - idx[0] + 1 != len(idx):
+            raise AssertionError(f"proxy rows of language {lang!r} are not contiguous")
+        out[lang] = (int(idx[0]), int(idx[-1]) + 1)
+    return out
 
 
 def prepare_data(config: ExperimentConfig, cache_root: Path, log: Callable[[str], None] = print) -> PreparedData:
@@ -107,9 +118,10 @@ def prepare_data(config: ExperimentConfig, cache_root: Path, log: Callable[[str]
         tokenized = tokenized.add_column("token_type_ids", [[0] * model.max_length] * len(tokenized))
     tokenized = tokenized.select_columns(MODEL_COLUMNS)
 
-    def shard(rows: list[int], relative: str) -> Shard:
+    def shard(rows: list[int], relative: str, by_language: bool = False) -> Shard:
         tokenized.select(rows).save_to_disk(str(work / relative))
-        return Shard(path=relative, size=len(rows), label_hist=_label_hist(labels, rows))
+        ranges = _language_rows(languages[rows]) if by_language else {}
+        return Shard(path=relative, size=len(rows), label_hist=_label_hist(labels, rows), language_rows=ranges)
 
     clients = [
         ClientEntry(id=c.id, language=c.language, edge=edge_id(c.language),
@@ -119,7 +131,8 @@ def prepare_data(config: ExperimentConfig, cache_root: Path, log: Callable[[str]
     manifest = Manifest(
         fingerprint=fp, source=config.data.source.kind, task="classification", labels=list(CATEGORIES),
         tokenizer=tokenizer_ref, vocab_size=len(tokenizer), pad_token_id=int(tokenizer.pad_token_id or 0),
-        clients=clients, proxy_train=shard(part.proxy_train, "proxy/train"), proxy_test=shard(part.proxy_test, "proxy/test"),
+        clients=clients, proxy_train=shard(part.proxy_train, "proxy/train", by_language=True),
+        proxy_test=shard(part.proxy_test, "proxy/test", by_language=True),
         unused_pool_rows=part.unused,
     )
     manifest.write(work)

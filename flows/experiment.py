@@ -39,6 +39,7 @@ from bhfl_core.engine import ChildrenReport, RoundKey, execute_node
 from bhfl_core.evaluation import EvalRow, eval_rows, headline_metrics, matrix_csv
 from bhfl_core.params import get_flat
 from bhfl_core.placement import split_by_load
+from bhfl_core.residuals import Candidate, needs
 from bhfl_core.state_store import NodeState, StateStore
 from bhfl_core.tree import Node
 from data_prep.prepare import prepare_data
@@ -87,10 +88,11 @@ class FlowHooks:
         )
         return child_flow(self.run_path, child.id, phi_path, caller)
 
-    def _run_workers(self, plan: list[list[str]], phi_path: str, caller: str) -> list[WorkerReport]:
+    def _run_workers(self, node: Node, plan: list[list[str]], phi_path: str, caller: str) -> list[WorkerReport]:
+        keep, select = needs(node.settings.res_up)
         if self.inline:
-            return [train_clients.fn(self.run_path, caller, ids, phi_path) for ids in plan]
-        futures = [train_clients.submit(self.run_path, caller, ids, phi_path) for ids in plan]
+            return [train_clients.fn(self.run_path, caller, ids, phi_path, keep, select) for ids in plan]
+        futures = [train_clients.submit(self.run_path, caller, ids, phi_path, keep, select) for ids in plan]
         return [f.result() for f in futures]  # plan order, so the float sums are deterministic
 
     def run_children(self, node: Node, cohort: list[Node], theta: torch.Tensor, key: RoundKey) -> ChildrenReport:
@@ -99,13 +101,17 @@ class FlowHooks:
         caller = f"{node.id}:{key.round}"
         report = ChildrenReport()
         for child in (c for c in cohort if not c.is_leaf):
-            report.aggregate.add(StateStore.read_message(self._run_child(child, phi_path, caller)), child.weight)
+            theta_child = StateStore.read_message(self._run_child(child, phi_path, caller))
+            report.aggregate.add(theta_child, child.weight)
+            if node.settings.res_up:
+                report.candidates.append(Candidate(child.id, theta_child, child.weight))
         leaves = [c for c in cohort if c.is_leaf]
         if leaves:
             plan = split_by_load([c.id for c in leaves], [c.weight for c in leaves], ctx.workers)
             losses: dict[str, tuple[float, int]] = {}
-            for worker in self._run_workers(plan, phi_path, caller):
+            for worker in self._run_workers(node, plan, phi_path, caller):
                 report.aggregate.merge(worker.aggregate)
+                report.candidates.extend(worker.candidates)
                 losses.update(worker.losses)
             seen = sum(n for _, n in losses.values())
             report.metrics["train/loss"] = sum(loss * n for loss, n in losses.values()) / max(seen, 1)

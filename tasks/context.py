@@ -84,7 +84,7 @@ class RunContext:
     config: ExperimentConfig
     data_root: Path
     manifest: Manifest
-    _proxy: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+    _proxy: dict[tuple[str, tuple[str, ...] | None], dict[str, torch.Tensor]] = field(default_factory=dict)
 
     @classmethod
     def open(cls, run_path: Path) -> RunContext:
@@ -124,12 +124,26 @@ class RunContext:
     def shard(self, relative: str) -> dict[str, torch.Tensor]:
         return load_shard(self.data_root / relative)
 
-    def proxy(self, split: str) -> dict[str, torch.Tensor]:
-        """Proxy shards are shared by every server round: loaded once per process."""
-        if split not in self._proxy:
-            shard = self.manifest.proxy_train if split == "train" else self.manifest.proxy_test
-            self._proxy[split] = self.shard(shard.path)
-        return self._proxy[split]
+    def proxy(self, split: str, node_id: str | None = None) -> dict[str, torch.Tensor]:
+        """The proxy split (root or ``None``: all of it; another server: its languages' share).
+
+        Loaded once per process and node group: every round of every server reuses it.
+        """
+        shard = self.manifest.proxy_train if split == "train" else self.manifest.proxy_test
+        languages = None
+        if node_id is not None and node_id != self.tree.root_id:
+            languages = tuple(sorted({self.tree[c].group or "" for c in self.tree.leaves_under(node_id)}))
+        key = (split, languages)
+        if key not in self._proxy:
+            full = self.shard(shard.path)
+            if languages is None:
+                self._proxy[key] = full
+            else:
+                ranges = [shard.language_rows[lang] for lang in languages if lang in shard.language_rows]
+                if not ranges:
+                    raise ValueError(f"the proxy {split} split has no rows for the languages {languages} under {node_id!r}")
+                self._proxy[key] = {k: torch.cat([v[a:b] for a, b in ranges]) for k, v in full.items()}
+        return self._proxy[key]
 
 
 _CONTEXTS: dict[str, RunContext] = {}

@@ -19,6 +19,7 @@ from bhfl_core.aggregation import WeightedSum
 from bhfl_core.engine import ChildrenReport, RoundKey, execute_node
 from bhfl_core.local_train import train_model
 from bhfl_core.params import get_flat, set_flat
+from bhfl_core.residuals import Candidate, keep_top
 from bhfl_core.rng import derive_seed
 from bhfl_core.state_store import StateStore
 from bhfl_core.tree import Node
@@ -29,6 +30,7 @@ from tasks.context import RunContext, get_context
 class WorkerReport:
     aggregate: WeightedSum = field(default_factory=WeightedSum)
     losses: dict[str, tuple[float, int]] = field(default_factory=dict)  # client -> (mean loss, examples)
+    candidates: list[Candidate] = field(default_factory=list)  # running top-K for up-residuals
 
 
 class LocalTrainer:
@@ -43,7 +45,7 @@ class LocalTrainer:
 
     def train(self, node: Node, theta: torch.Tensor, key: RoundKey) -> tuple[torch.Tensor, dict[str, float]]:
         assert node.settings.train is not None
-        data = self.ctx.shard(self.ctx.clients[node.id].train.path) if node.is_leaf else self.ctx.proxy("train")
+        data = self.ctx.shard(self.ctx.clients[node.id].train.path) if node.is_leaf else self.ctx.proxy("train", node.id)
         set_flat(self.model, theta)
         seed = derive_seed(self.ctx.config.seed, "train", *key.parts())
         result = train_model(self.model, data, node.settings.train, seed, self.device)
@@ -56,8 +58,14 @@ class LocalTrainer:
 
 
 @task(name="train-clients", cache_policy=NO_CACHE, persist_result=False)
-def train_clients(run_path: str, caller: str, client_ids: list[str], phi_path: str) -> WorkerReport:
-    """Execute a list of clients from the parent model at ``phi_path``; return their weighted sum."""
+def train_clients(
+    run_path: str, caller: str, client_ids: list[str], phi_path: str, keep: int = 0, select: str | None = None
+) -> WorkerReport:
+    """Execute a list of clients from the parent model at ``phi_path``; return their weighted sum.
+
+    With ``keep > 0`` the worker also returns its ``keep`` best residual candidates by
+    ``select``, held as a running top-K so memory stays at K models per worker.
+    """
     ctx = get_context(run_path)
     phi = StateStore.read_message(phi_path)
     report = WorkerReport()
@@ -68,6 +76,9 @@ def train_clients(run_path: str, caller: str, client_ids: list[str], phi_path: s
             theta = execute_node(ctx.tree, node, phi, ctx.store, trainer, ctx.config.seed, caller)
             report.aggregate.add(theta, node.weight)
             report.losses[client_id] = trainer.last
+            if keep and select:
+                found = Candidate(client_id, theta, node.weight, trainer.last[0])
+                report.candidates = keep_top(report.candidates, found, phi, keep, select)
     return report
 
 

@@ -6,6 +6,7 @@ import torch
 
 from bhfl_core.engine import ChildrenReport, RoundKey, execute_node
 from bhfl_core.node_opt import NodeOptParams
+from bhfl_core.residuals import Candidate
 from bhfl_core.state_store import StateStore
 from bhfl_core.tree import Node, NodeSettings, Role, TrainParams, Tree
 
@@ -42,6 +43,8 @@ class AddVectorHooks:
         for child in cohort:
             out = execute_node(self.tree, child, theta, self.store, self, 0, f"{node.id}:{key.round}")
             report.aggregate.add(out, child.weight)
+            if node.settings.res_up:
+                report.candidates.append(Candidate(child.id, out, child.weight, loss=float(out.sum())))
         return report
 
     def train(self, node, theta, key):

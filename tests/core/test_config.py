@@ -38,6 +38,21 @@ def test_embedded_default_is_valid_and_matches_the_issue_shape():
         (["data.sizes.min=1"], "data.sizes.min"),
         (["tree.root"], "expected KEY=VALUE"),
         (["seed.x=1"], "seed is a value, not a section"),
+        (["tree.residuals.up=[{from: edge, to: edge-de}]"],
+         "tree.residuals.up[0].to: 'edge-de' is not an ancestor of 'edge-en'"),
+        (["tree.residuals.up=[{from: edge, to: root}, {from: root, to: europe-west}]"],
+         "tree.residuals.up[1].to: 'europe-west' is not an ancestor of 'root'"),
+        (["tree.residuals.up=[{from: client, to: root}]"], "tree.residuals.up[0].from: 'en-0' is a client"),
+        (["tree.residuals.up=[{from: europe-west, to: root, select: loss}]"],
+         "tree.residuals.up[0].select: 'loss' ranks clients by training loss"),
+        (["tree.residuals.down=[{from: edge-en, to: root}]"],
+         "tree.residuals.down[0].to: 'root' is not a descendant of 'edge-en'"),
+        (["tree.residuals.down=[{from: root, to: edge-xx}]"], "tree.residuals.down[0].to: 'edge-xx' matches no node"),
+        (["tree.residuals.up=[{from: edge, to: root, k: 0}]"], "tree.residuals.up[0].k"),
+        (["tree.residuals.up=[{source: edge, to: root}]"], "tree.residuals.up[0].source: unknown key"),
+        (["tree.residuals.up=[{to: root}]"], "tree.residuals.up[0].from: Field required"),
+        (["data.proxy.servers=[root, europe-north]"], "data.proxy.servers[1]: 'europe-north' is not a server"),
+        (["data.proxy.train_per_language=0"], "tree.root.proxy_train: node 'root' has no proxy split"),
     ],
 )
 def test_errors_name_the_key(overrides, message):
@@ -66,3 +81,24 @@ def test_override_and_file_errors(tmp_path):
         load_config(bad)
     with pytest.raises(ConfigError, match="top level must be a mapping"):
         config_from_dict([1, 2])
+
+
+def test_residual_rules_resolve_to_links_and_receiver_optimisers():
+    cfg = load_config(REPO / "configs" / "bhfl.yaml", ["tree.residuals.up=[{from: edge, to: root, k: 2, select: cosine, eta: 0.5}]"])
+    clients = [ClientInfo(f"{lang}-{i}", lang, 10) for lang in cfg.data.source.languages for i in range(6)]
+    tree = build_tree(cfg, clients)
+    up = tree["edge-de"].settings.res_up
+    assert [(l.target, l.k, l.select) for l in up] == [("root", 2, "cosine")]
+    assert [l.target for l in tree.root.settings.res_down] == [f"edge-{l}" for l in cfg.data.source.languages]
+    root_in = dict(tree.root.settings.res_in)
+    assert root_in["up0"].eta == 0.5 and root_in["up0"].kind == tree.root.settings.opt_up.kind  # inherits the kind
+    edge_in = dict(tree["edge-fr"].settings.res_in)
+    assert edge_in["down0"] == tree["edge-fr"].settings.opt_down  # defaults: the receiver's own down settings
+    assert not tree["europe-west"].settings.res_in and not tree["fr-0"].settings.res_up
+
+
+def test_language_group_proxy_holders():
+    cfg = load_config(REPO / "configs" / "embedded.yaml", ["data.proxy.servers=[root, server]", "tree.server.proxy_train=true"])
+    clients = [ClientInfo(f"{lang}-{i}", lang, 10) for lang in cfg.data.source.languages for i in range(6)]
+    tree = build_tree(cfg, clients)
+    assert tree["europe-west"].settings.train is not None and tree["edge-en"].settings.train is None

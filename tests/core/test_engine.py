@@ -92,3 +92,100 @@ def test_cohort_sampling_is_seeded(tmp_path):
     assert sample_cohort(kids, 3, seed=8, node_id="edge", round_index=0) != draws[0] or \
         sample_cohort(kids, 3, seed=9, node_id="edge", round_index=0) != draws[0]
     assert sample_cohort(kids, None, 0, "edge", 0) == kids
+
+
+# ---------------------------------------------------------------- residuals
+
+def with_residuals(tree, **per_node):
+    """Attach residual links / receiver optimisers (NodeSettings fields) to nodes of ``tree``."""
+    from dataclasses import replace
+
+    from bhfl_core.tree import Tree
+
+    nodes = dict(tree.nodes)
+    for node_id, fields in per_node.items():
+        nodes[node_id] = replace(nodes[node_id], settings=replace(nodes[node_id].settings, **fields))
+    return Tree(nodes=nodes, root_id=tree.root_id)
+
+
+def test_up_residual_top1_by_l2_reaches_root_with_its_own_step(tmp_path):
+    from bhfl_core.node_opt import NodeOptParams
+    from bhfl_core.residuals import UpLink
+
+    link = UpLink(rule=0, target="root", k=1, select="l2")
+    tree = with_residuals(
+        two_edge_tree(settings(train=True), root_rounds=2),
+        A={"res_up": (link,)}, B={"res_up": (link,)},
+        root={"res_in": (("up0", NodeOptParams("fedavg", eta=0.5)),)},
+    )
+    store, _ = run(tree, tmp_path)
+    # Round 1 (theta_root = 0): A picks a2 (|[0,2]| = 2 > |[1,0]|), weight 3; B picks b2 (|[4,0]|), weight 2.
+    # R_up[root] = (3*[0,2] + 2*[4,0]) / 5 = [1.6, 1.2]; regular mean = [1.625, 1.25];
+    # theta = [1.625, 1.25] + 0.5 * [1.6, 1.2] = [2.425, 1.85]; proxy TRAIN -> [2.425, 0.85].
+    # Round 2 repeats from phi = [2.425, 0.85] with the same picks: root = 2 * phi.
+    assert model(store, "root") == pytest.approx([4.85, 1.7])
+    state = store.load("root")
+    assert int(state.opt_res["up0"]["step"]) == 2  # the residual kind kept its own optimiser state
+    assert int(state.opt_up["step"]) == 2
+    assert not list((tmp_path / "residuals").rglob("*.safetensors"))  # accumulators consumed
+
+
+def test_up_residual_mean_of_top2_is_one_unweighted_input(tmp_path):
+    from bhfl_core.node_opt import NodeOptParams
+    from bhfl_core.residuals import UpLink
+
+    link = UpLink(rule=0, target="root", k=2, select="l2", combine="mean")
+    tree = with_residuals(
+        two_edge_tree(settings(train=True), root_train=False),
+        A={"res_up": (link,)}, B={"res_up": (link,)},
+        root={"res_in": (("up0", NodeOptParams("fedavg", eta=1.0)),)},
+    )
+    store, _ = run(tree, tmp_path)
+    # A sends mean(a1, a2) = [0.5, 1] (weight 1), B sends mean(b1, b2) = [3, 1] (weight 1): R = [1.75, 1].
+    assert model(store, "root") == pytest.approx([1.625 + 1.75, 1.25 + 1.0])
+
+
+def test_down_residual_from_root_skips_the_edges(tmp_path):
+    from bhfl_core.node_opt import NodeOptParams
+    from bhfl_core.residuals import DownLink
+
+    clients = ("a1", "a2", "b1", "b2")
+    tree = with_residuals(
+        two_edge_tree(settings(train=True, eta_down=0.5), root_rounds=2),
+        root={"res_down": tuple(DownLink(0, c) for c in clients)},
+        **{c: {"res_in": (("down0", NodeOptParams("fedavg", eta=0.25)),)} for c in clients},
+    )
+    store, _ = run(tree, tmp_path)
+    # Round 1: R_down = theta_root = 0 = phi, and clients without a model adopt phi: as before.
+    # Round 2: phi = R = [1.625, 0.25]; theta_0 = W + 0.5 (phi - W) + 0.25 (R - W) = W + 0.75 (phi - W).
+    phi = torch.tensor([1.625, 0.25])
+    first = {"a1": [1.0, 0.0], "a2": [0.0, 2.0], "b1": [2.0, 2.0], "b2": [4.0, 0.0]}
+    from tests.core.fake_tree import STEPS
+
+    for c in clients:
+        w = torch.tensor(first[c])
+        want = w + 0.75 * (phi - w) + torch.tensor(STEPS[c])
+        assert model(store, c) == pytest.approx(want.tolist())
+    assert int(store.load("a1").opt_res["down0"]["step"]) == 2
+    assert not list((tmp_path / "residuals").rglob("*.safetensors"))
+
+
+def test_residual_selection_criteria_and_streaming_top_k():
+    from bhfl_core.residuals import Candidate, keep_top, select_residuals
+
+    theta = torch.zeros(2)
+    cands = [
+        Candidate("x", torch.tensor([3.0, 0.0]), 1.0, loss=0.1),
+        Candidate("y", torch.tensor([0.0, 1.0]), 1.0, loss=0.9),
+        Candidate("z", torch.tensor([1.0, 0.1]), 1.0, loss=0.5),
+    ]
+    assert [c.node_id for c in select_residuals(cands, theta, 1, "l2")] == ["x"]
+    assert [c.node_id for c in select_residuals(cands, theta, 2, "loss")] == ["y", "z"]
+    # mean update [4/3, 11/30]: y (orthogonal-ish) is the least similar
+    mean = torch.stack([c.theta for c in cands]).mean(0)
+    assert [c.node_id for c in select_residuals(cands, theta, 1, "cosine", mean)] == ["y"]
+    kept: list = []
+    for c in cands:
+        kept = keep_top(kept, c, theta, 2, "l2")
+        assert len(kept) <= 2
+    assert [c.node_id for c in kept] == [c.node_id for c in select_residuals(cands, theta, 2, "l2")]
