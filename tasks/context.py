@@ -85,6 +85,8 @@ class RunContext:
     data_root: Path
     manifest: Manifest
     _proxy: dict[tuple[str, tuple[str, ...] | None], dict[str, torch.Tensor]] = field(default_factory=dict)
+    _tests: tuple[list[str], dict[str, torch.Tensor], torch.Tensor] | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock)
 
     @classmethod
     def open(cls, run_path: Path) -> RunContext:
@@ -144,6 +146,17 @@ class RunContext:
                     raise ValueError(f"the proxy {split} split has no rows for the languages {languages} under {node_id!r}")
                 self._proxy[key] = {k: torch.cat([v[a:b] for a, b in ranges]) for k, v in full.items()}
         return self._proxy[key]
+
+    def test_sets(self, proxy_name: str) -> tuple[list[str], dict[str, torch.Tensor], torch.Tensor]:
+        """Every client test split and the proxy test split as one tagged table (built once)."""
+        with self._lock:
+            if self._tests is None:
+                names = [c.id for c in self.manifest.clients] + [proxy_name]
+                parts = [self.shard(c.test.path) for c in self.manifest.clients] + [self.proxy("test")]
+                data = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+                groups = torch.cat([torch.full((len(p["labels"]),), i, dtype=torch.int64) for i, p in enumerate(parts)])
+                self._tests = (names, data, groups)
+            return self._tests
 
 
 _CONTEXTS: dict[str, RunContext] = {}

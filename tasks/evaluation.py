@@ -10,7 +10,7 @@ import torch
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from bhfl_core.local_train import confusion_matrix
+from bhfl_core.local_train import grouped_confusions
 from bhfl_core.params import set_flat
 from tasks.context import get_context
 
@@ -19,12 +19,13 @@ PROXY_TEST = "proxy"
 
 @task(name="evaluate-models", cache_policy=NO_CACHE, persist_result=False)
 def evaluate_models(run_path: str, node_ids: list[str]) -> dict[str, dict[str, torch.Tensor]]:
-    """``{node: {test_set: confusion}}`` for every client test split and the proxy test split."""
+    """``{node: {test_set: confusion}}`` for every client test split and the proxy test split.
+
+    All test splits are scored in one pass per model (rows tagged by split).
+    """
     ctx = get_context(run_path)
+    names, data, groups = ctx.test_sets(PROXY_TEST)
     num_labels = len(ctx.manifest.labels)
-    tests = {c.id: ctx.shard(c.test.path) for c in ctx.manifest.clients}
-    tests[PROXY_TEST] = ctx.proxy("test")
-    batch_size = ctx.config.eval.batch_size
     out: dict[str, dict[str, torch.Tensor]] = {}
     with ctx.models.take() as (model, device):
         for node_id in node_ids:
@@ -32,5 +33,6 @@ def evaluate_models(run_path: str, node_ids: list[str]) -> dict[str, dict[str, t
             if theta is None:
                 continue
             set_flat(model, theta)
-            out[node_id] = {name: confusion_matrix(model, data, num_labels, batch_size, device)[0] for name, data in tests.items()}
+            confusions = grouped_confusions(model, data, groups, len(names), num_labels, ctx.config.eval.batch_size, device)
+            out[node_id] = dict(zip(names, confusions))
     return out

@@ -24,5 +24,5 @@ SMALL = [
 ]
 
 
-def small_config(*extra: str):
-    return load_config(REPO / "configs" / "embedded.yaml", [*SMALL, *extra])
+def small_config(*extra: str, config: str = "embedded.yaml"):
+    return load_config(REPO / "configs" / config, [*SMALL, *extra])

@@ -97,7 +97,7 @@ def test_cohort_sampling_is_seeded(tmp_path):
 # ---------------------------------------------------------------- residuals
 
 def with_residuals(tree, **per_node):
-    """Attach residual links / receiver optimisers (NodeSettings fields) to nodes of ``tree``."""
+    """Replace NodeSettings fields (residual links, receiver optimisers, ...) of nodes of ``tree``."""
     from dataclasses import replace
 
     from bhfl_core.tree import Tree
@@ -189,3 +189,18 @@ def test_residual_selection_criteria_and_streaming_top_k():
         kept = keep_top(kept, c, theta, 2, "l2")
         assert len(kept) <= 2
     assert [c.node_id for c in kept] == [c.node_id for c in select_residuals(cands, theta, 2, "l2")]
+
+
+def test_stateful_up_optimiser_carries_momentum_across_rounds(tmp_path):
+    from bhfl_core.node_opt import NodeOptParams
+
+    tree = with_residuals(two_edge_tree(settings(train=True), root_rounds=2),
+                          root={"opt_up": NodeOptParams("fedavgm", eta=1.0, beta1=0.5)})
+    store, _ = run(tree, tmp_path)
+    # Round 1: Delta1 = [1.625, 1.25] (the children's mean - 0); m = Delta1; TRAIN -> [1.625, 0.25].
+    # Round 2: children adopt phi, so Delta2 = [1.625, 1.25] again; m = 0.5 * Delta1 + Delta2 = [2.4375, 1.875];
+    # theta = phi + m = [4.0625, 2.125]; TRAIN -> [4.0625, 1.125].
+    assert model(store, "root") == pytest.approx([4.0625, 1.125])
+    state = store.load("root")
+    assert state.opt_up["m"].tolist() == pytest.approx([2.4375, 1.875]) and state.opt_down == {}
+

@@ -107,3 +107,31 @@ def test_core_never_imports_prefect_or_mlflow():
 def test_node_opt_params_frozen():
     with pytest.raises(Exception):
         NodeOptParams().eta = 2.0  # type: ignore[misc]
+
+
+def test_grouped_confusions_equal_split_by_split_scoring():
+    from bhfl_core.config import ModelConfig
+    from bhfl_core.local_train import grouped_confusions
+    from bhfl_core.models import build_classifier
+
+    labels = ["a", "b", "c"]
+    model = build_classifier(ModelConfig(tiny={"vocab_size": 100, "hidden_size": 16, "num_hidden_layers": 1,
+                                               "num_attention_heads": 2, "intermediate_size": 32}), labels, 100, 0, seed=3)
+    g = torch.Generator().manual_seed(0)
+    n, width = 23, 12
+    lengths = torch.randint(2, width + 1, (n,), generator=g)
+    mask = (torch.arange(width)[None, :] < lengths[:, None]).long()
+    data = {"input_ids": torch.randint(5, 100, (n, width), generator=g) * mask, "attention_mask": mask,
+            "token_type_ids": torch.zeros(n, width, dtype=torch.long), "labels": torch.randint(0, 3, (n,), generator=g)}
+    groups = torch.randint(0, 4, (n,), generator=g)
+    together = grouped_confusions(model, data, groups, 4, 3, batch_size=5, device=torch.device("cpu"))
+    model.eval()
+    with torch.no_grad():
+        preds = model(**{k: v for k, v in data.items() if k != "labels"}).logits.argmax(-1)
+    for k in range(4):
+        rows = groups == k
+        want = torch.zeros(3, 3, dtype=torch.int64)
+        for t, p in zip(data["labels"][rows].tolist(), preds[rows].tolist()):
+            want[t, p] += 1
+        assert torch.equal(together[k], want)
+    assert int(together.sum()) == n

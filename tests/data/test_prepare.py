@@ -1,6 +1,7 @@
 """Data preparation: shards, manifest, tokenizer round-trip, and the fingerprint cache."""
 
 import numpy as np
+import torch
 from transformers import AutoTokenizer
 
 from data_prep.prepare import fingerprint, load_shard, prepare_data
@@ -37,3 +38,21 @@ def test_prepare_then_cache_hit(tmp_path):
     # a different seed is a different fingerprint
     assert fingerprint(small_config("seed=1")) != fingerprint(cfg)
     assert not list(tmp_path.glob(".*.partial"))
+
+
+def test_proxy_shards_record_language_rows_for_group_proxy_splits(tmp_path):
+    from tasks.context import RunContext
+
+    cfg = small_config("data.proxy.servers=[root, server]")
+    assert fingerprint(cfg) == fingerprint(small_config())  # who holds proxy data is not part of the data
+    prepared = prepare_data(cfg, tmp_path, log=lambda _: None)
+    rows = prepared.manifest.proxy_train.language_rows
+    assert rows == {"en": (0, 30), "de": (30, 60), "fr": (60, 90)}  # contiguous, 30 per language, in config order
+
+    ctx = RunContext(tmp_path / "run", cfg, prepared.root, prepared.manifest)
+    full = ctx.proxy("train")
+    west = ctx.proxy("train", "west")  # small config: west = [en, fr], east = [de]
+    assert len(west["labels"]) == 60
+    assert torch.equal(west["input_ids"], torch.cat([full["input_ids"][0:30], full["input_ids"][60:90]]))
+    assert torch.equal(ctx.proxy("train", "edge-de")["labels"], full["labels"][30:60])
+    assert ctx.proxy("train", "root") is full

@@ -15,7 +15,8 @@ from tests.small import small_config
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory):
     root = tmp_path_factory.mktemp("runs")
-    result = run_experiment(small_config(), root)
+    # 'east' (languages [de]) also trains on its language-group share of the proxy data
+    result = run_experiment(small_config("data.proxy.servers=[root, east]", "tree.nodes.east.proxy_train=true"), root)
     return root, result
 
 
@@ -59,6 +60,13 @@ def test_per_round_metrics_use_round_steps(finished):
     union = client.get_metric_history(root_id, "eval/union/accuracy")
     assert sorted(m.step for m in union) == [1, 2] and all(0 <= m.value <= 1 for m in union)
     assert client.get_metric_history(edge_id, "eval/proxy/macro_f1")
+    # proxy training at an intermediate server, on its own language group's proxy rows
+    east_id, west_id = runs["east"].info.run_id, runs["west"].info.run_id
+    assert [m.step for m in client.get_metric_history(east_id, "proxy_train/loss")] == [1, 2]
+    assert not client.get_metric_history(west_id, "proxy_train/loss")
+    # 30 German proxy rows at batch size 32 -> 1 step; the root trains on all 90 rows -> 3 steps
+    assert {m.value for m in client.get_metric_history(east_id, "proxy_train/steps")} == {1.0}
+    assert {m.value for m in client.get_metric_history(root_id, "proxy_train/steps")} == {3.0}
 
 
 def test_matrix_artifact_covers_every_model_and_test_set(finished):
