@@ -35,7 +35,8 @@ def train_wordpiece(texts: Iterable[str], vocab_size: int, max_length: int, out_
         mask_token="[MASK]", model_max_length=max_length,
     )
     fast.save_pretrained(out_dir)
-    return fast
+    # reload from disk: later runs (and hub models) take exactly this path
+    return PreTrainedTokenizerFast.from_pretrained(str(out_dir))
 
 
 def _canonical(vocab: dict[str, int]) -> models.WordPiece:

@@ -226,6 +226,7 @@ def _experiment(config: dict[str, Any], run_root: str, tracking_uri: str, run_pa
             init = get_flat(ctx.build_model(cfg.seed + cfg.model.init_seed_offset))
             ctx.store.save(ctx.tree.root_id, NodeState(model=init))
         rt.reporter.start(ctx.tree.root.settings.rounds)
+        peaks = {"memory/peak_rss_setup_mb": peak_rss_mb(reset=True)}
         train_started = time.time()
         if inline:
             _execute(str(path), ctx.tree.root_id, None, "", inline=True)
@@ -233,14 +234,16 @@ def _experiment(config: dict[str, Any], run_root: str, tracking_uri: str, run_pa
             root_flow = node_flow.with_options(flow_run_name="root", task_runner=ThreadPoolTaskRunner(max_workers=ctx.workers))
             root_flow(str(path), ctx.tree.root_id, None, "")
         train_s = time.time() - train_started
+        peaks["memory/peak_rss_train_mb"] = peak_rss_mb(reset=True)
         eval_started = time.time()
         rows = evaluate_all(rt, step=ctx.tree.root.settings.rounds, inline=inline)
         eval_s = time.time() - eval_started
         tracker.log_text(matrix_csv(rows), "eval/matrix.csv")
         headline = headline_metrics(ctx.tree, rows)
+        peaks["memory/peak_rss_eval_mb"] = peak_rss_mb(reset=False)
         timings = {"time/setup_s": train_started - started, "time/train_s": train_s, "time/final_eval_s": eval_s,
                    "time/total_s": time.time() - started}
-        tracker.log_metrics(tracker.parent_id, timings, step=0)
+        tracker.log_metrics(tracker.parent_id, {**timings, **peaks}, step=0)
         tracker.finish("FINISHED")
     except BaseException:
         tracker.finish("FAILED")
@@ -255,8 +258,25 @@ def _experiment(config: dict[str, Any], run_root: str, tracking_uri: str, run_pa
         "run_id": tracker.parent_id,
         "headline": headline,
         "timings": timings,
+        "memory": peaks,
         "wall_time_s": time.time() - started,
     }
+
+
+def peak_rss_mb(reset: bool) -> float:
+    """This process's peak resident memory (MB) since the last reset (Linux; NaN elsewhere).
+
+    Resetting (``/proc/self/clear_refs`` = 5) lets each phase report its own peak, so
+    training memory is not hidden behind data preparation or evaluation.
+    """
+    try:
+        status = Path("/proc/self/status").read_text()
+        peak = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM:")) / 1024
+        if reset:
+            Path("/proc/self/clear_refs").write_text("5")
+        return peak
+    except (OSError, StopIteration, ValueError):
+        return float("nan")
 
 
 def new_run_path(run_root: Path, name: str) -> Path:
