@@ -137,6 +137,9 @@ def execute_node(
             down.add(theta, 1.0)
             store.post_residual(link.target, link.key, tag, down)
         cohort = sample_cohort(children, settings.cohort, seed, node.id, key.round)
+        if not node.is_leaf:  # communication, in models (flat vectors): what this round moved
+            metrics.update({"comm/down_models": float(len(cohort)), "comm/up_models": float(len(cohort)),
+                            "comm/res_down_models": float(len(settings.res_down)), "comm/res_up_models": 0.0})
         if cohort:
             report = hooks.run_children(node, cohort, theta, key)
             mean_input = report.aggregate.mean()
@@ -144,6 +147,7 @@ def execute_node(
                 chosen = select_residuals(report.candidates, theta, link.k, link.select, mean_input)
                 if chosen:
                     store.post_residual(link.target, link.key, tag, contribution(chosen, link.combine))
+                    metrics["comm/res_up_models"] += 1.0 if link.combine == "mean" else float(len(chosen))
             opt_up, stepped = node_opt_step(opt_up, theta, mean_input, settings.opt_up)
             theta = _fold_residuals(node, store, "up", theta, stepped, opt_res, consumed)
             metrics.update(report.metrics)

@@ -37,6 +37,7 @@ class AddVectorHooks:
     def __init__(self, tree: Tree, store: StateStore) -> None:
         self.tree, self.store = tree, store
         self.rounds: list[tuple[str, int]] = []
+        self.metrics: dict[tuple[str, int], dict[str, float]] = {}
 
     def run_children(self, node, cohort, theta, key: RoundKey) -> ChildrenReport:
         report = ChildrenReport()
@@ -52,3 +53,4 @@ class AddVectorHooks:
 
     def round_done(self, node, key, theta, metrics):
         self.rounds.append((node.id, key.round))
+        self.metrics[(node.id, key.round)] = dict(metrics)

@@ -204,3 +204,23 @@ def test_stateful_up_optimiser_carries_momentum_across_rounds(tmp_path):
     state = store.load("root")
     assert state.opt_up["m"].tolist() == pytest.approx([2.4375, 1.875]) and state.opt_down == {}
 
+
+
+def test_communication_counts_per_round(tmp_path):
+    from bhfl_core.residuals import DownLink, UpLink
+    from bhfl_core.node_opt import NodeOptParams
+
+    link = UpLink(rule=0, target="root", k=2, select="l2")
+    tree = with_residuals(
+        two_edge_tree(settings(train=True, cohort=None)),
+        A={"res_up": (link,), "cohort": 1, "res_in": (("down0", NodeOptParams("fedavg")),)},
+        B={"res_up": (link,)},
+        root={"res_in": (("up0", NodeOptParams("fedavg", eta=0.5)),), "res_down": (DownLink(0, "A"),)},
+    )
+    _, hooks = run(tree, tmp_path)
+    # root: 2 children down and up, one down-residual to A; A: cohort of 1, so only 1 residual model up
+    assert hooks.metrics[("root", 0)] == {"comm/down_models": 2.0, "comm/up_models": 2.0,
+                                          "comm/res_down_models": 1.0, "comm/res_up_models": 0.0}
+    assert hooks.metrics[("A", 0)]["comm/res_up_models"] == 1.0 and hooks.metrics[("A", 0)]["comm/up_models"] == 1.0
+    assert hooks.metrics[("B", 0)]["comm/res_up_models"] == 2.0
+    assert not any(k.startswith("comm/") for k in hooks.metrics[("b1", 0)])  # clients send, servers count
