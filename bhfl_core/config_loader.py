@@ -16,7 +16,7 @@ import yaml
 from pydantic import ValidationError
 
 from bhfl_core.config import ConfigError, ExperimentConfig
-from bhfl_core.topology import ClientInfo, build_tree
+from bhfl_core.topology import build_tree, placeholder_clients
 
 
 def apply_override(data: dict[str, Any], assignment: str) -> dict[str, Any]:
@@ -44,10 +44,15 @@ def apply_override(data: dict[str, Any], assignment: str) -> dict[str, Any]:
     return out
 
 
+# discriminated unions: pydantic puts the chosen ``kind`` in the error location; users never wrote it
+_UNIONS = {"source": {"embedded", "xglue"}, "clustering": {"language", "kmeans"}}
+
+
 def format_validation_error(exc: ValidationError) -> str:
     lines = []
     for err in exc.errors():
-        parts = [p for p in err["loc"] if not str(p).startswith(("function-", "constrained-"))]
+        parts = [p for i, p in enumerate(err["loc"]) if not str(p).startswith(("function-", "constrained-"))
+                 and not (i and err["loc"][i - 1] in _UNIONS and p in _UNIONS[err["loc"][i - 1]])]
         loc = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in parts).lstrip(".") or "(top level)"
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
@@ -57,10 +62,8 @@ def format_validation_error(exc: ValidationError) -> str:
 
 
 def validate_tree(config: ExperimentConfig) -> None:
-    """Build the tree with placeholder clients so impossible trees fail before any work."""
-    per_language = config.data.clients_per_language
-    clients = [ClientInfo(f"{lang}-{i}", lang, 1) for lang in config.data.source.languages for i in range(per_language)]
-    build_tree(config, clients)
+    """Build the tree with placeholder clients (real ids and edges) so impossible trees fail before any work."""
+    build_tree(config, placeholder_clients(config))
 
 
 def config_from_dict(data: Any, overrides: Sequence[str] = (), source: str = "config") -> ExperimentConfig:
@@ -79,10 +82,16 @@ def config_from_dict(data: Any, overrides: Sequence[str] = (), source: str = "co
 
 
 def merge(base: dict[str, Any], child: dict[str, Any]) -> dict[str, Any]:
-    """Deep merge: mappings merge key by key; anything else (and an empty mapping ``{}``) replaces."""
+    """Deep merge: mappings merge key by key; anything else (and an empty mapping ``{}``) replaces.
+
+    A mapping that changes ``kind`` (e.g. ``data.source: {kind: xglue, ...}`` over an
+    embedded source) replaces the inherited one: the old kind's keys mean nothing to the new.
+    """
     out = copy.deepcopy(base)
     for key, value in child.items():
-        if isinstance(value, dict) and value and isinstance(out.get(key), dict):
+        old = out.get(key)
+        switches = isinstance(value, dict) and isinstance(old, dict) and value.get("kind", old.get("kind")) != old.get("kind")
+        if isinstance(value, dict) and value and isinstance(old, dict) and not switches:
             out[key] = merge(out[key], value)
         else:
             out[key] = copy.deepcopy(value)

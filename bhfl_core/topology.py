@@ -1,10 +1,13 @@
 """Build the experiment tree from the config and the data manifest.
 
-root -> intermediate servers (``tree.groups``, optional) -> one edge server per
-language -> that language's clients. Settings are resolved per node: the level's
-settings, then ``tree.nodes.<id>`` overrides. Impossible trees (a cohort larger than
-the children, proxy training without proxy data, overrides for unknown nodes) raise
-``ConfigError`` naming the key.
+root -> intermediate servers (``tree.groups``, optional) -> edge servers -> clients.
+Clients are grouped by the edge server the data manifest assigns them (by default
+one edge per language, ``edge-<lang>``; or several per language, or k-means
+clusters: see ``data.clustering``); ``tree.groups`` maps each intermediate server
+to the languages (or clusters) whose edge servers it holds. Settings are resolved
+per node: the level's settings, then ``tree.nodes.<id>`` overrides. Impossible
+trees (a cohort larger than the children, proxy training without proxy data,
+overrides for unknown nodes) raise ``ConfigError`` naming the key.
 """
 
 from __future__ import annotations
@@ -12,7 +15,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from bhfl_core.config import ConfigError, ExperimentConfig, LevelSettings, NodeOverride, OptSettings
+from bhfl_core.config import (ConfigError, ExperimentConfig, KMeansClustering, LanguageClustering, LevelSettings,
+                              NodeOverride, OptSettings)
 from bhfl_core.node_opt import NodeOptParams
 from bhfl_core.residuals import DownLink, UpLink
 from bhfl_core.tree import Node, NodeSettings, Role, TrainParams, Tree
@@ -23,15 +27,68 @@ _LEVEL_KEY = {Role.ROOT: "root", Role.SERVER: "server", Role.EDGE: "edge", Role.
 
 @dataclass(frozen=True)
 class ClientInfo:
-    """What the tree needs to know about a client (from the data manifest)."""
+    """What the tree needs to know about a client (from the data manifest).
+
+    ``edge`` / ``cluster``: the client's edge server and that edge's cluster (what
+    ``tree.groups`` refers to); unset, they are ``edge-<language>`` and the language.
+    """
 
     id: str
     language: str
     num_train: int
+    edge: str | None = None
+    cluster: str | None = None
+
+    @property
+    def edge_id(self) -> str:
+        return self.edge or edge_id(self.language)
+
+    @property
+    def cluster_name(self) -> str:
+        return self.cluster or self.language
 
 
-def edge_id(language: str) -> str:
-    return f"edge-{language}"
+def edge_id(cluster: str) -> str:
+    """The edge server of a language (or k-means cluster) that has one edge server."""
+    return f"edge-{cluster}"
+
+
+def client_ids(language: str, count: int) -> list[str]:
+    width = max(2, len(str(count - 1)))
+    return [f"{language}-{i:0{width}d}" for i in range(count)]
+
+
+def language_edges(language: str, count: int, edges: int) -> list[str]:
+    """The edge server of each of a language's ``count`` clients (in id order).
+
+    One edge: ``edge-<lang>`` for all. Several: contiguous, near-equal blocks of
+    clients, ``edge-<lang>-0``, ``edge-<lang>-1``, ... (deterministic, no draw).
+    """
+    if edges == 1:
+        return [edge_id(language)] * count
+    return [f"edge-{language}-{i * edges // count}" for i in range(count)]
+
+
+def placeholder_clients(config: ExperimentConfig) -> list[ClientInfo]:
+    """The clients the config will produce, before any data exists (for validating the tree).
+
+    K-means assignments depend on the data; placeholders spread clients round-robin
+    over the clusters, so checks that depend on cluster sizes are repeated when the
+    tree is built from the real manifest.
+    """
+    data = config.data
+    out: list[ClientInfo] = []
+    for lang in data.source.languages:
+        ids = client_ids(lang, data.clients_per_language)
+        if isinstance(data.clustering, LanguageClustering):
+            edges = language_edges(lang, len(ids), data.clustering.edges_per_language)
+            out += [ClientInfo(cid, lang, 1, edge, lang) for cid, edge in zip(ids, edges)]
+        else:
+            out += [ClientInfo(cid, lang, 1) for cid in ids]
+    if isinstance(data.clustering, KMeansClustering):
+        k = data.clustering.clusters
+        out = [replace(c, edge=edge_id(f"c{i % k}"), cluster=f"c{i % k}") for i, c in enumerate(out)]
+    return out
 
 
 def _holds_proxy(config: ExperimentConfig, node_id: str, role: Role) -> bool:
@@ -80,16 +137,34 @@ def _resolve(config: ExperimentConfig, node_id: str, role: Role, num_children: i
 
 
 def build_tree(config: ExperimentConfig, clients: Sequence[ClientInfo]) -> Tree:
-    """The tree for ``config`` over ``clients`` (settings resolved, residuals wired)."""
+    """The tree for ``config`` over ``clients`` (settings resolved, residuals wired).
+
+    Clients are grouped by their edge server; edge servers are ordered by their
+    cluster's position in ``data.cluster_names()`` (languages in config order), then
+    by first appearance. Node ids: clients keep theirs, edges are ``ClientInfo.edge``.
+    """
     languages = config.data.source.languages
-    by_language: dict[str, list[ClientInfo]] = {lang: [] for lang in languages}
+    clusters = config.data.cluster_names()
+    kmeans = isinstance(config.data.clustering, KMeansClustering)
+    by_language: dict[str, int] = {lang: 0 for lang in languages}
+    edges: dict[str, tuple[str, list[ClientInfo]]] = {}  # edge id -> (cluster, clients)
     for c in clients:
         if c.language not in by_language:
             raise ConfigError(f"data: client {c.id!r} has language {c.language!r}, not in data.source.languages")
-        by_language[c.language].append(c)
-    empty = [lang for lang, cs in by_language.items() if not cs]
+        by_language[c.language] += 1
+        cluster, members = edges.setdefault(c.edge_id, (c.cluster_name, []))
+        if c.cluster_name not in clusters:
+            raise ConfigError(f"data: client {c.id!r} is in cluster {c.cluster_name!r}, not one of {clusters}")
+        if cluster != c.cluster_name:
+            raise ConfigError(f"data: edge server {c.edge_id!r} has clients in two clusters ({cluster!r}, {c.cluster_name!r})")
+        members.append(c)
+    empty = [lang for lang, n in by_language.items() if not n]
     if empty:
         raise ConfigError(f"data.source.languages: languages {empty} have no clients")
+    used = {cluster for cluster, _ in edges.values()}
+    if kmeans and not config.tree.flat and len(used) < len(clusters):
+        raise ConfigError(f"data.clustering.clusters: clusters {[c for c in clusters if c not in used]} have no clients")
+    order = sorted(edges, key=lambda e: clusters.index(edges[e][0]))  # stable: first appearance within a cluster
 
     groups = config.tree.groups or {}
     edge_parent = {lang: group for group, langs in groups.items() for lang in langs}
@@ -107,15 +182,16 @@ def build_tree(config: ExperimentConfig, clients: Sequence[ClientInfo]) -> Tree:
         add(ROOT_ID, Role.ROOT, 0, None, top, sum(c.num_train for c in clients), None)
         return _finish(config, nodes)
 
-    for lang in languages:
-        cs = by_language[lang]
-        parent = edge_parent.get(lang, ROOT_ID)
-        for c in cs:
-            add(c.id, Role.CLIENT, depth_edge + 1, edge_id(lang), [], c.num_train, lang)
-        add(edge_id(lang), Role.EDGE, depth_edge, parent, [c.id for c in cs], sum(c.num_train for c in cs), lang)
+    for edge in order:
+        cluster, members = edges[edge]
+        for c in members:
+            add(c.id, Role.CLIENT, depth_edge + 1, edge, [], c.num_train, c.language)
+        add(edge, Role.EDGE, depth_edge, edge_parent.get(cluster, ROOT_ID), [c.id for c in members],
+            sum(c.num_train for c in members), cluster)
     for group, langs in groups.items():
-        add(group, Role.SERVER, 1, ROOT_ID, [edge_id(lang) for lang in langs], sum(nodes[edge_id(lang)].weight for lang in langs), group)
-    top = list(groups) if groups else [edge_id(lang) for lang in languages]
+        children = [e for lang in langs for e in order if edges[e][0] == lang]
+        add(group, Role.SERVER, 1, ROOT_ID, children, sum(nodes[e].weight for e in children), group)
+    top = list(groups) if groups else order
     add(ROOT_ID, Role.ROOT, 0, None, top, sum(nodes[c].weight for c in top), None)
     return _finish(config, nodes)
 

@@ -1,11 +1,16 @@
 """The data manifest: what data preparation produced, and where it lies on disk.
 
-Paths are relative to the manifest's folder so a prepared cache can be moved.
+Paths are relative to the manifest's folder so a prepared cache can be moved. It is
+the one description of a partition the rest of the pipeline reads: every client
+with its language, edge server and cluster, shard sizes and label histograms, the
+proxy splits (with per-language row ranges), the task and the tokenizer facts that
+training and evaluation need (pad, mask and special token ids).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
@@ -27,7 +32,8 @@ class ClientEntry(BaseModel):
 
     id: str
     language: str
-    edge: str
+    edge: str  # the client's edge server (its parent in the tree)
+    cluster: str  # the edge server's cluster: its language, or a k-means cluster c0, c1, ...
     train: Shard
     test: Shard
 
@@ -36,16 +42,21 @@ class Manifest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     fingerprint: str
-    source: str
-    task: str
+    source: str  # where the client pool came from (and, for XGLUE, which splits)
+    task: Literal["classification", "mlm"]
     labels: list[str]
     tokenizer: str
     vocab_size: int
     pad_token_id: int
+    mask_token_id: int | None = None
+    special_ids: list[int] = []
+    clustering: str = "language"
     clients: list[ClientEntry]
+    proxy_source: str = "pool"  # "pool" (carved from the client pool) or the separate corpus
     proxy_train: Shard
     proxy_test: Shard
     unused_pool_rows: int
+    held_out: str = ""  # splits of the source never read (XGLUE: test.<lang>)
 
     def resolve(self, root: Path, relative: str) -> Path:
         return root / relative

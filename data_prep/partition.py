@@ -1,17 +1,20 @@
 """Language-clustered federated partitions of a labelled pool.
 
 For each language: a language-balanced proxy train/test share is carved out first
-(the same number of documents per language; drawn i.i.d. from the language's pool),
-then clients are drawn from the rest with
+(the same number of documents per language; drawn i.i.d. from the language's pool;
+none when ``data.proxy.source`` names a separate proxy corpus, which ``draw_proxy``
+splits the same way), then clients are drawn from the rest with
 
-- long-tailed sizes: lognormal(log(median), sigma) clipped to [min, max];
+- long-tailed sizes: lognormal(log(median), sigma), or a power law (Pareto with
+  minimum ``min`` and exponent ``exponent``), rounded and clipped to [min, max];
 - Dirichlet label skew: client label distribution q ~ Dir(alpha * K * prior), where
   prior is the language's label distribution (so clients are skewed *around* their
   language). A client's examples are drawn label by label from q; when a label's
   pool runs out, q is renormalised over the labels that remain;
 - a per-client train/test split (``test_fraction``, at least one example each).
 
-Proxy, client train and client test sets never overlap. Everything derives from the
+Proxy, client train and client test sets never overlap; pool rows no client or
+proxy split takes are the (counted) unused remainder. Everything derives from the
 seed and the language, so the partition is identical for the same seed.
 """
 
@@ -23,6 +26,10 @@ import numpy as np
 
 from bhfl_core.config import DataConfig, SizeDistribution
 from bhfl_core.rng import generator
+from bhfl_core.topology import client_ids
+
+__all__ = ["ClientSplit", "Partition", "PartitionError", "client_ids", "client_sizes", "draw_proxy",
+           "partition_pool", "pool_size_needed"]
 
 
 @dataclass(frozen=True)
@@ -45,22 +52,26 @@ class PartitionError(ValueError):
     """The pool cannot satisfy the partition spec (names the language and the shortfall)."""
 
 
-def client_ids(language: str, count: int) -> list[str]:
-    width = max(2, len(str(count - 1)))
-    return [f"{language}-{i:0{width}d}" for i in range(count)]
-
-
 def client_sizes(sizes: SizeDistribution, count: int, seed: int, language: str) -> np.ndarray:
     """Total (train + test) sizes of a language's clients."""
     rng = generator(seed, "partition", "sizes", language)
-    raw = rng.lognormal(mean=np.log(sizes.median), sigma=sizes.sigma, size=count)
+    if sizes.distribution == "powerlaw":
+        raw = sizes.min * (1.0 + rng.pareto(sizes.exponent, size=count))  # Pareto(x_m = min, alpha = exponent)
+    else:
+        raw = rng.lognormal(mean=np.log(sizes.median), sigma=sizes.sigma, size=count)
     return np.clip(np.round(raw), sizes.min, sizes.max).astype(np.int64)
+
+
+def _pool_proxy(spec: DataConfig) -> tuple[int, int]:
+    """Proxy rows per language carved from the client pool (none when the proxy is a separate corpus)."""
+    if spec.proxy.source is not None:
+        return 0, 0
+    return spec.proxy.train_per_language, spec.proxy.test_per_language
 
 
 def pool_size_needed(spec: DataConfig, seed: int, language: str) -> int:
     """How many pool documents of ``language`` the partition will consume."""
-    proxy = spec.proxy.train_per_language + spec.proxy.test_per_language
-    return proxy + int(client_sizes(spec.sizes, spec.clients_per_language, seed, language).sum())
+    return sum(_pool_proxy(spec)) + int(client_sizes(spec.sizes, spec.clients_per_language, seed, language).sum())
 
 
 def _draw_client(rng: np.random.Generator, by_label: list[list[int]], q: np.ndarray, size: int) -> list[int]:
@@ -84,12 +95,12 @@ def partition_pool(labels: np.ndarray, languages: np.ndarray, spec: DataConfig, 
         rng = generator(seed, "partition", "draw", language)
         rows = rows[rng.permutation(len(rows))]
         sizes = client_sizes(spec.sizes, spec.clients_per_language, seed, language)
-        n_proxy_train, n_proxy_test = spec.proxy.train_per_language, spec.proxy.test_per_language
+        n_proxy_train, n_proxy_test = _pool_proxy(spec)
         need = n_proxy_train + n_proxy_test + int(sizes.sum())
         if len(rows) < need:
             raise PartitionError(
-                f"language {language!r}: the pool has {len(rows)} documents but the proxy split and "
-                f"{len(sizes)} clients need {need}; lower data.sizes / data.proxy or add data"
+                f"data.sizes: language {language!r}: the pool has {len(rows)} documents but the proxy split and "
+                f"{len(sizes)} clients need {need}; lower data.sizes / data.clients_per_language / data.proxy or add data"
             )
         out.proxy_train += sorted(rows[:n_proxy_train].tolist())
         out.proxy_test += sorted(rows[n_proxy_train : n_proxy_train + n_proxy_test].tolist())
@@ -105,3 +116,22 @@ def partition_pool(labels: np.ndarray, languages: np.ndarray, spec: DataConfig, 
             out.clients.append(ClientSplit(cid, language, sorted(mine[n_test:].tolist()), sorted(mine[:n_test].tolist())))
         out.unused += sum(len(b) for b in by_label)
     return out
+
+
+def draw_proxy(languages: np.ndarray, wanted: list[str], train: int, test: int, seed: int) -> tuple[list[int], list[int]]:
+    """Proxy train/test rows of a separate proxy corpus: ``train`` + ``test`` per language, disjoint.
+
+    Rows are grouped by language (in ``wanted`` order; sorted within a language), so
+    a server can take its languages' share as contiguous row ranges.
+    """
+    out_train: list[int] = []
+    out_test: list[int] = []
+    for language in wanted:
+        rows = np.flatnonzero(languages == language)
+        if len(rows) < train + test:
+            raise PartitionError(f"data.proxy: the proxy corpus has {len(rows)} rows of language {language!r}, "
+                                 f"train_per_language + test_per_language need {train + test}")
+        rows = rows[generator(seed, "proxy", "draw", language).permutation(len(rows))]
+        out_train += sorted(rows[:train].tolist())
+        out_test += sorted(rows[train : train + test].tolist())
+    return out_train, out_test

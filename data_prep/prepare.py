@@ -1,10 +1,19 @@
-"""Prepare an experiment's data: pool -> partition -> tokenizer -> pre-tokenised shards.
+"""Prepare an experiment's data: pool -> partition -> proxy -> tokenizer -> shards -> edges -> manifest -> report.
 
 The result is cached under ``<cache>/<fingerprint>/`` where the fingerprint hashes
-everything the data depends on (seed, data config, tokenizer/model identity, format
-version). The folder is built under a temporary name and renamed when complete, so
-a crash never leaves a half-written cache; a second run with the same config finds
-the manifest and does no generation or tokenisation.
+everything the data depends on (seed, data config, local source files, tokenizer
+identity, format version). The folder is built under a temporary name and renamed
+when complete, so a crash never leaves a half-written cache; a second run with the
+same config finds the manifest and does no loading or tokenisation (and says so).
+
+Only the rows the partition uses are tokenised, once, with ``datasets.map``
+(batched, written to an Arrow file, so memory stays bounded for large sources);
+each client's train/test shard and the proxy shards are then slices of it saved
+with ``save_to_disk`` (memory-mapped Arrow when read back).
+
+``prepare_data`` runs its steps through ``step(name, fn, *args)``: plain calls by
+default; the Prefect flow (flows/data.py) passes a runner that makes each step a
+task, so data_prep stays free of Prefect.
 """
 
 from __future__ import annotations
@@ -12,34 +21,49 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import datasets
 import numpy as np
-from datasets import Dataset, concatenate_datasets, load_from_disk
+from datasets import Dataset, load_from_disk
 
-from bhfl_core.config import ExperimentConfig, dump
+from bhfl_core.config import ConfigError, EmbeddedSource, ExperimentConfig, XglueSource, dump
 from bhfl_core.models import TINY
-from bhfl_core.topology import edge_id
-from data_prep.embedded import CATEGORIES, generate_pool
+from bhfl_core.models import check_available as check_model
+from data_prep.clustering import assign_edges
 from data_prep.manifest import MANIFEST_NAME, ClientEntry, Manifest, Shard
-from data_prep.partition import partition_pool, pool_size_needed
-from data_prep.tokenizer import load_tokenizer, train_wordpiece
+from data_prep.partition import Partition, draw_proxy, partition_pool
+from data_prep.report import write_report
+from data_prep.sources import (LABEL, PAIR, TEXT, TextTable, check_sources, load_pool, load_proxy_source, source_signature,
+                               xglue_split)
+from data_prep.tokenizer import hub_tokenizer, train_wordpiece
 
-FORMAT_VERSION = 2  # 2: proxy shards record per-language row ranges
-MODEL_COLUMNS = ["input_ids", "attention_mask", "token_type_ids", "labels"]
+FORMAT_VERSION = 3  # 3: sources, task, clusters/edges, special token ids, report; 2: proxy language row ranges
+INPUT_COLUMNS = ("input_ids", "attention_mask", "token_type_ids")
+REPORT_DIR = "report"
+Step = Callable[..., Any]
+
+
+def inline_step(name: str, fn: Callable[..., Any], *args: Any) -> Any:
+    """Run a preparation step as a plain call."""
+    return fn(*args)
 
 
 def fingerprint(config: ExperimentConfig) -> str:
     resolved = dump(config)
     model = resolved["model"]
+    data = resolved["data"]
     key = {
         "format": FORMAT_VERSION,
         "seed": config.seed,
-        "data": {**resolved["data"], "proxy": {k: v for k, v in resolved["data"]["proxy"].items() if k != "servers"}},
-        "tokenizer": {"name": model["name"], "max_length": model["max_length"],
+        "data": {**data, "proxy": {k: v for k, v in data["proxy"].items() if k != "servers"}},
+        "files": source_signature(config),
+        "tokenizer": {"name": model["name"], "revision": model["revision"], "max_length": model["max_length"],
+                      "truncation": model["truncation"],
                       "vocab_size": model["tiny"]["vocab_size"] if model["name"] == TINY else None},
     }
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
@@ -50,22 +74,109 @@ class PreparedData:
     root: Path
     manifest: Manifest
     cached: bool
+    seconds: float = 0.0
 
     def path(self, relative: str) -> Path:
         return self.root / relative
 
-
-def _embedded_pool(config: ExperimentConfig) -> Dataset:
-    src = config.data.source
-    pools = []
-    for lang in src.languages:
-        need = pool_size_needed(config.data, config.seed, lang)
-        pools.append(generate_pool(config.seed, lang, int(need * 1.3) + 50, src.shared_cue_strength, src.topic_strength))
-    return concatenate_datasets(pools)
+    @property
+    def report_dir(self) -> Path:
+        return self.root / REPORT_DIR
 
 
-def _label_hist(labels: np.ndarray, rows: list[int]) -> list[int]:
-    return np.bincount(labels[rows], minlength=len(CATEGORIES)).tolist()
+@dataclass(frozen=True)
+class ProxyRows:
+    """The proxy train/test rows and the table they index (the client pool, or a separate corpus)."""
+
+    table: TextTable
+    train: list[int]
+    test: list[int]
+    description: str
+    from_pool: bool  # rows index the client pool (then tokenised together with the clients' rows)
+
+
+@dataclass(frozen=True)
+class TokenisedShards:
+    clients: list[tuple[Shard, Shard]]
+    proxy_train: Shard
+    proxy_test: Shard
+    client_tokens: dict[str, np.ndarray]  # training token ids per client (k-means on tokens only)
+
+
+# ---------------------------------------------------------------- steps
+
+def partition_step(config: ExperimentConfig, pool: TextTable) -> Partition:
+    return partition_pool(pool.labels, pool.languages, config.data, config.seed, len(pool.label_names))
+
+
+def proxy_step(config: ExperimentConfig, pool: TextTable, part: Partition) -> ProxyRows:
+    spec = config.data.proxy
+    if spec.source is None:
+        return ProxyRows(pool, part.proxy_train, part.proxy_test, "pool", from_pool=True)
+    languages = config.data.source.languages
+    need = spec.train_per_language + spec.test_per_language
+    table = load_proxy_source(spec.source, languages, need, config.seed, pool.label_names)
+    wanted = languages if (spec.source.per_language or spec.source.language_column) else ["*"]
+    per = len(languages) if wanted == ["*"] else 1  # a corpus without languages: the same total
+    train, test = draw_proxy(table.languages, wanted, spec.train_per_language * per, spec.test_per_language * per, config.seed)
+    where = spec.source.repo or spec.source.data_files
+    return ProxyRows(table, train, test, f"separate corpus {where}", from_pool=False)
+
+
+def tokenizer_step(config: ExperimentConfig, proxy: ProxyRows, work: Path) -> tuple[Any, str]:
+    """A WordPiece trained on the proxy train split (tiny model: public text only), or the model's own."""
+    model = config.model
+    if model.name != TINY:
+        return hub_tokenizer(model), model.name
+    rows = proxy.table.data.select(proxy.train)
+
+    def texts():  # noqa: ANN202 - batched iteration keeps memory flat
+        for batch in rows.iter(batch_size=1000):
+            pairs = batch[PAIR] if PAIR in batch else [None] * len(batch[TEXT])
+            yield from (f"{a} {b}" if b is not None else a for a, b in zip(batch[TEXT], pairs))
+
+    return train_wordpiece(texts(), model.tiny.vocab_size, model.max_length, work / "tokenizer"), "tokenizer"
+
+
+def _uses_token_types(config: ExperimentConfig) -> bool:
+    """Whether the model has token-type (segment) embeddings: BERT-like yes, DistilBERT no."""
+    if config.model.name == TINY:
+        return True
+    from transformers import AutoConfig
+
+    return int(getattr(AutoConfig.from_pretrained(config.model.name, revision=config.model.revision), "type_vocab_size", 0) or 0) > 0
+
+
+def _encoder(config: ExperimentConfig, tokenizer: Any, pair: bool, labelled: bool) -> Callable[[dict], dict]:
+    """Batched tokenisation into model inputs (+ ``labels`` where the rows are labelled).
+
+    ``token_type_ids`` are the tokenizer's when it returns them, zeros when it does not
+    but the model has token-type embeddings (what the model would assume anyway), and
+    absent for models without them (DistilBERT rejects the argument).
+    """
+    model = config.model
+    truncation = model.truncation if pair else True
+    zero_types = _uses_token_types(config)
+
+    def encode(batch: dict[str, list]) -> dict[str, list]:
+        enc = tokenizer(batch[TEXT], batch[PAIR] if pair else None, truncation=truncation,
+                        max_length=model.max_length, padding="max_length")
+        out = {c: enc[c] for c in INPUT_COLUMNS if c in enc}
+        if "token_type_ids" not in out and zero_types:
+            out["token_type_ids"] = [[0] * len(ids) for ids in out["input_ids"]]
+        if labelled:
+            out["labels"] = batch[LABEL]
+        return out
+
+    return encode
+
+
+def _tokenise(config: ExperimentConfig, tokenizer: Any, table: TextTable, rows: np.ndarray, cache_file: Path, fp: str) -> Dataset:
+    """Tokenise the selected rows once (batched ``map`` into an Arrow file: bounded memory)."""
+    subset = table.data.select(rows.tolist())
+    encode = _encoder(config, tokenizer, table.pair, LABEL in subset.column_names)
+    return subset.map(encode, batched=True, batch_size=1000, remove_columns=subset.column_names,
+                      cache_file_name=str(cache_file), new_fingerprint=fp, desc="tokenising")
 
 
 def _language_rows(row_languages: np.ndarray) -> dict[str, tuple[int, int]]:
@@ -79,67 +190,136 @@ def _language_rows(row_languages: np.ndarray) -> dict[str, tuple[int, int]]:
     return out
 
 
-def prepare_data(config: ExperimentConfig, cache_root: Path, log: Callable[[str], None] = print) -> PreparedData:
+def shards_step(config: ExperimentConfig, tokenizer: Any, pool: TextTable, part: Partition, proxy: ProxyRows,
+                work: Path, log: Callable[[str], None]) -> TokenisedShards:
+    fp = fingerprint(config)
+    tmp = work / ".tokenised"
+    tmp.mkdir(exist_ok=True)
+    num_labels = len(pool.label_names)
+    same_table = proxy.from_pool
+    client_rows = [r for c in part.clients for r in (*c.train, *c.test)]
+    used = np.unique(np.asarray(client_rows + (proxy.train + proxy.test if same_table else []), dtype=np.int64))
+    log(f"tokenising {len(used)} pool rows with {type(tokenizer).__name__} (max_length {config.model.max_length})")
+    tokens = _tokenise(config, tokenizer, pool, used, tmp / "pool.arrow", fp + "-pool")
+
+    def save(table: TextTable, tokenised: Dataset, index: np.ndarray, rows: list[int], relative: str,
+             by_language: bool = False) -> Shard:
+        tokenised.select(np.searchsorted(index, rows).tolist()).save_to_disk(str(work / relative))
+        hist = np.bincount(table.labels[rows], minlength=num_labels).tolist() if table.labels is not None else []
+        ranges = _language_rows(table.languages[rows]) if by_language and rows else {}
+        return Shard(path=relative, size=len(rows), label_hist=hist, language_rows=ranges)
+
+    clients = [(save(pool, tokens, used, c.train, f"clients/{c.id}/train"), save(pool, tokens, used, c.test, f"clients/{c.id}/test"))
+               for c in part.clients]
+    if same_table:
+        p_tokens, p_index = tokens, used
+    else:
+        p_index = np.unique(np.asarray(proxy.train + proxy.test, dtype=np.int64))
+        log(f"tokenising {len(p_index)} proxy rows")
+        p_tokens = _tokenise(config, tokenizer, proxy.table, p_index, tmp / "proxy.arrow", fp + "-proxy")
+    proxy_train = save(proxy.table, p_tokens, used if same_table else p_index, proxy.train, "proxy/train", by_language=True)
+    proxy_test = save(proxy.table, p_tokens, used if same_table else p_index, proxy.test, "proxy/test", by_language=True)
+
+    client_tokens: dict[str, np.ndarray] = {}
+    clustering = config.data.clustering
+    if getattr(clustering, "features", None) == "tokens":
+        special = np.asarray(sorted(set(tokenizer.all_special_ids)))
+        for c in part.clients:
+            block = tokens.select(np.searchsorted(used, c.train).tolist()).with_format("numpy")
+            ids = np.asarray(block["input_ids"])
+            keep = np.asarray(block["attention_mask"]).astype(bool) & ~np.isin(ids, special)
+            client_tokens[c.id] = ids[keep]
+    return TokenisedShards(clients, proxy_train, proxy_test, client_tokens)
+
+
+def edges_step(config: ExperimentConfig, part: Partition, shards: TokenisedShards) -> list[tuple[str, str]]:
+    hists = np.array([train.label_hist for train, _ in shards.clients], dtype=np.float64)
+    return assign_edges(config, part.clients, hists, lambda c: shards.client_tokens[c.id])
+
+
+def describe_source(config: ExperimentConfig) -> tuple[str, str]:
+    """(where the pool comes from, what is held out) for the manifest."""
+    source = config.data.source
+    if isinstance(source, EmbeddedSource):
+        return "embedded", ""
+    assert isinstance(source, XglueSource)
+    where = f"local parquet {source.local_dir}" if source.local_dir else f"hub {source.repo}@{source.revision or 'default'}"
+    pools = ", ".join(f"{lang}={xglue_split(source, lang)}" for lang in source.languages)
+    held = ", ".join(f"test.{lang}" for lang in source.languages)
+    return f"xglue/{source.config} from {where}; pools: {pools}", held
+
+
+def manifest_step(config: ExperimentConfig, pool: TextTable, part: Partition, proxy: ProxyRows, tokenizer: Any,
+                  tokenizer_ref: str, shards: TokenisedShards, edges: list[tuple[str, str]], work: Path) -> Manifest:
+    source, held_out = describe_source(config)
+    clients = [ClientEntry(id=c.id, language=c.language, edge=edge, cluster=cluster, train=train, test=test)
+               for c, (train, test), (edge, cluster) in zip(part.clients, shards.clients, edges)]
+    manifest = Manifest(
+        fingerprint=fingerprint(config), source=source, task=config.data.task, labels=pool.label_names,
+        tokenizer=tokenizer_ref, vocab_size=len(tokenizer), pad_token_id=int(tokenizer.pad_token_id or 0),
+        mask_token_id=tokenizer.mask_token_id, special_ids=sorted(set(tokenizer.all_special_ids)),
+        clustering=config.data.clustering.kind, clients=clients, proxy_source=proxy.description,
+        proxy_train=shards.proxy_train, proxy_test=shards.proxy_test, unused_pool_rows=part.unused, held_out=held_out,
+    )
+    if config.data.task == "mlm" and manifest.mask_token_id is None:
+        raise ConfigError(f"model.name: the tokenizer of {config.model.name!r} has no mask token; data.task: mlm "
+                          "needs a masked-LM model (e.g. bert-base-multilingual-cased, xlm-roberta-base)")
+    manifest.write(work)
+    return manifest
+
+
+# ---------------------------------------------------------------- the pipeline
+
+def cached_data(config: ExperimentConfig, cache_root: Path) -> PreparedData | None:
+    started = time.time()
+    final = cache_root / fingerprint(config)
+    if (final / MANIFEST_NAME).exists():
+        return PreparedData(final, Manifest.read(final), cached=True, seconds=time.time() - started)
+    return None
+
+
+def preflight(config: ExperimentConfig, cache_root: Path) -> None:
+    """Fail before any work (and before Prefect starts) when the model or, on a cache miss, the data is unreachable."""
+    check_model(config.model)
+    if cached_data(config, cache_root) is None:
+        check_sources(config)
+
+
+def prepare_data(config: ExperimentConfig, cache_root: Path, log: Callable[[str], None] = print,
+                 step: Step = inline_step) -> PreparedData:
+    started = time.time()
+    hit = cached_data(config, cache_root)
+    if hit is not None:
+        log(f"data cache hit {hit.root}: reusing pre-tokenised shards, no tokenisation")
+        return hit
     fp = fingerprint(config)
     final = cache_root / fp
-    if (final / MANIFEST_NAME).exists():
-        log(f"data cache hit {final}: reusing pre-tokenised shards, no tokenisation")
-        return PreparedData(final, Manifest.read(final), cached=True)
-
     log(f"preparing data (fingerprint {fp}) in {final}")
     datasets.disable_progress_bars()
     work = cache_root / f".{fp}.partial"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
 
-    pool = _embedded_pool(config)
-    labels = np.asarray(pool["news_category"])
-    languages = np.asarray(pool["language"])
-    part = partition_pool(labels, languages, config.data, config.seed, len(CATEGORIES))
+    try:
+        pool = step("load-pool", load_pool, config)
+        part = step("partition", partition_step, config, pool)
+        proxy = step("proxy-split", proxy_step, config, pool, part)
+        tokenizer, tokenizer_ref = step("tokenizer", tokenizer_step, config, proxy, work)
+        shards = step("tokenise", shards_step, config, tokenizer, pool, part, proxy, work, log)
+        edges = step("assign-edges", edges_step, config, part, shards)
+        manifest = step("write-manifest", manifest_step, config, pool, part, proxy, tokenizer, tokenizer_ref, shards, edges, work)
+        step("partition-report", write_report, manifest, work / REPORT_DIR)
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)  # nothing half-written stays behind
+        raise
 
-    model = config.model
-    if model.name == TINY:
-        proxy_text = pool.select(part.proxy_train)
-        texts = (f"{t} {b}" for t, b in zip(proxy_text["news_title"], proxy_text["news_body"]))
-        tokenizer = train_wordpiece(texts, model.tiny.vocab_size, model.max_length, work / "tokenizer")
-        tokenizer_ref = "tokenizer"
-    else:
-        tokenizer = load_tokenizer(model.name)
-        tokenizer_ref = model.name
-
-    def encode(batch: dict[str, list]) -> dict[str, list]:
-        enc = tokenizer(batch["news_title"], batch["news_body"], truncation="longest_first",
-                        max_length=model.max_length, padding="max_length")
-        enc["labels"] = batch["news_category"]
-        return dict(enc)
-
-    tokenized = pool.map(encode, batched=True, batch_size=1000, remove_columns=pool.column_names, desc="tokenising")
-    if "token_type_ids" not in tokenized.column_names:
-        tokenized = tokenized.add_column("token_type_ids", [[0] * model.max_length] * len(tokenized))
-    tokenized = tokenized.select_columns(MODEL_COLUMNS)
-
-    def shard(rows: list[int], relative: str, by_language: bool = False) -> Shard:
-        tokenized.select(rows).save_to_disk(str(work / relative))
-        ranges = _language_rows(languages[rows]) if by_language else {}
-        return Shard(path=relative, size=len(rows), label_hist=_label_hist(labels, rows), language_rows=ranges)
-
-    clients = [
-        ClientEntry(id=c.id, language=c.language, edge=edge_id(c.language),
-                    train=shard(c.train, f"clients/{c.id}/train"), test=shard(c.test, f"clients/{c.id}/test"))
-        for c in part.clients
-    ]
-    manifest = Manifest(
-        fingerprint=fp, source=config.data.source.kind, task="classification", labels=list(CATEGORIES),
-        tokenizer=tokenizer_ref, vocab_size=len(tokenizer), pad_token_id=int(tokenizer.pad_token_id or 0),
-        clients=clients, proxy_train=shard(part.proxy_train, "proxy/train", by_language=True),
-        proxy_test=shard(part.proxy_test, "proxy/test", by_language=True),
-        unused_pool_rows=part.unused,
-    )
-    manifest.write(work)
+    shutil.rmtree(work / ".tokenised", ignore_errors=True)
     shutil.rmtree(final, ignore_errors=True)
     work.rename(final)
-    log(f"prepared {len(clients)} clients, proxy {manifest.proxy_train.size}/{manifest.proxy_test.size} (train/test)")
-    return PreparedData(final, manifest, cached=False)
+    seconds = time.time() - started
+    log(f"prepared {len(manifest.clients)} clients on {len({c.edge for c in manifest.clients})} edge servers, "
+        f"proxy {manifest.proxy_train.size}/{manifest.proxy_test.size} (train/test), in {seconds:.1f} s")
+    return PreparedData(final, manifest, cached=False, seconds=seconds)
 
 
 def load_shard(path: Path) -> dict:

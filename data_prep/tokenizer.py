@@ -14,6 +14,9 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
+from bhfl_core.config import ModelConfig
+from bhfl_core.models import hub_error
+
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 
 
@@ -50,5 +53,13 @@ def _canonical(vocab: dict[str, int]) -> models.WordPiece:
     return models.WordPiece({t: i for i, t in enumerate(ordered)}, unk_token="[UNK]")
 
 
-def load_tokenizer(name_or_dir: str | Path) -> PreTrainedTokenizerBase:
-    return AutoTokenizer.from_pretrained(str(name_or_dir))
+def load_tokenizer(name_or_dir: str | Path, revision: str | None = None) -> PreTrainedTokenizerBase:
+    return AutoTokenizer.from_pretrained(str(name_or_dir), revision=revision)
+
+
+def hub_tokenizer(model: ModelConfig) -> PreTrainedTokenizerBase:
+    """The tokenizer of a hub (or local-folder) model; a clear error when it cannot be loaded."""
+    try:
+        return load_tokenizer(model.name, model.revision)
+    except Exception as exc:  # OSError offline / not found: one paragraph, no stack trace
+        raise hub_error("tokenizer", model, exc) from None

@@ -42,7 +42,7 @@ def test_embedded_default_is_valid_and_matches_the_issue_shape():
          "tree.residuals.up[0].to: 'edge-de' is not an ancestor of 'edge-en'"),
         (["tree.residuals.up=[{from: edge, to: root}, {from: root, to: europe-west}]"],
          "tree.residuals.up[1].to: 'europe-west' is not an ancestor of 'root'"),
-        (["tree.residuals.up=[{from: client, to: root}]"], "tree.residuals.up[0].from: 'en-0' is a client"),
+        (["tree.residuals.up=[{from: client, to: root}]"], "tree.residuals.up[0].from: 'en-00' is a client"),
         (["tree.residuals.up=[{from: europe-west, to: root, select: loss}]"],
          "tree.residuals.up[0].select: 'loss' ranks clients by training loss"),
         (["tree.residuals.down=[{from: edge-en, to: root}]"],

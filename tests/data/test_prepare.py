@@ -56,3 +56,30 @@ def test_proxy_shards_record_language_rows_for_group_proxy_splits(tmp_path):
     assert torch.equal(west["input_ids"], torch.cat([full["input_ids"][0:30], full["input_ids"][60:90]]))
     assert torch.equal(ctx.proxy("train", "edge-de")["labels"], full["labels"][30:60])
     assert ctx.proxy("train", "root") is full
+
+
+def test_separate_proxy_corpus_per_language_for_masked_lm(tmp_path):
+    from datasets import Dataset
+
+    for lang in ("en", "de", "fr"):
+        Dataset.from_dict({"text": [f"{lang} web page {i} says w{i % 9}" for i in range(70)]}).to_parquet(
+            str(tmp_path / f"web.{lang}.parquet"))
+    cfg = small_config("data.task=mlm", f"data.proxy.source={{data_files: '{tmp_path}/web.{{lang}}.parquet'}}",
+                       "data.proxy.servers=[root, west]")
+    logs: list[str] = []
+    prepared = prepare_data(cfg, tmp_path / "cache", log=logs.append)
+    m = prepared.manifest
+    assert m.task == "mlm" and m.mask_token_id == 4 and m.proxy_source.startswith("separate corpus")
+    assert m.proxy_train.language_rows == {"en": (0, 30), "de": (30, 60), "fr": (60, 90)} and m.proxy_test.size == 60
+    assert m.proxy_train.label_hist == []  # an unlabelled corpus
+    proxy = load_shard(prepared.path(m.proxy_train.path))
+    assert set(proxy) == {"input_ids", "attention_mask", "token_type_ids"}
+    # nothing was carved from the client pool for the proxy: the clients drew from all of it
+    assert m.unused_pool_rows + sum(c.train.size + c.test.size for c in m.clients) == sum(
+        int(n * 1.3) + 50 for n in (sum(c.train.size + c.test.size for c in m.clients if c.language == lang)
+                                    for lang in ("en", "de", "fr")))
+    # the tokenizer was trained on the proxy corpus (public text): its words are in the vocabulary
+    tok = AutoTokenizer.from_pretrained(prepared.path(m.tokenizer))
+    assert "web" in tok.get_vocab()
+    again = prepare_data(cfg, tmp_path / "cache", log=logs.append)
+    assert again.cached and "no tokenisation" in logs[-1]

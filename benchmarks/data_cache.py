@@ -1,0 +1,68 @@
+"""Cold versus cached data preparation: the same config prepared twice into a fresh cache.
+
+Prints the wall time of a cold preparation (load/generate, partition, tokenise, write
+shards, manifest, report) and of the second call (fingerprint match: no loading, no
+tokenisation), inline (plain calls) and through the ``prepare-data`` Prefect flow (a
+task per step; the temporary Prefect server is started by a warm-up flow first, so
+its start-up is not counted). Also prints the partition summary of the config.
+Run:  .venv/bin/python benchmarks/data_cache.py [CONFIG] [--set KEY=VALUE ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("config", nargs="?", default=str(REPO / "configs" / "embedded.yaml"))
+    parser.add_argument("--set", dest="overrides", action="append", default=[])
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        os.environ.setdefault("PREFECT_HOME", str(Path(tmp) / ".prefect"))
+        from prefect import flow
+        from prefect.settings import temporary_settings
+
+        from bhfl_core.config_loader import load_config
+        from data_prep.prepare import prepare_data
+        from flows.data import run_prepare
+
+        config = load_config(args.config, args.overrides)
+        times: dict[str, float] = {}
+        started = time.perf_counter()
+        cold = prepare_data(config, Path(tmp) / "inline", log=lambda _: None)
+        times["inline cold"] = time.perf_counter() - started
+        started = time.perf_counter()
+        cached = prepare_data(config, Path(tmp) / "inline", log=lambda _: None)
+        times["inline cached"] = time.perf_counter() - started
+        assert not cold.cached and cached.cached
+
+        with temporary_settings(updates={"flows.heartbeat_frequency": None}):
+            flow(name="warm-up")(lambda: None)()
+            for label in ("flow cold", "flow cached"):
+                started = time.perf_counter()
+                run_prepare(config, Path(tmp) / "flow")
+                times[label] = time.perf_counter() - started
+
+        print((cold.report_dir / "partition.md").read_text())
+        print(f"{'preparation':<16}{'seconds':>10}")
+        for label, seconds in times.items():
+            print(f"{label:<16}{seconds:>10.3f}")
+
+
+if __name__ == "__main__":
+    main()

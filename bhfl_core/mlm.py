@@ -1,0 +1,160 @@
+"""Masked language modelling: BERT's token masking and grouped masked-token NLL.
+
+``mask_tokens`` is the training-time corruption (BERT's 80/10/10 rule), plugged into
+``local_train.train_model`` through its ``transform`` hook, so TRAIN is the same loop
+for classification and MLM. ``grouped_lm_stats`` is the MLM counterpart of
+``local_train.grouped_confusions``: per test group it returns *sums* (masked-token
+NLL, masked-token count), which add up over unions of groups exactly like confusion
+matrices do; loss = sum / count and perplexity = exp(loss) are computed from them.
+
+Evaluation masks are drawn once per call from ``seed`` over the whole table, so every
+model scored on the same table with the same seed sees the same masked positions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+IGNORE_INDEX = -100  # transformers' cross-entropy ignore index
+
+
+@dataclass(frozen=True)
+class MaskingSpec:
+    """What masking needs to know about the tokenizer, and the masking rate."""
+
+    special_ids: tuple[int, ...]
+    mask_token_id: int
+    vocab_size: int
+    probability: float = 0.15
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer: object, probability: float = 0.15) -> MaskingSpec:
+        mask_id = getattr(tokenizer, "mask_token_id", None)
+        if mask_id is None:
+            raise ValueError("the tokenizer has no mask token: a masked-LM task needs one (e.g. [MASK] or <mask>)")
+        return cls(tuple(sorted(set(tokenizer.all_special_ids))), int(mask_id), len(tokenizer), probability)  # type: ignore[attr-defined]
+
+
+def mask_tokens(
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    special_ids: Iterable[int],
+    mask_token_id: int,
+    vocab_size: int,
+    probability: float,
+    generator: torch.Generator,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(masked_input_ids, labels)`` under BERT's rule; ``labels`` is -100 where not masked.
+
+    Each real (attended, non-special) token is selected with ``probability``; a
+    selected token becomes the mask token 80% of the time, a uniformly random token
+    10%, and stays unchanged 10%. A row with maskable tokens but no selected one gets
+    one selected uniformly at random: short sequences would otherwise give batches
+    with no target at all, whose mean loss is 0/0 = NaN and would poison the weights.
+    """
+    ids = input_ids.clone()
+    maskable = ~torch.isin(ids, torch.tensor(sorted(set(special_ids)), dtype=ids.dtype))
+    if attention_mask is not None:
+        maskable &= attention_mask.bool()
+    chosen = (torch.rand(ids.shape, generator=generator) < probability) & maskable
+    empty = maskable.any(dim=1) & ~chosen.any(dim=1)
+    if bool(empty.any()):
+        # one uniformly random maskable position per empty row: argmax of noise over maskable slots
+        noise = torch.rand(ids.shape, generator=generator).masked_fill(~maskable, -1.0)
+        pick = torch.zeros_like(chosen)
+        pick[torch.arange(len(ids)), noise.argmax(dim=1)] = True
+        chosen |= pick & empty[:, None]
+    labels = torch.where(chosen, ids, torch.full_like(ids, IGNORE_INDEX))
+    action = torch.rand(ids.shape, generator=generator)
+    to_mask = chosen & (action < 0.8)
+    to_random = chosen & (action >= 0.8) & (action < 0.9)
+    ids[to_mask] = mask_token_id
+    random_ids = torch.randint(vocab_size, ids.shape, generator=generator, dtype=ids.dtype)
+    ids[to_random] = random_ids[to_random]
+    return ids, labels
+
+
+def mlm_transform(spec: MaskingSpec):
+    """A ``train_model`` transform that masks each batch with the training generator."""
+
+    def transform(batch: dict[str, torch.Tensor], generator: torch.Generator) -> dict[str, torch.Tensor]:
+        ids, labels = mask_tokens(batch["input_ids"], batch.get("attention_mask"), spec.special_ids,
+                                  spec.mask_token_id, spec.vocab_size, spec.probability, generator)
+        return {**{k: v for k, v in batch.items() if k != "labels"}, "input_ids": ids, "labels": labels}
+
+    return transform
+
+
+def _masked_logits(model: nn.Module, inputs: dict[str, torch.Tensor], positions: torch.Tensor) -> torch.Tensor:
+    """Logits at the masked ``positions`` only, shape ``(masked tokens, vocab)``.
+
+    The vocabulary projection of a hub model (e.g. 119k tokens for mBERT) over every
+    position of a batch would be batch x length x vocab floats; gathering the hidden
+    states of the masked positions just before the projection (a forward pre-hook on
+    the output embeddings) makes it masked tokens x vocab. Models without output
+    embeddings fall back to the full logits.
+    """
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is None:
+        return model(**inputs).logits[positions]
+
+    def gather(_module: nn.Module, args: tuple) -> tuple:
+        return (args[0][positions], *args[1:])
+
+    handle = head.register_forward_pre_hook(gather)
+    try:
+        return model(**inputs).logits
+    finally:
+        handle.remove()
+
+
+@torch.no_grad()
+def grouped_lm_stats(
+    model: nn.Module,
+    data: Mapping[str, torch.Tensor],
+    groups: torch.Tensor,
+    num_groups: int,
+    batch_size: int,
+    device: torch.device,
+    seed: int,
+    *,
+    masking: MaskingSpec,
+) -> torch.Tensor:
+    """``stats[group] = [summed NLL over masked tokens, number of masked tokens]`` (float64).
+
+    Masked positions are drawn once from ``seed`` for the whole table (so they do not
+    depend on the batch size or on which model is scored); rows are batched sorted by
+    length, like ``grouped_confusions``. A ``labels`` column in ``data`` (class labels)
+    is ignored.
+    """
+    model.eval()
+    gen = torch.Generator().manual_seed(seed)
+    masked_ids, targets = mask_tokens(data["input_ids"], data.get("attention_mask"), masking.special_ids,
+                                      masking.mask_token_id, masking.vocab_size, masking.probability, gen)
+    lengths = data["attention_mask"].sum(dim=1) if "attention_mask" in data else torch.zeros(len(groups))
+    order = torch.argsort(lengths, stable=True)
+    stats = torch.zeros(num_groups, 2, dtype=torch.float64)
+    inputs_all = {k: v for k, v in data.items() if k != "labels"}
+    inputs_all["input_ids"] = masked_ids
+    for start in range(0, len(order), batch_size):
+        idx = order[start : start + batch_size]
+        batch = {k: v[idx] for k, v in inputs_all.items()}
+        target = targets[idx]
+        if "attention_mask" in batch:
+            width = int(batch["attention_mask"].sum(dim=1).max())
+            batch = {k: v[:, :width] for k, v in batch.items()}
+            target = target[:, :width]
+        positions = target != IGNORE_INDEX
+        if not bool(positions.any()):
+            continue
+        logits = _masked_logits(model, {k: v.to(device) for k, v in batch.items()}, positions.to(device))
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        nll = -logp.gather(1, target[positions].to(device)[:, None]).squeeze(1).to(torch.float64).cpu()
+        row_group = groups[idx][:, None].expand_as(target)[positions]
+        stats[:, 0] += torch.bincount(row_group, weights=nll, minlength=num_groups)
+        stats[:, 1] += torch.bincount(row_group, minlength=num_groups).to(torch.float64)
+    return stats

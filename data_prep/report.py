@@ -1,0 +1,154 @@
+"""The partition report: statistics and plots of a prepared manifest (written next to it, once).
+
+- ``summary.json``: clients and edge servers per language, client sizes (train +
+  test: min / median / max), label skew, proxy sizes, unused pool rows;
+- ``partition.md``: the same as a small markdown table;
+- ``client_sizes.png``: client size distribution per language (log scale);
+- ``label_skew.png``: heatmap clients x labels (each client's label shares).
+
+Label skew is summarised as the mean total-variation distance between a client's
+label distribution and (a) its language's (all its language's clients pooled),
+(b) the global one; 0 = no skew, 1 = disjoint labels. Figures use matplotlib's
+object API with the Agg canvas (no display, no global backend switch).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from data_prep.manifest import Manifest
+
+SUMMARY, MARKDOWN, SIZES_PNG, SKEW_PNG = "summary.json", "partition.md", "client_sizes.png", "label_skew.png"
+
+
+def _hist(c) -> np.ndarray:  # noqa: ANN001 - a ClientEntry
+    a, b = np.asarray(c.train.label_hist, dtype=float), np.asarray(c.test.label_hist, dtype=float)
+    return a + b if len(a) and len(b) else np.zeros(0)
+
+
+def _tv(p: np.ndarray, q: np.ndarray) -> float:
+    return float(0.5 * np.abs(p / max(p.sum(), 1) - q / max(q.sum(), 1)).sum())
+
+
+def partition_summary(manifest: Manifest) -> dict[str, Any]:
+    clients = manifest.clients
+    sizes = np.array([c.train.size + c.test.size for c in clients])
+    languages = list(dict.fromkeys(c.language for c in clients))
+    hists = np.stack([_hist(c) for c in clients]) if clients and len(_hist(clients[0])) else np.zeros((len(clients), 0))
+    per_language: dict[str, Any] = {}
+    tv_lang, tv_global = [], []
+    for lang in languages:
+        idx = [i for i, c in enumerate(clients) if c.language == lang]
+        s = sizes[idx]
+        per_language[lang] = {
+            "clients": len(idx), "edges": sorted({clients[i].edge for i in idx}),
+            "size_min": int(s.min()), "size_median": float(np.median(s)), "size_max": int(s.max()),
+            "train": int(sum(clients[i].train.size for i in idx)), "test": int(sum(clients[i].test.size for i in idx)),
+        }
+        if hists.shape[1]:
+            pooled = hists[idx].sum(axis=0)
+            tv_lang += [_tv(hists[i], pooled) for i in idx]
+    if hists.shape[1]:
+        total = hists.sum(axis=0)
+        tv_global = [_tv(h, total) for h in hists]
+    return {
+        "fingerprint": manifest.fingerprint, "task": manifest.task, "source": manifest.source,
+        "clients": len(clients), "edges": len({c.edge for c in clients}), "clustering": manifest.clustering,
+        "sizes": {"min": int(sizes.min()), "median": float(np.median(sizes)), "max": int(sizes.max()),
+                  "mean": float(sizes.mean()), "total": int(sizes.sum())} if len(sizes) else {},
+        "label_skew": {
+            "tv_to_language_mean": float(np.mean(tv_lang)) if tv_lang else None,
+            "tv_to_global_mean": float(np.mean(tv_global)) if tv_global else None,
+            "labels_present_mean": float((hists > 0).sum(axis=1).mean()) if hists.shape[1] else None,
+            "labels": len(manifest.labels),
+        },
+        "per_language": per_language,
+        "proxy": {"source": manifest.proxy_source, "train": manifest.proxy_train.size, "test": manifest.proxy_test.size},
+        "unused_pool_rows": manifest.unused_pool_rows,
+        "held_out": manifest.held_out,
+    }
+
+
+def summary_markdown(summary: dict[str, Any]) -> str:
+    skew = summary["label_skew"]
+    lines = [
+        f"Partition `{summary['fingerprint']}` ({summary['task']}, {summary['source']}): {summary['clients']} clients, "
+        f"{summary['edges']} edge servers ({summary['clustering']} clustering).",
+        "",
+        "| language | clients | edge servers | size min | size median | size max | train | test |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for lang, s in summary["per_language"].items():
+        lines.append(f"| {lang} | {s['clients']} | {len(s['edges'])} | {s['size_min']} | {s['size_median']:g} | "
+                     f"{s['size_max']} | {s['train']} | {s['test']} |")
+    if skew["tv_to_language_mean"] is not None:
+        lines += ["", f"Label skew: mean total-variation distance of a client's labels to its language's "
+                      f"{skew['tv_to_language_mean']:.3f}, to the global {skew['tv_to_global_mean']:.3f}; "
+                      f"{skew['labels_present_mean']:.1f} of {skew['labels']} labels present per client on average."]
+    p = summary["proxy"]
+    lines += ["", f"Proxy ({p['source']}): {p['train']} train / {p['test']} test rows. "
+                  f"Unused pool rows: {summary['unused_pool_rows']}." + (f" Held out: {summary['held_out']}." if summary["held_out"] else "")]
+    return "\n".join(lines) + "\n"
+
+
+def _figure(width: float, height: float):  # noqa: ANN202
+    from matplotlib.figure import Figure
+
+    return Figure(figsize=(width, height), dpi=110)
+
+
+def plot_sizes(manifest: Manifest, path: Path) -> None:
+    languages = list(dict.fromkeys(c.language for c in manifest.clients))
+    data = [[c.train.size + c.test.size for c in manifest.clients if c.language == lang] for lang in languages]
+    fig = _figure(1.2 + 0.9 * len(languages), 3.6)
+    ax = fig.add_subplot()
+    ax.boxplot(data, showfliers=False)
+    ax.set_xticks(range(1, len(languages) + 1), languages)
+    rng = np.random.default_rng(0)  # jitter only: the plot, not the data
+    for i, values in enumerate(data, start=1):
+        ax.scatter(i + rng.uniform(-0.15, 0.15, len(values)), values, s=12, alpha=0.7)
+    ax.set_yscale("log")
+    ax.set_xlabel("language")
+    ax.set_ylabel("client size (train + test)")
+    ax.set_title("Client sizes per language")
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def plot_label_skew(manifest: Manifest, path: Path) -> None:
+    clients = manifest.clients
+    hists = np.stack([_hist(c) for c in clients])
+    shares = hists / np.maximum(hists.sum(axis=1, keepdims=True), 1)
+    fig = _figure(2.5 + 0.35 * len(manifest.labels), 1.5 + min(0.16 * len(clients), 14))
+    ax = fig.add_subplot()
+    image = ax.imshow(shares, aspect="auto", cmap="viridis", vmin=0, vmax=1, interpolation="nearest")
+    ax.set_xticks(range(len(manifest.labels)), manifest.labels, rotation=60, ha="right", fontsize=7)
+    if len(clients) <= 80:
+        ax.set_yticks(range(len(clients)), [c.id for c in clients], fontsize=6)
+    else:
+        ax.set_yticks([])
+        ax.set_ylabel(f"{len(clients)} clients")
+    fig.colorbar(image, ax=ax, label="share of the client's examples")
+    ax.set_title("Label skew: clients x labels")
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def write_report(manifest: Manifest, folder: Path) -> list[Path]:
+    """Write the summary and plots into ``folder``; returns the files written."""
+    folder.mkdir(parents=True, exist_ok=True)
+    summary = partition_summary(manifest)
+    (folder / SUMMARY).write_text(json.dumps(summary, indent=2))
+    (folder / MARKDOWN).write_text(summary_markdown(summary))
+    written = [folder / SUMMARY, folder / MARKDOWN]
+    if manifest.clients:
+        plot_sizes(manifest, folder / SIZES_PNG)
+        written.append(folder / SIZES_PNG)
+        if len(_hist(manifest.clients[0])):
+            plot_label_skew(manifest, folder / SKEW_PNG)
+            written.append(folder / SKEW_PNG)
+    return written

@@ -1,0 +1,66 @@
+"""The ``prepare-data`` flow: data_prep's steps as Prefect tasks, cached on disk by fingerprint.
+
+Flow shape (what the Prefect UI shows)::
+
+    prepare-data
+      load-pool -> partition -> proxy-split -> tokenizer -> tokenise -> assign-edges
+      -> write-manifest -> partition-report
+
+A cache hit (same fingerprint) runs no task at all and logs "no tokenisation". The
+experiment flow calls this flow as a subflow; ``bhfl prepare`` runs it alone.
+Steps receive their (in-process) inputs ``quote``-d, so Prefect does not walk Arrow
+tables or numpy arrays looking for futures; nothing is persisted by Prefect (the
+prepared folder is the result).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from prefect import flow, get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+from prefect.utilities.annotations import quote
+
+from bhfl_core.config import ExperimentConfig, dump
+from data_prep.manifest import Manifest
+from data_prep.prepare import PreparedData, prepare_data
+
+_NOTES: list[Callable[[str], None]] = []  # process-local progress sinks (the CLI's reporter)
+
+
+def _task_step(name: str, fn: Callable[..., Any], *args: Any) -> Any:
+    """Run one preparation step as a Prefect task (no caching: the prepared folder is the cache)."""
+    return task(fn, name=name, cache_policy=NO_CACHE, persist_result=False)(*[quote(a) for a in args])
+
+
+@flow(name="prepare-data", validate_parameters=False)
+def prepare_data_flow(config: dict[str, Any], cache_root: str) -> dict[str, Any]:
+    """Prepare (or reuse, by fingerprint) an experiment's data; returns the folder and whether it was cached."""
+    cfg = ExperimentConfig.model_validate(config)
+    logger = get_run_logger()
+
+    def log(message: str) -> None:
+        logger.info(message)
+        for note in _NOTES:
+            note(message)
+
+    prepared = prepare_data(cfg, Path(cache_root), log=log, step=_task_step)
+    return {"root": str(prepared.root), "cached": prepared.cached, "seconds": prepared.seconds}
+
+
+def run_prepare(config: ExperimentConfig, cache_root: Path, note: Callable[[str], None] | None = None,
+                inline: bool = False) -> PreparedData:
+    """Prepare through the flow (a subflow when called inside one), or inline without Prefect."""
+    if note is not None:
+        _NOTES.append(note)
+    try:
+        if inline:
+            return prepare_data(config, cache_root, log=note or (lambda _: None))
+        out = prepare_data_flow(dump(config), str(cache_root))
+    finally:
+        if note is not None:
+            _NOTES.remove(note)
+    root = Path(out["root"])
+    return PreparedData(root, Manifest.read(root), cached=out["cached"], seconds=out["seconds"])
