@@ -1,30 +1,99 @@
-"""Classification metrics from confusion matrices.
+"""Metrics from additive statistics, chosen by the task.
 
-Working from confusion matrices makes unions free: the metric of a model on the union
-of several test sets is the metric of the *sum* of their confusion matrices.
+Every task's evaluation returns, per test group, *statistics that add up*:
+confusion matrices for classification, ``[summed masked-token NLL, masked-token
+count]`` for masked language modelling. The metric of a model on the union of several
+test sets is the metric of the *sum* of their statistics, so unions (a subtree's
+clients, all clients) cost no extra model passes. ``task_metrics(manifest.task)``
+gives the stats -> metrics function of a task and which direction is better.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
 import torch
 
 
-def accuracy(confusion: torch.Tensor) -> float:
-    total = int(confusion.sum())
-    return float(confusion.diag().sum()) / total if total else float("nan")
+def classification_batch(confusions: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Accuracy and macro-F1 of a batch of confusion matrices ``[n, true, pred]`` (NaN where empty).
 
-
-def macro_f1(confusion: torch.Tensor) -> float:
-    """Mean F1 over the classes present in the truth or the predictions (as scikit-learn does)."""
-    tp = confusion.diag().to(torch.float64)
-    true_count = confusion.sum(dim=1).to(torch.float64)
-    pred_count = confusion.sum(dim=0).to(torch.float64)
+    Macro-F1 averages over the classes present in the truth or the predictions of each
+    matrix (scikit-learn's convention).
+    """
+    c = confusions.to(torch.float64)
+    tp = torch.diagonal(c, dim1=-2, dim2=-1)
+    total = c.sum(dim=(-2, -1))
+    true_count, pred_count = c.sum(dim=-1), c.sum(dim=-2)
     present = (true_count + pred_count) > 0
-    if not bool(present.any()):
-        return float("nan")
     f1 = 2 * tp / (true_count + pred_count).clamp(min=1)
-    return float(f1[present].mean())
+    nan = torch.tensor(float("nan"), dtype=torch.float64)
+    return {
+        "accuracy": torch.where(total > 0, tp.sum(dim=-1) / total.clamp(min=1), nan),
+        "macro_f1": torch.where(present.any(dim=-1), (f1 * present).sum(dim=-1) / present.sum(dim=-1).clamp(min=1), nan),
+    }
+
+
+def lm_batch(stats: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``stats[n] = [summed NLL over masked tokens, masked-token count]`` -> mean loss and perplexity.
+
+    loss = sum / count (nats per masked token), perplexity = exp(loss); NaN with no tokens.
+    """
+    s = stats.to(torch.float64)
+    count = s[..., 1]
+    loss = torch.where(count > 0, s[..., 0] / count.clamp(min=1e-300), torch.tensor(float("nan"), dtype=torch.float64))
+    return {"loss": loss, "perplexity": torch.exp(loss)}
+
+
+def _single(batch: Callable[[torch.Tensor], dict[str, torch.Tensor]], block: torch.Tensor) -> dict[str, float]:
+    return {k: float(v[0]) for k, v in batch(block[None]).items()}
 
 
 def classification_metrics(confusion: torch.Tensor) -> dict[str, float]:
-    return {"accuracy": accuracy(confusion), "macro_f1": macro_f1(confusion)}
+    return _single(classification_batch, confusion)
+
+
+def accuracy(confusion: torch.Tensor) -> float:
+    return classification_metrics(confusion)["accuracy"]
+
+
+def macro_f1(confusion: torch.Tensor) -> float:
+    return classification_metrics(confusion)["macro_f1"]
+
+
+def lm_metrics(stats: torch.Tensor) -> dict[str, float]:
+    return _single(lm_batch, stats)
+
+
+@dataclass(frozen=True)
+class TaskMetrics:
+    """How a task's additive statistics become metrics, and how to rank them.
+
+    ``primary`` is the metric of headlines, heatmaps and the proximity analysis;
+    ``higher_is_better[m]`` decides what "best 10%" and "worst 10%" mean for ``m``.
+    """
+
+    task: str
+    batch: Callable[[torch.Tensor], dict[str, torch.Tensor]]  # stats [n, ...] -> metric -> values [n]
+    names: tuple[str, ...]
+    higher_is_better: Mapping[str, bool]
+    primary: str
+
+    def better(self, metric: str) -> bool:
+        return self.higher_is_better[metric]
+
+
+TASKS: dict[str, TaskMetrics] = {
+    "classification": TaskMetrics("classification", classification_batch, ("accuracy", "macro_f1"),
+                                  {"accuracy": True, "macro_f1": True}, "accuracy"),
+    "mlm": TaskMetrics("mlm", lm_batch, ("loss", "perplexity"), {"loss": False, "perplexity": False}, "perplexity"),
+}
+
+
+def task_metrics(task: str) -> TaskMetrics:
+    """The metrics of ``task`` (the data manifest's ``task``); unknown tasks are errors naming it."""
+    try:
+        return TASKS[task]
+    except KeyError:
+        raise ValueError(f"no evaluation metrics for task {task!r}; known tasks: {sorted(TASKS)}") from None

@@ -4,6 +4,8 @@ import pytest
 from prefect.settings import temporary_settings
 from prefect.testing.utilities import prefect_test_harness
 
+from tests.flows.report_fixtures import evaluated_runs  # noqa: F401  (session fixture: finished small runs)
+
 
 @pytest.fixture(scope="session", autouse=True)
 def prefect_backend():

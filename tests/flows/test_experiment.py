@@ -82,7 +82,8 @@ def test_matrix_artifact_covers_every_model_and_test_set(finished):
     trained_clients = {c for c in clients if store.has(c)}
     assert trained_clients and nodes - {"root", "west", "east", "edge-en", "edge-de", "edge-fr"} == trained_clients
     test_sets = {r["test_set"] for r in rows}
-    assert test_sets == set(clients) | {"proxy", "union"}
+    subtrees = {f"subtree:{n}" for n in ("west", "east", "edge-en", "edge-de", "edge-fr")}
+    assert test_sets == set(clients) | subtrees | {"proxy", "union"}
     assert len(rows) == len(nodes) * len(test_sets) * 2
     assert {r["metric"] for r in rows} == {"accuracy", "macro_f1"}
     assert {r["level"] for r in rows if r["node"] == "root"} == {"0"}

@@ -1,0 +1,176 @@
+"""The evaluation report of a finished run, read back from the real MLflow store; `bhfl compare`."""
+
+import csv
+import io
+import math
+from pathlib import Path
+
+import pytest
+from mlflow import MlflowClient
+from typer.testing import CliRunner
+
+from bhfl_core.evaluation import parse_model
+from flows.cli import app
+from flows.tracking import Tracker
+from tasks.context import get_context
+from tasks.evaluation import evaluate_models
+
+CLIENTS = [f"{lang}-{i:02d}" for lang in ("en", "fr", "de") for i in range(3)]
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def _runs(client, experiment_id):
+    return {r.info.run_name: r for r in client.search_runs([experiment_id], max_results=1000)}
+
+
+def _artifact(client, run_id, path, dst):
+    return Path(client.download_artifacts(run_id, path, str(dst)))
+
+
+def _matrix(client, run_id, dst):
+    rows = list(csv.DictReader(io.StringIO(_artifact(client, run_id, "eval/matrix.csv", dst).read_text())))
+    return rows, {(r["node"], r["test_set"], r["metric"]): float(r["value"]) for r in rows}
+
+
+def test_report_artifacts_on_the_parent_run(evaluated_runs, tmp_path):
+    _, tree, _ = evaluated_runs
+    client = MlflowClient(tree["tracking_uri"])
+    top = {a.path for a in client.list_artifacts(tree["run_id"])}
+    assert {"report.md", "eval", "config.yaml"} <= top
+    files = {a.path for a in client.list_artifacts(tree["run_id"], "eval")}
+    for name in ("matrix.csv", "distribution.csv", "clients.csv", "proximity.csv", "proximity_clients.csv",
+                 "communication.csv", "communication_levels.csv", "heatmap.png", "proximity.png"):
+        assert f"eval/{name}" in files, name
+    for png in ("eval/heatmap.png", "eval/proximity.png"):
+        data = _artifact(client, tree["run_id"], png, tmp_path).read_bytes()
+        assert data.startswith(PNG) and len(data) > 10_000
+        assert data == (Path(tree["run_path"]) / "report" / png).read_bytes()  # the run folder holds the same
+    report = _artifact(client, tree["run_id"], "report.md", tmp_path).read_text()
+    for section in ("# itest-report: evaluation report", "## Proximity", "## Communication", "## Cost",
+                    "![heatmap](eval/heatmap.png)", "local-only model", "locally adapted model"):
+        assert section in report, section
+
+
+def test_matrix_has_subtrees_and_baselines_and_unions_add_up(evaluated_runs, tmp_path):
+    _, tree, _ = evaluated_runs
+    client = MlflowClient(tree["tracking_uri"])
+    rows, value = _matrix(client, tree["run_id"], tmp_path)
+    subtrees = {f"subtree:{n}" for n in ("west", "east", "edge-en", "edge-fr", "edge-de")}
+    assert {r["test_set"] for r in rows} == set(CLIENTS) | subtrees | {"union", "proxy"}
+    models = {r["node"] for r in rows}
+    assert {f"local:{c}" for c in CLIENTS} | {f"adapt:{c}" for c in CLIENTS} <= models
+    assert {r["level"] for r in rows if r["node"] == "local:de-01"} == {"3"}
+    # a union's accuracy is the test-size-weighted mean of its clients' accuracies (sums of confusions)
+    sizes = {c.id: c.test.size for c in get_context(tree["run_path"]).manifest.clients}
+    for model in ("root", "edge-de", "en-01", "local:fr-02"):
+        for test_set, members in (("union", CLIENTS), ("subtree:west", [c for c in CLIENTS if c[:2] in ("en", "fr")])):
+            weighted = sum(value[(model, c, "accuracy")] * sizes[c] for c in members) / sum(sizes[c] for c in members)
+            assert value[(model, test_set, "accuracy")] == pytest.approx(weighted, abs=2e-6)
+
+
+def test_baselines_are_reproducible(evaluated_runs, tmp_path):
+    _, tree, _ = evaluated_runs
+    client = MlflowClient(tree["tracking_uri"])
+    _, value = _matrix(client, tree["run_id"], tmp_path)
+    again = evaluate_models.fn(tree["run_path"], ["local:en-00", "adapt:fr-01"])
+    for model, split in (("local:en-00", "en-00"), ("adapt:fr-01", "proxy")):
+        confusion = again[model][split]
+        assert float(confusion.diag().sum() / confusion.sum()) == pytest.approx(value[(model, split, "accuracy")], abs=1e-6)
+    assert parse_model("adapt:fr-01").node == "fr-01"
+
+
+def test_per_round_curves_for_every_node(evaluated_runs):
+    _, tree, _ = evaluated_runs
+    client = MlflowClient(tree["tracking_uri"])
+    runs = _runs(client, tree["experiment_id"])
+    for node in ("root", "west", "east", "edge-en", "edge-fr", "edge-de"):
+        run_id = runs[node].info.run_id
+        for key in ("dist/subtree/accuracy_mean", "dist/all/accuracy_worst10", "eval/union/accuracy", "eval/subtree:west/accuracy"):
+            assert sorted(m.step for m in client.get_metric_history(run_id, key)) == [1, 2], (node, key)
+    parent = tree["run_id"]
+    assert sorted(m.step for m in client.get_metric_history(parent, "time/eval_s")) == [1, 2]
+    assert [m.step for m in client.get_metric_history(parent, "time/baselines_s")] == [2]  # final evaluation only
+    # the subtree distribution of edge-de is its 3 German clients' accuracies
+    _, value = _matrix(client, parent, Path(tree["run_path"]) / "dl")
+    de = [value[("edge-de", c, "accuracy")] for c in CLIENTS if c.startswith("de")]
+    final = {m.step: m.value for m in client.get_metric_history(runs["edge-de"].info.run_id, "dist/subtree/accuracy_mean")}
+    assert final[2] == pytest.approx(sum(de) / 3, abs=1e-5)
+
+
+def test_communication_from_persisted_histories(evaluated_runs, tmp_path):
+    _, tree, _ = evaluated_runs
+    client = MlflowClient(tree["tracking_uri"])
+    text = _artifact(client, tree["run_id"], "eval/communication.csv", tmp_path).read_text()
+    rows = list(csv.DictReader(io.StringIO(text)))
+    down = {lvl: sum(float(r["models"]) for r in rows if r["level"] == lvl and r["direction"] == "down") for lvl in "012"}
+    # 2 root rounds: root -> {west, east}; west -> 2 edges, east -> 1; each edge round samples 2 clients
+    assert down == {"0": 2 * 2, "1": 2 * (2 + 1), "2": 2 * 3 * 2}
+    assert sum(float(r["models"]) for r in rows if r["direction"] == "up") == 22
+    assert not [r for r in rows if r["kind"] == "residual"]  # the small config has no residual rules
+    params = int(client.get_run(tree["run_id"]).data.tags["bhfl.model_params"])
+    metrics = client.get_run(tree["run_id"]).data.metrics
+    assert params == get_context(tree["run_path"]).store.load_model("root").numel()
+    assert metrics["comm/total_bytes"] == 44 * params * 4 and metrics["comm/total_model_equivalents"] == 44
+
+
+def test_history_keeps_the_last_write_of_a_step(evaluated_runs):
+    """A round re-run after a crash logs its step again: the table must count it once."""
+    _, tree, _ = evaluated_runs
+    tracker = Tracker(tree["tracking_uri"])
+    exp = tracker.client.create_experiment("itest-history")
+    run_id = tracker.client.create_run(exp).info.run_id
+    for step, value, ts in ((1, 4.0, 1000), (2, 4.0, 2000), (2, 3.0, 3000)):
+        tracker.client.log_metric(run_id, "comm/down_models", value, timestamp=ts, step=step)
+    assert tracker.history(run_id, "comm/down_models") == {1: 4.0, 2: 3.0}
+
+
+def test_parent_run_is_sortable_and_described(evaluated_runs):
+    _, tree, _ = evaluated_runs
+    client = MlflowClient(tree["tracking_uri"])
+    parent = client.get_run(tree["run_id"])
+    for key in ("client_on_own_clients/accuracy_mean", "edge_on_own_clients/accuracy_worst10", "root/union/accuracy",
+                "local_only_on_own_clients/accuracy_mean", "gain_vs_local/edge/accuracy_mean",
+                "proximity/share_clients_rank", "proximity/union_rho_depth", "comm/total_bytes", "time/eval_share"):
+        assert key in parent.data.metrics, key
+    assert 0 <= parent.data.metrics["proximity/share_clients_rank"] <= 1
+    assert parent.data.metrics["time/eval_share"] > 0
+    assert parent.data.tags["bhfl.task"] == "classification" and parent.data.tags["bhfl.data_fingerprint"]
+    assert "**Results** (accuracy)" in parent.data.tags["mlflow.note.content"]
+    edge = _runs(client, tree["experiment_id"])["edge-en"]
+    assert "Edge server `edge-en`" in edge.data.tags["mlflow.note.content"]
+    assert tree["headline"]["root/union/accuracy"] == parent.data.metrics["root/union/accuracy"]
+
+
+def test_compare_prints_markdown_and_writes_csv(evaluated_runs, tmp_path):
+    root, tree, flat = evaluated_runs
+    out = tmp_path / "cmp.csv"
+    result = CliRunner().invoke(app, ["compare", "itest-report", flat["run_id"], "--run-dir", str(root), "--csv", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "| experiment | run | metric | own model: mean" in result.stdout
+    rows = list(csv.DictReader(io.StringIO(out.read_text())))
+    assert [r["experiment"] for r in rows] == ["itest-report", "itest-flat"]
+    client = MlflowClient(tree["tracking_uri"])
+    for row, run in zip(rows, (tree, flat)):
+        metrics = client.get_run(run["run_id"]).data.metrics
+        assert row["run_id"] == run["run_id"]
+        assert float(row["leaf_mean"]) == pytest.approx(metrics["client_on_own_clients/accuracy_mean"])
+        assert float(row["root_proxy"]) == pytest.approx(metrics["root/proxy/accuracy"])
+        assert float(row["comm_mb"]) == pytest.approx(metrics["comm/total_bytes"] / 1e6)
+    assert float(rows[0]["comm_model_equivalents"]) == 44
+    # flat FedAvg: the parent server of every client is the root
+    assert float(rows[1]["parent_mean"]) == pytest.approx(
+        client.get_run(flat["run_id"]).data.metrics["root_on_own_clients/accuracy_mean"])
+    assert not math.isnan(float(rows[1]["closer_is_better_share"]))
+
+
+def test_compare_rejects_unknown_and_node_runs(evaluated_runs, tmp_path):
+    root, tree, _ = evaluated_runs
+    runner = CliRunner()
+    result = runner.invoke(app, ["compare", "no-such-experiment", "--run-dir", str(root), "--csv", str(tmp_path / "x.csv")])
+    assert result.exit_code == 2 and "'no-such-experiment' is neither a run id nor an experiment name" in result.output
+    assert not (tmp_path / "x.csv").exists()
+    node_run = _runs(MlflowClient(tree["tracking_uri"]), tree["experiment_id"])["edge-fr"].info.run_id
+    result = runner.invoke(app, ["compare", node_run, "--run-dir", str(root)])
+    assert result.exit_code == 2 and "this is the run of node 'edge-fr'" in result.output
+    result = runner.invoke(app, ["compare", "x", "--run-dir", str(tmp_path / "empty")])
+    assert result.exit_code == 2 and "no MLflow store" in result.output
