@@ -27,19 +27,24 @@ Choices where ALGORITHMS.md is silent:
 - A node with no model yet adopts ``phi`` (its first down-aggregation is a copy).
 - ``persistent: false`` nodes start every execution from ``phi`` with fresh optimiser
   states; servers still save their latest model so it can be evaluated.
-- The state is checkpointed after every node round (model, optimiser states and the
-  round counter in one atomic file).
+- The state is checkpointed after every node round (model, optimiser states, the
+  round counter and the execution it belongs to, in one atomic file).
 - A node with no model yet still folds its waiting down-residuals into ``phi``.
+
+Resume: an execution is identified by (node, caller), where the caller is the parent
+round that triggered it. Executed again with the same caller (a re-run after a crash),
+a node whose execution finished returns its saved result without work, and one that
+was interrupted continues after its last saved round (its down-aggregation is not
+repeated). Every random draw depends only on (seed, node, round, caller), so the
+re-run reproduces the uninterrupted run bit for bit.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import torch
-
-from pathlib import Path
 
 from bhfl_core.aggregation import WeightedSum
 from bhfl_core.node_opt import OptState, node_opt_step
@@ -61,6 +66,7 @@ class ChildrenReport:
     aggregate: WeightedSum = field(default_factory=WeightedSum)
     metrics: dict[str, float] = field(default_factory=dict)
     candidates: list[Candidate] = field(default_factory=list)
+    dropped: list[str] = field(default_factory=list)  # children that failed and were left out
 
 
 @dataclass(frozen=True)
@@ -78,6 +84,14 @@ class RoundKey:
 
     def parts(self) -> tuple[str, int, str]:
         return (self.node_id, self.round, self.caller)
+
+
+@dataclass(frozen=True)
+class NodeResult:
+    """What an execution returns to its parent: theta_T and its last round's metrics."""
+
+    theta: torch.Tensor
+    metrics: dict[str, float] = field(default_factory=dict)
 
 
 class EngineHooks(Protocol):
@@ -102,65 +116,78 @@ def execute_node(
     hooks: EngineHooks,
     seed: int,
     caller: str = "",
-) -> torch.Tensor:
-    """Run one execution of ``node`` (T_q rounds) and return its final model theta_T."""
+) -> NodeResult:
+    """Run one execution of ``node`` (T_q rounds), or finish it after a crash; return theta_T."""
     settings = node.settings
-    state = store.load(node.id)
-    if not settings.persistent:
-        state = NodeState(rounds_done=state.rounds_done)
-    opt_res = dict(state.opt_res)
-    consumed: list[Path] = []
+    stored = store.load(node.id)
+    done = stored.execution_rounds_done(caller)
+    if done >= settings.rounds:  # finished before a crash: hand back the saved result
+        assert stored.model is not None
+        return NodeResult(stored.model, stored.metrics)
+    # Receivers of residuals keep their bookkeeping even when not persistent.
+    save = settings.persistent or not node.is_leaf or bool(settings.res_in)
 
-    if phi is None:
-        if state.model is None:
-            raise ValueError(f"node {node.id!r} was executed without a parent model and has no model of its own")
-        theta = state.model
+    if done:  # interrupted mid-execution: continue after the last saved round
+        state = stored
+        theta = stored.model
+        assert theta is not None
     else:
-        if state.model is None:
-            theta = phi.clone()
-            opt_down = state.opt_down
+        state = stored if settings.persistent else NodeState(rounds_done=stored.rounds_done, res_seen=stored.res_seen)
+        opt_res, seen = dict(state.opt_res), dict(state.res_seen)
+        opt_down = state.opt_down
+        if phi is None:
+            if state.model is None:
+                raise ValueError(f"node {node.id!r} was executed without a parent model and has no model of its own")
+            theta = state.model
         else:
-            opt_down, theta = node_opt_step(state.opt_down, state.model, phi, settings.opt_down)
-        base = phi if state.model is None else state.model
-        theta = _fold_residuals(node, store, "down", base, theta, opt_res, consumed)
-        state = NodeState(state.model, state.opt_up, opt_down, state.rounds_done, opt_res)
+            if state.model is None:
+                theta = phi.clone()
+            else:
+                opt_down, theta = node_opt_step(state.opt_down, state.model, phi, settings.opt_down)
+            base = phi if state.model is None else state.model
+            theta = _fold_residuals(node, store, "down", base, theta, opt_res, seen)
+        state = replace(state, opt_down=opt_down, opt_res=opt_res, res_seen=seen,
+                        exec_caller=caller, exec_start=state.rounds_done)
 
     children = tree.children(node.id)
-    save = settings.persistent or not node.is_leaf
-    for _ in range(settings.rounds):
+    for _ in range(done, settings.rounds):
         key = RoundKey(node.id, state.rounds_done, caller)
-        tag = f"{node.id}.{key.round:06d}"
         metrics: dict[str, float] = {}
-        opt_up = state.opt_up
+        opt_up, opt_res, seen = state.opt_up, dict(state.opt_res), dict(state.res_seen)
         for link in settings.res_down:
             down = WeightedSum()
             down.add(theta, 1.0)
-            store.post_residual(link.target, link.key, tag, down)
+            store.post_residual(link.target, link.key, node.id, key.round, down)
         cohort = sample_cohort(children, settings.cohort, seed, node.id, key.round)
         if not node.is_leaf:  # communication, in models (flat vectors): what this round moved
             metrics.update({"comm/down_models": float(len(cohort)), "comm/up_models": float(len(cohort)),
                             "comm/res_down_models": float(len(settings.res_down)), "comm/res_up_models": 0.0})
-        if cohort:
-            report = hooks.run_children(node, cohort, theta, key)
+        report = hooks.run_children(node, cohort, theta, key) if cohort else None
+        if report is not None and report.dropped:
+            metrics["comm/up_models"] -= len(report.dropped)
+            metrics["train/dropped_clients"] = float(len(report.dropped))
+        if report is not None and report.aggregate.empty:  # every child failed and was dropped
+            metrics.update(report.metrics)
+        elif report is not None:
             mean_input = report.aggregate.mean()
             for link in settings.res_up:
                 chosen = select_residuals(report.candidates, theta, link.k, link.select, mean_input)
                 if chosen:
-                    store.post_residual(link.target, link.key, tag, contribution(chosen, link.combine))
+                    store.post_residual(link.target, link.key, node.id, key.round, contribution(chosen, link.combine))
                     metrics["comm/res_up_models"] += 1.0 if link.combine == "mean" else float(len(chosen))
             opt_up, stepped = node_opt_step(opt_up, theta, mean_input, settings.opt_up)
-            theta = _fold_residuals(node, store, "up", theta, stepped, opt_res, consumed)
+            theta = _fold_residuals(node, store, "up", theta, stepped, opt_res, seen)
             metrics.update(report.metrics)
         if settings.train is not None:
             theta, train_metrics = hooks.train(node, theta, key)
             metrics.update(train_metrics)
-        state = NodeState(theta, opt_up, state.opt_down, state.rounds_done + 1, dict(opt_res))
+        state = replace(state, model=theta, opt_up=opt_up, rounds_done=state.rounds_done + 1,
+                        opt_res=opt_res, res_seen=seen, metrics=metrics)
         if save:
             store.save(node.id, state)
-        store.consume(consumed)
-        consumed.clear()
+        store.drop_consumed(node.id, state.res_seen)
         hooks.round_done(node, key, theta, metrics)
-    return theta
+    return NodeResult(theta, state.metrics)
 
 
 def _fold_residuals(
@@ -170,16 +197,16 @@ def _fold_residuals(
     base: torch.Tensor,
     stepped: torch.Tensor,
     opt_res: dict[str, OptState],
-    consumed: list[Path],
+    seen: dict[str, int],
 ) -> torch.Tensor:
     """Add each waiting residual kind's NODEOPT step (taken from ``base``) to ``stepped``.
 
-    Updates ``opt_res`` in place and records the accumulator files read in ``consumed``.
-    With nothing waiting, ``stepped`` is returned untouched (bit-exact FedAvg replacement).
+    Updates ``opt_res`` and ``seen`` (what was consumed) in place. With nothing waiting,
+    ``stepped`` is returned untouched (bit-exact FedAvg replacement).
     """
     theta = stepped
-    for kind, (acc, files) in store.pending_residuals(node.id, direction).items():
+    for kind, (acc, read) in store.pending_residuals(node.id, direction, seen).items():
         opt_res[kind], moved = node_opt_step(opt_res.get(kind, {}), base, acc.mean(), node.settings.residual_opt(kind))
         theta = theta + (moved - base)
-        consumed.extend(files)
+        seen.update(read)
     return theta

@@ -1,28 +1,43 @@
-"""On-disk node state: one safetensors file per node, written atomically.
+"""On-disk node state: one safetensors file per node, written atomically, checksummed.
 
-A node's state (persistent model ``W_q``, up/down optimiser states, rounds done) is
-one file, so a crash can never leave a model from round t beside optimiser moments
-from round t-1. Files are written to a temporary name, fsync'ed and renamed; loads use
-safetensors (no unpickling). Memory is bounded by what callers load, not by the
-number of nodes. Messages (a model sent down to children or up to the parent) use
-the same atomic writer under ``messages/``.
+A node's state (persistent model ``W_q``, up/down optimiser states, one optimiser state
+per residual kind it receives, rounds done, and which execution it belongs to) is one
+file, so a crash can never leave a model from round t beside optimiser moments from
+round t-1. Files are written to a temporary name, fsync'ed and renamed; every tensor's
+CRC-32 is kept in the file's metadata and checked on load, so a truncated or damaged
+file is reported with its name instead of silently feeding garbage into a run. Loads
+use safetensors (no unpickling). Memory is bounded by what callers load, not by the
+number of nodes. Messages (a model sent down to children or up to the parent) and
+residual accumulators use the same atomic writer.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
+import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from bhfl_core.aggregation import WeightedSum
 from bhfl_core.node_opt import OptState
 
 _MODEL = "model"
+_INFO = "bhfl"
+
+WriteHook = Callable[[Path], None]
+"""Called with the temporary file after it is written and fsync'ed, before the rename."""
+
+
+class CheckpointError(RuntimeError):
+    """A state file that cannot be trusted (truncated, damaged, unreadable); names the file."""
 
 
 @dataclass(frozen=True)
@@ -32,6 +47,15 @@ class NodeState:
     opt_down: OptState = field(default_factory=dict)
     rounds_done: int = 0
     opt_res: dict[str, OptState] = field(default_factory=dict)  # per residual input kind
+    # The execution this state belongs to: its caller (the parent round that called it,
+    # "" for the root) and ``rounds_done`` when it began. A re-run of the same execution
+    # (after a crash) continues from here instead of starting over.
+    exec_caller: str | None = None
+    exec_start: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)  # the last round's metrics
+    # Residual accumulators already consumed: "kind/sender" -> last sender round read,
+    # so a contribution re-posted by a re-run sender is never counted twice.
+    res_seen: dict[str, int] = field(default_factory=dict)
 
     def to_tensors(self) -> dict[str, torch.Tensor]:
         tensors: dict[str, torch.Tensor] = {}
@@ -43,8 +67,12 @@ class NodeState:
             tensors.update({f"res.{kind}.{k}": v for k, v in opt.items()})
         return tensors
 
+    def to_info(self) -> dict[str, Any]:
+        return {"rounds_done": self.rounds_done, "exec_caller": self.exec_caller, "exec_start": self.exec_start,
+                "metrics": self.metrics, "res_seen": self.res_seen}
+
     @classmethod
-    def from_tensors(cls, tensors: dict[str, torch.Tensor], rounds_done: int) -> NodeState:
+    def from_file(cls, tensors: dict[str, torch.Tensor], info: dict[str, Any]) -> NodeState:
         opt_res: dict[str, OptState] = {}
         for name, value in tensors.items():
             if name.startswith("res."):
@@ -54,36 +82,95 @@ class NodeState:
             model=tensors.get(_MODEL),
             opt_up={k[3:]: v for k, v in tensors.items() if k.startswith("up.")},
             opt_down={k[5:]: v for k, v in tensors.items() if k.startswith("down.")},
-            rounds_done=rounds_done,
+            rounds_done=int(info.get("rounds_done", 0)),
             opt_res=opt_res,
+            exec_caller=info.get("exec_caller"),
+            exec_start=int(info.get("exec_start", 0)),
+            metrics=dict(info.get("metrics", {})),
+            res_seen=dict(info.get("res_seen", {})),
         )
 
+    def execution_rounds_done(self, caller: str) -> int:
+        """Rounds already done of the execution called by ``caller`` (0 if it is not this one)."""
+        return self.rounds_done - self.exec_start if self.exec_caller == caller else 0
 
-def atomic_save(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
-    """Write a safetensors file so that readers see the old file or the new one, never half."""
+
+def _crc(tensor: torch.Tensor) -> int:
+    data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
+    return zlib.crc32(data)
+
+
+def atomic_save(
+    tensors: dict[str, torch.Tensor],
+    path: Path,
+    info: dict[str, Any] | None = None,
+    before_replace: WriteHook | None = None,
+) -> None:
+    """Write a checksummed safetensors file so that readers see the old file or the new one, never half.
+
+    ``info`` (JSON-able) and the tensors' CRC-32s go in one metadata entry with sorted
+    keys: safetensors writes its metadata map in no fixed order, and identical states
+    must give identical bytes.
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
+    crcs = {k: _crc(v) for k, v in tensors.items()}
+    meta = {_INFO: json.dumps({**(info or {}), "crc32": crcs}, sort_keys=True)}
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata=metadata)
+        save_file(tensors, tmp, metadata=meta)
         with open(tmp, "rb") as fh:
             os.fsync(fh.fileno())
+        if before_replace is not None:
+            before_replace(Path(tmp))
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
 
 
-def load_tensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    with safe_open(str(path), framework="pt") as fh:
-        return {k: fh.get_tensor(k) for k in fh.keys()}, dict(fh.metadata() or {})
+def _damaged(path: Path, why: str) -> CheckpointError:
+    return CheckpointError(
+        f"checkpoint {path} is damaged ({why}). It was complete when written (files are written to a "
+        f"temporary name and renamed), so it was truncated or changed afterwards, e.g. by a disk error or "
+        f"an outside copy. Restore it from a backup, or delete the run folder and run the experiment again."
+    )
+
+
+def load_tensors(path: Path, names: list[str] | None = None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Tensors (all, or ``names``) and the info of a file written by ``atomic_save``, checksums verified."""
+    try:
+        with safe_open(str(path), framework="pt") as fh:
+            info = json.loads((fh.metadata() or {}).get(_INFO, "{}"))
+            keys = list(fh.keys()) if names is None else [n for n in names if n in fh.keys()]
+            tensors = {k: fh.get_tensor(k) for k in keys}
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise _damaged(path, f"unreadable: {exc}") from None
+    expected = info.pop("crc32", {})
+    for name, tensor in tensors.items():
+        if name not in expected or expected[name] != _crc(tensor):
+            raise _damaged(path, f"checksum mismatch in tensor {name!r}")
+    return tensors, info
 
 
 class StateStore:
-    """Node states and messages of one run, under ``root``."""
+    """Node states, messages and residual accumulators of one run, under ``root``.
 
-    def __init__(self, root: str | Path) -> None:
+    ``before_replace`` (optional) runs between writing a checkpoint and renaming it into
+    place; the fault-injection tests use it to kill a run in the middle of a write.
+    """
+
+    def __init__(self, root: str | Path, before_replace: WriteHook | None = None) -> None:
         self.root = Path(root)
+        self.before_replace = before_replace
+
+    def remove_partial_writes(self) -> int:
+        """Delete temporary files of writes that a killed process never renamed into place."""
+        partial = list(self.root.glob("**/.*.tmp")) if self.root.is_dir() else []
+        for f in partial:
+            f.unlink(missing_ok=True)
+        return len(partial)
 
     def node_path(self, node_id: str) -> Path:
         return self.root / "nodes" / f"{node_id}.safetensors"
@@ -95,50 +182,69 @@ class StateStore:
         path = self.node_path(node_id)
         if not path.exists():
             return NodeState()
-        tensors, meta = load_tensors(path)
-        return NodeState.from_tensors(tensors, int(meta.get("rounds_done", "0")))
+        return NodeState.from_file(*load_tensors(path))
+
+    def load_info(self, node_id: str) -> dict[str, Any]:
+        """A node's round counter, execution and last metrics, without loading its tensors."""
+        path = self.node_path(node_id)
+        return load_tensors(path, [])[1] if path.exists() else {}
 
     def load_model(self, node_id: str) -> torch.Tensor | None:
         path = self.node_path(node_id)
         if not path.exists():
             return None
-        with safe_open(str(path), framework="pt") as fh:
-            return fh.get_tensor(_MODEL) if _MODEL in fh.keys() else None
+        return load_tensors(path, [_MODEL])[0].get(_MODEL)
 
     def save(self, node_id: str, state: NodeState) -> None:
-        atomic_save(state.to_tensors(), self.node_path(node_id), {"rounds_done": str(state.rounds_done)})
+        atomic_save(state.to_tensors(), self.node_path(node_id), state.to_info(), self.before_replace)
 
-    # Residual accumulators R_up / R_down: one file per sending round, so posting is
+    # Residual accumulators R_up / R_down: one file per sending round
+    # (``residuals/<receiver>/<kind>/<sender>.<round>.safetensors``), so posting is
     # idempotent (a re-run round overwrites its own file) and needs no read-modify-write.
 
-    def post_residual(self, target: str, kind: str, tag: str, part: WeightedSum) -> None:
-        """Append a sender's contribution to ``target``'s accumulator of residual ``kind``."""
+    def post_residual(self, target: str, kind: str, sender: str, round_index: int, part: WeightedSum) -> None:
+        """Append a sender round's contribution to ``target``'s accumulator of residual ``kind``."""
         assert part.total is not None
-        path = self.root / "residuals" / target / kind / f"{tag}.safetensors"
-        atomic_save({"total": part.total}, path, {"weight": repr(part.weight)})
+        if self.load_info(target).get("res_seen", {}).get(f"{kind}/{sender}", -1) >= round_index:
+            return  # consumed already: this is a re-run of the sending round after a crash
+        path = self.root / "residuals" / target / kind / f"{sender}.{round_index:06d}.safetensors"
+        atomic_save({"total": part.total}, path, {"weight": part.weight})
 
-    def pending_residuals(self, target: str, direction: str) -> dict[str, tuple[WeightedSum, list[Path]]]:
-        """``{kind: (accumulated sum, its files)}`` for the ``up`` or ``down`` kinds waiting at ``target``."""
+    def pending_residuals(
+        self, target: str, direction: str, seen: dict[str, int]
+    ) -> dict[str, tuple[WeightedSum, dict[str, int]]]:
+        """``{kind: (accumulated sum, {"kind/sender": last round read})}`` for ``direction`` kinds at ``target``.
+
+        Contributions at or below ``seen`` (already consumed) are skipped: a sender
+        re-run after a crash re-posts what the receiver may already have consumed.
+        """
         folder = self.root / "residuals" / target
-        out: dict[str, tuple[WeightedSum, list[Path]]] = {}
+        out: dict[str, tuple[WeightedSum, dict[str, int]]] = {}
         if not folder.is_dir():
             return out
         for kind_dir in sorted(d for d in folder.iterdir() if d.name.startswith(direction)):
-            files = sorted(kind_dir.glob("*.safetensors"))
-            if not files:
-                continue
-            acc = WeightedSum()
-            for f in files:  # sorted: the float sums do not depend on directory order
+            acc, read = WeightedSum(), {}
+            for f in sorted(kind_dir.glob("*.safetensors")):  # sorted: float sums independent of listing order
+                sender, round_text = f.name.removesuffix(".safetensors").rsplit(".", 1)
+                key, round_index = f"{kind_dir.name}/{sender}", int(round_text)
+                if round_index <= seen.get(key, -1):
+                    continue
                 tensors, meta = load_tensors(f)
                 acc.merge(WeightedSum(tensors["total"], float(meta["weight"])))
-            out[kind_dir.name] = (acc, files)
+                read[key] = max(round_index, read.get(key, -1))
+            if not acc.empty:
+                out[kind_dir.name] = (acc, read)
         return out
 
-    @staticmethod
-    def consume(files: list[Path]) -> None:
-        """Empty an accumulator once the state that read it is saved."""
-        for f in files:
-            f.unlink(missing_ok=True)
+    def drop_consumed(self, target: str, seen: dict[str, int]) -> None:
+        """Delete accumulator files at or below ``seen`` (after the state recording it is saved)."""
+        folder = self.root / "residuals" / target
+        if not folder.is_dir():
+            return
+        for f in folder.glob("*/*.safetensors"):
+            sender, round_text = f.name.removesuffix(".safetensors").rsplit(".", 1)
+            if int(round_text) <= seen.get(f"{f.parent.name}/{sender}", -1):
+                f.unlink(missing_ok=True)
 
     def message_path(self, name: str) -> Path:
         return self.root / "messages" / f"{name}.safetensors"
@@ -150,5 +256,4 @@ class StateStore:
 
     @staticmethod
     def read_message(path: str | Path) -> torch.Tensor:
-        with safe_open(str(path), framework="pt") as fh:
-            return fh.get_tensor(_MODEL)
+        return load_tensors(Path(path), [_MODEL])[0][_MODEL]

@@ -1,4 +1,4 @@
-"""The ``bhfl`` command line: run an experiment, open the MLflow UI.
+"""The ``bhfl`` command line: run an experiment, prepare its data, open the MLflow UI.
 
 Heavy imports (prefect, mlflow, torch) happen inside commands, after the environment
 for them is set, so ``bhfl --help`` is instant and Prefect picks up the run folder's
@@ -8,8 +8,12 @@ settings.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import datetime
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -50,6 +54,9 @@ def _prepare_environment(run_dir: Path, verbose: bool) -> None:
     # a brand-new Prefect database migrates on first start: allow for a slow, loaded machine
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "INFO" if verbose else "WARNING")
+    # Failures reach the user as one paragraph (flows/errors.py); Prefect's console copy of
+    # the traceback is noise then. Its API handler still sends the logs to the Prefect UI.
+    os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "INFO" if verbose else "CRITICAL")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -62,9 +69,13 @@ def run(
     set_: Annotated[list[str], typer.Option("--set", help="Override a config key by dotted path, e.g. --set tree.root.rounds=2 (repeatable).")] = [],
     run_dir: RunDirOption = DEFAULT_RUN_DIR,
     tracking_uri: TrackingOption = None,
+    resume_run: Annotated[Optional[str], typer.Option("--resume", help="Continue this run instead (same as `bhfl resume RUN`).")] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show Prefect's run logs.")] = False,
 ) -> None:
     """Run an experiment: prepare data, train the tree, evaluate every node, log to MLflow."""
+    if resume_run is not None:
+        _resume(resume_run, set_, run_dir, verbose)
+        return
     from bhfl_core.config import ConfigError
     from bhfl_core.config_loader import load_config
 
@@ -73,21 +84,235 @@ def run(
     except ConfigError as exc:
         _fail(str(exc))
     _prepare_environment(run_dir, verbose)
+    _preflight(cfg, run_dir)
     console.print(f"[bold]bhfl[/] running [cyan]{cfg.name}[/] from {config} (seed {cfg.seed}); starting Prefect and MLflow ...")
 
-    from flows.experiment import run_experiment
+    from flows.experiment import new_run_path, run_experiment
     from flows.progress import RichReporter
 
-    result = run_experiment(cfg, run_dir, tracking_uri, RichReporter(console))
+    run_path = new_run_path(run_dir.resolve(), cfg.name)
+    with _prefect_api(run_dir, full=False):
+        result = _guarded(lambda: run_experiment(cfg, run_dir, tracking_uri, RichReporter(console), run_path=run_path),
+                          run_path, verbose)
     _print_summary(result, run_dir)
 
 
+def _preflight(cfg: object, run_dir: Path) -> None:
+    """Model and (unless cached) data reachable? Checked before Prefect starts: one paragraph, exit 2."""
+    from bhfl_core.config import ConfigError
+    from data_prep.prepare import preflight
+
+    try:
+        preflight(cfg, run_dir / "cache")  # type: ignore[arg-type]
+    except ConfigError as exc:
+        _fail(str(exc))
+
+
+@app.command()
+def prepare(
+    config: Annotated[Path, typer.Argument(help="Experiment YAML.")] = DEFAULT_CONFIG,
+    set_: Annotated[list[str], typer.Option("--set", help="Override a config key by dotted path (repeatable).")] = [],
+    run_dir: RunDirOption = DEFAULT_RUN_DIR,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show Prefect's run logs.")] = False,
+) -> None:
+    """Prepare (or reuse) an experiment's data: load, partition, tokenise, cache; print the partition report."""
+    from bhfl_core.config import ConfigError
+    from bhfl_core.config_loader import load_config
+
+    try:
+        cfg = load_config(config, set_)
+    except ConfigError as exc:
+        _fail(str(exc))
+    _prepare_environment(run_dir, verbose)
+    _preflight(cfg, run_dir)
+    from prefect.settings import temporary_settings
+
+    from flows.data import run_prepare
+
+    def work() -> dict:
+        with temporary_settings(updates={"flows.heartbeat_frequency": None}):
+            note = lambda m: console.print(f"  {m}", highlight=False, soft_wrap=True)  # noqa: E731
+            return {"prepared": run_prepare(cfg, (run_dir / "cache").resolve(), note=note)}
+
+    prepared = _guarded(work, None, verbose)["prepared"]
+    report = prepared.report_dir / "partition.md"
+    print(report.read_text() if report.exists() else "")
+    state = "cache hit (no tokenisation)" if prepared.cached else "prepared"
+    console.print(f"[bold green]{state}[/] in {prepared.seconds:.2f} s: {prepared.root}\n"
+                  f"  manifest: {prepared.root / 'manifest.json'}\n  plots: {prepared.report_dir}", highlight=False)
+
+
+@app.command()
+def resume(
+    run_spec: Annotated[str, typer.Argument(metavar="RUN", help="Run folder, <name>/<stamp>, `latest`, or MLflow run id.")],
+    set_: Annotated[list[str], typer.Option("--set", help="Change runtime.* or eval.batch_size only (they do not change results).")] = [],
+    run_dir: RunDirOption = DEFAULT_RUN_DIR,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show Prefect's run logs.")] = False,
+) -> None:
+    """Continue a failed or killed run: finished nodes and rounds are kept, the rest runs, results are identical."""
+    _resume(run_spec, set_, run_dir, verbose)
+
+
+def _resume(run_spec: str, overrides: list[str], run_dir: Path, verbose: bool) -> None:
+    _prepare_environment(run_dir, verbose)  # before anything imports prefect
+    from bhfl_core.config import ConfigError
+    from flows.experiment import RunStateError
+    from flows.runs import resolve_run
+
+    try:
+        run_path = resolve_run(run_spec, run_dir)
+    except RunStateError as exc:
+        _fail(str(exc))
+    console.print(f"[bold]bhfl[/] resuming {run_path} ...", highlight=False)
+    from flows.experiment import resume_experiment
+    from flows.progress import RichReporter
+
+    try:
+        with _prefect_api(run_dir, full=False):
+            result = _guarded(lambda: resume_experiment(run_path, RichReporter(console), overrides=overrides),
+                              run_path, verbose)
+    except ConfigError as exc:
+        _fail(str(exc))
+    _print_summary(result, run_dir)
+
+
+@contextmanager
+def _prefect_api(run_dir: Path, full: bool) -> Iterator[None]:
+    """``$PREFECT_API_URL`` if set, else a Prefect server of this command's own that dies with it.
+
+    (Prefect's own temporary server would outlive a killed run and hold its database.)
+    ``full``: ``prefect server start`` with UI and scheduler, for ``bhfl serve``.
+    """
+    if "PREFECT_API_URL" in os.environ:
+        yield
+        return
+    from flows.prefect_server import start_server, stop_server
+
+    proc, api_url = start_server(run_dir.resolve() / ".prefect" / "server.log", full=full, port=4200 if full else None)
+    os.environ["PREFECT_API_URL"] = api_url
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `kill`: stop the server too
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        if "prefect.logging.handlers" in sys.modules:  # send the last logs while the server still listens
+            from prefect.logging.handlers import APILogHandler
+
+            APILogHandler().flush()
+        stop_server(proc)
+        os.environ.pop("PREFECT_API_URL", None)
+
+
+def _guarded(work: Callable[[], dict], run_path: Path | None, verbose: bool) -> dict:
+    """Run ``work``; known failures become one paragraph (cause, fix, how to resume) and a non-zero exit."""
+    from flows.errors import explain, resume_hint
+
+    try:
+        return work()
+    except KeyboardInterrupt:
+        console.print(f"\n[bold yellow]interrupted.[/] {resume_hint(run_path)}", highlight=False, soft_wrap=True)
+        raise typer.Exit(code=130) from None
+    except Exception as exc:
+        message = explain(exc, run_path)
+        if message is None or verbose:
+            raise
+        from bhfl_core.config import ConfigError
+
+        console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+        raise typer.Exit(code=2 if isinstance(exc, ConfigError) else 1) from None
+
+
+@app.command()
+def runs(
+    run_spec: Annotated[Optional[str], typer.Argument(metavar="[RUN]", help="Show one run's plan in detail.")] = None,
+    run_dir: RunDirOption = DEFAULT_RUN_DIR,
+) -> None:
+    """List runs with their status (finished, failed at node X round Y, running) and what a resume would redo."""
+    _prepare_environment(run_dir, verbose=False)
+    from flows.experiment import RunStateError
+    from flows.runs import find_runs, progress, resolve_run, summarize
+
+    out = Console(soft_wrap=True)  # the listing is this command's output: stdout
+
+    if run_spec is not None:
+        try:
+            path = resolve_run(run_spec, run_dir)
+            summary, plan = summarize(path), progress(path)
+        except RunStateError as exc:
+            _fail(str(exc))
+        out.print(f"[bold]{summary.name}[/] {path}\n  status: {summary.status} {summary.detail}\n"
+                  f"  a resume would redo: {summary.redo}", highlight=False)
+        if plan is not None:
+            out.print(f"  root rounds saved: {plan.root_done} of {plan.root_rounds}", highlight=False)
+            for line in plan.lines:
+                out.print(f"    {line}", highlight=False)
+        return
+    paths = find_runs(run_dir)
+    if not paths:
+        out.print(f"no runs under {run_dir}", highlight=False)
+    colour = {"finished": "green", "running": "cyan", "failed": "red", "interrupted": "yellow"}
+    for path in paths:  # one block per run: long error texts stay readable in a narrow terminal
+        try:
+            s = summarize(path)
+        except RunStateError as exc:
+            out.print(f"{path}  unreadable: {exc}", highlight=False)
+            continue
+        started = datetime.fromtimestamp(s.started).strftime("%Y-%m-%d %H:%M")
+        out.print(f"[bold]{s.name}/{path.name}[/]  [{colour.get(s.status, 'white')}]{s.status}[/]  "
+                  f"started {started}  MLflow run {s.mlflow_run_id or '-'}", highlight=False)
+        if s.detail:
+            out.print(f"    {s.detail}", highlight=False)
+        if s.status != "finished":
+            out.print(f"    a resume would redo: {s.redo}", highlight=False)
+
+
+@app.command()
+def serve(
+    config: Annotated[Path, typer.Argument(help="Experiment YAML.")] = DEFAULT_CONFIG,
+    cron: Annotated[str, typer.Option(help='Cron schedule, e.g. "0 2 * * *" (every day at 02:00).')] = "0 2 * * *",
+    name: Annotated[Optional[str], typer.Option(help="Deployment name [default: the config's name].")] = None,
+    set_: Annotated[list[str], typer.Option("--set", help="Override a config key by dotted path (repeatable).")] = [],
+    run_dir: RunDirOption = DEFAULT_RUN_DIR,
+    tracking_uri: TrackingOption = None,
+) -> None:
+    """Serve the experiment as a scheduled Prefect deployment (also runnable from the Prefect UI)."""
+    from bhfl_core.config import ConfigError
+    from bhfl_core.config_loader import load_config
+
+    try:
+        cfg = load_config(config, set_)
+    except ConfigError as exc:
+        _fail(str(exc))
+    try:
+        from prefect.client.schemas.schedules import CronSchedule
+
+        CronSchedule(cron=cron)
+    except ValueError as exc:
+        _fail(f"--cron {cron!r}: not a valid cron expression ({exc})")
+    _prepare_environment(run_dir, verbose=False)
+    from bhfl_core.config import dump
+    from flows.tracking import default_tracking_uri
+
+    uri = tracking_uri or default_tracking_uri(run_dir)
+    deployment = name or cfg.name
+    if "PREFECT_API_URL" not in os.environ:
+        console.print("no PREFECT_API_URL: starting a local Prefect server with its UI (schedules need one) ...")
+    with _prefect_api(run_dir, full=True):
+        from flows.serve import serve_experiment
+
+        ui_url = os.environ["PREFECT_API_URL"].removesuffix("/api")
+        console.print(f"serving [cyan]bhfl-experiment/{deployment}[/] on cron {cron!r}; Prefect UI {ui_url} "
+                      f"(trigger a run there or `prefect deployment run bhfl-experiment/{deployment}`); Ctrl-C stops",
+                      highlight=False, soft_wrap=True)
+        serve_experiment(dump(cfg), cron, deployment, run_dir.resolve(), uri)
+
+
 def _print_summary(result: dict, run_dir: Path) -> None:
-    table = Table(title="Final evaluation (accuracy)", show_header=True)
+    table = Table(title="Final evaluation", show_header=True)
     table.add_column("metric")
     table.add_column("value", justify="right")
     for name, value in result["headline"].items():
-        table.add_row(name, f"{value:.4f}")
+        table.add_row(name, f"{value:.4g}")
     console.print(table)
     uri = result["tracking_uri"]
     ui_cmd = ".venv/bin/bhfl ui" + ("" if run_dir == DEFAULT_RUN_DIR else f" --run-dir {run_dir}")
@@ -98,6 +323,7 @@ def _print_summary(result: dict, run_dir: Path) -> None:
         f"  run files (node models, optimiser states): {result['run_path']}\n"
         f"  MLflow store: {uri}\n"
         f"  MLflow run id: {result['run_id']}  (evaluation matrix: artefact eval/matrix.csv)\n"
+        f"  report: {Path(result['run_path']) / 'report' / 'report.md'}  (artefact report.md; tables and figures in eval/)\n"
         f"  open the UI:  {ui_cmd}   then browse "
         f"http://127.0.0.1:5000/#/experiments/{result['experiment_id']}/runs/{result['run_id']}",
         highlight=False,
@@ -121,6 +347,35 @@ def ui(
     env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
     cmd = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", uri, "--host", host, "--port", str(port), "--workers", "1"]
     raise typer.Exit(subprocess.call(cmd, env=env))
+
+
+@app.command()
+def compare(
+    runs: Annotated[list[str], typer.Argument(help="Experiment run ids, or experiment names (their latest finished run).")],
+    run_dir: RunDirOption = DEFAULT_RUN_DIR,
+    tracking_uri: TrackingOption = None,
+    csv_path: Annotated[Optional[Path], typer.Option("--csv", help="Write the table as CSV here [default: RUN_DIR/compare.csv].")] = None,
+) -> None:
+    """Compare runs side by side (markdown on stdout, CSV on disk): per-client, root and communication numbers."""
+    from flows.tracking import default_tracking_uri
+
+    uri = tracking_uri or default_tracking_uri(run_dir)
+    if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///"):]).exists():
+        _fail(f"no MLflow store at {uri}; run `bhfl run` first or pass --tracking-uri")
+    from mlflow import MlflowClient
+
+    from flows.compare import CompareError, to_csv, to_markdown
+    from flows.compare import compare as compare_runs
+    from flows.report import write_atomic
+
+    try:
+        rows = compare_runs(MlflowClient(uri), runs)
+    except CompareError as exc:
+        _fail(str(exc))
+    target = csv_path or run_dir / "compare.csv"
+    write_atomic(target, to_csv(rows))
+    print(to_markdown(rows))
+    console.print(f"\n{len(rows)} run(s) compared; CSV written to {target}", highlight=False)
 
 
 if __name__ == "__main__":

@@ -79,6 +79,15 @@ class Tracker:
             order.extend(tree.children(node.id))
         return self.parent_id
 
+    def reopen(self, experiment_id: str, parent_id: str, node_runs: Mapping[str, str], resume_number: int) -> None:
+        """Continue an existing experiment run (``bhfl resume``): same parent and node runs, tagged."""
+        self.experiment_id, self.parent_id, self.node_runs = experiment_id, parent_id, dict(node_runs)
+        for run_id in [parent_id, *self.node_runs.values()]:
+            self.client.update_run(run_id, status="RUNNING")
+        self.client.set_tag(parent_id, "bhfl.resumes", str(resume_number))
+        self.client.set_tag(parent_id, f"bhfl.resume.{resume_number}",
+                            time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime()))
+
     def _batched(self, run_id: str, metrics: Iterable[Metric] = (), params: Iterable[Param] = ()) -> None:
         metrics, params = list(metrics), list(params)
         for i in range(0, max(len(metrics), 1), _BATCH):
@@ -102,9 +111,48 @@ class Tracker:
     def log_artifact(self, path: Path, artifact_dir: str | None = None) -> None:
         self.client.log_artifact(self.parent_id, str(path), artifact_dir)
 
-    def set_tags(self, tags: Mapping[str, str]) -> None:
+    def set_tags(self, tags: Mapping[str, str], run_id: str | None = None) -> None:
         for k, v in tags.items():
-            self.client.set_tag(self.parent_id, k, v)
+            self.client.set_tag(run_id or self.parent_id, k, v)
+
+    def log_artifacts(self, folder: Path, artifact_dir: str | None = None) -> None:
+        """Every file under ``folder`` to the parent run (``artifact_dir`` None: the artefact root)."""
+        self.client.log_artifacts(self.parent_id, str(folder), artifact_dir)
+
+    def log_data_report(self, data_root: Path) -> None:
+        """The prepared data's manifest and partition report (plots, summary) under ``data/`` of the parent run.
+
+        Headline partition numbers also go in as parent-run metrics (``data/clients``,
+        ``data/size_median``, ``data/label_skew_tv``, ...) and tags, so runs can be
+        sorted and filtered by their data in the UI.
+        """
+        self.log_artifact(data_root / "manifest.json", "data")
+        report = data_root / "report"
+        if not report.is_dir():
+            return
+        self.log_artifacts(report, "data")
+        summary = json.loads((report / "summary.json").read_text())
+        sizes, skew, proxy = summary.get("sizes", {}), summary.get("label_skew", {}), summary.get("proxy", {})
+        values = {
+            "data/clients": summary.get("clients"), "data/edges": summary.get("edges"),
+            "data/size_min": sizes.get("min"), "data/size_median": sizes.get("median"), "data/size_max": sizes.get("max"),
+            "data/label_skew_tv": skew.get("tv_to_language_mean"), "data/proxy_train": proxy.get("train"),
+            "data/proxy_test": proxy.get("test"), "data/unused_pool_rows": summary.get("unused_pool_rows"),
+        }
+        self.log_metrics(self.parent_id, {k: v for k, v in values.items() if v is not None}, step=0)
+        self.set_tags({"bhfl.task": str(summary.get("task", "")), "bhfl.data_source": str(summary.get("source", ""))[:5000]})
+
+    def history(self, run_id: str, key: str) -> dict[int, float]:
+        """A metric's values by step; where a step was logged twice (a re-run round), the later write wins."""
+        points = sorted(self.client.get_metric_history(run_id, key), key=lambda m: (m.step, m.timestamp))
+        return {m.step: m.value for m in points}
+
+    def note(self, run_id: str) -> str:
+        """A run's description (the note the UI shows at the top of the run page)."""
+        return self.client.get_run(run_id).data.tags.get(MLFLOW_RUN_NOTE, "")
+
+    def describe(self, run_id: str, note: str) -> None:
+        self.client.set_tag(run_id, MLFLOW_RUN_NOTE, note)
 
     def finish(self, status: str) -> None:
         for run_id in [*self.node_runs.values(), self.parent_id]:

@@ -23,12 +23,14 @@ import yaml
 from torch import nn
 
 from bhfl_core.config import ExperimentConfig
-from bhfl_core.models import build_classifier
+from bhfl_core.mlm import MaskingSpec
+from bhfl_core.models import build_model
 from bhfl_core.state_store import StateStore
 from bhfl_core.topology import ClientInfo, build_tree
 from bhfl_core.tree import Tree
 from data_prep.manifest import ClientEntry, Manifest
 from data_prep.prepare import load_shard
+from tasks import faults
 
 CONFIG_FILE = "config.yaml"
 DATA_POINTER = "data.json"
@@ -96,12 +98,12 @@ class RunContext:
 
     @cached_property
     def tree(self) -> Tree:
-        clients = [ClientInfo(c.id, c.language, c.train.size) for c in self.manifest.clients]
+        clients = [ClientInfo(c.id, c.language, c.train.size, c.edge, c.cluster) for c in self.manifest.clients]
         return build_tree(self.config, clients)
 
     @cached_property
     def store(self) -> StateStore:
-        return StateStore(self.run_path / "state")
+        return StateStore(self.run_path / "state", faults.checkpoint_hook())
 
     @cached_property
     def devices(self) -> list[torch.device]:
@@ -121,7 +123,15 @@ class RunContext:
 
     def build_model(self, seed: int) -> nn.Module:
         m = self.manifest
-        return build_classifier(self.config.model, m.labels, m.vocab_size, m.pad_token_id, seed)
+        return build_model(self.config.model, m.task, m.labels, m.vocab_size, m.pad_token_id, seed)
+
+    @cached_property
+    def masking(self) -> MaskingSpec:
+        """Masked-LM masking of this run (task ``mlm``): the tokenizer's ids from the manifest."""
+        m = self.manifest
+        if m.mask_token_id is None:
+            raise ValueError(f"the data of this run (task {m.task!r}) has no mask token id")
+        return MaskingSpec(tuple(m.special_ids), m.mask_token_id, m.vocab_size, self.config.model.mlm_probability)
 
     def shard(self, relative: str) -> dict[str, torch.Tensor]:
         return load_shard(self.data_root / relative)
@@ -154,7 +164,7 @@ class RunContext:
                 names = [c.id for c in self.manifest.clients] + [proxy_name]
                 parts = [self.shard(c.test.path) for c in self.manifest.clients] + [self.proxy("test")]
                 data = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
-                groups = torch.cat([torch.full((len(p["labels"]),), i, dtype=torch.int64) for i, p in enumerate(parts)])
+                groups = torch.cat([torch.full((len(p["input_ids"]),), i, dtype=torch.int64) for i, p in enumerate(parts)])
                 self._tests = (names, data, groups)
             return self._tests
 

@@ -42,7 +42,7 @@ class AddVectorHooks:
     def run_children(self, node, cohort, theta, key: RoundKey) -> ChildrenReport:
         report = ChildrenReport()
         for child in cohort:
-            out = execute_node(self.tree, child, theta, self.store, self, 0, f"{node.id}:{key.round}")
+            out = execute_node(self.tree, child, theta, self.store, self, 0, f"{node.id}:{key.round}").theta
             report.aggregate.add(out, child.weight)
             if node.settings.res_up:
                 report.candidates.append(Candidate(child.id, out, child.weight, loss=float(out.sum())))

@@ -73,9 +73,19 @@ def test_non_persistent_clients_start_from_parent(tmp_path):
     assert model(store, "root") == pytest.approx([(A[0] + B[0]) / 2, (A[1] + B[1]) / 2 - 1])
 
 
-def test_round_counter_and_resume_from_state(tmp_path):
-    """Two executions of a 1-round root equal one execution of a 2-round root."""
-    store_a, _ = run(two_edge_tree(settings(train=True)), tmp_path / "a", root_executions=2)
+def test_round_counter_and_execution_identity(tmp_path):
+    """Two executions of a 1-round root (two callers) equal one execution of a 2-round root;
+    executing again with the same caller is a no-op that returns the saved result."""
+    tree = two_edge_tree(settings(train=True))
+    store_a = StateStore(tmp_path / "a")
+    store_a.save("root", NodeState(model=torch.zeros(2)))
+    hooks = AddVectorHooks(tree, store_a)
+    first = execute_node(tree, tree.root, None, store_a, hooks, seed=0, caller="run-1")
+    before = (tmp_path / "a" / "nodes" / "root.safetensors").read_bytes()
+    again = execute_node(tree, tree.root, None, store_a, hooks, seed=0, caller="run-1")
+    assert torch.equal(first.theta, again.theta) and len(hooks.rounds) == 7  # 1 root + 2 edge + 4 client rounds
+    assert (tmp_path / "a" / "nodes" / "root.safetensors").read_bytes() == before
+    execute_node(tree, tree.root, None, store_a, hooks, seed=0, caller="run-2")
     store_b, _ = run(two_edge_tree(settings(train=True), root_rounds=2), tmp_path / "b")
     assert model(store_a, "root") == model(store_b, "root")
     assert store_a.load("root").rounds_done == 2 and store_a.load("A").rounds_done == 2

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from bhfl_core.state_store import StateStore
 from flows.experiment import run_experiment
+from tasks import faults
 from tests.small import small_config
 
 
@@ -17,9 +18,15 @@ def _node_files(run_path: str) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(nodes.glob("*.safetensors"))}
 
 
-def test_bhfl_example_is_bit_identical_across_runs_and_modes(tmp_path):
+def test_bhfl_example_is_bit_identical_across_runs_and_modes(tmp_path, monkeypatch):
     cfg = small_config("tree.root.rounds=2", "eval.every=0", config="bhfl.yaml")
+    # a transient failure in the Prefect run: the worker task fails once and Prefect retries it
+    # (runtime.retries = 1); clients it had finished are not trained again, and nothing changes
+    faults._counts.clear()
+    monkeypatch.setenv(faults.ENV, "client@3:raise")
     via_prefect = run_experiment(cfg, tmp_path / "a")
+    assert faults._counts["client"] > 3  # the fault fired and the task went on after it
+    monkeypatch.delenv(faults.ENV)
     inline = run_experiment(cfg, tmp_path / "b", inline=True)
     a, b = _node_files(via_prefect["run_path"]), _node_files(inline["run_path"])
     assert "root.safetensors" in a and len(a) >= 6

@@ -1,0 +1,92 @@
+"""A Prefect API server owned by this process, which dies with it.
+
+Prefect's own temporary server (used when ``PREFECT_API_URL`` is unset) outlives a
+process killed with SIGKILL: the orphan keeps the run folder's Prefect database open,
+and a resumed run would start a second server on the same SQLite file. So the CLI
+starts the server itself, on 127.0.0.1, asking Linux to SIGTERM it when its parent
+dies (``PR_SET_PDEATHSIG``), and points ``PREFECT_API_URL`` at it before Prefect is
+imported. ``full=False`` is the same server Prefect starts as its temporary one (API
+only); ``full=True`` is ``prefect server start`` (UI and services, e.g. the scheduler
+that ``bhfl serve`` needs).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):  # not Linux: the server may outlive a killed parent
+        pass
+
+
+def free_port(preferred: int | None = None) -> int:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", preferred or 0))
+        except OSError:
+            s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_healthy(api_url: str, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"the Prefect server exited with code {proc.returncode} before it was ready")
+        try:
+            with urllib.request.urlopen(f"{api_url}/health", timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.3)
+    raise RuntimeError(f"the Prefect server at {api_url} did not answer within {timeout_s:.0f} s")
+
+
+def start_server(log_file: Path, full: bool, port: int | None = None, timeout_s: float = 180) -> tuple[subprocess.Popen, str]:
+    """Start a Prefect server on 127.0.0.1 (database under ``$PREFECT_HOME``); return it and its API URL."""
+    port = free_port(port)
+    env = os.environ.copy()
+    if full:
+        cmd = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)]
+    else:
+        spec = importlib.util.find_spec("prefect")
+        assert spec is not None and spec.submodule_search_locations
+        app_dir = str(Path(next(iter(spec.submodule_search_locations))).parent)
+        cmd = [sys.executable, "-m", "uvicorn", "--app-dir", app_dir, "--factory", "prefect.server.api.server:create_app",
+               "--host", "127.0.0.1", "--port", str(port), "--log-level", "error", "--lifespan", "on"]
+        env.update({"PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"})
+    api_url = f"http://127.0.0.1:{port}/api"
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_file, "ab") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent)
+    try:
+        wait_healthy(api_url, timeout_s, proc)
+    except BaseException:
+        stop_server(proc)
+        raise
+    return proc, api_url
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

@@ -1,0 +1,32 @@
+"""Scheduled, reproducible pipelines: the experiment flow as a served Prefect deployment.
+
+``bhfl serve CONFIG --cron "0 2 * * *"`` registers a deployment of ``bhfl-experiment``
+whose parameters are the fully resolved config (so every scheduled run computes the
+same thing and logs the same config hash, seed and data fingerprint), and serves it:
+this process polls the Prefect API and runs each due (or UI-triggered) flow run in a
+subprocess. Schedules need a real Prefect server (a temporary one never schedules):
+with ``PREFECT_API_URL`` set it is used, otherwise a local ``prefect server start``
+bound to 127.0.0.1 is started for the time the command runs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+def serve_experiment(config_data: dict, cron: str, name: str, run_root: Path, tracking_uri: str) -> None:
+    """Register the deployment ``bhfl-experiment/<name>`` and serve it until interrupted."""
+    from prefect import serve
+    from prefect.deployments.runner import EntrypointType
+
+    from flows.experiment import experiment_flow
+
+    deployment = experiment_flow.to_deployment(
+        name=name,
+        cron=cron,
+        parameters={"config": config_data, "run_root": str(run_root), "tracking_uri": tracking_uri},
+        description=f"B-HFL experiment `{config_data['name']}` (seed {config_data['seed']}) on a schedule: {cron}",
+        tags=["bhfl", str(config_data["name"])],
+        enforce_parameter_schema=False,
+        entrypoint_type=EntrypointType.MODULE_PATH,  # runs from any working directory
+    )
+    serve(deployment, print_starting_message=True)

@@ -1,0 +1,99 @@
+"""SIGKILL a real run at several moments, resume it each time: the final node models are
+bit-identical to an uninterrupted run, and MLflow holds one parent run without duplicates.
+
+The experiment is the B-HFL example (FedAdam both ways, proxy training, up- and
+down-residuals, cohort sampling, evaluation every root round), shrunken. It runs as the
+user runs it: `bhfl run` / `bhfl resume` in subprocesses against the session's Prefect
+server. Each process is killed by the pipeline's fault injector (BHFL_FAULTS, a real
+SIGKILL) at a chosen point; the kills form one chain, so a run interrupted several
+times, at every kind of point, must still end exactly where the uninterrupted one ends.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from mlflow import MlflowClient
+from prefect.settings import PREFECT_API_URL
+
+from bhfl_core.state_store import StateStore
+from flows.experiment import run_experiment
+from flows.run_record import RunRecord
+from tests.small import REPO, SMALL, small_config
+
+EXTRA = ["tree.root.rounds=3", "tree.edge.rounds=2", "eval.every=1"]
+KILLED = -9  # returncode of a process killed by SIGKILL
+# One chain of interruptions, in the order the run meets them:
+# (fault, expected return code, text the user must see, what it interrupts)
+CHAIN = [
+    ("client@2", KILLED, "", "early: the second client of the first edge round, before its training"),
+    ("round@3", KILLED, "", "mid-subtree: after edge-fr's first round, inside europe-west's execution"),
+    # a worker task is retried once (runtime.retries): the error must hit twice to fail the run
+    ("client@2:oom,client@3:oom", 1, "Out of GPU memory", "a CUDA out-of-memory error while a client trains"),
+    ("checkpoint@7", KILLED, "", "a checkpoint write: the temporary file is written, not yet renamed"),
+    ("checkpoint@3:enospc,checkpoint@4:enospc", 1, "The disk is full", "disk full while writing a checkpoint"),
+    ("eval@1", KILLED, "", "during evaluation: the evaluation after a root round"),
+]
+
+
+def _cli(*args: str, faults: str | None, run_dir: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "HF_HUB_OFFLINE": "1"}
+    env.pop("BHFL_FAULTS", None)
+    if faults:
+        env["BHFL_FAULTS"] = faults
+    cmd = [sys.executable, "-m", "flows.cli", *args, "--run-dir", str(run_dir)]
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+
+
+def _node_files(run_path: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted((run_path / "state" / "nodes").glob("*.safetensors"))}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("resume")
+    result = run_experiment(small_config(*EXTRA, config="bhfl.yaml"), run_dir)
+    return run_dir, Path(result["run_path"])
+
+
+def test_killed_and_resumed_run_is_bit_identical_to_uninterrupted(reference):
+    run_dir, clean_path = reference
+    sets = [arg for s in [*SMALL, *EXTRA] for arg in ("--set", s)]
+    run_path = None
+    for i, (fault, code, text, what) in enumerate(CHAIN):
+        if run_path is None:
+            out = _cli("run", "configs/bhfl.yaml", *sets, faults=fault, run_dir=run_dir)
+            run_path = max((p for p in (run_dir / "itest").iterdir() if p != clean_path), key=lambda p: p.name)
+        else:
+            listed = _cli("runs", faults=None, run_dir=run_dir)
+            assert listed.returncode == 0 and "a resume would redo: root round" in listed.stdout, listed.stdout
+            out = _cli("resume", str(run_path), faults=fault, run_dir=run_dir)
+        assert out.returncode == code, f"step {i}: {fault} ({what}): rc {out.returncode}\n{out.stderr[-3000:]}"
+        assert text in out.stderr and "Traceback" not in out.stderr, out.stderr[-3000:]
+        if code != KILLED:
+            assert f"bhfl resume {run_path}" in out.stderr.replace("\n", "")  # the message says how to go on
+        assert RunRecord.read(run_path).effective_status == ("interrupted" if code == KILLED else "failed")
+    finished = _cli("resume", str(run_path), faults=None, run_dir=run_dir)
+    assert finished.returncode == 0, finished.stderr[-3000:]
+
+    clean, resumed = _node_files(clean_path), _node_files(run_path)
+    assert len(clean) > 8 and clean.keys() == resumed.keys()
+    assert [name for name in clean if clean[name] != resumed[name]] == []
+    assert not list((run_path / "state").glob("**/.*.tmp"))  # the killed write's temporary file was removed
+    assert StateStore(run_path / "state").load("root").rounds_done == 3
+
+    record = RunRecord.read(run_path)
+    assert record.status == "finished" and record.resumes == len(CHAIN)
+    client = MlflowClient(record.tracking_uri)
+    parent = client.get_run(record.parent_run_id)
+    assert parent.info.status == "FINISHED" and parent.data.tags["bhfl.resumes"] == str(len(CHAIN))
+    same_name = client.search_runs([parent.info.experiment_id], f"tags.`bhfl.run_path` = '{run_path}'")
+    assert len(same_name) == 1  # one parent run for the whole, interrupted run
+    root_run = record.node_runs["root"]
+    for key in ("proxy_train/loss", "eval/union/accuracy"):
+        steps = [m.step for m in client.get_metric_history(root_run, key)]
+        assert sorted(steps) == [1, 2, 3], (key, steps)  # every root round once, none twice
+    edge_steps = [m.step for m in client.get_metric_history(record.node_runs["edge-de"], "train/loss")]
+    assert sorted(edge_steps) == list(range(1, 7))  # 3 root rounds x 2 edge rounds, each once
