@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from _env import REPO, offline_quiet
 LANGUAGES = 5
 SHRINK = [
     "name=memory-bench",
@@ -39,9 +39,7 @@ SHRINK = [
 
 
 def child(clients: int, overrides: list[str], run_root: Path, prepare_only: bool) -> None:
-    os.environ.update({"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_LOGGING_LEVEL": "WARNING",
-                       "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
-    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
+    offline_quiet()
     from bhfl_core.config_loader import load_config
     from flows.experiment import run_experiment
 

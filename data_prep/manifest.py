@@ -14,6 +14,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from bhfl_core.files import write_text_atomic
+
 MANIFEST_NAME = "manifest.json"
 
 
@@ -62,9 +64,7 @@ class Manifest(BaseModel):
         return root / relative
 
     def write(self, folder: Path) -> None:
-        tmp = folder / (MANIFEST_NAME + ".tmp")
-        tmp.write_text(self.model_dump_json(indent=2))
-        tmp.replace(folder / MANIFEST_NAME)
+        write_text_atomic(folder / MANIFEST_NAME, self.model_dump_json(indent=2))
 
     @classmethod
     def read(cls, folder: Path) -> Manifest:

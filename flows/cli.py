@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 from rich.console import Console
@@ -28,6 +28,9 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 console = Console(stderr=True)
+
+if TYPE_CHECKING:
+    from bhfl_core.config import ExperimentConfig
 
 DEFAULT_CONFIG = Path("configs/embedded.yaml")
 DEFAULT_RUN_DIR = Path("runs")
@@ -43,6 +46,18 @@ TrackingOption = Annotated[
 def _fail(message: str) -> None:
     console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
     raise typer.Exit(code=2)
+
+
+def _load_config(path: Path, overrides: list[str]) -> ExperimentConfig:
+    """The validated config, or a one-line error naming the key (exit 2) before anything starts."""
+    from bhfl_core.config import ConfigError
+    from bhfl_core.config_loader import load_config
+
+    try:
+        return load_config(path, overrides)
+    except ConfigError as exc:
+        _fail(str(exc))
+        raise  # unreachable: _fail exits
 
 
 def _prepare_environment(run_dir: Path, verbose: bool) -> None:
@@ -76,13 +91,7 @@ def run(
     if resume_run is not None:
         _resume(resume_run, set_, run_dir, verbose)
         return
-    from bhfl_core.config import ConfigError
-    from bhfl_core.config_loader import load_config
-
-    try:
-        cfg = load_config(config, set_)
-    except ConfigError as exc:
-        _fail(str(exc))
+    cfg = _load_config(config, set_)
     _prepare_environment(run_dir, verbose)
     _preflight(cfg, run_dir)
     console.print(f"[bold]bhfl[/] running [cyan]{cfg.name}[/] from {config} (seed {cfg.seed}); starting Prefect and MLflow ...")
@@ -116,13 +125,7 @@ def prepare(
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show Prefect's run logs.")] = False,
 ) -> None:
     """Prepare (or reuse) an experiment's data: load, partition, tokenise, cache; print the partition report."""
-    from bhfl_core.config import ConfigError
-    from bhfl_core.config_loader import load_config
-
-    try:
-        cfg = load_config(config, set_)
-    except ConfigError as exc:
-        _fail(str(exc))
+    cfg = _load_config(config, set_)
     _prepare_environment(run_dir, verbose)
     _preflight(cfg, run_dir)
     from prefect.settings import temporary_settings
@@ -276,13 +279,7 @@ def serve(
     tracking_uri: TrackingOption = None,
 ) -> None:
     """Serve the experiment as a scheduled Prefect deployment (also runnable from the Prefect UI)."""
-    from bhfl_core.config import ConfigError
-    from bhfl_core.config_loader import load_config
-
-    try:
-        cfg = load_config(config, set_)
-    except ConfigError as exc:
-        _fail(str(exc))
+    cfg = _load_config(config, set_)
     try:
         from prefect.client.schemas.schedules import CronSchedule
 
@@ -366,14 +363,14 @@ def compare(
 
     from flows.compare import CompareError, to_csv, to_markdown
     from flows.compare import compare as compare_runs
-    from flows.report import write_atomic
+    from bhfl_core.files import write_text_atomic
 
     try:
         rows = compare_runs(MlflowClient(uri), runs)
     except CompareError as exc:
         _fail(str(exc))
     target = csv_path or run_dir / "compare.csv"
-    write_atomic(target, to_csv(rows))
+    write_text_atomic(target, to_csv(rows))
     print(to_markdown(rows))
     console.print(f"\n{len(rows)} run(s) compared; CSV written to {target}", highlight=False)
 

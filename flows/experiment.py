@@ -40,6 +40,7 @@ from bhfl_core.config import ConfigError, ExperimentConfig, dump
 from bhfl_core.config_loader import config_from_dict
 from bhfl_core.engine import ChildrenReport, RoundKey, execute_node
 from bhfl_core.evaluation import Evaluation
+from bhfl_core.files import write_text_atomic
 from bhfl_core.metrics import task_metrics
 from bhfl_core.params import get_flat
 from bhfl_core.placement import split_by_load
@@ -110,15 +111,18 @@ class FlowHooks:
         phi_path = ctx.store.write_message(f"{node.id}.down", theta)
         caller = f"{node.id}:{key.round}"
         report = ChildrenReport()
+        losses: dict[str, tuple[float, int]] = {}  # child -> (training loss of its last round, examples)
         for child in (c for c in cohort if not c.is_leaf):
             theta_child = StateStore.read_message(self._run_child(child, phi_path, caller))
             report.aggregate.add(theta_child, child.weight)
             if node.settings.res_up:
                 report.candidates.append(Candidate(child.id, theta_child, child.weight))
+            last = ctx.store.load_info(child.id).get("metrics", {})  # the child's last round, saved with it
+            if last.get("train/examples"):
+                losses[child.id] = (last["train/loss"], int(last["train/examples"]))
         leaves = [c for c in cohort if c.is_leaf]
         if leaves:
             plan = split_by_load([c.id for c in leaves], [c.weight for c in leaves], ctx.workers)
-            losses: dict[str, tuple[float, int]] = {}
             for worker in self._run_workers(node, plan, phi_path, caller):
                 report.aggregate.merge(worker.aggregate)
                 report.candidates.extend(worker.candidates)
@@ -126,9 +130,10 @@ class FlowHooks:
                 losses.update(worker.losses)
             for client_id in report.dropped:
                 self.rt.reporter.note(f"client {client_id} failed and was dropped from {node.id} round {key.round + 1}")
+            report.metrics["train/clients"] = float(len(leaves))
+        if losses:  # servers above the edges: their children's last-round client loss, example-weighted
             seen = sum(n for _, n in losses.values())
             report.metrics["train/loss"] = sum(loss * n for loss, n in losses.values()) / max(seen, 1)
-            report.metrics["train/clients"] = float(len(leaves))
             report.metrics["train/examples"] = float(seen)
         return report
 
@@ -262,7 +267,7 @@ def _experiment(
     record = RunRecord.read(path) if resume else None
     if record is None:
         record = RunRecord(name=cfg.name, tracking_uri=tracking_uri)
-        (path / CONFIG_FILE).write_text(yaml.safe_dump(dump(cfg), sort_keys=False))
+        write_text_atomic(path / CONFIG_FILE, yaml.safe_dump(dump(cfg), sort_keys=False))
     else:
         record = record.model_copy(update={"status": "running", "pid": os.getpid(), "error": "",
                                            "resumes": record.resumes + 1})
@@ -445,9 +450,7 @@ def resume_experiment(
                 raise ConfigError(f"--set {assignment}: a resumed run keeps its config; only runtime.* and "
                                   f"eval.batch_size may change (they do not change results). Start a new run instead.")
         config = config_from_dict(dump(config), overrides, source=str(run_path / CONFIG_FILE))
-        tmp = run_path / f".{CONFIG_FILE}.tmp"
-        tmp.write_text(yaml.safe_dump(dump(config), sort_keys=False))
-        os.replace(tmp, run_path / CONFIG_FILE)
+        write_text_atomic(run_path / CONFIG_FILE, yaml.safe_dump(dump(config), sort_keys=False))
     _REPORTER = reporter or SilentReporter()
     try:
         # run_root: the folder holding the shared data cache (<run_root>/<name>/<stamp>)

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import math
 import os
-import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -34,6 +33,7 @@ from matplotlib.figure import Figure
 
 from bhfl_core import communication as comm
 from bhfl_core import proximity
+from bhfl_core.files import temp_sibling, write_text_atomic
 from bhfl_core.evaluation import PROXY, UNION, Evaluation, clients_csv, distribution, distribution_csv, matrix_csv
 from flows import plots
 from flows.tracking import Tracker
@@ -47,23 +47,6 @@ RELATION_NAMES = {
 }
 
 
-def temp_name(path: Path) -> Path:
-    """A sibling temporary name unique to this process and thread (created with the umask's mode)."""
-    return path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write a text file to a temporary name, then rename: readers see the old file or the new one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = temp_name(path)
-    try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
 def _num(value: float | None) -> float:
     return math.nan if value is None else value
 
@@ -71,7 +54,7 @@ def _num(value: float | None) -> float:
 def save_figure(fig: Figure, path: Path, dpi: int = 110) -> None:
     """Write a figure as PNG to a temporary name, then rename."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = temp_name(path)
+    tmp = temp_sibling(path)
     try:
         fig.savefig(tmp, dpi=dpi, bbox_inches="tight", format="png")
         os.replace(tmp, path)
@@ -146,12 +129,12 @@ def write_report(tracker: Tracker, ctx: RunContext, ev: Evaluation, timings: Map
         "eval/communication_levels.csv": comm.summary_csv(levels),
     }
     for name, text in files.items():
-        write_atomic(folder / name, text)
+        write_text_atomic(folder / name, text)
     save_figure(plots.heatmap(ev), folder / "eval" / "heatmap.png")
     save_figure(plots.proximity_plot(ev, prox), folder / "eval" / "proximity.png")
     headline = {**ev.headline(), **{k: v for k, v in proximity.headline(prox).items() if "share_clients" in k},
                 "comm/total_model_equivalents": totals["comm/total_model_equivalents"]}
-    write_atomic(folder / "report.md", render_markdown(tracker, ctx, ev, prox, levels, totals, num_params, cost, timings))
+    write_text_atomic(folder / "report.md", render_markdown(tracker, ctx, ev, prox, levels, totals, num_params, cost, timings))
 
     tracker.log_artifacts(folder)
     tracker.log_metrics(tracker.parent_id, {**headline, **proximity.headline(prox), **totals, **cost}, final_step)

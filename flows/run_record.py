@@ -17,6 +17,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from bhfl_core.files import write_text_atomic
+
 RECORD_FILE = "run.json"
 Status = Literal["running", "finished", "failed"]
 
@@ -47,9 +49,7 @@ class RunRecord(BaseModel):
 
     def write(self, run_path: Path) -> None:
         self.updated = time.time()
-        tmp = run_path / f".{RECORD_FILE}.tmp"
-        tmp.write_text(json.dumps(self.model_dump(), indent=2))
-        os.replace(tmp, run_path / RECORD_FILE)
+        write_text_atomic(run_path / RECORD_FILE, json.dumps(self.model_dump(), indent=2))
 
     def process_alive(self) -> bool:
         """Whether the process that last ran this run is still running (same host only)."""

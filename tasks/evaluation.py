@@ -95,7 +95,7 @@ def local_only_rounds(ctx: RunContext, client_id: str) -> int:
     setting = ctx.config.eval.local_only
     assert setting is not None
     if setting.rounds == "matched":
-        return max(1, ctx.store.load(client_id).rounds_done)
+        return max(1, int(ctx.store.load_info(client_id).get("rounds_done", 0)))
     return int(setting.rounds)
 
 

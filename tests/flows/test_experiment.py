@@ -64,6 +64,8 @@ def test_per_round_metrics_use_round_steps(finished):
     east_id, west_id = runs["east"].info.run_id, runs["west"].info.run_id
     assert [m.step for m in client.get_metric_history(east_id, "proxy_train/loss")] == [1, 2]
     assert not client.get_metric_history(west_id, "proxy_train/loss")
+    # an intermediate server's training curve: its edges' last-round client loss, per round
+    assert [m.step for m in client.get_metric_history(west_id, "train/loss")] == [1, 2]
     # 30 German proxy rows at batch size 32 -> 1 step; the root trains on all 90 rows -> 3 steps
     assert {m.value for m in client.get_metric_history(east_id, "proxy_train/steps")} == {1.0}
     assert {m.value for m in client.get_metric_history(root_id, "proxy_train/steps")} == {3.0}
