@@ -135,3 +135,25 @@ def test_grouped_confusions_equal_split_by_split_scoring():
             want[t, p] += 1
         assert torch.equal(together[k], want)
     assert int(together.sum()) == n
+
+
+def test_damaged_checkpoints_are_reported_with_the_file_named(tmp_path):
+    from bhfl_core.state_store import CheckpointError
+
+    store = StateStore(tmp_path)
+    store.save("edge-x", NodeState(torch.arange(64.0), {"m": torch.ones(64)}, rounds_done=3))
+    path = store.node_path("edge-x")
+    good = path.read_bytes()
+
+    flipped = bytearray(good)
+    flipped[-5] ^= 0x01  # one bit of the optimiser state or model, after the header
+    path.write_bytes(bytes(flipped))
+    with pytest.raises(CheckpointError, match=r"edge-x.safetensors is damaged \(checksum mismatch in tensor"):
+        store.load("edge-x")
+
+    path.write_bytes(good[: len(good) // 2])  # truncated
+    with pytest.raises(CheckpointError, match=r"edge-x.safetensors is damaged \(unreadable"):
+        store.load_model("edge-x")
+
+    path.write_bytes(good)
+    assert store.load("edge-x").rounds_done == 3 and torch.equal(store.load_model("edge-x"), torch.arange(64.0))
