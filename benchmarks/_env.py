@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 from pathlib import Path
 
@@ -22,3 +23,11 @@ def offline_quiet() -> None:
     """Set the defaults above (the caller's own settings win)."""
     for key, value in DEFAULTS.items():
         os.environ.setdefault(key, value)
+
+
+def config_args(doc: str) -> argparse.Namespace:
+    """``[CONFIG] [--set KEY=VALUE ...]`` as ``bhfl run`` takes them (CONFIG: the embedded default)."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("config", nargs="?", default=str(REPO / "configs" / "embedded.yaml"))
+    parser.add_argument("--set", dest="overrides", action="append", default=[])
+    return parser.parse_args()

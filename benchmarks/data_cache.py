@@ -10,22 +10,18 @@ Run:  .venv/bin/python benchmarks/data_cache.py [CONFIG] [--set KEY=VALUE ...]
 
 from __future__ import annotations
 
-import argparse
 import os
 import tempfile
 import time
 from pathlib import Path
 
-from _env import REPO, offline_quiet
+from _env import config_args, offline_quiet
 
 offline_quiet()
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("config", nargs="?", default=str(REPO / "configs" / "embedded.yaml"))
-    parser.add_argument("--set", dest="overrides", action="append", default=[])
-    args = parser.parse_args()
+    args = config_args(__doc__)
     with tempfile.TemporaryDirectory() as tmp:
         os.environ.setdefault("PREFECT_HOME", str(Path(tmp) / ".prefect"))
         from prefect import flow
