@@ -398,6 +398,17 @@ class TreeConfig(Strict):
 class RuntimeConfig(Strict):
     """Where and how the work runs; none of these keys changes the results of a run.
 
+    ``executor``: where client training, proxy training and evaluation run.
+    ``local`` (default) starts a Dask cluster of worker processes on 127.0.0.1 for the
+    run; ``cluster`` uses the Dask scheduler at ``cluster`` (``tcp://host:8786``), whose
+    workers must see the run folder and the data cache at the same paths; ``inprocess``
+    trains in the orchestrating process, one client at a time (debugging). ``workers``:
+    worker processes of the local cluster (``auto``: one per GPU times
+    ``workers_per_device``, or two sharing the CPU cores), or how many of the cluster's
+    workers to use (``auto``: all). ``placement``: how a round's clients are spread over
+    the workers (``lpt``: by optimizer steps, largest first; ``round_robin``;
+    ``learned``: by time predicted from what each device kind measured).
+    ``parallel_subtrees``: sibling servers of one round execute at the same time.
     ``retries``: Prefect retries of a failed task (a worker's batch of clients, proxy
     training, an evaluation); finished clients of a retried batch are not trained again.
     ``on_client_failure``: a client that still fails after the retries either fails its
@@ -406,12 +417,33 @@ class RuntimeConfig(Strict):
     errors (out of memory, disk full) always fail.
     """
 
+    executor: Literal["local", "cluster", "inprocess"] = "local"
+    cluster: str | None = None
     workers: Annotated[int, Field(ge=1)] | Literal["auto"] = "auto"
+    workers_per_device: Annotated[int, Field(ge=1)] = 1
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    placement: Literal["lpt", "round_robin", "learned"] = "lpt"
+    parallel_subtrees: bool = True
     torch_threads: Annotated[int, Field(ge=1)] | None = None
     retries: Annotated[int, Field(ge=0)] = 1
     retry_delay_s: Annotated[float, Field(ge=0)] = 1.0
     on_client_failure: Literal["fail", "drop"] = "fail"
+
+    @field_validator("cluster")
+    @classmethod
+    def _address(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith(("tcp://", "tls://", "ucx://", "inproc://")):
+            hint = " (Ray clusters are not supported: start a Dask scheduler instead)" if v.startswith("ray://") else ""
+            raise ValueError(f"{v!r} is not a Dask scheduler address such as tcp://127.0.0.1:8786{hint}")
+        return v
+
+    @model_validator(mode="after")
+    def _cluster_for_executor(self) -> RuntimeConfig:
+        if self.executor == "cluster" and self.cluster is None:
+            raise ValueError("executor: cluster needs runtime.cluster, the Dask scheduler's address (tcp://host:8786)")
+        if self.executor != "cluster" and self.cluster is not None:
+            raise ValueError(f"cluster is set but executor is {self.executor!r}; set runtime.executor: cluster to use it")
+        return self
 
 
 class LocalOnlyBaseline(Strict):

@@ -42,6 +42,12 @@ def _optimizer(model: nn.Module, params: TrainParams) -> torch.optim.Optimizer:
     raise ValueError(f"unknown local optimizer {params.optimizer!r} (use 'adamw' or 'sgd')")
 
 
+def planned_steps(examples: int, params: TrainParams) -> int:
+    """Optimizer steps ``train_model`` will take on ``examples`` rows (placement's unit of work)."""
+    steps = -(-examples // params.batch_size) * params.epochs
+    return min(steps, params.max_steps) if params.max_steps is not None else steps
+
+
 @dataclass(frozen=True)
 class TrainResult:
     loss: float

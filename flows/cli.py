@@ -31,6 +31,7 @@ console = Console(stderr=True)
 
 if TYPE_CHECKING:
     from bhfl_core.config import ExperimentConfig
+    from tasks.local_cluster import ClusterStart
 
 DEFAULT_CONFIG = Path("configs/embedded.yaml")
 DEFAULT_RUN_DIR = Path("runs")
@@ -91,19 +92,38 @@ def run(
     if resume_run is not None:
         _resume(resume_run, set_, run_dir, verbose)
         return
-    cfg = _load_config(config, set_)
     _prepare_environment(run_dir, verbose)
+    from tasks.local_cluster import start_forkserver
+
+    start_forkserver()  # local workers' imports (torch, transformers) start now, beside ours
+    cfg = _load_config(config, set_)
     _preflight(cfg, run_dir)
-    console.print(f"[bold]bhfl[/] running [cyan]{cfg.name}[/] from {config} (seed {cfg.seed}); starting Prefect and MLflow ...")
+    console.print(f"[bold]bhfl[/] running [cyan]{cfg.name}[/] from {config} (seed {cfg.seed}); starting workers, "
+                  "Prefect and MLflow ...", highlight=False)
+    with _local_cluster(cfg) as cluster:  # the workers boot while the rest starts
+        from flows.experiment import new_run_path, run_experiment
+        from flows.progress import RichReporter
 
-    from flows.experiment import new_run_path, run_experiment
-    from flows.progress import RichReporter
-
-    run_path = new_run_path(run_dir.resolve(), cfg.name)
-    with _prefect_api(run_dir, full=False):
-        result = _guarded(lambda: run_experiment(cfg, run_dir, tracking_uri, RichReporter(console), run_path=run_path),
-                          run_path, verbose)
+        run_path = new_run_path(run_dir.resolve(), cfg.name)
+        with _prefect_api(run_dir, full=False), RichReporter(console).attached():
+            result = _guarded(lambda: run_experiment(cfg, run_dir, tracking_uri, run_path=run_path,
+                                                     cluster=cluster.address() if cluster else None), run_path, verbose)
     _print_summary(result, run_dir)
+
+
+@contextmanager
+def _local_cluster(cfg: ExperimentConfig) -> Iterator[ClusterStart | None]:
+    """The run's local Dask cluster (``runtime.executor: local``), starting in the background; stopped at the end."""
+    if cfg.runtime.executor != "local":
+        yield None
+        return
+    from tasks.local_cluster import ClusterStart
+
+    starting = ClusterStart(cfg.runtime)
+    try:
+        yield starting
+    finally:
+        starting.close()
 
 
 def _preflight(cfg: object, run_dir: Path) -> None:
@@ -131,11 +151,11 @@ def prepare(
     from prefect.settings import temporary_settings
 
     from flows.data import run_prepare
+    from flows.progress import RichReporter
 
     def work() -> dict:
-        with temporary_settings(updates={"flows.heartbeat_frequency": None}):
-            note = lambda m: console.print(f"  {m}", highlight=False, soft_wrap=True)  # noqa: E731
-            return {"prepared": run_prepare(cfg, (run_dir / "cache").resolve(), note=note)}
+        with temporary_settings(updates={"flows.heartbeat_frequency": None}), RichReporter(console).attached():
+            return {"prepared": run_prepare(cfg, (run_dir / "cache").resolve())}
 
     prepared = _guarded(work, None, verbose)["prepared"]
     report = prepared.report_dir / "partition.md"
@@ -171,9 +191,8 @@ def _resume(run_spec: str, overrides: list[str], run_dir: Path, verbose: bool) -
     from flows.progress import RichReporter
 
     try:
-        with _prefect_api(run_dir, full=False):
-            result = _guarded(lambda: resume_experiment(run_path, RichReporter(console), overrides=overrides),
-                              run_path, verbose)
+        with _prefect_api(run_dir, full=False), RichReporter(console).attached():
+            result = _guarded(lambda: resume_experiment(run_path, overrides=overrides), run_path, verbose)
     except ConfigError as exc:
         _fail(str(exc))
     _print_summary(result, run_dir)

@@ -26,8 +26,7 @@ from prefect.utilities.annotations import quote
 from bhfl_core.config import ExperimentConfig, dump
 from data_prep.manifest import Manifest
 from data_prep.prepare import PreparedData, prepare_data
-
-_NOTES: list[Callable[[str], None]] = []  # process-local progress sinks (the CLI's reporter)
+from flows import progress
 
 
 def _task_step(name: str, fn: Callable[..., Any], *args: Any) -> Any:
@@ -43,24 +42,19 @@ def prepare_data_flow(config: dict[str, Any], cache_root: str) -> dict[str, Any]
 
     def log(message: str) -> None:
         logger.info(message)
-        for note in _NOTES:
-            note(message)
+        progress.note(message)
 
     prepared = prepare_data(cfg, Path(cache_root), log=log, step=_task_step)
     return {"root": str(prepared.root), "cached": prepared.cached, "seconds": prepared.seconds}
 
 
-def run_prepare(config: ExperimentConfig, cache_root: Path, note: Callable[[str], None] | None = None,
-                inline: bool = False) -> PreparedData:
-    """Prepare through the flow (a subflow when called inside one), or inline without Prefect."""
-    if note is not None:
-        _NOTES.append(note)
-    try:
-        if inline:
-            return prepare_data(config, cache_root, log=note or (lambda _: None))
-        out = prepare_data_flow(dump(config), str(cache_root))
-    finally:
-        if note is not None:
-            _NOTES.remove(note)
+def run_prepare(config: ExperimentConfig, cache_root: Path, inline: bool = False) -> PreparedData:
+    """Prepare through the flow (a subflow when called inside one), or inline without Prefect.
+
+    Progress goes to the ``bhfl.progress`` logger (flows/progress.py).
+    """
+    if inline:
+        return prepare_data(config, cache_root, log=progress.note)
+    out = prepare_data_flow(dump(config), str(cache_root))
     root = Path(out["root"])
     return PreparedData(root, Manifest.read(root), cached=out["cached"], seconds=out["seconds"])

@@ -39,6 +39,14 @@ class RunRecord(BaseModel):
     resumes: int = 0
     evaluated_steps: list[int] = []
     error: str = ""
+    # Where the run's worker calls go (so any process can execute any part of the tree):
+    # the Dask scheduler's address ("" for runtime.executor: inprocess) and the worker
+    # slots the run places work on, as found when this attempt started.
+    cluster: str = ""
+    slots: list[dict[str, str]] = []
+    # Wall-clock moments of the latest attempt (epoch seconds): process_start,
+    # imports_done, flow_start, first_training, last_aggregate, finished.
+    timeline: dict[str, float] = {}
 
     @classmethod
     def read(cls, run_path: Path) -> RunRecord | None:

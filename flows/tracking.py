@@ -79,6 +79,13 @@ class Tracker:
             order.extend(tree.children(node.id))
         return self.parent_id
 
+    @classmethod
+    def attach(cls, tracking_uri: str, experiment_id: str, parent_id: str, node_runs: Mapping[str, str]) -> Tracker:
+        """A tracker for runs that exist (a node execution rebuilds it from the run record)."""
+        tracker = cls(tracking_uri)
+        tracker.experiment_id, tracker.parent_id, tracker.node_runs = experiment_id, parent_id, dict(node_runs)
+        return tracker
+
     def reopen(self, experiment_id: str, parent_id: str, node_runs: Mapping[str, str], resume_number: int) -> None:
         """Continue an existing experiment run (``bhfl resume``): same parent and node runs, tagged."""
         self.experiment_id, self.parent_id, self.node_runs = experiment_id, parent_id, dict(node_runs)

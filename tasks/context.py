@@ -1,19 +1,21 @@
-"""Per-process context of a run, rebuilt from the run folder alone.
+"""What a run is, rebuilt from its run folder alone.
 
-Tasks receive only the run folder (a string: cacheable, serialisable, valid in any
-worker process) and get everything else from here: the resolved config, the data
-manifest, the tree, the state store, and a pool of reusable model instances. The
-context is built once per process and run folder.
+The orchestrator's subflows and the worker processes receive only the run folder (a
+string: serialisable, valid in any process that sees the folder) and get everything
+else from here: the resolved config, the data manifest, the tree, the state store,
+and (workers) the data shards. Nothing of a run lives in a process-global registry;
+``open_run`` memoises the opened context per *file identity* (path and modification
+times of the run's config and data pointer), so a resumed run whose ``runtime.*``
+keys were changed is reopened, not served stale.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
-import queue
 import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+import time
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -34,50 +36,7 @@ from tasks import faults
 
 CONFIG_FILE = "config.yaml"
 DATA_POINTER = "data.json"
-
-
-def resolve_devices(setting: str) -> list[torch.device]:
-    if setting == "cpu" or (setting == "auto" and not torch.cuda.is_available()):
-        return [torch.device("cpu")]
-    if not torch.cuda.is_available():
-        raise RuntimeError("runtime.device is 'cuda' but no CUDA device is available (use 'auto' or 'cpu')")
-    return [torch.device(f"cuda:{i}") for i in range(torch.cuda.device_count())]
-
-
-def resolve_workers(config: ExperimentConfig, devices: list[torch.device]) -> int:
-    """``auto``: one worker per GPU, or two CPU workers sharing the cores."""
-    if config.runtime.workers != "auto":
-        return int(config.runtime.workers)
-    return len(devices) if devices[0].type == "cuda" else min(2, os.cpu_count() or 1)
-
-
-class ModelPool:
-    """Model instances reused across clients: at most one per worker, built lazily.
-
-    A worker task takes an instance, loads a flat parameter vector into it, trains,
-    and gives it back; instances are never shared by two tasks at once.
-    """
-
-    def __init__(self, build: Callable[[], nn.Module], devices: list[torch.device]) -> None:
-        self._build = build
-        self._devices = devices
-        self._free: queue.SimpleQueue[tuple[nn.Module, torch.device]] = queue.SimpleQueue()
-        self._made = 0
-        self._lock = threading.Lock()
-
-    @contextmanager
-    def take(self) -> Iterator[tuple[nn.Module, torch.device]]:
-        try:
-            item = self._free.get_nowait()
-        except queue.Empty:
-            with self._lock:
-                device = self._devices[self._made % len(self._devices)]
-                self._made += 1
-            item = (self._build().to(device), device)
-        try:
-            yield item
-        finally:
-            self._free.put(item)
+TIMELINE_DIR = "timeline"
 
 
 @dataclass
@@ -106,20 +65,8 @@ class RunContext:
         return StateStore(self.run_path / "state", faults.checkpoint_hook())
 
     @cached_property
-    def devices(self) -> list[torch.device]:
-        return resolve_devices(self.config.runtime.device)
-
-    @cached_property
-    def workers(self) -> int:
-        return resolve_workers(self.config, self.devices)
-
-    @cached_property
     def clients(self) -> dict[str, ClientEntry]:
         return {c.id: c for c in self.manifest.clients}
-
-    @cached_property
-    def models(self) -> ModelPool:
-        return ModelPool(lambda: self.build_model(self.config.seed), self.devices)
 
     def build_model(self, seed: int) -> nn.Module:
         m = self.manifest
@@ -169,17 +116,41 @@ class RunContext:
             return self._tests
 
 
-_CONTEXTS: dict[str, RunContext] = {}
-_CONTEXTS_LOCK = threading.Lock()
+def _identity(run_path: Path) -> tuple[str, int, int]:
+    """What an opened context depends on: the folder and its config and data pointer files."""
+    return (str(run_path), (run_path / CONFIG_FILE).stat().st_mtime_ns, (run_path / DATA_POINTER).stat().st_mtime_ns)
 
 
-def get_context(run_path: str | Path) -> RunContext:
-    key = str(Path(run_path).resolve())
-    with _CONTEXTS_LOCK:
-        if key not in _CONTEXTS:
-            _CONTEXTS[key] = RunContext.open(Path(key))
-        return _CONTEXTS[key]
+@functools.lru_cache(maxsize=4)
+def _open(identity: tuple[str, int, int]) -> RunContext:
+    return RunContext.open(Path(identity[0]))
 
 
-def forget_context(run_path: str | Path) -> None:
-    _CONTEXTS.pop(str(Path(run_path).resolve()), None)
+def open_run(run_path: str | Path) -> RunContext:
+    """The run's context, opened once per process while its files are unchanged (a few runs kept)."""
+    return _open(_identity(Path(run_path).resolve()))
+
+
+def mark_once(run_path: Path, event: str) -> None:
+    """Record the wall time of the first occurrence of ``event`` in this run (any process, first wins).
+
+    The run's timeline (``run.json``: first client training, ...) is read from these
+    files, which any worker can create on a shared folder without a lock.
+    """
+    path = run_path / TIMELINE_DIR / event
+    if path.exists():
+        return
+    path.parent.mkdir(exist_ok=True)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        return
+    with os.fdopen(fd, "w") as fh:
+        fh.write(repr(time.time()))
+
+
+def read_marks(run_path: Path) -> dict[str, float]:
+    folder = run_path / TIMELINE_DIR
+    if not folder.is_dir():
+        return {}
+    return {p.name: float(p.read_text() or "nan") for p in folder.iterdir() if p.is_file() and not p.name.startswith(".")}

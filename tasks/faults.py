@@ -2,10 +2,14 @@
 
 A real run survives SIGKILL at any moment; to *test* that at precise moments (in the
 middle of a checkpoint write, during evaluation, ...) the pipeline calls ``hit(point)``
-at a few named places, and the n-th hit of a listed point in this process carries out
-the action:
+at a few named places, and the n-th hit of a listed point carries out the action. Hits
+are counted per run attempt across all its processes (the orchestrator and its local
+worker processes share a counter file, ``BHFL_FAULTS_COUNTER``), so ``client@2`` is
+the second client trained anywhere:
 
-- ``kill`` (default): SIGKILL this process, as an out-of-memory killer or a lost node would;
+- ``kill`` (default): SIGKILL the run — the worker process that hit it and the
+  orchestrating process (``BHFL_FAULTS_KILL_PID``) — as an out-of-memory killer or a
+  lost machine would;
 - ``raise``: a RuntimeError (a transient task failure);
 - ``oom``: ``torch.OutOfMemoryError`` (what CUDA raises when the GPU is full);
 - ``enospc``: ``OSError(ENOSPC)`` (disk full).
@@ -19,17 +23,20 @@ evaluation task about to score). Unset (the normal case), ``hit`` costs one dict
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import signal
+import tempfile
 import threading
 from collections import Counter
 from collections.abc import Callable
-
 from pathlib import Path
 
 import torch
 
 ENV = "BHFL_FAULTS"
+COUNTER_ENV = "BHFL_FAULTS_COUNTER"  # file shared by the run's processes; unset: counted in this process
+KILL_PID_ENV = "BHFL_FAULTS_KILL_PID"  # the orchestrating process, killed with the worker that hits ``kill``
 POINTS = ("prepare", "checkpoint", "round", "client", "eval")
 ACTIONS = ("kill", "raise", "oom", "enospc")
 
@@ -55,19 +62,53 @@ def hit(point: str, what: str = "") -> None:
     plan = _plan() if ENV in os.environ else None
     if not plan or point not in plan:
         return
-    with _lock:
-        _counts[point] += 1
-        n = _counts[point]
+    n = _count(point)
     for nth, action in plan[point]:
         if nth == n:
             detail = f"injected fault at {point} #{n}" + (f" ({what})" if what else "")
             if action == "kill":
+                if (owner := int(os.environ.get(KILL_PID_ENV, "0") or 0)) and owner != os.getpid():
+                    os.kill(owner, signal.SIGKILL)
                 os.kill(os.getpid(), signal.SIGKILL)
             if action == "oom":
                 raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate 2.00 GiB ({detail})")
             if action == "enospc":
                 raise OSError(errno.ENOSPC, f"No space left on device ({detail})", what or None)
             raise RuntimeError(detail)
+
+
+def _count(point: str) -> int:
+    """This hit's number at ``point``: in the shared counter file when there is one, else in this process."""
+    shared = os.environ.get(COUNTER_ENV)
+    if not shared:
+        with _lock:
+            _counts[point] += 1
+            return _counts[point]
+    with _lock, open(shared, "a+") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        fh.seek(0)
+        counts = Counter(fh.read().split())
+        fh.write(f"{point}\n")
+        return counts[point] + 1
+
+
+def share_with_workers() -> dict[str, str]:
+    """Environment for the run's worker processes: the same plan, one hit counter, the process to kill.
+
+    Empty when no faults are planned (the normal case).
+    """
+    if ENV not in os.environ:
+        return {}
+    if not os.environ.get(COUNTER_ENV):
+        fd, path = tempfile.mkstemp(prefix="bhfl-faults-", suffix=".txt")
+        os.close(fd)
+        os.environ[COUNTER_ENV] = path
+    return {ENV: os.environ[ENV], COUNTER_ENV: os.environ[COUNTER_ENV], KILL_PID_ENV: str(os.getpid())}
+
+
+def shared_counts(path: str) -> Counter[str]:
+    """The hits counted so far in a counter file (tests read what the run's processes did)."""
+    return Counter(Path(path).read_text().split()) if Path(path).exists() else Counter()
 
 
 def checkpoint_hook() -> Callable[[Path], None] | None:

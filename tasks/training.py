@@ -1,142 +1,51 @@
-"""Training tasks: a worker trains its list of clients in one task; servers train on proxy data.
+"""Prefect tasks for training: a round's client batches, or a server's proxy TRAIN, on the workers.
 
-One task per worker (not per client): the task takes one model instance from the
-pool and, client after client, loads the parent's flat vector, runs the client's
-EXECUTENODE (down-aggregation into its persistent model, local training, checkpoint)
-and folds the result into a running weighted sum. Only that sum (one vector) and a
-few numbers go back to the server.
+A task runs in the orchestrator (a thread that waits) and hands the work to the
+executor: one call per worker batch, each pinned to the slot the placement chose;
+the computation happens in those worker processes (tasks/worker.py). Prefect gives
+each node round one task run in the UI (named after the placement) and its retries; a
+retried round does not train again the clients that finished. Resource errors (out of
+memory, disk full, damaged checkpoint) are not retried: they would fail the same way.
 """
 
 from __future__ import annotations
 
-import errno
-import logging
-import time
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from typing import Any
 
-import torch
-from prefect import get_run_logger, task
+from prefect import Task, task
 from prefect.cache_policies import NO_CACHE
-from prefect.exceptions import MissingContextError
 
-from bhfl_core.aggregation import WeightedSum
-from bhfl_core.engine import ChildrenReport, NodeResult, RoundKey, execute_node
-from bhfl_core.local_train import train_model
-from bhfl_core.mlm import mlm_transform
-from bhfl_core.params import get_flat, set_flat
-from bhfl_core.residuals import Candidate, keep_top
-from bhfl_core.rng import derive_seed
-from bhfl_core.state_store import CheckpointError, StateStore
-from bhfl_core.tree import Node
-from tasks import faults
-from tasks.context import RunContext, get_context
+from bhfl_core.config import RuntimeConfig
+from bhfl_core.engine import RoundKey
+from bhfl_core.placement import Slot
+from tasks.client_training import WorkerReport, is_resource_error
+from tasks.executor import Executor, gather
+
+Batches = Sequence[tuple[Slot, list[str]]]
 
 
-@dataclass
-class WorkerReport:
-    aggregate: WeightedSum = field(default_factory=WeightedSum)
-    losses: dict[str, tuple[float, int]] = field(default_factory=dict)  # client -> (mean loss, examples)
-    candidates: list[Candidate] = field(default_factory=list)  # running top-K for up-residuals
-    dropped: list[str] = field(default_factory=list)  # clients left out (runtime.on_client_failure: drop)
+def _worth_retrying(task_: Any, task_run: Any, state: Any) -> bool:
+    """Prefect's retry condition: transient failures yes, resource errors no."""
+    return not (isinstance(state.data, BaseException) and is_resource_error(state.data))
 
 
-class LocalTrainer:
-    """EngineHooks for nodes executed inside a worker: TRAIN on the node's own data."""
-
-    def __init__(self, ctx: RunContext, model: torch.nn.Module, device: torch.device) -> None:
-        self.ctx, self.model, self.device = ctx, model, device
-
-    def run_children(self, node: Node, cohort: list[Node], theta: torch.Tensor, key: RoundKey) -> ChildrenReport:
-        raise RuntimeError(f"node {node.id!r} has children; servers run in subflows, not inside a worker")
-
-    def train(self, node: Node, theta: torch.Tensor, key: RoundKey) -> tuple[torch.Tensor, dict[str, float]]:
-        assert node.settings.train is not None
-        if node.is_leaf:
-            faults.hit("client", node.id)
-        data = self.ctx.shard(self.ctx.clients[node.id].train.path) if node.is_leaf else self.ctx.proxy("train", node.id)
-        set_flat(self.model, theta)
-        seed = derive_seed(self.ctx.config.seed, "train", *key.parts())
-        transform = mlm_transform(self.ctx.masking) if self.ctx.manifest.task == "mlm" else None  # masks from `seed`
-        result = train_model(self.model, data, node.settings.train, seed, self.device, transform)
-        prefix = "train" if node.is_leaf else "proxy_train"
-        metrics = {f"{prefix}/loss": result.loss, f"{prefix}/steps": float(result.steps)}
-        if node.is_leaf:  # saved with the client's state: a re-run after a crash reports the same
-            metrics["train/examples"] = float(result.examples)
-        return get_flat(self.model), metrics
-
-    def round_done(self, node: Node, key: RoundKey, theta: torch.Tensor, metrics: dict[str, float]) -> None:
-        return None
+def with_retries(task_: Task, runtime: RuntimeConfig, name: str, on_running: Sequence[Callable[..., None]] = ()) -> Task:
+    """The task with the run's Prefect retries (``runtime.retries``, ``runtime.retry_delay_s``), a name and hooks."""
+    return task_.with_options(retries=runtime.retries, retry_delay_seconds=runtime.retry_delay_s,
+                              retry_condition_fn=_worth_retrying, task_run_name=name, on_running=list(on_running))
 
 
 @task(name="train-clients", cache_policy=NO_CACHE, persist_result=False)
-def train_clients(
-    run_path: str, caller: str, client_ids: list[str], phi_path: str, keep: int = 0, select: str | None = None
-) -> WorkerReport:
-    """Execute a list of clients from the parent model at ``phi_path``; return their weighted sum.
-
-    With ``keep > 0`` the worker also returns its ``keep`` best residual candidates by
-    ``select``, held as a running top-K so memory stays at K models per worker.
-    """
-    ctx = get_context(run_path)
-    phi = StateStore.read_message(phi_path)
-    report = WorkerReport()
-    with ctx.models.take() as (model, device):
-        trainer = LocalTrainer(ctx, model, device)
-        for client_id in client_ids:
-            node = ctx.tree[client_id]
-            result = _execute_client(ctx, node, phi, trainer, caller)
-            if result is None:
-                report.dropped.append(client_id)
-                continue
-            report.aggregate.add(result.theta, node.weight)
-            loss = result.metrics.get("train/loss", float("nan"))
-            report.losses[client_id] = (loss, int(result.metrics.get("train/examples", 0)))
-            if keep and select:
-                found = Candidate(client_id, result.theta, node.weight, loss)
-                report.candidates = keep_top(report.candidates, found, phi, keep, select)
-    return report
-
-
-def is_resource_error(exc: BaseException) -> bool:
-    """Out of memory, disk full, or a damaged checkpoint: problems of the machine, not of a client."""
-    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.ENOMEM):
-        return True
-    return isinstance(exc, (MemoryError, torch.OutOfMemoryError, CheckpointError))
-
-
-def _logger() -> logging.Logger | logging.LoggerAdapter:
-    try:
-        return get_run_logger()
-    except MissingContextError:  # inline runs (benchmarks) have no Prefect run
-        return logging.getLogger("bhfl")
-
-
-def _execute_client(ctx: RunContext, node: Node, phi: torch.Tensor, trainer: LocalTrainer, caller: str) -> NodeResult | None:
-    """EXECUTENODE for one client under the run's failure policy; None = dropped from this round.
-
-    ``fail``: the error propagates (Prefect retries the whole batch; clients that
-    finished are not trained again). ``drop``: the client is retried in place
-    ``runtime.retries`` times, then left out of the aggregate. Resource errors and
-    damaged checkpoints always propagate: dropping them would quietly bias the run.
-    """
-    runtime = ctx.config.runtime
-    attempts = 1 + runtime.retries if runtime.on_client_failure == "drop" else 1
-    for attempt in range(1, attempts + 1):
-        try:
-            return execute_node(ctx.tree, node, phi, ctx.store, trainer, ctx.config.seed, caller)
-        except Exception as exc:
-            if runtime.on_client_failure == "fail" or is_resource_error(exc):
-                raise
-            if attempt == attempts:
-                _logger().warning("client %s dropped from round %s after %d attempts: %r", node.id, caller, attempts, exc)
-            elif runtime.retry_delay_s:
-                time.sleep(runtime.retry_delay_s)
-    return None
+def train_clients(executor: Executor, batches: Batches, run_path: str, caller: str, phi_path: str,
+                  keep: int = 0, select: str | None = None) -> list[WorkerReport]:
+    """Execute each batch of clients on its slot from the parent model at ``phi_path``; one report per batch."""
+    return gather([executor.submit(slot, "train_clients", run_path, caller, ids, phi_path, keep, select)
+                   for slot, ids in batches])
 
 
 @task(name="proxy-train", cache_policy=NO_CACHE, persist_result=False)
-def proxy_train(run_path: str, node_id: str, key: RoundKey, theta: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
-    """TRAIN a server's model on its proxy split."""
-    ctx = get_context(run_path)
-    with ctx.models.take() as (model, device):
-        return LocalTrainer(ctx, model, device).train(ctx.tree[node_id], theta, key)
+def proxy_train(executor: Executor, slot: Slot, run_path: str, node_id: str, key: RoundKey,
+                theta_path: str) -> tuple[str, dict[str, float]]:
+    """TRAIN a server's model (message at ``theta_path``) on its proxy split; returns the result's message."""
+    return executor.submit(slot, "proxy_train", run_path, node_id, key, theta_path).result()

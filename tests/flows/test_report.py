@@ -12,8 +12,8 @@ from typer.testing import CliRunner
 from bhfl_core.evaluation import parse_model
 from flows.cli import app
 from flows.tracking import Tracker
-from tasks.context import get_context
-from tasks.evaluation import evaluate_models
+from tasks.context import open_run
+from tasks.worker import WorkerRuntime, worker_device
 
 CLIENTS = [f"{lang}-{i:02d}" for lang in ("en", "fr", "de") for i in range(3)]
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -61,7 +61,7 @@ def test_matrix_has_subtrees_and_baselines_and_unions_add_up(evaluated_runs, tmp
     assert {f"local:{c}" for c in CLIENTS} | {f"adapt:{c}" for c in CLIENTS} <= models
     assert {r["level"] for r in rows if r["node"] == "local:de-01"} == {"3"}
     # a union's accuracy is the test-size-weighted mean of its clients' accuracies (sums of confusions)
-    sizes = {c.id: c.test.size for c in get_context(tree["run_path"]).manifest.clients}
+    sizes = {c.id: c.test.size for c in open_run(tree["run_path"]).manifest.clients}
     for model in ("root", "edge-de", "en-01", "local:fr-02"):
         for test_set, members in (("union", CLIENTS), ("subtree:west", [c for c in CLIENTS if c[:2] in ("en", "fr")])):
             weighted = sum(value[(model, c, "accuracy")] * sizes[c] for c in members) / sum(sizes[c] for c in members)
@@ -72,7 +72,8 @@ def test_baselines_are_reproducible(evaluated_runs, tmp_path):
     _, tree, _ = evaluated_runs
     client = MlflowClient(tree["tracking_uri"])
     _, value = _matrix(client, tree["run_id"], tmp_path)
-    again = evaluate_models.fn(tree["run_path"], ["local:en-00", "adapt:fr-01"])
+    # the baselines rebuilt by a fresh worker runtime in this process (not the run's workers)
+    again = WorkerRuntime("test", worker_device("cpu")).evaluate(tree["run_path"], ["local:en-00", "adapt:fr-01"])
     for model, split in (("local:en-00", "en-00"), ("adapt:fr-01", "proxy")):
         confusion = again[model][split]
         assert float(confusion.diag().sum() / confusion.sum()) == pytest.approx(value[(model, split, "accuracy")], abs=1e-6)
@@ -109,7 +110,7 @@ def test_communication_from_persisted_histories(evaluated_runs, tmp_path):
     assert not [r for r in rows if r["kind"] == "residual"]  # the small config has no residual rules
     params = int(client.get_run(tree["run_id"]).data.tags["bhfl.model_params"])
     metrics = client.get_run(tree["run_id"]).data.metrics
-    assert params == get_context(tree["run_path"]).store.load_model("root").numel()
+    assert params == open_run(tree["run_path"]).store.load_model("root").numel()
     assert metrics["comm/total_bytes"] == 44 * params * 4 and metrics["comm/total_model_equivalents"] == 44
 
 

@@ -1,0 +1,138 @@
+"""Client training inside a worker process: a batch of clients folded into one weighted sum.
+
+A worker trains the list of clients the placement gave it with one reused model
+instance: client after client, it runs the client's EXECUTENODE (down-aggregation
+into its persistent model, local TRAIN, checkpoint) from the parent's model and folds
+the result into a running weighted sum. Only that sum (exact to ~2^-100, so the
+server's mean does not depend on how clients were spread over workers), the running
+top-K residual candidates and a few numbers go back to the server.
+
+No Prefect here: this code runs in Dask worker processes (or in the orchestrator for
+``runtime.executor: inprocess``).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from bhfl_core.aggregation import WeightedSum
+from bhfl_core.engine import ChildrenReport, NodeResult, RoundKey, execute_node
+from bhfl_core.local_train import train_model
+from bhfl_core.mlm import mlm_transform
+from bhfl_core.params import get_flat, set_flat
+from bhfl_core.residuals import Candidate, keep_top
+from bhfl_core.rng import derive_seed
+from bhfl_core.state_store import CheckpointError
+from bhfl_core.tree import Node
+from tasks import faults
+from tasks.context import RunContext, mark_once
+
+log = logging.getLogger("bhfl.worker")
+
+
+@dataclass
+class WorkerReport:
+    """What one worker sends back for its batch of clients."""
+
+    aggregate: WeightedSum = field(default_factory=WeightedSum)
+    losses: dict[str, tuple[float, int]] = field(default_factory=dict)  # client -> (mean loss, examples)
+    candidates: list[Candidate] = field(default_factory=list)  # running top-K for up-residuals
+    dropped: list[str] = field(default_factory=list)  # clients left out (runtime.on_client_failure: drop)
+    timings: list[tuple[str, int, float]] = field(default_factory=list)  # (client, optimizer steps, seconds) trained here
+    worker: str = ""
+    device_kind: str = ""
+    started: float = 0.0  # wall clock (time.time) of the batch on the worker
+    finished: float = 0.0
+
+
+class LocalTrainer:
+    """EngineHooks for nodes executed inside a worker: TRAIN on the node's own data."""
+
+    def __init__(self, ctx: RunContext, model: torch.nn.Module, device: torch.device) -> None:
+        self.ctx, self.model, self.device = ctx, model, device
+        self.trained = 0  # TRAIN calls made (a client loaded from its checkpoint makes none)
+
+    def run_children(self, node: Node, cohort: list[Node], theta: torch.Tensor, key: RoundKey) -> ChildrenReport:
+        raise RuntimeError(f"node {node.id!r} has children; servers run in the orchestrator, not inside a worker")
+
+    def train(self, node: Node, theta: torch.Tensor, key: RoundKey) -> tuple[torch.Tensor, dict[str, float]]:
+        assert node.settings.train is not None
+        if node.is_leaf:
+            faults.hit("client", node.id)
+            mark_once(self.ctx.run_path, "first_training")
+        data = self.ctx.shard(self.ctx.clients[node.id].train.path) if node.is_leaf else self.ctx.proxy("train", node.id)
+        set_flat(self.model, theta)
+        seed = derive_seed(self.ctx.config.seed, "train", *key.parts())
+        transform = mlm_transform(self.ctx.masking) if self.ctx.manifest.task == "mlm" else None  # masks from `seed`
+        result = train_model(self.model, data, node.settings.train, seed, self.device, transform)
+        self.trained += 1
+        prefix = "train" if node.is_leaf else "proxy_train"
+        metrics = {f"{prefix}/loss": result.loss, f"{prefix}/steps": float(result.steps)}
+        if node.is_leaf:  # saved with the client's state: a re-run after a crash reports the same
+            metrics["train/examples"] = float(result.examples)
+        return get_flat(self.model), metrics
+
+    def round_done(self, node: Node, key: RoundKey, theta: torch.Tensor, metrics: dict[str, float]) -> None:
+        return None
+
+
+def train_clients(ctx: RunContext, trainer: LocalTrainer, caller: str, client_ids: list[str], phi: torch.Tensor,
+                  keep: int = 0, select: str | None = None) -> WorkerReport:
+    """Execute ``client_ids`` from the parent model ``phi``; return their weighted sum and statistics.
+
+    With ``keep > 0`` the worker also returns its ``keep`` best residual candidates by
+    ``select``, held as a running top-K so memory stays at K models per worker.
+    """
+    report = WorkerReport(started=time.time())
+    for client_id in client_ids:
+        node = ctx.tree[client_id]
+        before, clock = trainer.trained, time.perf_counter()
+        result = _execute_client(ctx, node, phi, trainer, caller)
+        if result is None:
+            report.dropped.append(client_id)
+            continue
+        if trainer.trained > before:
+            report.timings.append((client_id, int(result.metrics.get("train/steps", 0)), time.perf_counter() - clock))
+        report.aggregate.add(result.theta, node.weight)
+        loss = result.metrics.get("train/loss", float("nan"))
+        report.losses[client_id] = (loss, int(result.metrics.get("train/examples", 0)))
+        if keep and select:
+            found = Candidate(client_id, result.theta, node.weight, loss)
+            report.candidates = keep_top(report.candidates, found, phi, keep, select)
+    report.finished = time.time()
+    return report
+
+
+def is_resource_error(exc: BaseException) -> bool:
+    """Out of memory, disk full, or a damaged checkpoint: problems of the machine, not of a client."""
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.ENOMEM):
+        return True
+    return isinstance(exc, (MemoryError, torch.OutOfMemoryError, CheckpointError))
+
+
+def _execute_client(ctx: RunContext, node: Node, phi: torch.Tensor, trainer: LocalTrainer, caller: str) -> NodeResult | None:
+    """EXECUTENODE for one client under the run's failure policy; None = dropped from this round.
+
+    ``fail``: the error propagates (Prefect retries the whole batch; clients that
+    finished are not trained again). ``drop``: the client is retried in place
+    ``runtime.retries`` times, then left out of the aggregate. Resource errors and
+    damaged checkpoints always propagate: dropping them would quietly bias the run.
+    """
+    runtime = ctx.config.runtime
+    attempts = 1 + runtime.retries if runtime.on_client_failure == "drop" else 1
+    for attempt in range(1, attempts + 1):
+        try:
+            return execute_node(ctx.tree, node, phi, ctx.store, trainer, ctx.config.seed, caller)
+        except Exception as exc:
+            if runtime.on_client_failure == "fail" or is_resource_error(exc):
+                raise
+            if attempt == attempts:
+                log.warning("client %s dropped from round %s after %d attempts: %r", node.id, caller, attempts, exc)
+            elif runtime.retry_delay_s:
+                time.sleep(runtime.retry_delay_s)
+    return None

@@ -1,0 +1,128 @@
+"""The run's own Dask cluster on 127.0.0.1 (``runtime.executor: local``).
+
+A scheduler and one worker process per slot (per GPU times ``workers_per_device``, or
+one per CPU core), each running one call at a time on its own device (``BHFL_DEVICE``). Workers are forked from a server process that imported torch,
+transformers and the worker code once (multiprocessing's forkserver), so N workers
+cost one import, not N. Worker processes exit when the process that started the
+cluster dies, even by SIGKILL (Dask watches the parent).
+
+This module stays light (no worker code imported here), so the CLI can start the
+cluster first and let it boot while the rest of the pipeline is imported.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Mapping
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+
+from bhfl_core.config import RuntimeConfig
+
+
+def resolve_devices(setting: str) -> list[torch.device]:
+    if setting == "cpu" or (setting == "auto" and not torch.cuda.is_available()):
+        return [torch.device("cpu")]
+    if not torch.cuda.is_available():
+        raise RuntimeError("runtime.device is 'cuda' but no CUDA device is available (use 'auto' or 'cpu')")
+    return [torch.device(f"cuda:{i}") for i in range(torch.cuda.device_count())]
+
+
+CPU_WORKERS_AUTO_MAX = 8
+
+
+def local_slots(runtime: RuntimeConfig) -> list[tuple[str, str]]:
+    """(worker name, device) of each worker process the local cluster starts.
+
+    GPUs: ``workers_per_device`` workers on each visible GPU (``workers`` caps the total);
+    CPU: ``workers`` processes (``auto``: one per core, at most 8), each training with
+    ``runtime.torch_threads`` threads (default 1: parallelism comes from processes).
+    """
+    devices = resolve_devices(runtime.device)
+    if devices[0].type == "cuda":
+        names = sorted((f"cuda{d.index}-{k}", str(d)) for k in range(runtime.workers_per_device) for d in devices)
+        return names if runtime.workers == "auto" else names[: int(runtime.workers)]
+    count = min(os.cpu_count() or 1, CPU_WORKERS_AUTO_MAX) if runtime.workers == "auto" else int(runtime.workers)
+    return [(f"cpu-{k}", "cpu") for k in range(count)]
+
+
+def start_forkserver() -> None:
+    """Start the process local workers fork from, so it imports the worker code while we do other work.
+
+    Idempotent and non-blocking; the first worker that forks waits for the imports.
+    """
+    import multiprocessing.forkserver
+
+    import dask
+    import distributed.utils
+
+    dask.config.set({"distributed.worker.multiprocessing-method": "forkserver"})
+    # tiny-bert's modeling code too: transformers imports model classes lazily (~2 s per process)
+    preload = ["distributed", "tasks.worker", "transformers.models.bert.modeling_bert"]
+    multiprocessing.get_context("forkserver").set_forkserver_preload(preload)
+    distributed.utils._forkserver_preload_set = True  # keep our preload list (distributed would replace it)
+    multiprocessing.forkserver.ensure_running()
+
+
+def worker_env() -> dict[str, str]:
+    """What the local workers take from this process's environment: hub/offline settings, fault plans.
+
+    (Workers fork from a server started once per process, so its environment may be
+    older than this run's.)
+    """
+    from tasks import faults
+
+    keep = ("HF_", "TRANSFORMERS_", "TOKENIZERS_", "CUDA_")
+    return {**{k: v for k, v in os.environ.items() if k.startswith(keep)}, **faults.share_with_workers()}
+
+
+def start_local_cluster(runtime: RuntimeConfig, env: Mapping[str, str] | None = None) -> Any:
+    """A Dask cluster of this run's worker processes on 127.0.0.1 (a ``SpecCluster``; ``close()`` stops it).
+
+    ``env`` (default: ``worker_env()``) is set in every worker process.
+    """
+    from distributed import Nanny, Scheduler, SpecCluster
+
+    env = worker_env() if env is None else env
+    logging.getLogger("distributed").setLevel(logging.ERROR)  # the scheduler runs in this process: no INFO chatter
+    start_forkserver()
+    workers = {
+        name: {"cls": Nanny, "options": {
+            "name": name, "host": "127.0.0.1", "nthreads": 1, "memory_limit": 0, "dashboard": False,
+            "silence_logs": logging.ERROR,
+            "env": {"BHFL_DEVICE": device, **env},
+        }}
+        for name, device in local_slots(runtime)
+    }
+    scheduler = {"cls": Scheduler, "options": {"host": "127.0.0.1", "port": 0, "dashboard": False,
+                                               "dashboard_address": "127.0.0.1:0"}}  # its HTTP endpoint: loopback, any port
+    return SpecCluster(workers=workers, scheduler=scheduler, silence_logs=logging.ERROR, name="bhfl-local")
+
+
+class ClusterStart:
+    """A local cluster starting in the background (while Prefect, MLflow and the data get ready)."""
+
+    def __init__(self, runtime: RuntimeConfig, env: Mapping[str, str] | None = None) -> None:
+        self._result: Future[Any] = Future()
+        env = worker_env() if env is None else env  # now: it sets up the fault counter this process shares
+        threading.Thread(target=self._start, args=(runtime, env), name="bhfl-cluster-start", daemon=True).start()
+
+    def _start(self, runtime: RuntimeConfig, env: Mapping[str, str]) -> None:
+        try:
+            self._result.set_result(start_local_cluster(runtime, env))
+        except BaseException as exc:  # handed to whoever waits for the address
+            self._result.set_exception(exc)
+
+    def address(self) -> str:
+        return str(self._result.result().scheduler_address)
+
+    def close(self) -> None:
+        try:
+            cluster = self._result.result()
+        except Exception:
+            return
+        cluster.close()

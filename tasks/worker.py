@@ -1,0 +1,149 @@
+"""A worker process: its device, its model instances, one call at a time.
+
+Client training, proxy training and evaluation run in long-lived worker processes
+(Dask workers, see tasks/executor.py). Each holds its own device and one model
+instance per model shape it has served, and runs one call at a time: torch's random
+generator, which dropout draws from, is process-wide, so a training must own its
+process while it runs. Each call seeds it from (seed, node, round), so results do not
+depend on which worker ran what, or on how many there are.
+
+Everything a call needs is rebuilt from the run folder (``tasks.context.open_run``),
+so any worker that sees the folder can serve any run. This module imports no Prefect:
+workers stay light and never talk to the Prefect API.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from distributed import WorkerPlugin, get_worker
+from torch import nn
+
+from bhfl_core.engine import RoundKey
+from bhfl_core.params import get_flat
+from bhfl_core.state_store import StateStore
+from tasks.client_training import LocalTrainer, WorkerReport, train_clients
+from tasks.context import TIMELINE_DIR, RunContext, open_run
+from tasks.scoring import Stats, score_models
+
+PLUGIN = "bhfl"
+DEVICE_ENV = "BHFL_DEVICE"  # cpu, cuda, cuda:N (unset: the process's CUDA device when there is one)
+_MODELS_KEPT = 2
+BUSY_DIR = Path(TIMELINE_DIR) / "busy"  # one file of (start, end) lines per worker
+
+
+def worker_device(setting: str | None = None) -> torch.device:
+    setting = setting or os.environ.get(DEVICE_ENV) or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(setting)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def device_kind(device: torch.device) -> str:
+    """What the placement's time model is keyed by: ``cpu`` or the GPU's name."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def _model_key(ctx: RunContext) -> str:
+    m = ctx.manifest
+    return json.dumps([ctx.config.model.model_dump(mode="json"), m.task, m.labels, m.vocab_size, m.pad_token_id])
+
+
+class WorkerRuntime:
+    """One worker process's state; its methods are what the orchestrator submits."""
+
+    def __init__(self, name: str, device: torch.device) -> None:
+        self.name, self.device, self.kind = name, device, device_kind(device)
+        self._lock = threading.Lock()  # one call at a time, even on a worker with several threads
+        self._models: OrderedDict[str, nn.Module] = OrderedDict()
+
+    def describe(self) -> dict[str, str]:
+        return {"name": self.name, "device": str(self.device), "kind": self.kind}
+
+    def _trainer(self, ctx: RunContext) -> LocalTrainer:
+        """A trainer on this worker's model instance for the run's model (built once, reused)."""
+        key = _model_key(ctx)
+        model = self._models.pop(key, None)
+        if model is None:
+            model = ctx.build_model(ctx.config.seed).to(self.device)  # weights are loaded per use
+        self._models[key] = model
+        while len(self._models) > _MODELS_KEPT:
+            self._models.popitem(last=False)
+        return LocalTrainer(ctx, model, self.device)
+
+    @contextlib.contextmanager
+    def _call(self, run_path: str) -> Iterator[RunContext]:
+        """Hold the worker for one call; log its busy interval in the run folder (utilisation)."""
+        with self._lock:
+            started = time.time()
+            ctx = open_run(run_path)
+            # The run's intra-op threads (default 1): CPU kernels split reductions by thread, so
+            # the thread count is part of what makes a result bit-identical across workers.
+            torch.set_num_threads(ctx.config.runtime.torch_threads or 1)
+            try:
+                yield ctx
+            finally:
+                folder = ctx.run_path / BUSY_DIR
+                folder.mkdir(parents=True, exist_ok=True)
+                with open(folder / f"{self.name}.txt", "a") as fh:
+                    fh.write(f"{started:.6f} {time.time():.6f}\n")
+
+    def train_clients(self, run_path: str, caller: str, client_ids: list[str], phi_path: str, keep: int,
+                      select: str | None) -> WorkerReport:
+        with self._call(run_path) as ctx:
+            report = train_clients(ctx, self._trainer(ctx), caller, client_ids, StateStore.read_message(phi_path),
+                                   keep, select)
+        report.worker, report.device_kind = self.name, self.kind
+        return report
+
+    def proxy_train(self, run_path: str, node_id: str, key: RoundKey, theta_path: str) -> tuple[str, dict[str, float]]:
+        """TRAIN a server's model (from the message at ``theta_path``) on its proxy split; returns the result's message."""
+        with self._call(run_path) as ctx:
+            theta, metrics = self._trainer(ctx).train(ctx.tree[node_id], StateStore.read_message(theta_path), key)
+            return ctx.store.write_message(f"{node_id}.proxy-out", theta), metrics
+
+    def evaluate(self, run_path: str, models: list[str]) -> Stats:
+        with self._call(run_path) as ctx:
+            return score_models(ctx, self._trainer(ctx), models)
+
+    def initial_model(self, run_path: str) -> str:
+        """The run's initial model (seeded by ``seed + model.init_seed_offset``) as a message file."""
+        with self._call(run_path) as ctx:
+            cfg = ctx.config
+            return ctx.store.write_message("initial", get_flat(ctx.build_model(cfg.seed + cfg.model.init_seed_offset)))
+
+
+class BhflWorkerPlugin(WorkerPlugin):
+    """Gives every Dask worker of the cluster a ``WorkerRuntime`` (registered by the orchestrator)."""
+
+    name = PLUGIN
+    idempotent = True  # registering again (every run, every resume) keeps the workers' runtimes and models
+
+    def setup(self, worker: Any) -> None:
+        self.runtime = WorkerRuntime(str(worker.name), worker_device())
+
+
+def call(method: str, *args: Any) -> Any:
+    """What the executor submits to a Dask worker: ``method`` of this worker's runtime."""
+    runtime: WorkerRuntime = get_worker().plugins[PLUGIN].runtime
+    return getattr(runtime, method)(*args)
+
+
+def busy_intervals(run_path: Path) -> dict[str, list[tuple[float, float]]]:
+    """Every worker's busy intervals in this run (wall clock), from the files ``WorkerRuntime`` appends."""
+    out: dict[str, list[tuple[float, float]]] = {}
+    folder = run_path / BUSY_DIR
+    for path in sorted(folder.glob("*.txt")) if folder.is_dir() else []:
+        rows = (line.split() for line in path.read_text().splitlines())
+        out[path.stem] = [(float(a), float(b)) for a, b in (r for r in rows if len(r) == 2)]
+    return out
