@@ -100,11 +100,13 @@ def run(
     _preflight(cfg, run_dir)
     console.print(f"[bold]bhfl[/] running [cyan]{cfg.name}[/] from {config} (seed {cfg.seed}); starting workers, "
                   "Prefect and MLflow ...", highlight=False)
-    with _local_cluster(cfg) as cluster:  # the workers boot while the rest starts
-        from flows.experiment import new_run_path, run_experiment
+    from flows.run_record import new_run_path
+
+    run_path = new_run_path(run_dir.resolve(), cfg.name)
+    with _local_cluster(cfg, run_path) as cluster:  # the workers boot while the rest starts
+        from flows.experiment import run_experiment
         from flows.progress import RichReporter
 
-        run_path = new_run_path(run_dir.resolve(), cfg.name)
         with _prefect_api(run_dir, full=False), RichReporter(console).attached():
             result = _guarded(lambda: run_experiment(cfg, run_dir, tracking_uri, run_path=run_path,
                                                      cluster=cluster.address() if cluster else None), run_path, verbose)
@@ -112,14 +114,14 @@ def run(
 
 
 @contextmanager
-def _local_cluster(cfg: ExperimentConfig) -> Iterator[ClusterStart | None]:
+def _local_cluster(cfg: ExperimentConfig, run_path: Path) -> Iterator[ClusterStart | None]:
     """The run's local Dask cluster (``runtime.executor: local``), starting in the background; stopped at the end."""
     if cfg.runtime.executor != "local":
         yield None
         return
     from tasks.local_cluster import ClusterStart
 
-    starting = ClusterStart(cfg.runtime)
+    starting = ClusterStart(cfg.runtime, run_path)
     try:
         yield starting
     finally:

@@ -35,7 +35,6 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -61,7 +60,7 @@ from bhfl_core.tree import Node
 from flows import progress
 from flows.creation_gate import creation_gate, run_gated, signal_running
 from flows.data import run_prepare
-from flows.run_record import RunRecord
+from flows.run_record import RunRecord, new_run_path
 from flows.report import log_evaluation, write_report
 from flows.tracking import Tracker, default_tracking_uri
 from tasks import faults
@@ -365,7 +364,7 @@ def _experiment(
             stack.enter_context(creation_gate())
         starting = None
         if cfg.runtime.executor == "local" and cluster is None:  # workers boot while data and MLflow get ready
-            starting = ClusterStart(cfg.runtime)
+            starting = ClusterStart(cfg.runtime, path)
             stack.callback(starting.close)
         try:
             faults.hit("prepare")
@@ -497,11 +496,6 @@ def peak_rss_mb(reset: bool) -> float:
         return peak
     except (OSError, StopIteration, ValueError):
         return float("nan")
-
-
-def new_run_path(run_root: Path, name: str) -> Path:
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S-%f")[:-3]
-    return run_root / name / stamp
 
 
 def _invoke(config: ExperimentConfig, run_root: Path, uri: str, path: str, inline: bool, resume: bool,

@@ -12,6 +12,7 @@ import json
 import os
 import socket
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Literal
 
@@ -21,6 +22,12 @@ from bhfl_core.files import write_text_atomic
 
 RECORD_FILE = "run.json"
 Status = Literal["running", "finished", "failed"]
+
+
+def new_run_path(run_root: Path, name: str) -> Path:
+    """``<run_root>/<name>/<UTC timestamp>``: where a new run of ``name`` writes."""
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S-%f")[:-3]
+    return run_root / name / stamp
 
 
 class RunRecord(BaseModel):

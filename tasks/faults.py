@@ -42,6 +42,7 @@ ACTIONS = ("kill", "raise", "oom", "enospc")
 
 _counts: Counter[str] = Counter()
 _lock = threading.Lock()
+_run_counter: str | None = None  # the counter file this process shares with its workers (share_with_workers)
 
 
 def _plan() -> dict[str, list[tuple[int, str]]]:
@@ -79,7 +80,7 @@ def hit(point: str, what: str = "") -> None:
 
 def _count(point: str) -> int:
     """This hit's number at ``point``: in the shared counter file when there is one, else in this process."""
-    shared = os.environ.get(COUNTER_ENV)
+    shared = os.environ.get(COUNTER_ENV) or _run_counter
     if not shared:
         with _lock:
             _counts[point] += 1
@@ -92,18 +93,23 @@ def _count(point: str) -> int:
         return counts[point] + 1
 
 
-def share_with_workers() -> dict[str, str]:
-    """Environment for the run's worker processes: the same plan, one hit counter, the process to kill.
+def share_with_workers(folder: Path) -> dict[str, str]:
+    """Environment for a run attempt's worker processes: the same plan, one hit counter, the process to kill.
 
-    Empty when no faults are planned (the normal case).
+    Counting starts afresh for every attempt (a new counter file in ``folder``, unless
+    ``BHFL_FAULTS_COUNTER`` names one), shared by this process and the workers. Empty
+    when no faults are planned (the normal case).
     """
+    global _run_counter
     if ENV not in os.environ:
         return {}
-    if not os.environ.get(COUNTER_ENV):
-        fd, path = tempfile.mkstemp(prefix="bhfl-faults-", suffix=".txt")
+    counter = os.environ.get(COUNTER_ENV)
+    if not counter:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, counter = tempfile.mkstemp(prefix="faults-", suffix=".txt", dir=folder)
         os.close(fd)
-        os.environ[COUNTER_ENV] = path
-    return {ENV: os.environ[ENV], COUNTER_ENV: os.environ[COUNTER_ENV], KILL_PID_ENV: str(os.getpid())}
+        _run_counter = counter
+    return {ENV: os.environ[ENV], COUNTER_ENV: counter, KILL_PID_ENV: str(os.getpid())}
 
 
 def shared_counts(path: str) -> Counter[str]:

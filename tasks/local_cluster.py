@@ -17,6 +17,7 @@ import os
 import threading
 from collections.abc import Mapping
 from concurrent.futures import Future
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -68,8 +69,8 @@ def start_forkserver() -> None:
     multiprocessing.forkserver.ensure_running()
 
 
-def worker_env() -> dict[str, str]:
-    """What the local workers take from this process's environment: hub/offline settings, fault plans.
+def worker_env(run_path: Path) -> dict[str, str]:
+    """What the run's local workers take from this process's environment: hub/offline settings, fault plans.
 
     (Workers fork from a server started once per process, so its environment may be
     older than this run's.)
@@ -77,23 +78,22 @@ def worker_env() -> dict[str, str]:
     from tasks import faults
 
     keep = ("HF_", "TRANSFORMERS_", "TOKENIZERS_", "CUDA_")
-    return {**{k: v for k, v in os.environ.items() if k.startswith(keep)}, **faults.share_with_workers()}
+    return {**{k: v for k, v in os.environ.items() if k.startswith(keep)}, **faults.share_with_workers(run_path / ".faults")}
 
 
-def start_local_cluster(runtime: RuntimeConfig, env: Mapping[str, str] | None = None) -> Any:
-    """A Dask cluster of this run's worker processes on 127.0.0.1 (a ``SpecCluster``; ``close()`` stops it).
+def start_local_cluster(runtime: RuntimeConfig, env: Mapping[str, str]) -> Any:
+    """A Dask cluster of a run's worker processes on 127.0.0.1 (a ``SpecCluster``; ``close()`` stops it).
 
-    ``env`` (default: ``worker_env()``) is set in every worker process.
+    ``env`` (``worker_env(run_path)``) is set in every worker process.
     """
     from distributed import Nanny, Scheduler, SpecCluster
 
-    env = worker_env() if env is None else env
     logging.getLogger("distributed").setLevel(logging.ERROR)  # the scheduler runs in this process: no INFO chatter
     start_forkserver()
     workers = {
         name: {"cls": Nanny, "options": {
             "name": name, "host": "127.0.0.1", "nthreads": 1, "memory_limit": 0, "dashboard": False,
-            "silence_logs": logging.ERROR,
+            "silence_logs": logging.CRITICAL,  # a failed call surfaces in the orchestrator, once
             "env": {"BHFL_DEVICE": device, **env},
         }}
         for name, device in local_slots(runtime)
@@ -106,9 +106,9 @@ def start_local_cluster(runtime: RuntimeConfig, env: Mapping[str, str] | None = 
 class ClusterStart:
     """A local cluster starting in the background (while Prefect, MLflow and the data get ready)."""
 
-    def __init__(self, runtime: RuntimeConfig, env: Mapping[str, str] | None = None) -> None:
+    def __init__(self, runtime: RuntimeConfig, run_path: Path) -> None:
         self._result: Future[Any] = Future()
-        env = worker_env() if env is None else env  # now: it sets up the fault counter this process shares
+        env = worker_env(run_path)  # now, in this thread: it sets up the fault counter this process shares
         threading.Thread(target=self._start, args=(runtime, env), name="bhfl-cluster-start", daemon=True).start()
 
     def _start(self, runtime: RuntimeConfig, env: Mapping[str, str]) -> None:

@@ -1,6 +1,7 @@
 """Data preparation as a Prefect flow inside a real experiment: XGLUE-layout parquet, masked LM, MLflow report."""
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -66,7 +67,7 @@ def test_partition_report_is_logged_to_the_parent_run(mlm_run):
     assert parent.tags["bhfl.task"] == "mlm" and parent.tags["bhfl.data_source"].startswith("xglue/nc from local parquet")
 
 
-def test_prepare_is_a_flow_of_step_tasks_and_a_rerun_is_a_cache_hit(mlm_run):
+def test_prepare_is_a_flow_of_step_tasks_and_a_rerun_is_a_cache_hit(mlm_run, caplog):
     cfg, root, _ = mlm_run
     with get_client(sync_client=True) as client:
         runs = client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["prepare-data"])))
@@ -74,13 +75,13 @@ def test_prepare_is_a_flow_of_step_tasks_and_a_rerun_is_a_cache_hit(mlm_run):
     assert len(cold) == 1 and cold[0].state.is_completed()
     assert _task_names(cold[0].id, len(STEPS)) == STEPS
     # the same config again: the flow finds the fingerprint and runs no step at all
-    notes: list[str] = []
     state = prepare_data_flow(cfg.model_dump(mode="json", by_alias=True), str((root / "cache").resolve()), return_state=True)
     assert state.result()["cached"] is True
     time.sleep(1.0)
     assert _task_names(state.state_details.flow_run_id, 0, timeout=1.0) == set()
-    again = run_prepare(cfg, (root / "cache").resolve(), note=notes.append)
-    assert again.cached and any("no tokenisation" in n for n in notes)
+    with caplog.at_level(logging.INFO, logger="bhfl.progress"):  # the progress notes a user sees
+        again = run_prepare(cfg, (root / "cache").resolve())
+    assert again.cached and any("no tokenisation" in n for n in caplog.messages)
 
 
 def _cli(*args, cwd=REPO):

@@ -1,0 +1,68 @@
+"""Memory and CPU of a whole process tree (a run's orchestrator, its workers, its servers).
+
+A run is several processes, so a figure of one process (``ru_maxrss``) hides most of
+it. ``TreeSampler`` polls a root process and all its descendants every ``interval_s``:
+the peak of the summed PSS (proportional set size: shared pages, e.g. the libraries
+forked workers share, are split between the processes instead of counted in each) and
+the CPU seconds of every process seen (the last reading per pid, so processes that
+exited before the end still count). The series of readings is kept, so a phase's peak
+(e.g. training, from the run's timeline) can be read afterwards.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import TracebackType
+
+import psutil
+
+
+class TreeSampler:
+    def __init__(self, pid: int, interval_s: float = 0.1) -> None:
+        self.root = psutil.Process(pid)
+        self.interval_s = interval_s
+        self.series: list[tuple[float, int]] = []  # (wall time, summed PSS bytes)
+        self._cpu: dict[tuple[int, float], float] = {}  # (pid, create time) -> user + system seconds
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="tree-sampler", daemon=True)
+
+    def _processes(self) -> list[psutil.Process]:
+        try:
+            return [self.root, *self.root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return []
+
+    def sample(self) -> None:
+        pss = 0
+        for proc in self._processes():
+            try:
+                with proc.oneshot():
+                    pss += proc.memory_full_info().pss
+                    times = proc.cpu_times()
+                    self._cpu[(proc.pid, proc.create_time())] = times.user + times.system
+            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                continue
+        self.series.append((time.time(), pss))
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self.sample()
+            self._stop.wait(self.interval_s)
+
+    @property
+    def cpu_s(self) -> float:
+        return sum(self._cpu.values())
+
+    def peak_pss_mb(self, start: float = float("-inf"), end: float = float("inf")) -> float:
+        """The highest summed PSS (MB) read between ``start`` and ``end`` (wall times)."""
+        inside = [pss for t, pss in self.series if start <= t <= end]
+        return max(inside, default=0) / 2**20
+
+    def __enter__(self) -> TreeSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self._stop.set()
+        self._thread.join()
