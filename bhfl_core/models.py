@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModelForMaskedLM, AutoModelForSequenceClassification, BertConfig
 
 from bhfl_core.config import ConfigError, ModelConfig
 
@@ -39,6 +38,8 @@ def check_available(model: ModelConfig) -> None:
     """Fail early (before any data work) when a hub model's config cannot be found."""
     if model.name == TINY:
         return
+    from transformers import AutoConfig  # transformers (~1 s to import) only where a model is built or checked
+
     try:
         AutoConfig.from_pretrained(model.name, revision=model.revision)
     except Exception as exc:  # OSError offline / not found, ValueError for bad folders: one message
@@ -52,6 +53,7 @@ def build_model(model: ModelConfig, task: str, labels: list[str], vocab_size: in
     """
     if task not in TASKS:
         raise ValueError(f"unknown task {task!r} (use one of {TASKS})")
+    from transformers import AutoModelForMaskedLM, AutoModelForSequenceClassification, BertConfig
     id2label = dict(enumerate(labels))
     label2id = {name: i for i, name in id2label.items()}
     head = {"num_labels": len(labels), "id2label": id2label, "label2id": label2id} if task == "classification" else {}

@@ -10,17 +10,22 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
-from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from bhfl_core.config import ModelConfig
 from bhfl_core.models import hub_error
+
+if TYPE_CHECKING:  # transformers (~1 s to import) only when a tokenizer is trained or loaded: not on a cache hit
+    from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 
 
 def train_wordpiece(texts: Iterable[str], vocab_size: int, max_length: int, out_dir: Path) -> PreTrainedTokenizerFast:
+    from transformers import PreTrainedTokenizerFast
+
     tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
     tok.normalizer = normalizers.BertNormalizer(lowercase=True, strip_accents=False, handle_chinese_chars=True)
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
@@ -54,6 +59,8 @@ def _canonical(vocab: dict[str, int]) -> models.WordPiece:
 
 
 def load_tokenizer(name_or_dir: str | Path, revision: str | None = None) -> PreTrainedTokenizerBase:
+    from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(str(name_or_dir), revision=revision)
 
 

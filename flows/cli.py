@@ -97,17 +97,19 @@ def run(
 
     start_forkserver()  # local workers' imports (torch, transformers) start now, beside ours
     cfg = _load_config(config, set_)
-    _preflight(cfg, run_dir)
-    console.print(f"[bold]bhfl[/] running [cyan]{cfg.name}[/] from {config} (seed {cfg.seed}); starting workers, "
-                  "Prefect and MLflow ...", highlight=False)
     from flows.run_record import new_run_path
 
     run_path = new_run_path(run_dir.resolve(), cfg.name)
-    with _local_cluster(cfg, run_path) as cluster:  # the workers boot while the rest starts
+    # the Prefect server and the workers boot while the model/data check runs and the pipeline is imported
+    with _prefect_api(run_dir, full=False) as prefect_ready, _local_cluster(cfg, run_path) as cluster:
+        _preflight(cfg, run_dir)
+        console.print(f"[bold]bhfl[/] running [cyan]{cfg.name}[/] from {config} (seed {cfg.seed}); starting workers, "
+                      "Prefect and MLflow ...", highlight=False)
         from flows.experiment import run_experiment
         from flows.progress import RichReporter
 
-        with _prefect_api(run_dir, full=False), RichReporter(console).attached():
+        prefect_ready()
+        with RichReporter(console).attached():
             result = _guarded(lambda: run_experiment(cfg, run_dir, tracking_uri, run_path=run_path,
                                                      cluster=cluster.address() if cluster else None), run_path, verbose)
     _print_summary(result, run_dir)
@@ -193,7 +195,8 @@ def _resume(run_spec: str, overrides: list[str], run_dir: Path, verbose: bool) -
     from flows.progress import RichReporter
 
     try:
-        with _prefect_api(run_dir, full=False), RichReporter(console).attached():
+        with _prefect_api(run_dir, full=False) as prefect_ready, RichReporter(console).attached():
+            prefect_ready()
             result = _guarded(lambda: resume_experiment(run_path, overrides=overrides), run_path, verbose)
     except ConfigError as exc:
         _fail(str(exc))
@@ -201,29 +204,31 @@ def _resume(run_spec: str, overrides: list[str], run_dir: Path, verbose: bool) -
 
 
 @contextmanager
-def _prefect_api(run_dir: Path, full: bool) -> Iterator[None]:
+def _prefect_api(run_dir: Path, full: bool) -> Iterator[Callable[[], None]]:
     """``$PREFECT_API_URL`` if set, else a Prefect server of this command's own that dies with it.
 
     (Prefect's own temporary server would outlive a killed run and hold its database.)
-    ``full``: ``prefect server start`` with UI and scheduler, for ``bhfl serve``.
+    ``full``: ``prefect server start`` with UI and scheduler, for ``bhfl serve``. The
+    server boots in the background: call the function this yields before the first
+    Prefect request (it waits until the server answers).
     """
     if "PREFECT_API_URL" in os.environ:
-        yield
+        yield lambda: None
         return
-    from flows.prefect_server import start_server, stop_server
+    from flows.prefect_server import start_server
 
-    proc, api_url = start_server(run_dir.resolve() / ".prefect" / "server.log", full=full, port=4200 if full else None)
-    os.environ["PREFECT_API_URL"] = api_url
+    server = start_server(run_dir.resolve() / ".prefect" / "server.log", full=full, port=4200 if full else None)
+    os.environ["PREFECT_API_URL"] = server.api_url
     previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `kill`: stop the server too
     try:
-        yield
+        yield server.wait_healthy
     finally:
         signal.signal(signal.SIGTERM, previous)
         if "prefect.logging.handlers" in sys.modules:  # send the last logs while the server still listens
             from prefect.logging.handlers import APILogHandler
 
             APILogHandler().flush()
-        stop_server(proc)
+        server.stop()
         os.environ.pop("PREFECT_API_URL", None)
 
 
@@ -315,9 +320,10 @@ def serve(
     deployment = name or cfg.name
     if "PREFECT_API_URL" not in os.environ:
         console.print("no PREFECT_API_URL: starting a local Prefect server with its UI (schedules need one) ...")
-    with _prefect_api(run_dir, full=True):
+    with _prefect_api(run_dir, full=True) as prefect_ready:
         from flows.serve import serve_experiment
 
+        prefect_ready()
         ui_url = os.environ["PREFECT_API_URL"].removesuffix("/api")
         console.print(f"serving [cyan]bhfl-experiment/{deployment}[/] on cron {cron!r}; Prefect UI {ui_url} "
                       f"(trigger a run there or `prefect deployment run bhfl-experiment/{deployment}`); Ctrl-C stops",

@@ -33,6 +33,7 @@ import shutil
 import subprocess
 import time
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -61,7 +62,6 @@ from flows import progress
 from flows.creation_gate import creation_gate, run_gated, signal_running
 from flows.data import run_prepare
 from flows.run_record import RunRecord, new_run_path
-from flows.report import log_evaluation, write_report
 from flows.tracking import Tracker, default_tracking_uri
 from tasks import faults
 from tasks.client_training import WorkerReport
@@ -269,6 +269,8 @@ def evaluate_all(rt: NodeRuntime, step: int, final: bool = False) -> Evaluation:
         stats.update(_call(rt, evaluate_models, name, batches, rt.run_path))
         seconds[timer] = time.time() - started
     evaluation = Evaluation.from_stats(ctx.tree, task_metrics(ctx.manifest.task), stats)
+    from flows.report import log_evaluation  # matplotlib and the report code: not needed at start-up
+
     log_evaluation(rt.tracker, evaluation, step, seconds)
     progress.note(f"evaluated {len(stats)} models after root round {step}")
     return evaluation
@@ -370,6 +372,7 @@ def _experiment(
             faults.hit("prepare")
             data_root = run_prepare(cfg, root / "cache", inline=inline).root
             (path / DATA_POINTER).write_text(json.dumps({"data_root": str(data_root)}))
+            mark_once(path, "data_ready")
             ctx = open_run(path)
             tracker = Tracker(record.tracking_uri)
             if record.parent_run_id:
@@ -379,11 +382,13 @@ def _experiment(
                 record.experiment_id, record.parent_run_id, record.node_runs = (tracker.experiment_id, tracker.parent_id,
                                                                                  tracker.node_runs)
                 record.write(path)
-                tracker.log_text(yaml.safe_dump(dump(cfg), sort_keys=False), "config.yaml")
-                tracker.log_data_report(data_root)
-                tracker.log_text(environment_text(), "environment/packages.txt")
+                # the parent run's files do not hold up the first round: logged beside it, awaited at the end
+                logging_files = stack.enter_context(ThreadPoolExecutor(1, thread_name_prefix="bhfl-artefacts"))
+                artefacts = logging_files.submit(_log_run_files, tracker, cfg, data_root)
+            mark_once(path, "tracking_ready")
             address = cluster or (starting.address() if starting else cfg.runtime.cluster)
             slots = _slots(cfg, address)
+            mark_once(path, "workers_ready")
             record.cluster, record.slots = address or "", [asdict(s) for s in slots]
             record.write(path)
             torch.set_num_threads(_orchestrator_threads(cfg, slots))
@@ -421,7 +426,11 @@ def _experiment(
             timings = {"time/setup_s": train_started - started, "time/train_s": train_s, "time/final_eval_s": eval_s,
                        "time/total_s": time.time() - started}
             tracker.log_metrics(tracker.parent_id, {**timings, **peaks, **usage}, step=record.resumes)
-            headline = write_report(tracker, ctx, evaluation, timings)  # report.md, tables, figures (flows/report.py)
+            if artefacts is not None:
+                artefacts.result()
+            from flows.report import write_report  # matplotlib and the report code: not needed at start-up
+
+            headline = write_report(tracker, ctx, evaluation, timings)  # report.md, tables, figures
             tracker.finish("FINISHED")
             record = _finish_record(path, record, "finished")
         except BaseException as exc:
@@ -442,6 +451,13 @@ def _experiment(
         "resumes": record.resumes,
         "wall_time_s": time.time() - started,
     }
+
+
+def _log_run_files(tracker: Tracker, cfg: ExperimentConfig, data_root: Path) -> None:
+    """The parent run's files: the resolved config, the data manifest and report, the package list."""
+    tracker.log_text(yaml.safe_dump(dump(cfg), sort_keys=False), "config.yaml")
+    tracker.log_data_report(data_root)
+    tracker.log_text(environment_text(), "environment/packages.txt")
 
 
 def _finish_record(path: Path, record: RunRecord, status: str, error: str = "") -> RunRecord:

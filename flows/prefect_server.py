@@ -7,12 +7,14 @@ starts the server itself, on 127.0.0.1, asking Linux to SIGTERM it when its pare
 dies (``PR_SET_PDEATHSIG``), and points ``PREFECT_API_URL`` at it before Prefect is
 imported. ``full=False`` is the same server Prefect starts as its temporary one (API
 only); ``full=True`` is ``prefect server start`` (UI and services, e.g. the scheduler
-that ``bhfl serve`` needs).
+that ``bhfl serve`` needs). The server starts in the background (``start_server``
+returns at once) so the command does its other start-up work meanwhile.
 """
 
 from __future__ import annotations
 
 import ctypes
+import importlib.metadata
 import importlib.util
 import os
 import signal
@@ -23,6 +25,8 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+
+from flows.store_templates import save_template, seed
 
 _PR_SET_PDEATHSIG = 1
 
@@ -58,10 +62,53 @@ def wait_healthy(api_url: str, timeout_s: float, proc: subprocess.Popen | None =
     raise RuntimeError(f"the Prefect server at {api_url} did not answer within {timeout_s:.0f} s")
 
 
-def start_server(log_file: Path, full: bool, port: int | None = None, timeout_s: float = 180) -> tuple[subprocess.Popen, str]:
-    """Start a Prefect server on 127.0.0.1 (database under ``$PREFECT_HOME``); return it and its API URL."""
+class PrefectServer:
+    """A Prefect API server this process started; it may still be booting (``wait_healthy``)."""
+
+    def __init__(self, proc: subprocess.Popen, api_url: str, database: Path | None) -> None:
+        self.proc, self.api_url, self.database = proc, api_url, database
+        self._healthy = False
+
+    def wait_healthy(self, timeout_s: float = 180) -> None:
+        """Block until the server answers; a new database it migrated becomes the template for the next ones."""
+        if self._healthy:
+            return
+        try:
+            wait_healthy(self.api_url, timeout_s, self.proc)
+        except BaseException:
+            self.stop()
+            raise
+        self._healthy = True
+        if self.database is not None:
+            save_template(self.database, "prefect", prefect_version())
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def prefect_version() -> str:
+    return importlib.metadata.version("prefect")
+
+
+def start_server(log_file: Path, full: bool, port: int | None = None) -> PrefectServer:
+    """Start a Prefect server on 127.0.0.1 (database under ``$PREFECT_HOME``) and return at once.
+
+    A new database starts as a copy of the migrated template of this Prefect version
+    (flows/store_templates.py): ~10 s of migrations saved. Call ``wait_healthy`` before
+    the first request.
+    """
     port = free_port(port)
     env = os.environ.copy()
+    database = Path(os.environ.get("PREFECT_HOME", Path.home() / ".prefect")) / "prefect.db"
+    if "PREFECT_API_DATABASE_CONNECTION_URL" in env or "PREFECT_SERVER_DATABASE_CONNECTION_URL" in env:
+        database = None  # the user's own database (e.g. Postgres): not ours to seed
+    elif seed(database, "prefect", prefect_version()):
+        database = None  # already migrated: nothing to keep as a template
     if full:
         cmd = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)]
     else:
@@ -71,22 +118,7 @@ def start_server(log_file: Path, full: bool, port: int | None = None, timeout_s:
         cmd = [sys.executable, "-m", "uvicorn", "--app-dir", app_dir, "--factory", "prefect.server.api.server:create_app",
                "--host", "127.0.0.1", "--port", str(port), "--log-level", "error", "--lifespan", "on"]
         env.update({"PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"})
-    api_url = f"http://127.0.0.1:{port}/api"
     log_file.parent.mkdir(parents=True, exist_ok=True)
     with open(log_file, "ab") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent)
-    try:
-        wait_healthy(api_url, timeout_s, proc)
-    except BaseException:
-        stop_server(proc)
-        raise
-    return proc, api_url
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=15)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+    return PrefectServer(proc, f"http://127.0.0.1:{port}/api", database)

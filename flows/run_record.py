@@ -52,7 +52,8 @@ class RunRecord(BaseModel):
     cluster: str = ""
     slots: list[dict[str, str]] = []
     # Wall-clock moments of the latest attempt (epoch seconds): process_start,
-    # imports_done, flow_start, first_training, last_aggregate, finished.
+    # imports_done, flow_start, data_ready, tracking_ready, workers_ready,
+    # first_training, last_aggregate, finished.
     timeline: dict[str, float] = {}
 
     @classmethod

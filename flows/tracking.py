@@ -9,6 +9,7 @@ metrics are ``eval/<test_set>/<metric>`` with ``step = root round``.
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import time
 from collections.abc import Iterable, Mapping
@@ -21,6 +22,7 @@ from mlflow.entities import Metric, Param, RunTag
 from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID, MLFLOW_RUN_NOTE
 
 from bhfl_core.tree import Tree
+from flows.store_templates import sqlite_from_template
 
 _BATCH = 900  # MLflow accepts at most 1000 entities per log_batch
 
@@ -29,13 +31,15 @@ def default_tracking_uri(run_root: Path) -> str:
     return f"sqlite:///{(run_root / 'mlflow.db').resolve()}"
 
 
+def sqlite_file(tracking_uri: str) -> Path | None:
+    """The database file of a local SQLite store URI (``sqlite:///path``), else None."""
+    return Path(tracking_uri[len("sqlite:///"):]) if urlparse(tracking_uri).scheme == "sqlite" else None
+
+
 def _artifact_root(tracking_uri: str) -> str | None:
     """A file artefact folder next to a local SQLite store; None lets a server decide."""
-    parsed = urlparse(tracking_uri)
-    if parsed.scheme == "sqlite":
-        db = Path(tracking_uri[len("sqlite:///"):])
-        return (db.parent / "mlartifacts").resolve().as_uri()
-    return None
+    db = sqlite_file(tracking_uri)
+    return None if db is None else (db.parent / "mlartifacts").resolve().as_uri()
 
 
 def flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
@@ -52,7 +56,12 @@ def flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
 class Tracker:
     def __init__(self, tracking_uri: str) -> None:
         self.uri = tracking_uri
-        self.client = MlflowClient(tracking_uri)
+        db = sqlite_file(tracking_uri)
+        if db is None:
+            self.client = MlflowClient(tracking_uri)
+        else:  # a new local store starts as a copy of a migrated one (flows/store_templates.py)
+            with sqlite_from_template(db, "mlflow", importlib.metadata.version("mlflow")):
+                self.client = MlflowClient(tracking_uri)
         self.experiment_id = ""
         self.parent_id = ""
         self.node_runs: dict[str, str] = {}

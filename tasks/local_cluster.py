@@ -18,14 +18,17 @@ import threading
 from collections.abc import Mapping
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # this module is imported first thing by `bhfl run`: torch (~1.5 s) only where needed
+    import torch
 
-from bhfl_core.config import RuntimeConfig
+    from bhfl_core.config import RuntimeConfig
 
 
 def resolve_devices(setting: str) -> list[torch.device]:
+    import torch
+
     if setting == "cpu" or (setting == "auto" and not torch.cuda.is_available()):
         return [torch.device("cpu")]
     if not torch.cuda.is_available():
@@ -58,15 +61,16 @@ def start_forkserver() -> None:
     """
     import multiprocessing.forkserver
 
+    # tiny-bert's modeling code too: transformers imports model classes lazily (~2 s per process)
+    preload = ["distributed", "tasks.worker", "transformers.models.bert.modeling_bert"]
+    multiprocessing.get_context("forkserver").set_forkserver_preload(preload)
+    multiprocessing.forkserver.ensure_running()  # first: it imports while we import dask below
+
     import dask
     import distributed.utils
 
     dask.config.set({"distributed.worker.multiprocessing-method": "forkserver"})
-    # tiny-bert's modeling code too: transformers imports model classes lazily (~2 s per process)
-    preload = ["distributed", "tasks.worker", "transformers.models.bert.modeling_bert"]
-    multiprocessing.get_context("forkserver").set_forkserver_preload(preload)
     distributed.utils._forkserver_preload_set = True  # keep our preload list (distributed would replace it)
-    multiprocessing.forkserver.ensure_running()
 
 
 def worker_env(run_path: Path) -> dict[str, str]:
