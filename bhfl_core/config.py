@@ -200,10 +200,26 @@ def _kind(default: str) -> Callable[[Any], str]:
     return get
 
 
+class PreparedSource(Strict):
+    """A federated dataset already in bhfl's prepared form: ``path`` holds a ``manifest.json``
+    (clients with their language, edge and shard paths; proxy shards; task, labels and
+    tokenizer facts) and the pre-tokenised Arrow shards it names (``datasets``'
+    ``save_to_disk``). Nothing is partitioned or tokenised; ``languages`` must be the
+    manifest's client languages (checked when the data is loaded). docs/data.md shows
+    the layout; benchmarks/workload.py writes one."""
+
+    kind: Literal["prepared"] = "prepared"
+    path: Annotated[str, Field(min_length=1)]
+    languages: list[str]
+
+    _langs = field_validator("languages")(_unique_languages)
+
+
 SourceConfig = Annotated[
-    Annotated[EmbeddedSource, Tag("embedded")] | Annotated[XglueSource, Tag("xglue")],
+    Annotated[EmbeddedSource, Tag("embedded")] | Annotated[XglueSource, Tag("xglue")]
+    | Annotated[PreparedSource, Tag("prepared")],
     Discriminator(_kind("embedded"), custom_error_type="kind",
-                  custom_error_message="kind must be one of: embedded, xglue"),
+                  custom_error_message="kind must be one of: embedded, xglue, prepared"),
 ]
 ClusteringConfig = Annotated[
     Annotated[LanguageClustering, Tag("language")] | Annotated[KMeansClustering, Tag("kmeans")],

@@ -31,7 +31,7 @@ import datasets
 import numpy as np
 from datasets import Dataset, load_from_disk
 
-from bhfl_core.config import ConfigError, EmbeddedSource, ExperimentConfig, XglueSource, dump
+from bhfl_core.config import ConfigError, EmbeddedSource, ExperimentConfig, PreparedSource, XglueSource, dump
 from bhfl_core.models import TINY
 from bhfl_core.models import check_available as check_model
 from data_prep.clustering import assign_edges
@@ -270,7 +270,33 @@ def manifest_step(config: ExperimentConfig, pool: TextTable, part: Partition, pr
 
 # ---------------------------------------------------------------- the pipeline
 
+def prepared_folder(source: PreparedSource, task: str) -> PreparedData:
+    """A dataset already in bhfl's prepared form (``data.source.kind: prepared``), checked, used in place."""
+    started = time.time()
+    root = Path(source.path).expanduser().resolve()
+    key = "data.source.path"
+    if not (root / MANIFEST_NAME).is_file():
+        raise ConfigError(f"{key}: {root} has no {MANIFEST_NAME}; it must be a prepared-data folder (docs/data.md)")
+    try:
+        manifest = Manifest.read(root)
+    except ValueError as exc:
+        first = str(exc).splitlines()
+        raise ConfigError(f"{key}: {root / MANIFEST_NAME} is not a valid manifest ({' '.join(first[:3])})") from None
+    shards = [s for c in manifest.clients for s in (c.train, c.test)] + [manifest.proxy_train, manifest.proxy_test]
+    if missing := [s.path for s in shards if not (root / s.path).is_dir()]:
+        raise ConfigError(f"{key}: shard folder(s) named in the manifest are missing under {root}: {', '.join(missing[:5])}")
+    if manifest.task != task:
+        raise ConfigError(f"data.task: {task!r} but the data in {root} is for task {manifest.task!r}")
+    found = sorted({c.language for c in manifest.clients})
+    if found != sorted(source.languages):
+        raise ConfigError(f"data.source.languages: {sorted(source.languages)} but the clients of {root} have "
+                          f"languages {found}")
+    return PreparedData(root, manifest, cached=True, seconds=time.time() - started)
+
+
 def cached_data(config: ExperimentConfig, cache_root: Path) -> PreparedData | None:
+    if isinstance(config.data.source, PreparedSource):
+        return prepared_folder(config.data.source, config.data.task)
     started = time.time()
     final = cache_root / fingerprint(config)
     if (final / MANIFEST_NAME).exists():
@@ -290,7 +316,8 @@ def prepare_data(config: ExperimentConfig, cache_root: Path, log: Callable[[str]
     started = time.time()
     hit = cached_data(config, cache_root)
     if hit is not None:
-        log(f"data cache hit {hit.root}: reusing pre-tokenised shards, no tokenisation")
+        what = "prepared data" if isinstance(config.data.source, PreparedSource) else "data cache hit"
+        log(f"{what} {hit.root}: reusing pre-tokenised shards, no tokenisation")
         return hit
     fp = fingerprint(config)
     final = cache_root / fp

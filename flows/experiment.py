@@ -365,6 +365,7 @@ def _experiment(
         if not inline:  # this experiment's Prefect runs are created one at a time (flows/creation_gate.py)
             stack.enter_context(creation_gate())
         starting = None
+        artefacts: Future[None] | None = None  # the parent run's files, logged beside the first round
         if cfg.runtime.executor == "local" and cluster is None:  # workers boot while data and MLflow get ready
             starting = ClusterStart(cfg.runtime, path)
             stack.callback(starting.close)

@@ -97,12 +97,13 @@ def share_with_workers(folder: Path) -> dict[str, str]:
     """Environment for a run attempt's worker processes: the same plan, one hit counter, the process to kill.
 
     Counting starts afresh for every attempt (a new counter file in ``folder``, unless
-    ``BHFL_FAULTS_COUNTER`` names one), shared by this process and the workers. Empty
-    when no faults are planned (the normal case).
+    ``BHFL_FAULTS_COUNTER`` names one), shared by this process and the workers. With no
+    faults planned (the normal case) the plan is set empty: workers fork from a process
+    started earlier, whose environment may still hold an older plan.
     """
     global _run_counter
-    if ENV not in os.environ:
-        return {}
+    if not os.environ.get(ENV):
+        return {ENV: ""}
     counter = os.environ.get(COUNTER_ENV)
     if not counter:
         folder.mkdir(parents=True, exist_ok=True)
