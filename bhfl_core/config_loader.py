@@ -62,8 +62,13 @@ def format_validation_error(exc: ValidationError) -> str:
 
 
 def validate_tree(config: ExperimentConfig) -> None:
-    """Build the tree with placeholder clients (real ids and edges) so impossible trees fail before any work."""
-    build_tree(config, placeholder_clients(config))
+    """Build the tree with placeholder clients (real ids and edges) so impossible trees fail before any work.
+
+    A prepared dataset's clients are known only from its manifest: its tree is checked
+    when it is built from it, before training.
+    """
+    if config.data.source.kind != "prepared":
+        build_tree(config, placeholder_clients(config))
 
 
 def config_from_dict(data: Any, overrides: Sequence[str] = (), source: str = "config") -> ExperimentConfig:

@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import datetime
@@ -107,10 +108,15 @@ def run(
                       "Prefect and MLflow ...", highlight=False)
         from flows.experiment import run_experiment
         from flows.progress import RichReporter
+        from flows.tracking import Tracker, default_tracking_uri
 
+        uri = tracking_uri or default_tracking_uri(run_dir.resolve())
+        store = threading.Thread(target=Tracker, args=(uri,), daemon=True)  # MLflow opens its store meanwhile
+        store.start()
         prefect_ready()
+        store.join()
         with RichReporter(console).attached():
-            result = _guarded(lambda: run_experiment(cfg, run_dir, tracking_uri, run_path=run_path,
+            result = _guarded(lambda: run_experiment(cfg, run_dir, uri, run_path=run_path,
                                                      cluster=cluster.address() if cluster else None), run_path, verbose)
     _print_summary(result, run_dir)
 

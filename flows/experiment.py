@@ -35,7 +35,7 @@ import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +54,7 @@ from bhfl_core.evaluation import Evaluation
 from bhfl_core.files import write_text_atomic
 from bhfl_core.local_train import planned_steps
 from bhfl_core.metrics import task_metrics
-from bhfl_core.placement import Assignment, Job, Slot, place, utilisation
+from bhfl_core.placement import Job, place, utilisation
 from bhfl_core.residuals import Candidate, needs
 from bhfl_core.state_store import NodeState, StateStore
 from bhfl_core.tree import Node
@@ -67,7 +67,7 @@ from tasks import faults
 from tasks.client_training import WorkerReport
 from tasks.context import CONFIG_FILE, DATA_POINTER, TIMELINE_DIR, RunContext, mark_once, open_run, read_marks
 from tasks.evaluation import baseline_models, evaluate_models, node_models
-from tasks.executor import Executor, cluster_slots, executor_for, gather
+from tasks.executor import Executor, cluster_workers, executor_for, gather, process_worker
 from tasks.local_cluster import ClusterStart
 from tasks.time_model import load_time_model, record_timings
 from tasks.training import proxy_train, train_clients, with_retries
@@ -98,7 +98,7 @@ def node_runtime(run_path: str, inline: bool) -> Iterator[NodeRuntime]:
     if record is None:
         raise RuntimeError(f"{ctx.run_path} has no run record (run.json)")
     tracker = Tracker.attach(record.tracking_uri, record.experiment_id, record.parent_run_id, record.node_runs)
-    with executor_for(ctx.config.runtime, record.cluster, [Slot(**s) for s in record.slots]) as executor:
+    with executor_for(ctx.config.runtime, record.cluster, record.workers) as executor:
         yield NodeRuntime(ctx, record, tracker, executor, inline)
 
 
@@ -332,11 +332,9 @@ def experiment_flow(
     return _experiment(config, run_root, tracking_uri, run_path, inline=False, resume=resume, cluster=cluster)
 
 
-def _slots(cfg: ExperimentConfig, address: str | None) -> list[Slot]:
-    if address:
-        return cluster_slots(address, cfg.runtime)
-    with executor_for(cfg.runtime, None, []) as executor:
-        return executor.slots()
+def _workers(cfg: ExperimentConfig, address: str | None) -> list[dict[str, str]]:
+    """The workers this run places work on: the cluster's, or this process."""
+    return cluster_workers(address, cfg.runtime) if address else [process_worker(cfg.runtime).describe()]
 
 
 def _experiment(
@@ -388,18 +386,18 @@ def _experiment(
                 artefacts = logging_files.submit(_log_run_files, tracker, cfg, data_root)
             mark_once(path, "tracking_ready")
             address = cluster or (starting.address() if starting else cfg.runtime.cluster)
-            slots = _slots(cfg, address)
+            workers = _workers(cfg, address)
             mark_once(path, "workers_ready")
-            record.cluster, record.slots = address or "", [asdict(s) for s in slots]
+            record.cluster, record.workers = address or "", workers
             record.write(path)
-            torch.set_num_threads(_orchestrator_threads(cfg, slots))
+            torch.set_num_threads(_orchestrator_threads(cfg, workers))
             rt = stack.enter_context(node_runtime(str(path), inline))
             if not ctx.store.has(ctx.tree.root_id):
-                initial = rt.executor.submit(slots[0], "initial_model", str(path)).result()
+                initial = rt.executor.submit(rt.executor.slots()[0], "initial_model", str(path)).result()
                 ctx.store.save(ctx.tree.root_id, NodeState(model=StateStore.read_message(initial)))
             rounds = ctx.tree.root.settings.rounds
             done = ctx.store.load_info(ctx.tree.root_id).get("rounds_done", 0)
-            progress.note(f"{len(slots)} worker(s): " + ", ".join(f"{s.name} ({s.device})" for s in slots))
+            progress.note(f"{len(workers)} worker(s): " + ", ".join(f"{w['name']} ({w['device']})" for w in workers))
             progress.run_started(rounds, done)
             if record.resumes:
                 if removed := ctx.store.remove_partial_writes():
@@ -470,14 +468,14 @@ def _finish_record(path: Path, record: RunRecord, status: str, error: str = "") 
     return current
 
 
-def _orchestrator_threads(cfg: ExperimentConfig, slots: list[Slot]) -> int:
+def _orchestrator_threads(cfg: ExperimentConfig, workers: list[dict[str, str]]) -> int:
     """Torch threads for this process's own math (aggregation): what the local CPU workers leave over.
 
     (When it trains itself, ``runtime.executor: inprocess``, the worker code sets the run's
     training threads for each call.)
     """
     cores = os.cpu_count() or 1
-    cpu_workers = sum(1 for s in slots if s.device == "cpu") if cfg.runtime.executor == "local" else 0
+    cpu_workers = sum(1 for w in workers if w["device"] == "cpu") if cfg.runtime.executor == "local" else 0
     return max(1, cores - cpu_workers)
 
 

@@ -47,10 +47,10 @@ class RunRecord(BaseModel):
     evaluated_steps: list[int] = []
     error: str = ""
     # Where the run's worker calls go (so any process can execute any part of the tree):
-    # the Dask scheduler's address ("" for runtime.executor: inprocess) and the worker
-    # slots the run places work on, as found when this attempt started.
+    # the Dask scheduler's address ("" for runtime.executor: inprocess) and the workers
+    # the run places work on (name, device, kind, host, pid), as found when this attempt started.
     cluster: str = ""
-    slots: list[dict[str, str]] = []
+    workers: list[dict[str, str]] = []
     # Wall-clock moments of the latest attempt (epoch seconds): process_start,
     # imports_done, flow_start, data_ready, tracking_ready, workers_ready,
     # first_training, last_aggregate, finished.

@@ -18,7 +18,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from mlflow import MlflowClient
-from mlflow.entities import Metric, Param, RunTag
+from mlflow.entities import Metric, Param
 from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID, MLFLOW_RUN_NOTE
 
 from bhfl_core.tree import Tree

@@ -105,13 +105,19 @@ class RunContext:
         return self._proxy[key]
 
     def test_sets(self, proxy_name: str) -> tuple[list[str], dict[str, torch.Tensor], torch.Tensor]:
-        """Every client test split and the proxy test split as one tagged table (built once)."""
+        """Every client test split and the proxy test split as one tagged table (built once).
+
+        Empty splits (a prepared dataset without client test data) are named but have no rows.
+        """
         with self._lock:
             if self._tests is None:
                 names = [c.id for c in self.manifest.clients] + [proxy_name]
-                parts = [self.shard(c.test.path) for c in self.manifest.clients] + [self.proxy("test")]
-                data = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
-                groups = torch.cat([torch.full((len(p["input_ids"]),), i, dtype=torch.int64) for i, p in enumerate(parts)])
+                sizes = [c.test.size for c in self.manifest.clients] + [self.manifest.proxy_test.size]
+                parts = [(i, self.shard(c.test.path)) for i, c in enumerate(self.manifest.clients) if sizes[i]]
+                if sizes[-1]:
+                    parts.append((len(names) - 1, self.proxy("test")))
+                data = {k: torch.cat([p[k] for _, p in parts]) for k in parts[0][1]}
+                groups = torch.cat([torch.full((len(p["input_ids"]),), i, dtype=torch.int64) for i, p in parts])
                 self._tests = (names, data, groups)
             return self._tests
 

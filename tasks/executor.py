@@ -60,24 +60,29 @@ def _describe(dask_worker: Any) -> dict[str, str]:
     return dask_worker.plugins[PLUGIN].runtime.describe()
 
 
-def cluster_slots(address: str, runtime: RuntimeConfig) -> list[Slot]:
-    """Set up every worker of the cluster at ``address`` for bhfl and list the slots this run uses.
+def cluster_workers(address: str, runtime: RuntimeConfig) -> list[dict[str, str]]:
+    """Set up every worker of the cluster at ``address`` for bhfl; describe the ones this run uses.
 
-    Registers the worker plugin (each worker picks its device and builds its
-    runtime; workers that join later get it too) and asks each worker what it chose.
-    On a shared cluster, ``runtime.workers`` (an int) uses the first workers by name.
+    Registers the worker plugin (each worker picks its device and builds its runtime;
+    workers that join later get it too) and asks each worker who it is
+    (``WorkerRuntime.describe``). On a shared cluster, ``runtime.workers`` (an int) uses
+    the first workers by name.
     """
     from distributed import Client
 
     with Client(address, set_as_default=False, timeout="60s") as client:
-        client.register_plugin(BhflWorkerPlugin(), name=PLUGIN)
-        described = client.run(_describe)
-    slots = sorted((Slot(d["name"], d["device"], d["kind"]) for d in described.values()), key=lambda s: s.name)
-    if not slots:
+        client.register_plugin(BhflWorkerPlugin())
+        workers = sorted(client.run(_describe).values(), key=lambda w: w["name"])
+    if not workers:
         raise RuntimeError(f"the Dask cluster at {address} has no workers; start some with `dask worker {address} --nthreads 1`")
     if runtime.executor == "cluster" and runtime.workers != "auto":
-        slots = slots[: int(runtime.workers)]
-    return slots
+        workers = workers[: int(runtime.workers)]
+    return workers
+
+
+def slot(worker: dict[str, str]) -> Slot:
+    """What placement needs of a worker described by ``WorkerRuntime.describe``."""
+    return Slot(worker["name"], worker["device"], worker["kind"])
 
 
 class DaskExecutor:
@@ -114,7 +119,7 @@ class InProcessExecutor:
         self.runtime = runtime
 
     def slots(self) -> list[Slot]:
-        return [Slot(INPROCESS, str(self.runtime.device), self.runtime.kind)]
+        return [slot(self.runtime.describe())]
 
     def submit(self, slot: Slot, method: str, *args: Any) -> Future[Any]:
         done: Future[Any] = Future()
@@ -133,15 +138,20 @@ def _process_worker(device: str) -> WorkerRuntime:
     return WorkerRuntime(INPROCESS, worker_device(device))
 
 
+def process_worker(runtime: RuntimeConfig) -> WorkerRuntime:
+    """This process's own worker runtime (``runtime.executor: inprocess``)."""
+    return _process_worker(str(resolve_devices(runtime.device)[0]))
+
+
 @contextmanager
-def executor_for(runtime: RuntimeConfig, address: str | None, slots: list[Slot]) -> Iterator[Executor]:
-    """The executor of a run (from its record: cluster address and slots), for one node execution."""
+def executor_for(runtime: RuntimeConfig, address: str | None, workers: list[dict[str, str]]) -> Iterator[Executor]:
+    """The executor of a run (from its record: cluster address and workers), for one node execution."""
     if runtime.executor == INPROCESS:
-        yield InProcessExecutor(_process_worker(str(resolve_devices(runtime.device)[0])))
+        yield InProcessExecutor(process_worker(runtime))
         return
     if not address:
         raise RuntimeError(f"runtime.executor is {runtime.executor!r} but the run records no cluster address")
-    executor = DaskExecutor(address, slots)
+    executor = DaskExecutor(address, [slot(w) for w in workers])
     try:
         yield executor
     finally:

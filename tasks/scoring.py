@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from bhfl_core.engine import RoundKey
-from bhfl_core.evaluation import ADAPTED, LOCAL_ONLY, PROXY, parse_model
+from bhfl_core.evaluation import PROXY, parse_model
 from bhfl_core.local_train import grouped_confusions
 from bhfl_core.mlm import grouped_lm_stats
 from bhfl_core.params import get_flat, set_flat

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import socket
 import threading
 import time
 from collections import OrderedDict
@@ -68,7 +69,9 @@ class WorkerRuntime:
         self._models: OrderedDict[str, nn.Module] = OrderedDict()
 
     def describe(self) -> dict[str, str]:
-        return {"name": self.name, "device": str(self.device), "kind": self.kind}
+        """Who this worker is: what placement needs (name, device, kind) and where it runs (host, pid)."""
+        return {"name": self.name, "device": str(self.device), "kind": self.kind, "host": socket.gethostname(),
+                "pid": str(os.getpid())}
 
     def _trainer(self, ctx: RunContext) -> LocalTrainer:
         """A trainer on this worker's model instance for the run's model (built once, reused)."""

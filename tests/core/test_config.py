@@ -53,6 +53,15 @@ def test_embedded_default_is_valid_and_matches_the_issue_shape():
         (["tree.residuals.up=[{to: root}]"], "tree.residuals.up[0].from: Field required"),
         (["data.proxy.servers=[root, europe-north]"], "data.proxy.servers[1]: 'europe-north' is not a server"),
         (["data.proxy.train_per_language=0"], "tree.root.proxy_train: node 'root' has no proxy split"),
+        (["runtime.executor=cluster"], "runtime: executor: cluster needs runtime.cluster"),
+        (["runtime.cluster=tcp://127.0.0.1:8786"], "cluster is set but executor is 'local'"),
+        (["runtime.executor=cluster", "runtime.cluster=ray://head:10001"],
+         "runtime.cluster: 'ray://head:10001' is not a Dask scheduler address such as tcp://127.0.0.1:8786 "
+         "(Ray clusters are not supported"),
+        (["runtime.executor=threads"], "runtime.executor"),
+        (["runtime.placement=fastest"], "runtime.placement"),
+        (["runtime.workers_per_device=0"], "runtime.workers_per_device"),
+        (["data.source={kind: prepared, languages: [en]}"], "data.source.prepared.path: Field required"),
     ],
 )
 def test_errors_name_the_key(overrides, message):

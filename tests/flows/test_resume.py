@@ -12,8 +12,10 @@ times, at every kind of point, must still end exactly where the uninterrupted on
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 from mlflow import MlflowClient
 from prefect.settings import PREFECT_API_URL
@@ -47,6 +49,18 @@ def _cli(*args: str, faults: str | None, run_dir: Path) -> subprocess.CompletedP
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
 
 
+def _leftovers(run_path: Path, grace_s: float = 15.0) -> list[int]:
+    """The run's worker processes (``run.json`` names them) still alive after its orchestrator died."""
+    pids = [int(w["pid"]) for w in RunRecord.read(run_path).workers]
+    assert pids, "the run recorded no workers"
+    deadline = time.time() + grace_s
+    while True:
+        alive = [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+        if not alive or time.time() > deadline:
+            return alive
+        time.sleep(0.5)
+
+
 def _node_files(run_path: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted((run_path / "state" / "nodes").glob("*.safetensors"))}
 
@@ -74,6 +88,7 @@ def test_killed_and_resumed_run_is_bit_identical_to_uninterrupted(reference):
         assert text in out.stderr and "Traceback" not in out.stderr, out.stderr[-3000:]
         if code != KILLED:
             assert f"bhfl resume {run_path}" in out.stderr.replace("\n", "")  # the message says how to go on
+        assert _leftovers(run_path) == [], f"step {i}: processes of the run outlived it"
         assert RunRecord.read(run_path).effective_status == ("interrupted" if code == KILLED else "failed")
     finished = _cli("resume", str(run_path), faults=None, run_dir=run_dir)
     assert finished.returncode == 0, finished.stderr[-3000:]
