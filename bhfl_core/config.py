@@ -425,6 +425,9 @@ class RuntimeConfig(Strict):
     the workers (``lpt``: by optimizer steps, largest first; ``round_robin``;
     ``learned``: by time predicted from what each device kind measured).
     ``parallel_subtrees``: sibling servers of one round execute at the same time.
+    ``subflow_depth``: internal nodes down to this depth (root = 0) execute as Prefect
+    subflows, deeper ones inside their parent's subflow (their worker batches still are
+    tasks); ``null``: every internal node is a subflow (the Prefect UI shows the tree).
     ``retries``: Prefect retries of a failed task (a worker's batch of clients, proxy
     training, an evaluation); finished clients of a retried batch are not trained again.
     ``on_client_failure``: a client that still fails after the retries either fails its
@@ -440,6 +443,7 @@ class RuntimeConfig(Strict):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     placement: Literal["lpt", "round_robin", "learned"] = "lpt"
     parallel_subtrees: bool = True
+    subflow_depth: Annotated[int, Field(ge=0)] | None = None
     torch_threads: Annotated[int, Field(ge=1)] | None = None
     retries: Annotated[int, Field(ge=0)] = 1
     retry_delay_s: Annotated[float, Field(ge=0)] = 1.0

@@ -116,8 +116,11 @@ class FlowHooks:
     # ------------------------------------------------------------ children
 
     def _run_child(self, child: Node, phi_path: str, caller: str) -> str:
-        if self.rt.inline:
-            return _execute(self.rt.run_path, child.id, phi_path, caller, inline=True)
+        depth = self.rt.ctx.config.runtime.subflow_depth
+        if self.rt.inline or (depth is not None and child.depth > depth):  # inside this flow run
+            if not self.rt.inline:
+                signal_running()  # nothing to create: the next sibling may go
+            return _execute(self.rt.run_path, child.id, phi_path, caller, inline=self.rt.inline)
         child_flow = node_flow.with_options(flow_run_name=f"{child.id} <- {caller}", on_running=[signal_running],
                                             task_runner=ThreadPoolTaskRunner(max_workers=TASK_THREADS))
         return child_flow(self.rt.run_path, child.id, phi_path, caller)
