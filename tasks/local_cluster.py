@@ -3,7 +3,8 @@
 A scheduler and one worker process per slot (per GPU times ``workers_per_device``, or
 one per CPU core), each running one call at a time on its own device (``BHFL_DEVICE``). Workers are forked from a server process that imported torch,
 transformers and the worker code once (multiprocessing's forkserver), so N workers
-cost one import, not N. Worker processes exit when the process that started the
+cost one import, not N (CPU workers; GPU workers are spawned, so that no worker
+inherits a process that touched the CUDA driver). Worker processes exit when the process that started the
 cluster dies, even by SIGKILL (Dask watches the parent).
 
 This module stays light (no worker code imported here), so the CLI can start the
@@ -90,17 +91,22 @@ def start_local_cluster(runtime: RuntimeConfig, env: Mapping[str, str]) -> Any:
 
     ``env`` (``worker_env(run_path)``) is set in every worker process.
     """
+    import dask
     from distributed import Nanny, Scheduler, SpecCluster
 
     logging.getLogger("distributed").setLevel(logging.ERROR)  # the scheduler runs in this process: no INFO chatter
-    start_forkserver()
+    slots = local_slots(runtime)
+    if all(device == "cpu" for _, device in slots):
+        start_forkserver()
+    else:  # a process that imported torch may have touched the CUDA driver: GPU workers start fresh (spawn)
+        dask.config.set({"distributed.worker.multiprocessing-method": "spawn"})
     workers = {
         name: {"cls": Nanny, "options": {
             "name": name, "host": "127.0.0.1", "nthreads": 1, "memory_limit": 0, "dashboard": False,
             "silence_logs": logging.CRITICAL,  # a failed call surfaces in the orchestrator, once
             "env": {"BHFL_DEVICE": device, **env},
         }}
-        for name, device in local_slots(runtime)
+        for name, device in slots
     }
     scheduler = {"cls": Scheduler, "options": {"host": "127.0.0.1", "port": 0, "dashboard": False,
                                                "dashboard_address": "127.0.0.1:0"}}  # its HTTP endpoint: loopback, any port
