@@ -45,7 +45,7 @@ def apply_override(data: dict[str, Any], assignment: str) -> dict[str, Any]:
 
 
 # discriminated unions: pydantic puts the chosen ``kind`` in the error location; users never wrote it
-_UNIONS = {"source": {"embedded", "xglue"}, "clustering": {"language", "kmeans"}}
+_UNIONS = {"source": {"embedded", "xglue", "prepared"}, "clustering": {"language", "kmeans"}}
 
 
 def format_validation_error(exc: ValidationError) -> str:

@@ -30,6 +30,7 @@ from typing import Any
 import datasets
 import numpy as np
 from datasets import Dataset, load_from_disk
+from pydantic import ValidationError
 
 from bhfl_core.config import ConfigError, EmbeddedSource, ExperimentConfig, PreparedSource, XglueSource, dump
 from bhfl_core.models import TINY
@@ -270,21 +271,31 @@ def manifest_step(config: ExperimentConfig, pool: TextTable, part: Partition, pr
 
 # ---------------------------------------------------------------- the pipeline
 
+def _problems(exc: ValueError) -> str:
+    """The first few problems of a failed manifest read, on one line (``loc: message``)."""
+    if isinstance(exc, ValidationError):
+        return "; ".join(f"{'.'.join(map(str, e['loc'])) or 'top level'}: {e['msg']}" for e in exc.errors()[:3])
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+
+
 def prepared_folder(source: PreparedSource, task: str) -> PreparedData:
     """A dataset already in bhfl's prepared form (``data.source.kind: prepared``), checked, used in place."""
     started = time.time()
     root = Path(source.path).expanduser().resolve()
     key = "data.source.path"
     if not (root / MANIFEST_NAME).is_file():
-        raise ConfigError(f"{key}: {root} has no {MANIFEST_NAME}; it must be a prepared-data folder (docs/data.md)")
+        what = f"has no {MANIFEST_NAME}" if root.is_dir() else "does not exist"
+        raise ConfigError(f"{key}: {root} {what}; it must be a prepared-data folder (docs/data.md)")
     try:
         manifest = Manifest.read(root)
-    except ValueError as exc:
-        first = str(exc).splitlines()
-        raise ConfigError(f"{key}: {root / MANIFEST_NAME} is not a valid manifest ({' '.join(first[:3])})") from None
+    except ValueError as exc:  # pydantic's ValidationError (bad JSON, missing or wrong keys), undecodable bytes
+        raise ConfigError(f"{key}: {root / MANIFEST_NAME} is not a valid manifest ({_problems(exc)})") from None
     shards = [s for c in manifest.clients for s in (c.train, c.test)] + [manifest.proxy_train, manifest.proxy_test]
-    if missing := [s.path for s in shards if not (root / s.path).is_dir()]:
-        raise ConfigError(f"{key}: shard folder(s) named in the manifest are missing under {root}: {', '.join(missing[:5])}")
+    # a shard is a datasets save_to_disk folder: without its state.json, load_from_disk would fail mid-run
+    if missing := [s.path for s in shards if not (root / s.path / "state.json").is_file()]:
+        raise ConfigError(f"{key}: shard(s) named in {root / MANIFEST_NAME} are missing or not datasets "
+                          f"save_to_disk folders (no state.json): {', '.join(missing[:5])}"
+                          + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
     if manifest.task != task:
         raise ConfigError(f"data.task: {task!r} but the data in {root} is for task {manifest.task!r}")
     found = sorted({c.language for c in manifest.clients})

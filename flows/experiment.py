@@ -279,12 +279,12 @@ def evaluate_all(rt: NodeRuntime, step: int, final: bool = False) -> Evaluation:
     return evaluation
 
 
-def _run_tags(config: ExperimentConfig, run_path: Path, data_root: Path) -> dict[str, str]:
+def _run_tags(config: ExperimentConfig, run_path: Path, data_fingerprint: str) -> dict[str, str]:
     resolved = json.dumps(dump(config), sort_keys=True)
     return {
         "bhfl.run_path": str(run_path),
         "bhfl.config_hash": hashlib.sha256(resolved.encode()).hexdigest()[:16],
-        "bhfl.data_fingerprint": data_root.name,
+        "bhfl.data_fingerprint": data_fingerprint,
         "bhfl.seed": str(config.seed),
         "bhfl.git_commit": git_commit(),
         "bhfl.python": platform.python_version(),
@@ -380,7 +380,7 @@ def _experiment(
             if record.parent_run_id:
                 tracker.reopen(record.experiment_id, record.parent_run_id, record.node_runs, record.resumes)
             else:
-                tracker.start(cfg.name, dump(cfg), ctx.tree, _run_tags(cfg, path, data_root), _describe(cfg, ctx))
+                tracker.start(cfg.name, dump(cfg), ctx.tree, _run_tags(cfg, path, ctx.manifest.fingerprint), _describe(cfg, ctx))
                 record.experiment_id, record.parent_run_id, record.node_runs = (tracker.experiment_id, tracker.parent_id,
                                                                                  tracker.node_runs)
                 record.write(path)

@@ -186,7 +186,7 @@ def render_markdown(tracker: Tracker, ctx: RunContext, ev: Evaluation, prox: pro
         "",
         f"MLflow run `{tracker.parent_id}` · seed {cfg.seed} · task {ev.task.task} · "
         f"{len(tree.clients())} clients, {len(tree.servers())} servers, {tree.root.settings.rounds} root rounds · "
-        f"model {cfg.model.name} ({num_params:,} trainable parameters) · data `{ctx.data_root.name}`",
+        f"model {cfg.model.name} ({num_params:,} trainable parameters) · data `{ctx.manifest.fingerprint}`",
         "",
         f"## Each client's test split ({metric}, {better} is better)",
         "",

@@ -24,7 +24,7 @@ import torch
 import yaml
 from torch import nn
 
-from bhfl_core.config import ExperimentConfig
+from bhfl_core.config import ConfigError, ExperimentConfig
 from bhfl_core.mlm import MaskingSpec
 from bhfl_core.models import build_model
 from bhfl_core.state_store import StateStore
@@ -89,6 +89,9 @@ class RunContext:
         Loaded once per process and node group: every round of every server reuses it.
         """
         shard = self.manifest.proxy_train if split == "train" else self.manifest.proxy_test
+        if not shard.size:
+            raise ConfigError(f"proxy_train: node {node_id or self.tree.root_id!r} trains on proxy data, but the data in "
+                              f"{self.data_root} has no proxy {split} split (set proxy_train: false for it)")
         languages = None
         if node_id is not None and node_id != self.tree.root_id:
             languages = tuple(sorted({self.tree[c].group or "" for c in self.tree.leaves_under(node_id)}))

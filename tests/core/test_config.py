@@ -61,7 +61,7 @@ def test_embedded_default_is_valid_and_matches_the_issue_shape():
         (["runtime.executor=threads"], "runtime.executor"),
         (["runtime.placement=fastest"], "runtime.placement"),
         (["runtime.workers_per_device=0"], "runtime.workers_per_device"),
-        (["data.source={kind: prepared, languages: [en]}"], "data.source.prepared.path: Field required"),
+        (["data.source={kind: prepared, languages: [en]}"], "data.source.path: Field required"),
     ],
 )
 def test_errors_name_the_key(overrides, message):

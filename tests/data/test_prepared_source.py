@@ -156,3 +156,24 @@ def test_path_and_languages_are_required(source, key):
     # (the location may carry the union's tag, data.source.prepared.<key>: bhfl_core/config_loader.py's _UNIONS)
     with pytest.raises(ConfigError, match=rf"data\.source\.(prepared\.)?{key}: Field required"):
         small_config(f"data.source={source}", "tree.groups={}")
+
+
+def test_an_experiment_runs_end_to_end_on_a_prepared_folder(tmp_path):
+    """The whole pipeline (no Prefect, this process's worker): training, evaluation with empty client test splits, report."""
+    from flows.experiment import run_experiment
+
+    folder = write_folder(tmp_path / "outside")
+    cfg = prepared_config(folder, "tree.root.rounds=1", "tree.root.proxy_train=false", "eval.every=0",
+                          "runtime.executor=inprocess")
+    result = run_experiment(cfg, tmp_path / "runs", inline=True)
+    assert 0.0 <= result["headline"]["root/proxy/accuracy"] <= 1.0  # the proxy test split is scored
+    assert not (tmp_path / "runs" / "cache").exists()
+
+    from mlflow import MlflowClient
+
+    tags = MlflowClient(result["tracking_uri"]).get_run(result["run_id"]).data.tags
+    assert tags["bhfl.data_fingerprint"] == "outside-0001"  # the manifest's, not the folder's name
+
+    with pytest.raises(ConfigError, match="has no proxy train split"):  # proxy training needs a proxy train split
+        run_experiment(prepared_config(folder, "tree.root.rounds=1", "runtime.executor=inprocess"), tmp_path / "runs",
+                       inline=True)
