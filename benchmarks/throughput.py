@@ -24,7 +24,7 @@ Figures per setting (median over the repetitions), and bhfl's ratio to the loop:
 - process s: process start -> exit, as the harness sees it (bhfl: the whole CLI,
   evaluation, MLflow logging and shutdown included);
 - peak PSS MB: the highest sum of PSS (``memory_full_info().pss``) over the process and
-  all its descendants, sampled every 0.1 s by a thread here (benchmarks/_proc.py);
+  all its descendants, read every 1 s by a thread here (CPU every 0.1 s; benchmarks/_proc.py);
 - CPU s/client: user + system seconds of the whole process tree (the last reading of
   every pid seen, so exited children count) per client training;
 - norm: the final model's L2 norm (the same trainings: both agree to float rounding;
