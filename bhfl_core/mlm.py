@@ -31,13 +31,6 @@ class MaskingSpec:
     vocab_size: int
     probability: float = 0.15
 
-    @classmethod
-    def from_tokenizer(cls, tokenizer: object, probability: float = 0.15) -> MaskingSpec:
-        mask_id = getattr(tokenizer, "mask_token_id", None)
-        if mask_id is None:
-            raise ValueError("the tokenizer has no mask token: a masked-LM task needs one (e.g. [MASK] or <mask>)")
-        return cls(tuple(sorted(set(tokenizer.all_special_ids))), int(mask_id), len(tokenizer), probability)  # type: ignore[attr-defined]
-
 
 def mask_tokens(
     input_ids: torch.Tensor,

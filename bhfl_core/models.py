@@ -73,8 +73,3 @@ def build_model(model: ModelConfig, task: str, labels: list[str], vocab_size: in
             return auto.from_pretrained(model.name, revision=model.revision, **head)
         except Exception as exc:
             raise hub_error("model", model, exc) from None
-
-
-def build_classifier(model: ModelConfig, labels: list[str], vocab_size: int, pad_token_id: int, seed: int) -> nn.Module:
-    """A sequence classifier (kept for callers that predate the masked-LM task)."""
-    return build_model(model, "classification", labels, vocab_size, pad_token_id, seed)

@@ -14,10 +14,6 @@ def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
-def num_parameters(model: nn.Module) -> int:
-    return sum(p.numel() for p in trainable_parameters(model))
-
-
 def get_flat(model: nn.Module) -> torch.Tensor:
     """A float32 CPU copy of the model's trainable parameters as one vector."""
     return torch.nn.utils.parameters_to_vector(trainable_parameters(model)).detach().to("cpu", torch.float32).clone()

@@ -9,7 +9,7 @@ per-node overrides) before the tree is built, so algorithms read one flat object
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
 
 from bhfl_core.node_opt import NodeOptParams
@@ -66,7 +66,6 @@ class Node:
     settings: NodeSettings
     weight: float  # training examples in the subtree (p_c before normalisation)
     group: str | None = None  # language / cluster label, when the node has one
-    attrs: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def is_leaf(self) -> bool:

@@ -60,9 +60,6 @@ class Manifest(BaseModel):
     unused_pool_rows: int
     held_out: str = ""  # splits of the source never read (XGLUE: test.<lang>)
 
-    def resolve(self, root: Path, relative: str) -> Path:
-        return root / relative
-
     def write(self, folder: Path) -> None:
         write_text_atomic(folder / MANIFEST_NAME, self.model_dump_json(indent=2))
 

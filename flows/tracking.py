@@ -174,6 +174,3 @@ class Tracker:
         for run_id in [*self.node_runs.values(), self.parent_id]:
             if run_id:
                 self.client.set_terminated(run_id, status)
-
-    def ui_url(self, host: str = "127.0.0.1", port: int = 5000) -> str:
-        return f"http://{host}:{port}/#/experiments/{self.experiment_id}/runs/{self.parent_id}"

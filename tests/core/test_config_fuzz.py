@@ -73,9 +73,13 @@ def test_mutated_configs_load_or_raise_config_error(data):
         assert str(exc).strip()  # says something
 
 
-@pytest.mark.parametrize("value", [None, [], "x", 3, {"a": 1}])
-def test_top_level_that_is_not_a_mapping_or_empty(value):
-    try:
+@pytest.mark.parametrize("value", [[], "x", 3])
+def test_top_level_that_is_not_a_mapping_is_a_config_error(value):
+    with pytest.raises(ConfigError, match=f"top level must be a mapping of keys, got {type(value).__name__}"):
         config_from_dict(value)
-    except ConfigError:
-        pass
+
+
+def test_empty_top_level_is_the_default_config_and_unknown_keys_are_named():
+    assert config_from_dict(None) == config_from_dict({})
+    with pytest.raises(ConfigError, match="a: unknown key"):
+        config_from_dict({"a": 1})

@@ -73,11 +73,15 @@ def test_fedavg_eta_one_replaces_exactly():
     assert torch.equal(out, target)  # bit-exact: HierFAVG's "replace the child model"
 
 
-def test_states_are_independent_per_instance():
+def test_a_step_does_not_change_the_state_it_was_given():
+    """Node states are values: a step returns a new state and leaves its input as it was,
+    so two nodes (or a resumed and a live copy) can never share optimiser moments."""
     p = NodeOptParams(kind="fedadam", eta=0.1, tau=0.01)
     s1, _ = node_opt_step({}, torch.zeros(2), torch.ones(2), p)
-    s2, _ = node_opt_step({}, torch.zeros(2), -torch.ones(2), p)
-    assert not torch.equal(s1["m"], s2["m"])
+    kept = {k: v.clone() for k, v in s1.items()}
+    s2, _ = node_opt_step(s1, torch.zeros(2), -torch.ones(2), p)
+    assert all(torch.equal(s1[k], kept[k]) for k in kept)  # the input state is untouched
+    assert not torch.equal(s2["m"], s1["m"]) and not torch.equal(s2["v"], s1["v"])
 
 
 def test_unknown_kind_and_shape_mismatch():

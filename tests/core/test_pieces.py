@@ -112,11 +112,11 @@ def test_node_opt_params_frozen():
 def test_grouped_confusions_equal_split_by_split_scoring():
     from bhfl_core.config import ModelConfig
     from bhfl_core.local_train import grouped_confusions
-    from bhfl_core.models import build_classifier
+    from bhfl_core.models import build_model
 
     labels = ["a", "b", "c"]
-    model = build_classifier(ModelConfig(tiny={"vocab_size": 100, "hidden_size": 16, "num_hidden_layers": 1,
-                                               "num_attention_heads": 2, "intermediate_size": 32}), labels, 100, 0, seed=3)
+    model = build_model(ModelConfig(tiny={"vocab_size": 100, "hidden_size": 16, "num_hidden_layers": 1,
+                                               "num_attention_heads": 2, "intermediate_size": 32}), "classification", labels, 100, 0, 3)
     g = torch.Generator().manual_seed(0)
     n, width = 23, 12
     lengths = torch.randint(2, width + 1, (n,), generator=g)
