@@ -27,7 +27,7 @@ def main() -> None:
         from prefect import flow
         from prefect.settings import temporary_settings
 
-        from bhfl_core.config_loader import load_config
+        from bhfl_core.config.loader import load_config
         from data_prep.prepare import prepare_data
         from flows.data import run_prepare
 

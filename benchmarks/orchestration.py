@@ -32,7 +32,7 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         os.environ.setdefault("PREFECT_HOME", str(Path(tmp) / ".prefect"))
-        from bhfl_core.config_loader import load_config
+        from bhfl_core.config.loader import load_config
         from flows.experiment import run_experiment
 
         config = load_config(args.config, args.overrides)

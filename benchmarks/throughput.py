@@ -130,7 +130,7 @@ def _bhfl_env(api_url: str | None) -> dict[str, str]:
 
 
 def run_bhfl(config: Path, name: str, trainings: int, overrides: list[str], api_url: str | None, folder: Path) -> Result:
-    from bhfl_core.state_store import load_tensors
+    from bhfl_core.store.node_store import load_tensors
 
     run_dir = folder / "runs"
     cmd = [str(Path(sys.executable).with_name("bhfl")), "run", str(config), "--run-dir", str(run_dir),
@@ -206,7 +206,7 @@ def write_setting(root: Path, prepared: Path, k: int, rounds: int, overrides: li
     """bhfl's config file for one setting, its name, and the draws it makes (a JSON file for the loop)."""
     import yaml
 
-    from bhfl_core.config_loader import load_config
+    from bhfl_core.config.loader import load_config
     from workload import bhfl_draws, workload_config
 
     config = workload_config(prepared, k, rounds)

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 if TYPE_CHECKING:
-    from bhfl_core.config import ExperimentConfig
+    from bhfl_core.config.schema import ExperimentConfig
 
 LANGUAGES, PER_LANGUAGE, SEQ, VOCAB, TOPICS, SLICE = 5, 20, 32, 8000, 10, 1500
 FINGERPRINT = "43eff8d1bf6eb5cd"
@@ -131,14 +131,14 @@ def bhfl_draws(config: ExperimentConfig) -> tuple[list[list[int]], SeedOf]:
 
     Read off bhfl's own code paths: the tree built from the config and the data
     manifest, the root sampling its children (clients in manifest order) per root
-    round (``bhfl_core.rng.sample_cohort``, as bhfl_core/engine.py does), and a
+    round (``bhfl_core.rng.sample_cohort``, as bhfl_core/algorithm/engine.py does), and a
     client's TRAIN seed ``derive_seed(seed, "train", client, round, caller)``
     (tasks/client_training.py) where a non-persistent client's round counter stays 0
     and the caller is the root round ``root:<r0>`` (flows/experiment.py). Clients are
     returned as indices into the manifest, which ``write_prepared`` writes in workload order.
     """
     from bhfl_core.rng import derive_seed, sample_cohort
-    from bhfl_core.topology import ClientInfo, build_tree
+    from bhfl_core.config.topology import ClientInfo, build_tree
     from data_prep.manifest import Manifest
 
     manifest = Manifest.read(Path(config.data.source.path))  # type: ignore[union-attr]  (a prepared source)
@@ -256,7 +256,7 @@ def write_prepared(work: Workload, folder: Path) -> Path:
     import datasets
     from datasets import Dataset, Features, Sequence as Seq, Value
 
-    from bhfl_core.topology import edge_id
+    from bhfl_core.config.topology import edge_id
     from data_prep.manifest import ClientEntry, Manifest, Shard
     from data_prep.report import write_report
 

@@ -15,7 +15,7 @@ slot and round instead of one per client). Policies:
   more work than a slow one (Pollen's LB). Before anything was measured it is ``lpt``.
 
 Placement never changes results: workers return weighted sums whose mean does not
-depend on the grouping (bhfl_core/aggregation.py). It is deterministic for the same
+depend on the grouping (bhfl_core/algorithm/aggregation.py). It is deterministic for the same
 inputs, so a resumed run places the same way.
 """
 

@@ -1,6 +1,6 @@
 """Which edge server each client belongs to: by language, or by k-means over a cheap client embedding.
 
-Language clustering needs no data (``bhfl_core.topology.language_edges``: one edge per
+Language clustering needs no data (``bhfl_core.config.topology.language_edges``: one edge per
 language, or contiguous blocks of a language's clients). K-means clusters clients
 whose data look alike, for datasets without natural clusters: the embedding is the
 client's normalised training label histogram or its mean token-frequency vector
@@ -18,9 +18,10 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from bhfl_core.config import ExperimentConfig, KMeansClustering
+from bhfl_core.config.schema import ExperimentConfig
+from bhfl_core.config.data import KMeansClustering
 from bhfl_core.rng import derive_seed
-from bhfl_core.topology import edge_id, language_edges
+from bhfl_core.config.topology import edge_id, language_edges
 from data_prep.partition import ClientSplit, PartitionError
 
 

@@ -14,7 +14,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from bhfl_core.files import write_text_atomic
+from bhfl_core.store.atomic import write_text_atomic
 
 MANIFEST_NAME = "manifest.json"
 

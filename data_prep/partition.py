@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from bhfl_core.config import DataConfig, SizeDistribution
+from bhfl_core.config.data import DataConfig, SizeDistribution
 from bhfl_core.rng import generator
-from bhfl_core.topology import client_ids
+from bhfl_core.config.topology import client_ids
 
 __all__ = ["ClientSplit", "Partition", "PartitionError", "client_ids", "client_sizes", "draw_proxy",
            "partition_pool", "pool_size_needed"]

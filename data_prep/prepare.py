@@ -32,9 +32,11 @@ import numpy as np
 from datasets import Dataset, load_from_disk
 from pydantic import ValidationError
 
-from bhfl_core.config import ConfigError, EmbeddedSource, ExperimentConfig, PreparedSource, XglueSource, dump
-from bhfl_core.models import TINY
-from bhfl_core.models import check_available as check_model
+from bhfl_core.config.schema import ExperimentConfig, dump
+from bhfl_core.config.data import EmbeddedSource, PreparedSource, XglueSource
+from bhfl_core.config.base import ConfigError
+from bhfl_core.learning.models import TINY
+from bhfl_core.learning.models import check_available as check_model
 from data_prep.clustering import assign_edges
 from data_prep.manifest import MANIFEST_NAME, ClientEntry, Manifest, Shard
 from data_prep.partition import Partition, draw_proxy, partition_pool

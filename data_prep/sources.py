@@ -22,7 +22,9 @@ from pathlib import Path
 import numpy as np
 from datasets import ClassLabel, Dataset, Value, concatenate_datasets, load_dataset
 
-from bhfl_core.config import ConfigError, EmbeddedSource, ExperimentConfig, ProxySource, XglueSource
+from bhfl_core.config.schema import ExperimentConfig
+from bhfl_core.config.data import EmbeddedSource, ProxySource, XglueSource
+from bhfl_core.config.base import ConfigError
 from bhfl_core.rng import derive_seed
 from data_prep.embedded import CATEGORIES, generate_pool
 from data_prep.partition import pool_size_needed

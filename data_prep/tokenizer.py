@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
-from bhfl_core.config import ModelConfig
-from bhfl_core.models import hub_error
+from bhfl_core.config.schema import ModelConfig
+from bhfl_core.learning.models import hub_error
 
 if TYPE_CHECKING:  # transformers (~1 s to import) only when a tokenizer is trained or loaded: not on a cache hit
     from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast

@@ -23,7 +23,7 @@ from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.utilities.annotations import quote
 
-from bhfl_core.config import ExperimentConfig, dump
+from bhfl_core.config.schema import ExperimentConfig, dump
 from data_prep.manifest import Manifest
 from data_prep.prepare import PreparedData, prepare_data
 from flows import progress

@@ -47,22 +47,25 @@ from prefect.settings import temporary_settings
 from prefect.task_runners import ThreadPoolTaskRunner
 from prefect.utilities.annotations import quote
 
-from bhfl_core.config import ConfigError, ExperimentConfig, dump
-from bhfl_core.config_loader import config_from_dict
-from bhfl_core.engine import ChildrenReport, RoundKey, execute_node
-from bhfl_core.evaluation import Evaluation
-from bhfl_core.files import write_text_atomic
-from bhfl_core.local_train import planned_steps
-from bhfl_core.metrics import task_metrics
+from bhfl_core.config.schema import ExperimentConfig, dump
+from bhfl_core.config.base import ConfigError
+from bhfl_core.config.loader import config_from_dict
+from bhfl_core.algorithm.engine import execute_node
+from bhfl_core.algorithm.node_state import ROOT_CALLER, Caller, NodeState, RoundKey
+from bhfl_core.algorithm.node_step import ChildrenReport
+from bhfl_core.analysis.evaluation import Evaluation
+from bhfl_core.store.atomic import write_text_atomic
+from bhfl_core.learning.local_train import planned_steps
+from bhfl_core.learning.metrics import task_metrics
 from bhfl_core.placement import Job, place, utilisation
-from bhfl_core.residuals import Candidate, needs
-from bhfl_core.state_store import NodeState, StateStore
-from bhfl_core.tree import Node
+from bhfl_core.algorithm.residuals import Candidate, needs
+from bhfl_core.store.node_store import StateStore
+from bhfl_core.algorithm.tree import Node
 from flows import progress
 from flows.creation_gate import creation_gate, run_gated, signal_running
 from flows.data import run_prepare
-from flows.run_record import RunRecord, new_run_path
-from flows.tracking import Tracker, default_tracking_uri
+from flows.records.run_record import RunRecord, new_run_path
+from flows.tracking.tracker import Tracker, default_tracking_uri
 from tasks import faults
 from tasks.client_training import WorkerReport
 from tasks.context import CONFIG_FILE, DATA_POINTER, TIMELINE_DIR, RunContext, mark_once, open_run, read_marks
@@ -115,7 +118,7 @@ class FlowHooks:
 
     # ------------------------------------------------------------ children
 
-    def _run_child(self, child: Node, phi_path: str, caller: str) -> str:
+    def _run_child(self, child: Node, phi_path: str, caller: Caller) -> str:
         depth = self.rt.ctx.config.runtime.subflow_depth
         if self.rt.inline or (depth is not None and child.depth > depth):  # inside this flow run
             if not self.rt.inline:
@@ -125,7 +128,7 @@ class FlowHooks:
                                             task_runner=ThreadPoolTaskRunner(max_workers=TASK_THREADS))
         return child_flow(self.rt.run_path, child.id, phi_path, caller)
 
-    def _run_servers(self, servers: list[Node], phi_path: str, caller: str) -> list[str]:
+    def _run_servers(self, servers: list[Node], phi_path: str, caller: Caller) -> list[str]:
         """Execute child servers, concurrently unless ``runtime.parallel_subtrees`` is off; results in cohort order.
 
         Each child runs in its own thread (a copy of this context: Prefect nests its
@@ -136,7 +139,7 @@ class FlowHooks:
         futures = [run_gated(functools.partial(self._run_child, c, phi_path, caller)) for c in servers]
         return gather(futures)
 
-    def _run_clients(self, node: Node, leaves: list[Node], phi_path: str, caller: str, key: RoundKey) -> list[WorkerReport]:
+    def _run_clients(self, node: Node, leaves: list[Node], phi_path: str, caller: Caller, key: RoundKey) -> list[WorkerReport]:
         runtime = self.rt.ctx.config.runtime
         keep, select = needs(node.settings.res_up)
         jobs = [Job(c.id, planned_steps(int(c.weight), c.settings.train)) for c in leaves if c.settings.train]
@@ -153,7 +156,7 @@ class FlowHooks:
         self.round_started[key.round] = time.time()
         ctx = self.rt.ctx
         phi_path = ctx.store.write_message(f"{node.id}.down", theta)
-        caller = f"{node.id}:{key.round}"
+        caller = key.as_caller()
         report = ChildrenReport()
         losses: dict[str, tuple[float, int]] = {}  # child -> (training loss of its last round, examples)
         servers = [c for c in cohort if not c.is_leaf]
@@ -233,7 +236,7 @@ def _utilisation(rt: NodeRuntime, start: float, end: float) -> dict[str, float]:
     return {"runtime/worker_utilisation": mean, "runtime/all_workers_busy": every}
 
 
-def _execute(run_path: str, node_id: str, phi_path: str | None, caller: str, inline: bool = False) -> str:
+def _execute(run_path: str, node_id: str, phi_path: str | None, caller: Caller, inline: bool = False) -> str:
     """EXECUTENODE for one internal node, from and to message files; returns the path of theta_T."""
     with node_runtime(run_path, inline) as rt:
         ctx = rt.ctx
@@ -243,7 +246,7 @@ def _execute(run_path: str, node_id: str, phi_path: str | None, caller: str, inl
 
 
 @flow(name="node", validate_parameters=False)
-def node_flow(run_path: str, node_id: str, phi_path: str | None, caller: str) -> str:
+def node_flow(run_path: str, node_id: str, phi_path: str | None, caller: Caller) -> str:
     """One execution of an internal node as a Prefect subflow."""
     return _execute(run_path, node_id, phi_path, caller)
 
@@ -272,7 +275,7 @@ def evaluate_all(rt: NodeRuntime, step: int, final: bool = False) -> Evaluation:
         stats.update(_call(rt, evaluate_models, name, batches, rt.run_path))
         seconds[timer] = time.time() - started
     evaluation = Evaluation.from_stats(ctx.tree, task_metrics(ctx.manifest.task), stats)
-    from flows.report import log_evaluation  # matplotlib and the report code: not needed at start-up
+    from flows.tracking.report import log_evaluation  # matplotlib and the report code: not needed at start-up
 
     log_evaluation(rt.tracker, evaluation, step, seconds)
     progress.note(f"evaluated {len(stats)} models after root round {step}")
@@ -412,11 +415,11 @@ def _experiment(
             peaks = {"memory/peak_rss_setup_mb": peak_rss_mb(reset=True)}
             train_started = time.time()
             if inline:
-                _execute(str(path), ctx.tree.root_id, None, "", inline=True)
+                _execute(str(path), ctx.tree.root_id, None, ROOT_CALLER, inline=True)
             else:
                 root_flow = node_flow.with_options(flow_run_name="root",
                                                    task_runner=ThreadPoolTaskRunner(max_workers=TASK_THREADS))
-                root_flow(str(path), ctx.tree.root_id, None, "")
+                root_flow(str(path), ctx.tree.root_id, None, ROOT_CALLER)
             train_s = time.time() - train_started
             peaks["memory/peak_rss_train_mb"] = peak_rss_mb(reset=True)
             usage = _utilisation(rt, train_started, train_started + train_s)
@@ -430,7 +433,7 @@ def _experiment(
             tracker.log_metrics(tracker.parent_id, {**timings, **peaks, **usage}, step=record.resumes)
             if artefacts is not None:
                 artefacts.result()
-            from flows.report import write_report  # matplotlib and the report code: not needed at start-up
+            from flows.tracking.report import write_report  # matplotlib and the report code: not needed at start-up
 
             headline = write_report(tracker, ctx, evaluation, timings)  # report.md, tables, figures
             tracker.finish("FINISHED")

@@ -20,15 +20,17 @@ from dataclasses import dataclass, field
 
 import torch
 
-from bhfl_core.aggregation import WeightedSum
-from bhfl_core.engine import ChildrenReport, NodeResult, RoundKey, execute_node
-from bhfl_core.local_train import train_model
-from bhfl_core.mlm import mlm_transform
-from bhfl_core.params import get_flat, set_flat
-from bhfl_core.residuals import Candidate, keep_top
+from bhfl_core.algorithm.aggregation import WeightedSum
+from bhfl_core.algorithm.engine import NodeResult, execute_node
+from bhfl_core.algorithm.node_state import Caller, RoundKey
+from bhfl_core.algorithm.node_step import ChildrenReport
+from bhfl_core.learning.local_train import train_model
+from bhfl_core.learning.mlm import mlm_transform
+from bhfl_core.learning.params import get_flat, set_flat
+from bhfl_core.algorithm.residuals import Candidate, keep_top
 from bhfl_core.rng import derive_seed
-from bhfl_core.state_store import CheckpointError
-from bhfl_core.tree import Node
+from bhfl_core.store.node_store import CheckpointError
+from bhfl_core.algorithm.tree import Node
 from tasks import faults
 from tasks.context import RunContext, mark_once
 
@@ -81,7 +83,7 @@ class LocalTrainer:
         return None
 
 
-def train_clients(ctx: RunContext, trainer: LocalTrainer, caller: str, client_ids: list[str], phi: torch.Tensor,
+def train_clients(ctx: RunContext, trainer: LocalTrainer, caller: Caller, client_ids: list[str], phi: torch.Tensor,
                   keep: int = 0, select: str | None = None) -> WorkerReport:
     """Execute ``client_ids`` from the parent model ``phi``; return their weighted sum and statistics.
 
@@ -115,7 +117,7 @@ def is_resource_error(exc: BaseException) -> bool:
     return isinstance(exc, (MemoryError, torch.OutOfMemoryError, CheckpointError))
 
 
-def _execute_client(ctx: RunContext, node: Node, phi: torch.Tensor, trainer: LocalTrainer, caller: str) -> NodeResult | None:
+def _execute_client(ctx: RunContext, node: Node, phi: torch.Tensor, trainer: LocalTrainer, caller: Caller) -> NodeResult | None:
     """EXECUTENODE for one client under the run's failure policy; None = dropped from this round.
 
     ``fail``: the error propagates (Prefect retries the whole batch; clients that

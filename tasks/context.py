@@ -24,12 +24,13 @@ import torch
 import yaml
 from torch import nn
 
-from bhfl_core.config import ConfigError, ExperimentConfig
-from bhfl_core.mlm import MaskingSpec
-from bhfl_core.models import build_model
-from bhfl_core.state_store import StateStore
-from bhfl_core.topology import ClientInfo, build_tree
-from bhfl_core.tree import Tree
+from bhfl_core.config.schema import ExperimentConfig
+from bhfl_core.config.base import ConfigError
+from bhfl_core.learning.mlm import MaskingSpec
+from bhfl_core.learning.models import build_model
+from bhfl_core.store.node_store import StateStore
+from bhfl_core.config.topology import ClientInfo, build_tree
+from bhfl_core.algorithm.tree import Tree
 from data_prep.manifest import ClientEntry, Manifest
 from data_prep.prepare import load_shard
 from tasks import faults

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from bhfl_core.evaluation import ADAPTED, LOCAL_ONLY
+from bhfl_core.analysis.evaluation import ADAPTED, LOCAL_ONLY
 from bhfl_core.placement import Slot
 from tasks.context import RunContext
 from tasks.executor import Executor, gather

@@ -22,7 +22,7 @@ from concurrent.futures import Future
 from contextlib import contextmanager
 from typing import Any, Protocol
 
-from bhfl_core.config import RuntimeConfig
+from bhfl_core.config.schema import RuntimeConfig
 from bhfl_core.placement import Slot
 from tasks.local_cluster import resolve_devices
 from tasks.worker import PLUGIN, BhflWorkerPlugin, WorkerRuntime, call, worker_device

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # this module is imported first thing by `bhfl run`: torch (~1.5 s) only where needed
     import torch
 
-    from bhfl_core.config import RuntimeConfig
+    from bhfl_core.config.schema import RuntimeConfig
 
 
 def resolve_devices(setting: str) -> list[torch.device]:

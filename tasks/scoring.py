@@ -23,11 +23,11 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from bhfl_core.engine import RoundKey
-from bhfl_core.evaluation import PROXY, parse_model
-from bhfl_core.local_train import grouped_confusions
-from bhfl_core.mlm import grouped_lm_stats
-from bhfl_core.params import get_flat, set_flat
+from bhfl_core.algorithm.node_state import Caller, RoundKey
+from bhfl_core.analysis.evaluation import PROXY, parse_model
+from bhfl_core.learning.local_train import grouped_confusions
+from bhfl_core.learning.mlm import grouped_lm_stats
+from bhfl_core.learning.params import get_flat, set_flat
 from bhfl_core.rng import derive_seed
 from tasks.client_training import LocalTrainer
 from tasks.context import RunContext
@@ -93,7 +93,7 @@ class _Baselines:
                 return None
             theta, rounds, tag = start, setting.rounds, "adapt"
         for r in range(rounds):
-            theta, _ = self.trainer.train(node, theta, RoundKey(client_id, r, tag))
+            theta, _ = self.trainer.train(node, theta, RoundKey(client_id, r, Caller(tag)))
         return theta
 
 

@@ -13,7 +13,7 @@ import json
 from collections.abc import Iterable
 from pathlib import Path
 
-from bhfl_core.files import write_text_atomic
+from bhfl_core.store.atomic import write_text_atomic
 from bhfl_core.placement import TimeModel
 
 FILE = Path("state") / "placement.json"

@@ -16,8 +16,8 @@ from typing import Any
 from prefect import Task, task
 from prefect.cache_policies import NO_CACHE
 
-from bhfl_core.config import RuntimeConfig
-from bhfl_core.engine import RoundKey
+from bhfl_core.config.schema import RuntimeConfig
+from bhfl_core.algorithm.node_state import Caller, RoundKey
 from bhfl_core.placement import Slot
 from tasks.client_training import WorkerReport, is_resource_error
 from tasks.executor import Executor, gather
@@ -37,7 +37,7 @@ def with_retries(task_: Task, runtime: RuntimeConfig, name: str, on_running: Seq
 
 
 @task(name="train-clients", cache_policy=NO_CACHE, persist_result=False)
-def train_clients(executor: Executor, batches: Batches, run_path: str, caller: str, phi_path: str,
+def train_clients(executor: Executor, batches: Batches, run_path: str, caller: Caller, phi_path: str,
                   keep: int = 0, select: str | None = None) -> list[WorkerReport]:
     """Execute each batch of clients on its slot from the parent model at ``phi_path``; one report per batch."""
     return gather([executor.submit(slot, "train_clients", run_path, caller, ids, phi_path, keep, select)

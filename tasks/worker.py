@@ -29,9 +29,9 @@ import torch
 from distributed import WorkerPlugin, get_worker
 from torch import nn
 
-from bhfl_core.engine import RoundKey
-from bhfl_core.params import get_flat
-from bhfl_core.state_store import StateStore
+from bhfl_core.algorithm.node_state import Caller, RoundKey
+from bhfl_core.learning.params import get_flat
+from bhfl_core.store.node_store import StateStore
 from tasks.client_training import LocalTrainer, WorkerReport, train_clients
 from tasks.context import TIMELINE_DIR, RunContext, open_run
 from tasks.scoring import Stats, score_models
@@ -101,7 +101,7 @@ class WorkerRuntime:
                 with open(folder / f"{self.name}.txt", "a") as fh:
                     fh.write(f"{started:.6f} {time.time():.6f}\n")
 
-    def train_clients(self, run_path: str, caller: str, client_ids: list[str], phi_path: str, keep: int,
+    def train_clients(self, run_path: str, caller: Caller, client_ids: list[str], phi_path: str, keep: int,
                       select: str | None) -> WorkerReport:
         with self._call(run_path) as ctx:
             report = train_clients(ctx, self._trainer(ctx), caller, client_ids, StateStore.read_message(phi_path),

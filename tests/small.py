@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from bhfl_core.config_loader import load_config
+from bhfl_core.config.loader import load_config
 
 REPO = Path(__file__).resolve().parents[1]
 

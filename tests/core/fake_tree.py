@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from bhfl_core.engine import ChildrenReport, RoundKey, execute_node
-from bhfl_core.node_opt import NodeOptParams
-from bhfl_core.residuals import Candidate
-from bhfl_core.state_store import StateStore
-from bhfl_core.tree import Node, NodeSettings, Role, TrainParams, Tree
+from bhfl_core.algorithm.engine import execute_node
+from bhfl_core.algorithm.node_state import RoundKey
+from bhfl_core.algorithm.node_step import ChildrenReport
+from bhfl_core.algorithm.node_opt import NodeOptParams
+from bhfl_core.algorithm.residuals import Candidate
+from bhfl_core.store.node_store import StateStore
+from bhfl_core.algorithm.tree import Node, NodeSettings, Role, TrainParams, Tree
 
 
 def settings(rounds=1, eta_down=1.0, eta_up=1.0, persistent=True, train=False, cohort=None, kind="fedavg"):
@@ -42,7 +44,7 @@ class AddVectorHooks:
     def run_children(self, node, cohort, theta, key: RoundKey) -> ChildrenReport:
         report = ChildrenReport()
         for child in cohort:
-            out = execute_node(self.tree, child, theta, self.store, self, 0, f"{node.id}:{key.round}").theta
+            out = execute_node(self.tree, child, theta, self.store, self, 0, key.as_caller()).theta
             report.aggregate.add(out, child.weight)
             if node.settings.res_up:
                 report.candidates.append(Candidate(child.id, out, child.weight, loss=float(out.sum())))

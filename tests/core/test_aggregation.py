@@ -9,8 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bhfl_core import aggregation
-from bhfl_core.aggregation import WeightedSum
+from bhfl_core.algorithm import aggregation
+from bhfl_core.algorithm.aggregation import WeightedSum
 
 
 def nearest_float32(q: Fraction) -> float:
@@ -191,7 +191,7 @@ def test_total_round_trip_errors_and_inputs_left_alone():
     s.add(torch.tensor([1.25, 1.0]), 6)
     assert x64.tolist() == [0.5, -3.0]  # the first input is copied, not scaled in place
     assert s.weight == 8.0 and s.total.dtype == torch.float64 and s.total.tolist() == [8.5, 0.0]
-    again = WeightedSum(s.total, s.weight)  # how bhfl_core/state_store.py reads a stored total back
+    again = WeightedSum(s.total, s.weight)  # how bhfl_core/store/node_store.py reads a stored total back
     assert torch.equal(again.mean(), s.mean()) and again.mean().tolist() == [8.5 / 8, 0.0]
     other = WeightedSum()
     other.merge(again)  # into an empty sum: a copy

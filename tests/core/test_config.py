@@ -4,9 +4,9 @@ from pathlib import Path
 
 import pytest
 
-from bhfl_core.config import ConfigError
-from bhfl_core.config_loader import apply_override, config_from_dict, load_config
-from bhfl_core.topology import ClientInfo, build_tree
+from bhfl_core.config.base import ConfigError
+from bhfl_core.config.loader import apply_override, config_from_dict, load_config
+from bhfl_core.config.topology import ClientInfo, build_tree
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -14,8 +14,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from bhfl_core.config import ConfigError
-from bhfl_core.config_loader import config_from_dict, read_yaml
+from bhfl_core.config.base import ConfigError
+from bhfl_core.config.loader import config_from_dict, read_yaml
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = ["embedded.yaml", "bhfl.yaml", "fedavg.yaml", "hierfavg.yaml"]

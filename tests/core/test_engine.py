@@ -7,8 +7,9 @@ b1=[2,2], b2=[4,0], root=[0,-1] (root proxy training). Root starts at [0, 0].
 import pytest
 import torch
 
-from bhfl_core.engine import execute_node
-from bhfl_core.state_store import NodeState, StateStore
+from bhfl_core.algorithm.engine import execute_node
+from bhfl_core.algorithm.node_state import Caller, NodeState
+from bhfl_core.store.node_store import StateStore
 from tests.core.fake_tree import AddVectorHooks, settings, two_edge_tree
 
 
@@ -80,12 +81,12 @@ def test_round_counter_and_execution_identity(tmp_path):
     store_a = StateStore(tmp_path / "a")
     store_a.save("root", NodeState(model=torch.zeros(2)))
     hooks = AddVectorHooks(tree, store_a)
-    first = execute_node(tree, tree.root, None, store_a, hooks, seed=0, caller="run-1")
+    first = execute_node(tree, tree.root, None, store_a, hooks, seed=0, caller=Caller("run-1"))
     before = (tmp_path / "a" / "nodes" / "root.safetensors").read_bytes()
-    again = execute_node(tree, tree.root, None, store_a, hooks, seed=0, caller="run-1")
+    again = execute_node(tree, tree.root, None, store_a, hooks, seed=0, caller=Caller("run-1"))
     assert torch.equal(first.theta, again.theta) and len(hooks.rounds) == 7  # 1 root + 2 edge + 4 client rounds
     assert (tmp_path / "a" / "nodes" / "root.safetensors").read_bytes() == before
-    execute_node(tree, tree.root, None, store_a, hooks, seed=0, caller="run-2")
+    execute_node(tree, tree.root, None, store_a, hooks, seed=0, caller=Caller("run-2"))
     store_b, _ = run(two_edge_tree(settings(train=True), root_rounds=2), tmp_path / "b")
     assert model(store_a, "root") == model(store_b, "root")
     assert store_a.load("root").rounds_done == 2 and store_a.load("A").rounds_done == 2
@@ -110,7 +111,7 @@ def with_residuals(tree, **per_node):
     """Replace NodeSettings fields (residual links, receiver optimisers, ...) of nodes of ``tree``."""
     from dataclasses import replace
 
-    from bhfl_core.tree import Tree
+    from bhfl_core.algorithm.tree import Tree
 
     nodes = dict(tree.nodes)
     for node_id, fields in per_node.items():
@@ -119,8 +120,8 @@ def with_residuals(tree, **per_node):
 
 
 def test_up_residual_top1_by_l2_reaches_root_with_its_own_step(tmp_path):
-    from bhfl_core.node_opt import NodeOptParams
-    from bhfl_core.residuals import UpLink
+    from bhfl_core.algorithm.node_opt import NodeOptParams
+    from bhfl_core.algorithm.residuals import UpLink
 
     link = UpLink(rule=0, target="root", k=1, select="l2")
     tree = with_residuals(
@@ -141,8 +142,8 @@ def test_up_residual_top1_by_l2_reaches_root_with_its_own_step(tmp_path):
 
 
 def test_up_residual_mean_of_top2_is_one_unweighted_input(tmp_path):
-    from bhfl_core.node_opt import NodeOptParams
-    from bhfl_core.residuals import UpLink
+    from bhfl_core.algorithm.node_opt import NodeOptParams
+    from bhfl_core.algorithm.residuals import UpLink
 
     link = UpLink(rule=0, target="root", k=2, select="l2", combine="mean")
     tree = with_residuals(
@@ -156,8 +157,8 @@ def test_up_residual_mean_of_top2_is_one_unweighted_input(tmp_path):
 
 
 def test_down_residual_from_root_skips_the_edges(tmp_path):
-    from bhfl_core.node_opt import NodeOptParams
-    from bhfl_core.residuals import DownLink
+    from bhfl_core.algorithm.node_opt import NodeOptParams
+    from bhfl_core.algorithm.residuals import DownLink
 
     clients = ("a1", "a2", "b1", "b2")
     tree = with_residuals(
@@ -181,7 +182,7 @@ def test_down_residual_from_root_skips_the_edges(tmp_path):
 
 
 def test_residual_selection_criteria_and_streaming_top_k():
-    from bhfl_core.residuals import Candidate, keep_top, select_residuals
+    from bhfl_core.algorithm.residuals import Candidate, keep_top, select_residuals
 
     theta = torch.zeros(2)
     cands = [
@@ -202,7 +203,7 @@ def test_residual_selection_criteria_and_streaming_top_k():
 
 
 def test_stateful_up_optimiser_carries_momentum_across_rounds(tmp_path):
-    from bhfl_core.node_opt import NodeOptParams
+    from bhfl_core.algorithm.node_opt import NodeOptParams
 
     tree = with_residuals(two_edge_tree(settings(train=True), root_rounds=2),
                           root={"opt_up": NodeOptParams("fedavgm", eta=1.0, beta1=0.5)})
@@ -217,8 +218,8 @@ def test_stateful_up_optimiser_carries_momentum_across_rounds(tmp_path):
 
 
 def test_communication_counts_per_round(tmp_path):
-    from bhfl_core.residuals import DownLink, UpLink
-    from bhfl_core.node_opt import NodeOptParams
+    from bhfl_core.algorithm.residuals import DownLink, UpLink
+    from bhfl_core.algorithm.node_opt import NodeOptParams
 
     link = UpLink(rule=0, target="root", k=2, select="l2")
     tree = with_residuals(

@@ -7,17 +7,17 @@ import math
 import pytest
 import torch
 
-from bhfl_core import communication as comm
-from bhfl_core.config import EvalConfig
-from bhfl_core.evaluation import (
+from bhfl_core.analysis import communication as comm
+from bhfl_core.config.schema import EvalConfig
+from bhfl_core.analysis.evaluation import (
     Evaluation,
     distribution,
     EvalSets,
     parse_model,
     all_test_sets,
 )
-from bhfl_core.metrics import classification_metrics, lm_metrics, task_metrics
-from bhfl_core.proximity import analyse, average_ranks, spearman
+from bhfl_core.learning.metrics import classification_metrics, lm_metrics, task_metrics
+from bhfl_core.analysis.proximity import analyse, average_ranks, spearman
 from tests.core.fake_tree import settings, two_edge_tree
 
 CLS = task_metrics("classification")

@@ -3,9 +3,9 @@
 import torch
 from transformers import BertConfig, BertForMaskedLM
 
-from bhfl_core.local_train import train_model
-from bhfl_core.mlm import IGNORE_INDEX, MaskingSpec, grouped_lm_stats, mask_tokens, mlm_transform
-from bhfl_core.tree import TrainParams
+from bhfl_core.learning.local_train import train_model
+from bhfl_core.learning.mlm import IGNORE_INDEX, MaskingSpec, grouped_lm_stats, mask_tokens, mlm_transform
+from bhfl_core.algorithm.tree import TrainParams
 
 SPECIAL = (0, 1, 2, 3, 4)  # pad, unk, cls, sep, mask
 MASK, VOCAB = 4, 60

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from bhfl_core.node_opt import NodeOptParams, node_opt_step
+from bhfl_core.algorithm.node_opt import NodeOptParams, node_opt_step
 
 
 def reference(kind: str, theta: list[float], inputs: list[float], steps: int, p: NodeOptParams):

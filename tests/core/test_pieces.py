@@ -6,13 +6,14 @@ import sys
 import pytest
 import torch
 
-from bhfl_core.aggregation import WeightedSum
-from bhfl_core.evaluation import worst_fraction_mean
-from bhfl_core.metrics import accuracy, macro_f1
-from bhfl_core.node_opt import NodeOptParams
-from bhfl_core.params import get_flat, set_flat
+from bhfl_core.algorithm.aggregation import WeightedSum
+from bhfl_core.analysis.evaluation import worst_fraction_mean
+from bhfl_core.learning.metrics import accuracy, macro_f1
+from bhfl_core.algorithm.node_opt import NodeOptParams
+from bhfl_core.learning.params import get_flat, set_flat
 from bhfl_core.placement import split_by_load
-from bhfl_core.state_store import NodeState, StateStore
+from bhfl_core.algorithm.node_state import NodeState
+from bhfl_core.store.node_store import StateStore
 
 
 def test_weighted_sum_merge_equals_single_sum():
@@ -71,7 +72,7 @@ def test_state_store_roundtrip_and_atomicity(tmp_path):
         pass
 
     bad = NodeState(model=torch.arange(4.0) + 100)
-    import bhfl_core.state_store as ss
+    import bhfl_core.store.node_store as ss
 
     original = ss.save_file
     ss.save_file = lambda *a, **k: (_ for _ in ()).throw(Boom())
@@ -110,9 +111,9 @@ def test_node_opt_params_frozen():
 
 
 def test_grouped_confusions_equal_split_by_split_scoring():
-    from bhfl_core.config import ModelConfig
-    from bhfl_core.local_train import grouped_confusions
-    from bhfl_core.models import build_model
+    from bhfl_core.config.schema import ModelConfig
+    from bhfl_core.learning.local_train import grouped_confusions
+    from bhfl_core.learning.models import build_model
 
     labels = ["a", "b", "c"]
     model = build_model(ModelConfig(tiny={"vocab_size": 100, "hidden_size": 16, "num_hidden_layers": 1,
@@ -138,7 +139,7 @@ def test_grouped_confusions_equal_split_by_split_scoring():
 
 
 def test_damaged_checkpoints_are_reported_with_the_file_named(tmp_path):
-    from bhfl_core.state_store import CheckpointError
+    from bhfl_core.store.node_store import CheckpointError
 
     store = StateStore(tmp_path)
     store.save("edge-x", NodeState(torch.arange(64.0), {"m": torch.ones(64)}, rounds_done=3))

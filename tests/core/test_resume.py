@@ -14,11 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from bhfl_core.engine import execute_node
-from bhfl_core.node_opt import NodeOptParams
-from bhfl_core.residuals import DownLink, UpLink
-from bhfl_core.state_store import NodeState, StateStore
-from bhfl_core.tree import Tree
+from bhfl_core.algorithm.engine import execute_node
+from bhfl_core.algorithm.node_opt import NodeOptParams
+from bhfl_core.algorithm.residuals import DownLink, UpLink
+from bhfl_core.algorithm.node_state import NodeState
+from bhfl_core.store.node_store import StateStore
+from bhfl_core.algorithm.tree import Tree
 from tests.core.fake_tree import AddVectorHooks, settings, two_edge_tree
 
 CLIENTS = ("a1", "a2", "b1", "b2")

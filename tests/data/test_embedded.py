@@ -4,7 +4,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bhfl_core.config import DataConfig, EmbeddedSource, ProxySpec, SizeDistribution
+from bhfl_core.config.data import DataConfig, EmbeddedSource, ProxySpec, SizeDistribution
 from data_prep.embedded import CATEGORIES, FEATURES, _shared_vocab, generate_pool, language_model
 from data_prep.partition import partition_pool, pool_size_needed
 

@@ -5,8 +5,8 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from bhfl_core.config import DataConfig, EmbeddedSource, KMeansClustering, ProxySource, ProxySpec, SizeDistribution
-from bhfl_core.topology import ClientInfo, build_tree, language_edges, placeholder_clients
+from bhfl_core.config.data import DataConfig, EmbeddedSource, KMeansClustering, ProxySource, ProxySpec, SizeDistribution
+from bhfl_core.config.topology import ClientInfo, build_tree, language_edges, placeholder_clients
 from data_prep.clustering import assign_edges, kmeans_labels, token_features
 from data_prep.partition import ClientSplit, PartitionError, client_sizes, draw_proxy, partition_pool, pool_size_needed
 from tests.small import small_config
@@ -134,7 +134,7 @@ def test_kmeans_edges_build_the_tree_with_cluster_groups():
     (["model.truncation=middle"], "model.truncation"),
 ])
 def test_data_config_errors_name_the_key(overrides, message):
-    from bhfl_core.config import ConfigError
+    from bhfl_core.config.base import ConfigError
 
     with pytest.raises(ConfigError) as err:
         small_config(*overrides)

@@ -15,8 +15,8 @@ import pytest
 import torch
 from datasets import Dataset, Features, Sequence, Value
 
-from bhfl_core.config import ConfigError
-from bhfl_core.local_train import grouped_confusions, planned_steps, train_model
+from bhfl_core.config.base import ConfigError
+from bhfl_core.learning.local_train import grouped_confusions, planned_steps, train_model
 from data_prep.manifest import MANIFEST_NAME, ClientEntry, Manifest, Shard
 from data_prep.prepare import preflight, prepare_data
 from tasks.context import RunContext
@@ -153,7 +153,7 @@ def test_config_must_match_the_manifest(tmp_path, extra, languages, pattern):
     ("{kind: prepared, path: somewhere}", "languages"),
 ])
 def test_path_and_languages_are_required(source, key):
-    # (the location may carry the union's tag, data.source.prepared.<key>: bhfl_core/config_loader.py's _UNIONS)
+    # (the location may carry the union's tag, data.source.prepared.<key>: bhfl_core/config/loader.py's _UNIONS)
     with pytest.raises(ConfigError, match=rf"data\.source\.(prepared\.)?{key}: Field required"):
         small_config(f"data.source={source}", "tree.groups={}")
 

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from bhfl_core.config import ConfigError
-from bhfl_core.models import ModelSourceError
+from bhfl_core.config.base import ConfigError
+from bhfl_core.learning.models import ModelSourceError
 from data_prep.embedded import CATEGORIES
 from data_prep.prepare import fingerprint, load_shard, preflight, prepare_data
 from data_prep.sources import DataSourceError, load_pool
@@ -106,8 +106,8 @@ def test_wrong_column_names_are_named(nc_dir, tmp_path):
 
 
 def test_shipped_xglue_configs_load_and_a_new_kind_replaces_the_inherited_source():
-    from bhfl_core.config import XglueSource
-    from bhfl_core.config_loader import load_config
+    from bhfl_core.config.data import XglueSource
+    from bhfl_core.config.loader import load_config
 
     from tests.small import REPO
 

@@ -14,7 +14,7 @@ from mlflow import MlflowClient
 from prefect.settings import PREFECT_API_URL
 
 from flows.experiment import run_experiment
-from flows.run_record import RunRecord
+from flows.records.run_record import RunRecord
 from tasks import faults
 from tests.data.xglue_fixtures import write_xglue_nc
 from tests.small import REPO, SMALL, small_config
@@ -22,7 +22,7 @@ from tests.small import REPO, SMALL, small_config
 
 def _cli(*args: str, run_dir: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "HF_HUB_OFFLINE": "1"}
-    cmd = [sys.executable, "-m", "flows.cli", *args, "--run-dir", str(run_dir)]
+    cmd = [sys.executable, "-m", "flows.cli.app", *args, "--run-dir", str(run_dir)]
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
 
 

@@ -5,7 +5,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-BHFL = [sys.executable, "-m", "flows.cli"]
+BHFL = [sys.executable, "-m", "flows.cli.app"]
 
 
 def run(*args, cwd=REPO):

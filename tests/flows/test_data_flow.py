@@ -87,7 +87,7 @@ def test_prepare_is_a_flow_of_step_tasks_and_a_rerun_is_a_cache_hit(mlm_run, cap
 def _cli(*args, cwd=REPO):
     # the session's Prefect test server, so the CLI does not start (and migrate) one of its own
     env = {**os.environ, "PREFECT_API_URL": str(PREFECT_API_URL.value())}
-    return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=cwd, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "flows.cli.app", *args], cwd=cwd, capture_output=True, text=True,
                           timeout=300, env=env)
 
 

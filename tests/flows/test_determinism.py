@@ -13,7 +13,7 @@ its own folder. All must give the same bytes; another seed must not.
 
 from pathlib import Path
 
-from bhfl_core.state_store import StateStore
+from bhfl_core.store.node_store import StateStore
 from flows.experiment import run_experiment
 from tasks import faults
 from tasks.context import open_run

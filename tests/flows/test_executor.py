@@ -2,7 +2,7 @@
 
 import torch
 
-from bhfl_core.config import RuntimeConfig
+from bhfl_core.config.schema import RuntimeConfig
 from tasks import local_cluster
 from tasks.executor import cluster_workers
 

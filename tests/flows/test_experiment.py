@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from bhfl_core.state_store import StateStore
+from bhfl_core.store.node_store import StateStore
 from flows.experiment import run_experiment
 from tests.small import small_config
 

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import pytest
 
-from flows import store_templates
-from flows.prefect_server import PrefectServer, prefect_version, start_server
-from flows.store_templates import (
+from flows.services import store_templates
+from flows.services.prefect_server import PrefectServer, prefect_version, start_server
+from flows.services.store_templates import (
     save_template,
     seed,
     sqlite_from_template,

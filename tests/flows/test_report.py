@@ -9,9 +9,9 @@ import pytest
 from mlflow import MlflowClient
 from typer.testing import CliRunner
 
-from bhfl_core.evaluation import parse_model
-from flows.cli import app
-from flows.tracking import Tracker
+from bhfl_core.analysis.evaluation import parse_model
+from flows.cli.app import app
+from flows.tracking.tracker import Tracker
 from tasks.context import open_run
 from tasks.worker import WorkerRuntime, worker_device
 

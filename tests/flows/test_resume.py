@@ -20,9 +20,9 @@ import pytest
 from mlflow import MlflowClient
 from prefect.settings import PREFECT_API_URL
 
-from bhfl_core.state_store import StateStore
+from bhfl_core.store.node_store import StateStore
 from flows.experiment import run_experiment
-from flows.run_record import RunRecord
+from flows.records.run_record import RunRecord
 from tests.small import REPO, SMALL, small_config
 
 EXTRA = ["tree.root.rounds=3", "tree.edge.rounds=2", "eval.every=1"]
@@ -47,7 +47,7 @@ def _cli(*args: str, faults: str | None, run_dir: Path) -> subprocess.CompletedP
     env.pop("BHFL_FAULTS", None)
     if faults:
         env["BHFL_FAULTS"] = faults
-    cmd = [sys.executable, "-m", "flows.cli", *args, "--run-dir", str(run_dir)]
+    cmd = [sys.executable, "-m", "flows.cli.app", *args, "--run-dir", str(run_dir)]
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
 
 

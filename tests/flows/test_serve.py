@@ -50,7 +50,7 @@ def test_serve_registers_cron_deployment_and_runs_it(tmp_path):
                 "PREFECT_RUNNER_POLL_FREQUENCY": "2"})
     sets = [arg for s in [*SMALL, "tree.root.rounds=1", "eval.every=0"] for arg in ("--set", s)]
     log = open(tmp_path / "serve.log", "w+")
-    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve", "configs/embedded.yaml", "--cron", "0 2 * * *",
+    proc = subprocess.Popen([sys.executable, "-m", "flows.cli.app", "serve", "configs/embedded.yaml", "--cron", "0 2 * * *",
                              "--name", "nightly", *sets, "--run-dir", str(tmp_path / "runs")],
                             cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:

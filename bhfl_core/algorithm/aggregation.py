@@ -1,0 +1,194 @@
+"""Weighted sums of flat parameter vectors: add tensors and weights, divide late.
+
+A ``WeightedSum`` is what travels from workers to their server: a worker that trains
+several clients folds them into one running sum, so client models never sit in memory
+together, and the server merges the workers' partial sums. Which clients a worker
+gets depends on the placement and the number of workers, so the mean must not depend
+on the order or grouping of the inputs — not even in the last bit, or runs with 1, 2
+and 4 workers drift apart. A float64 sum rounds, differently for each grouping; the
+float32 mean shows it rarely (~1e-9 per element), but over 1e8 parameters and many
+rounds it does. This sum does not round at all in the range documented on the class,
+and the mean is rounded once, at the end, to the float32 nearest the exact mean.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from fractions import Fraction
+
+import numpy as np
+import torch
+
+_CHUNK = 1 << 18
+"""Elements per pass: an ``add`` works in 3 scratch buffers of 2 MiB (cache-sized) whatever the model size."""
+
+_SPLITTER = 134217729.0
+"""2**27 + 1: Veltkamp's constant, splits a float64 into two 26-bit halves whose products are exact."""
+
+
+class WeightedSum:
+    """Running ``sum_i w_i * x_i`` and ``sum_i w_i`` over float32 vectors, as a float64 double-double.
+
+    The sum is kept as two float64 tensors, ``hi + lo``: every input is folded in
+    with Knuth's error-free TwoSum, so ``hi`` is the rounded sum and ``lo`` collects
+    exactly what rounding dropped. Exactness rests on two assumptions:
+
+    - each product ``w_i * x_i`` is exact in float64: ``x_i`` is float32 (24-bit
+      significand) and ``w_i`` an integer below 2**29 (29 bits; 24 + 29 = 53). The
+      weights here are example counts. A non-integer weight still works but makes
+      the mean depend (rarely, in the last bit) on the order again;
+    - per element, the exact sum fits the ~106 bits of ``hi + lo``. It does when
+      ``N * W * max|x| / min|x| <= 2**80`` (N inputs, total weight W, the extremes
+      over the non-zero inputs of that element), e.g. 1000 clients with 10**6
+      examples whose values of one parameter lie within a factor 10**15 of each
+      other. Beyond that (e.g. +-2**60 cancelling beside 2**-60 in one element) the
+      error is still below about ``2 * N * 2**-106 * sum w|x|``, but the mean's last
+      bit may then depend on the order.
+
+    Under these assumptions ``hi + lo`` is the exact sum, whatever the order of the
+    ``add`` and ``merge`` calls, and ``mean()`` is the correctly rounded float32 of
+    exact sum / exact weight: bit-identical across groupings.
+
+    Costs (110M elements, 2 CPU cores): a sum holds two float64 vectors (1.6 GiB, twice
+    a float64 sum, and twice the bytes a worker sends); an ``add`` works in place in
+    cache-sized chunks with 6 MiB of scratch, 0.2 s — 2.8x a chunked float64 add, 5x
+    faster than the former one that allocated two full-size temporaries; ``merge``
+    0.26 s; ``mean`` 1.0 s (0.4 s before).
+    """
+
+    def __init__(self, total: torch.Tensor | None = None, weight: float = 0.0) -> None:
+        """An empty sum, or one read back from a stored ``total`` (``lo = 0``; the tensor is taken over, not copied)."""
+        self.hi: torch.Tensor | None = None if total is None else total.to(torch.float64).contiguous()
+        self.lo: torch.Tensor | None = None if self.hi is None else torch.zeros_like(self.hi)
+        self.weight = float(weight)
+
+    def add(self, vector: torch.Tensor, weight: float) -> None:
+        """Fold one float32 input with weight ``weight`` (its number of training examples)."""
+        if not weight > 0:
+            raise ValueError(f"aggregation weight must be positive, got {weight}")
+        if self.hi is None or self.lo is None:
+            self.hi = vector.to(torch.float64, memory_format=torch.contiguous_format, copy=True)
+            self.hi.mul_(weight)  # exact: float32 x integer < 2**29
+            self.lo = torch.zeros_like(self.hi)
+        else:
+            self._check_shape(vector)
+            for hi, lo, x, (p, s, t) in _chunks(self.hi, self.lo, vector):
+                p.copy_(x).mul_(weight)
+                _two_sum_into(hi, lo, p, s, t)
+        self.weight += float(weight)
+
+    def merge(self, other: WeightedSum) -> None:
+        """Fold another partial sum (e.g. from another worker): TwoSum of the ``hi`` parts, ``lo`` parts added."""
+        if other.hi is None or other.lo is None:
+            return
+        if self.hi is None or self.lo is None:
+            self.hi, self.lo = other.hi.clone(), other.lo.clone()
+        else:
+            self._check_shape(other.hi)
+            for (hi, lo, x, (p, s, t)), y in zip(_chunks(self.hi, self.lo, other.hi), _chunked(other.lo)):
+                p.copy_(x)
+                _two_sum_into(hi, lo, p, s, t)
+                lo.add_(t.copy_(y))  # through the scratch: ``other`` may live on another device
+        self.weight += other.weight
+
+    @property
+    def empty(self) -> bool:
+        return self.hi is None
+
+    @property
+    def total(self) -> torch.Tensor | None:
+        """``sum_i w_i * x_i`` rounded once to float64 (None when empty).
+
+        What is stored (bhfl_core/store/node_store.py); ``WeightedSum(total, weight)`` reads
+        it back as exactly that float64 value, so a stored sum stays deterministic.
+        """
+        return None if self.hi is None or self.lo is None else self.hi + self.lo
+
+    def mean(self) -> torch.Tensor:
+        """The float32 nearest to (exact sum) / (total weight), ties to even.
+
+        Per element: ``(s, e) = TwoSum(hi, lo)`` is the canonical form of the sum (it
+        depends on the sum's value only, not on how ``hi`` and ``lo`` share it), so
+        ``q = s / w`` is a function of the exact sum, within 2**-52 |q| of the exact
+        quotient. Rounding ``q`` to float32 is then right unless a float32 tie lies
+        within that distance; elements with a tie within 2**-49 |q| are checked: an
+        exact quotient (``q * w == s + e``, e.g. the mean of two neighbouring floats)
+        is right as it is, the others (rare) are rounded with exact rational arithmetic.
+        """
+        if self.hi is None or self.lo is None:
+            raise ValueError("cannot average an empty WeightedSum")
+        w = self.weight
+        w_hi = w * _SPLITTER - (w * _SPLITTER - w)
+        w_lo = w - w_hi
+        out = torch.empty(self.hi.shape, dtype=torch.float32, device=self.hi.device)
+        for hi, lo, f in zip(_chunked(self.hi), _chunked(self.lo), _chunked(out)):
+            s, e = _two_sum(hi, lo)
+            q = s / w
+            f.copy_(q)
+            hair = q.abs().mul_(2.0**-49)
+            near = ((q - hair).to(torch.float32) != (q + hair).to(torch.float32)).nonzero().flatten()
+            if len(near):
+                p, pe = _two_prod(q[near], w, w_hi, w_lo)
+                inexact = near[(p != s[near]) | (pe != e[near])]
+                exact_mean = [_nearest_float32((Fraction(a) + Fraction(b)) / Fraction(w))
+                              for a, b in zip(hi[inexact].tolist(), lo[inexact].tolist())]
+                f[inexact] = torch.tensor(exact_mean, dtype=torch.float32, device=f.device)
+        return out
+
+    def _check_shape(self, vector: torch.Tensor) -> None:
+        assert self.hi is not None
+        if vector.shape != self.hi.shape:
+            raise ValueError(f"cannot add a vector of shape {tuple(vector.shape)} "
+                             f"to a sum of shape {tuple(self.hi.shape)}")
+
+
+def _chunked(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """Consecutive flat views of ``_CHUNK`` elements (the last one shorter)."""
+    return list(tensor.reshape(-1).split(_CHUNK))
+
+
+def _chunks(hi: torch.Tensor, lo: torch.Tensor,
+            x: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]]:
+    """(hi, lo, x) chunk views with three float64 scratch buffers of the chunk's length, allocated once."""
+    scratch = [torch.empty(min(_CHUNK, hi.numel()), dtype=torch.float64, device=hi.device) for _ in range(3)]
+    for h, l, v in zip(_chunked(hi), _chunked(lo), _chunked(x)):
+        yield h, l, v, [b[: h.numel()] for b in scratch]
+
+
+def _two_sum_into(hi: torch.Tensor, lo: torch.Tensor, p: torch.Tensor, s: torch.Tensor, t: torch.Tensor) -> None:
+    """``(hi, lo) += p`` in place: ``hi = RN(hi + p)``, ``lo +=`` the exact rounding error (Knuth's TwoSum).
+
+    Six float64 operations, valid for any magnitudes; ``p`` is consumed, ``s`` and
+    ``t`` are scratch.
+    """
+    torch.add(hi, p, out=s)  # s = RN(hi + p)
+    torch.sub(s, hi, out=t)  # t = the part of s that came from p
+    p.sub_(t)  # what of p was lost
+    torch.sub(s, t, out=t)  # t = the part of s that came from hi
+    hi.sub_(t).add_(p)  # hi = what of hi was lost + what of p was lost = the exact error
+    lo.add_(hi)
+    hi.copy_(s)
+
+
+def _two_sum(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RN(a + b), the exact error): a + b == s + e exactly."""
+    s = a + b
+    bb = s - a
+    return s, (a - (s - bb)) + (b - bb)
+
+
+def _two_prod(a: torch.Tensor, b: float, b_hi: float, b_lo: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RN(a * b), the exact error) by Dekker's product (no FMA in torch); ``b_hi + b_lo`` is ``b``'s Veltkamp split."""
+    p = a * b
+    c = a * _SPLITTER
+    a_hi = c - (c - a)
+    a_lo = a - a_hi
+    return p, ((a_hi * b_hi - p) + a_hi * b_lo + a_lo * b_hi) + a_lo * b_lo
+
+
+def _nearest_float32(q: Fraction) -> float:
+    """The float32 nearest to ``q``, ties to even, by exact comparison with its neighbours."""
+    guess = np.float32(float(q))  # within one float32 ulp: float() rounds correctly, the cast rounds again
+    candidates = (np.nextafter(guess, np.float32(-np.inf)), guess, np.nextafter(guess, np.float32(np.inf)))
+    best = min(candidates, key=lambda c: (abs(Fraction(float(c)) - q), int(np.array(c).view(np.uint32)) & 1))
+    return float(best)

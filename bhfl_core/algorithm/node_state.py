@@ -1,0 +1,101 @@
+"""What a node keeps between rounds, and the identities that key its rounds.
+
+``NodeState`` is immutable: the pure steps (``node_step.py``) return a new one and the
+round loop (``engine.py``) commits it to the store once per round. ``Caller`` and
+``RoundKey`` are typed identities; their one string form (``key`` / ``parts``) is what
+is written to checkpoint headers and fed to seeds, and it is never parsed back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from bhfl_core.algorithm.node_opt import OptState
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who triggered a node execution.
+
+    A parent round (``Caller(parent_id, round)``), the run itself for the root
+    (``ROOT_CALLER``), or a named purpose with no round (``Caller("adapt")``: the
+    evaluation's local adaptation). Re-running an execution with the same caller
+    resumes it (see ``NodeState.rounds_done_for``), and the caller is part of every seed
+    of the execution, so non-persistent nodes (whose round counter never advances)
+    still draw fresh numbers for every call.
+    """
+
+    node_id: str = ""
+    round: int | None = None
+
+    @property
+    def key(self) -> str:
+        """The stored and seeded form: ``"edge-de:3"``, ``"adapt"``, ``""`` for the root."""
+        return self.node_id if self.round is None else f"{self.node_id}:{self.round}"
+
+    def __str__(self) -> str:
+        return self.key
+
+
+ROOT_CALLER = Caller()
+
+
+@dataclass(frozen=True)
+class RoundKey:
+    """One round of one node execution; seeds every draw in that round.
+
+    ``round`` is the node's cumulative round index (``NodeState.rounds_done`` when the
+    round starts).
+    """
+
+    node_id: str
+    round: int
+    caller: Caller = ROOT_CALLER
+
+    def parts(self) -> tuple[str, int, str]:
+        """The parts a seed is derived from (``bhfl_core.rng.derive_seed``)."""
+        return (self.node_id, self.round, self.caller.key)
+
+    def as_caller(self) -> Caller:
+        """The caller identity this round gives the child executions it triggers."""
+        return Caller(self.node_id, self.round)
+
+
+@dataclass(frozen=True)
+class NodeState:
+    """A node's persistent model ``W_q``, its optimiser states and its place in the run.
+
+    ``exec_caller``/``exec_start`` record the execution the state belongs to (its
+    caller's key and ``rounds_done`` when it began): the resume rule reads them.
+    ``res_seen`` maps ``"<kind>/<sender>"`` to the last sender round consumed from that
+    residual accumulator, so a contribution re-posted by a re-run sender is never
+    counted twice.
+    """
+
+    model: torch.Tensor | None = None
+    opt_up: OptState = field(default_factory=dict)
+    opt_down: OptState = field(default_factory=dict)
+    rounds_done: int = 0
+    opt_res: dict[str, OptState] = field(default_factory=dict)  # per residual input kind
+    exec_caller: str | None = None
+    exec_start: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)  # the last round's metrics
+    res_seen: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def theta(self) -> torch.Tensor:
+        """The current model; every node has one once its execution began (``node_down``)."""
+        if self.model is None:
+            raise ValueError("this node has no model yet: its execution has not begun")
+        return self.model
+
+    def rounds_done_for(self, caller: Caller) -> int:
+        """The resume rule: rounds already done of the execution ``caller`` triggered.
+
+        Executed again by the same caller (a re-run after a crash), a node continues after
+        its last saved round, or hands back its saved result if all rounds are saved; any
+        other caller starts a new execution (0).
+        """
+        return self.rounds_done - self.exec_start if self.exec_caller == caller.key else 0

@@ -1,0 +1,155 @@
+"""The pure steps of Algorithm 1 (ALGORITHMS.md, seeds/004): no files, no executors.
+
+``node_down`` begins a node execution (line 1: theta_0 = NODEOPT_down(q, W_q, [phi],
+R_down[q])), ``node_up`` ends a round's aggregation (SELECTRESIDUALS for the
+ancestors, then theta' = NODEOPT_up(q, theta_t, children, R_up[q])) and
+``down_posts`` is what a round sends to its descendants' R_down. Each takes a
+``NodeState`` and returns a new one plus the residual posts to deliver; the round loop
+(``engine.py``) reads the inbox from the store, calls these and commits the result.
+
+Residual inputs: each kind (one per residual rule) is averaged into its own
+pseudo-gradient and stepped by its own optimiser state at the receiving node, from the
+same base as the regular step; its step is added to the regular one:
+``theta + (regular - theta) + sum_k (step_k - theta)``. With nothing waiting, the
+regular step is returned untouched (bit-exact FedAvg replacement).
+
+Choices where ALGORITHMS.md is silent:
+- A node with no model yet adopts ``phi`` (its first down-aggregation is a copy) and
+  still folds its waiting down-residuals into it.
+- ``persistent: false`` nodes start every execution from ``phi`` with fresh optimiser
+  states (their round counter and consumed-residual marks are kept).
+- A round whose children all failed (empty aggregate) leaves the model as it was and
+  sends no up-residuals.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from bhfl_core.algorithm.aggregation import WeightedSum
+from bhfl_core.algorithm.node_opt import OptState, node_opt_step
+from bhfl_core.algorithm.node_state import Caller, NodeState
+from bhfl_core.algorithm.residuals import Candidate, contribution, select_residuals
+from bhfl_core.algorithm.tree import NodeSettings
+
+
+@dataclass
+class ChildrenReport:
+    """What a round's children send up: their weighted models and training statistics.
+
+    ``candidates`` holds the children's models that up-residual selection may pick from
+    (workers keep only their running top-K, so it stays small); empty when the node
+    sends no up-residuals.
+    """
+
+    aggregate: WeightedSum = field(default_factory=WeightedSum)
+    metrics: dict[str, float] = field(default_factory=dict)
+    candidates: list[Candidate] = field(default_factory=list)
+    dropped: list[str] = field(default_factory=list)  # children that failed and were left out
+
+
+@dataclass(frozen=True)
+class PendingResidual:
+    """A residual accumulator waiting at a node: the sum of what arrived, and what it covers.
+
+    ``read`` maps ``"<kind>/<sender>"`` to the last sender round included in ``total``;
+    consuming the accumulator merges it into ``NodeState.res_seen``.
+    """
+
+    total: WeightedSum
+    read: Mapping[str, int]
+
+
+Inbox = Mapping[str, PendingResidual]
+"""A node's waiting residual accumulators of one direction, by kind (``"up0"``, ``"down1"``)."""
+
+
+@dataclass(frozen=True)
+class ResidualPost:
+    """One contribution a round sends to another node's residual accumulator."""
+
+    target: str
+    kind: str
+    part: WeightedSum
+    models: int  # models it carries (communication accounting)
+
+
+def node_down(stored: NodeState, phi: torch.Tensor | None, inbox: Inbox, settings: NodeSettings,
+              caller: Caller) -> NodeState:
+    """Begin the execution ``caller`` triggered: theta_0 = NODEOPT_down(q, W_q, [phi], R_down[q]).
+
+    Without ``phi`` (the root) the node starts from its own model. ``inbox`` holds the
+    node's waiting down-residuals; they are folded in only when ``phi`` is given.
+    """
+    state = stored if settings.persistent else NodeState(rounds_done=stored.rounds_done, res_seen=stored.res_seen)
+    state = replace(state, exec_caller=caller.key, exec_start=state.rounds_done)
+    if phi is None:
+        if state.model is None:
+            raise ValueError("executed without a parent model and has no model of its own")
+        return state
+    if state.model is None:
+        base, opt_down, theta = phi, state.opt_down, phi.clone()
+    else:
+        base = state.model
+        opt_down, theta = node_opt_step(state.opt_down, state.model, phi, settings.opt_down)
+    theta, opt_res, seen = fold_residuals(inbox, base, theta, state.opt_res, state.res_seen, settings)
+    return replace(state, model=theta, opt_down=opt_down, opt_res=opt_res, res_seen=seen)
+
+
+def down_posts(theta: torch.Tensor, settings: NodeSettings) -> list[ResidualPost]:
+    """``for d in DescRes[q]: R_down[d].append(theta_t)``: the round's model, weight 1."""
+    posts = []
+    for link in settings.res_down:
+        part = WeightedSum()
+        part.add(theta, 1.0)
+        posts.append(ResidualPost(link.target, link.key, part, 1))
+    return posts
+
+
+def node_up(state: NodeState, report: ChildrenReport | None, inbox: Inbox,
+            settings: NodeSettings) -> tuple[NodeState, list[ResidualPost]]:
+    """Aggregate a round's children: residuals for the ancestors, then NODEOPT_up with R_up[q].
+
+    Returns the state with theta' (the model before the node's own TRAIN) and the
+    up-residual posts. ``inbox`` holds the node's waiting up-residuals.
+    """
+    if report is None or report.aggregate.empty:  # a leaf, or every child failed and was dropped
+        return state, []
+    theta = state.model
+    assert theta is not None, "a node aggregates only after node_down gave it a model"
+    mean_input = report.aggregate.mean()
+    posts = []
+    for link in settings.res_up:
+        chosen = select_residuals(report.candidates, theta, link.k, link.select, mean_input)
+        if chosen:
+            models = 1 if link.combine == "mean" else len(chosen)
+            posts.append(ResidualPost(link.target, link.key, contribution(chosen, link.combine), models))
+    opt_up, stepped = node_opt_step(state.opt_up, theta, mean_input, settings.opt_up)
+    theta, opt_res, seen = fold_residuals(inbox, theta, stepped, state.opt_res, state.res_seen, settings)
+    return replace(state, model=theta, opt_up=opt_up, opt_res=opt_res, res_seen=seen), posts
+
+
+def fold_residuals(
+    inbox: Inbox,
+    base: torch.Tensor,
+    stepped: torch.Tensor,
+    opt_res: Mapping[str, OptState],
+    seen: Mapping[str, int],
+    settings: NodeSettings,
+) -> tuple[torch.Tensor, dict[str, OptState], dict[str, int]]:
+    """Add each waiting kind's NODEOPT step (taken from ``base``) to ``stepped``.
+
+    Returns the model, the residual optimiser states and the consumed marks; kinds are
+    folded in sorted order, so the float sum does not depend on how the inbox was read.
+    """
+    theta, new_opt_res, new_seen = stepped, dict(opt_res), dict(seen)
+    for kind in sorted(inbox):
+        pending = inbox[kind]
+        new_opt_res[kind], moved = node_opt_step(new_opt_res.get(kind, {}), base, pending.total.mean(),
+                                                 settings.residual_opt(kind))
+        theta = theta + (moved - base)
+        new_seen.update(pending.read)
+    return theta, new_opt_res, new_seen

@@ -1,0 +1,122 @@
+"""The experiment tree: nodes, their roles, settings and subtree weights.
+
+A ``Tree`` is an immutable mapping ``node_id -> Node``. Clients are leaves; every
+other node is a server (root, intermediate server, or edge server: a server whose
+children are clients). Node settings are resolved per node (level defaults plus
+per-node overrides) before the tree is built, so algorithms read one flat object.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from enum import Enum
+
+from bhfl_core.algorithm.node_opt import NodeOptParams
+from bhfl_core.algorithm.residuals import DownLink, UpLink
+
+
+class Role(str, Enum):
+    ROOT = "root"
+    SERVER = "server"  # intermediate server
+    EDGE = "edge"  # server whose children are clients
+    CLIENT = "client"
+
+
+@dataclass(frozen=True)
+class TrainParams:
+    """Local training (TRAIN) hyperparameters: clients on private data, servers on proxy data."""
+
+    lr: float = 5e-4
+    epochs: int = 1
+    max_steps: int | None = None
+    batch_size: int = 32
+    optimizer: str = "adamw"
+    weight_decay: float = 0.0
+
+
+@dataclass(frozen=True)
+class NodeSettings:
+    """Everything EXECUTENODE needs to know about one node."""
+
+    rounds: int = 1
+    cohort: int | None = None  # children sampled per round; None = all
+    opt_up: NodeOptParams = NodeOptParams()
+    opt_down: NodeOptParams = NodeOptParams()
+    persistent: bool = True
+    train: TrainParams | None = None  # None = no local/proxy training at this node
+    res_up: tuple[UpLink, ...] = ()  # residuals this node sends to ancestors
+    res_down: tuple[DownLink, ...] = ()  # residuals this node sends to descendants
+    res_in: tuple[tuple[str, NodeOptParams], ...] = ()  # residual kinds it receives -> their optimiser
+
+    def residual_opt(self, key: str) -> NodeOptParams:
+        for k, params in self.res_in:
+            if k == key:
+                return params
+        raise KeyError(f"no residual input {key!r} configured for this node")
+
+
+@dataclass(frozen=True)
+class Node:
+    id: str
+    role: Role
+    depth: int  # root = 0
+    parent: str | None
+    children: tuple[str, ...]
+    settings: NodeSettings
+    weight: float  # training examples in the subtree (p_c before normalisation)
+    group: str | None = None  # language / cluster label, when the node has one
+
+    @property
+    def is_leaf(self) -> bool:
+        return not self.children
+
+
+@dataclass(frozen=True)
+class Tree:
+    nodes: Mapping[str, Node]
+    root_id: str
+
+    def __getitem__(self, node_id: str) -> Node:
+        return self.nodes[node_id]
+
+    def __iter__(self) -> Iterator[Node]:
+        return iter(self.nodes.values())
+
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+    @property
+    def root(self) -> Node:
+        return self.nodes[self.root_id]
+
+    def children(self, node_id: str) -> list[Node]:
+        return [self.nodes[c] for c in self.nodes[node_id].children]
+
+    def ancestors(self, node_id: str) -> list[str]:
+        """Parent first, root last."""
+        out: list[str] = []
+        parent = self.nodes[node_id].parent
+        while parent is not None:
+            out.append(parent)
+            parent = self.nodes[parent].parent
+        return out
+
+    def leaves_under(self, node_id: str) -> list[str]:
+        node = self.nodes[node_id]
+        if node.is_leaf:
+            return [node_id]
+        return [leaf for c in node.children for leaf in self.leaves_under(c)]
+
+    def distance(self, a: str, b: str) -> int:
+        """Number of edges between two nodes."""
+        path_a = [a, *self.ancestors(a)]
+        path_b = [b, *self.ancestors(b)]
+        common = next(n for n in path_a if n in set(path_b))
+        return path_a.index(common) + path_b.index(common)
+
+    def servers(self) -> list[Node]:
+        return [n for n in self if not n.is_leaf]
+
+    def clients(self) -> list[Node]:
+        return [n for n in self if n.is_leaf]

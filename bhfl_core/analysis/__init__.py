@@ -1,0 +1,1 @@
+"""After training: the evaluation matrix, proximity analysis, communication accounting."""

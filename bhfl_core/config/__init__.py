@@ -1,0 +1,1 @@
+"""The experiment config: schema, loading with overrides, and building the tree from config + manifest."""

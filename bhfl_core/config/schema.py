@@ -1,0 +1,288 @@
+"""Experiment configuration: YAML validated into typed, frozen pydantic objects.
+
+Every model forbids unknown keys, so a typo is an error that names the key. Level
+settings (``tree.root``, ``tree.server``, ``tree.edge``, ``tree.client``) give the
+defaults of each level; ``tree.nodes`` overrides them for single nodes by id. See
+docs/config.md for every key with an example.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
+
+from bhfl_core.algorithm.node_opt import available_node_opts
+from bhfl_core.config.base import ConfigError, Strict
+from bhfl_core.config.data import DataConfig, KMeansClustering
+
+
+
+
+# ---------------------------------------------------------------- model
+
+class TinyBert(Strict):
+    """A small BERT built from a config (no download); the tokenizer is trained on proxy data."""
+
+    vocab_size: Annotated[int, Field(ge=100)] = 3000
+    hidden_size: Annotated[int, Field(gt=0)] = 64
+    num_hidden_layers: Annotated[int, Field(gt=0)] = 2
+    num_attention_heads: Annotated[int, Field(gt=0)] = 2
+    intermediate_size: Annotated[int, Field(gt=0)] = 128
+    dropout: Annotated[float, Field(ge=0, lt=1)] = 0.0
+
+    @model_validator(mode="after")
+    def _heads(self) -> TinyBert:
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError("hidden_size must be divisible by num_attention_heads")
+        return self
+
+
+class ModelConfig(Strict):
+    """``name: tiny-bert`` builds ``tiny``; any other name (hub id or local folder) goes through
+    ``AutoModelForSequenceClassification`` / ``AutoModelForMaskedLM.from_pretrained`` (by ``data.task``)."""
+
+    name: str = "tiny-bert"
+    revision: str | None = None  # hub revision (branch, tag or commit) of model and tokenizer
+    tiny: TinyBert = TinyBert()
+    max_length: Annotated[int, Field(ge=8)] = 64
+    truncation: Literal["longest_first", "only_first", "only_second"] = "longest_first"
+    mlm_probability: Annotated[float, Field(gt=0, lt=1)] = 0.15  # masked-LM: share of tokens masked
+    init_seed_offset: int = 0
+
+
+# ---------------------------------------------------------------- tree
+
+OptKind = str
+
+
+class OptSettings(Strict):
+    kind: OptKind = "fedavg"
+    beta1: Annotated[float, Field(ge=0, lt=1)] = 0.9
+    beta2: Annotated[float, Field(ge=0, lt=1)] = 0.99
+    tau: Annotated[float, Field(gt=0)] = 1e-3
+
+    @field_validator("kind")
+    @classmethod
+    def _known(cls, v: str) -> str:
+        if v not in available_node_opts():
+            raise ValueError(f"unknown NODEOPT {v!r}; choose one of {available_node_opts()}")
+        return v
+
+
+class TrainSettings(Strict):
+    lr: Annotated[float, Field(gt=0)] = 1e-3
+    epochs: Annotated[int, Field(ge=1)] = 1
+    max_steps: Annotated[int, Field(ge=1)] | None = None
+    batch_size: Annotated[int, Field(ge=1)] = 32
+    optimizer: Literal["adamw", "sgd"] = "adamw"
+    weight_decay: Annotated[float, Field(ge=0)] = 0.0
+
+
+class LevelSettings(Strict):
+    """Settings of one level of the tree (all optional in YAML: defaults below)."""
+
+    rounds: Annotated[int, Field(ge=1)] = 1
+    cohort: Annotated[int, Field(ge=1)] | Annotated[float, Field(gt=0, le=1)] | None = None
+    eta_up: Annotated[float, Field(gt=0)] = 1.0
+    eta_down: Annotated[float, Field(gt=0)] = 1.0
+    opt_up: OptSettings = OptSettings()
+    opt_down: OptSettings = OptSettings()
+    persistent: bool = True
+    train: TrainSettings = TrainSettings()
+    proxy_train: bool = False  # servers: TRAIN on the proxy split after aggregating
+
+
+class NodeOverride(Strict):
+    """Per-node override: any subset of LevelSettings keys."""
+
+    rounds: Annotated[int, Field(ge=1)] | None = None
+    cohort: Annotated[int, Field(ge=1)] | Annotated[float, Field(gt=0, le=1)] | None = None
+    eta_up: Annotated[float, Field(gt=0)] | None = None
+    eta_down: Annotated[float, Field(gt=0)] | None = None
+    opt_up: OptSettings | None = None
+    opt_down: OptSettings | None = None
+    persistent: bool | None = None
+    train: TrainSettings | None = None
+    proxy_train: bool | None = None
+
+
+class UpResidual(Strict):
+    """Up-residual rule: each ``from`` server sends K of its children's models to ``to``.
+
+    ``from`` / ``to`` name a level (``root``, ``server``, ``edge``) or a node id; ``to``
+    must be an ancestor of ``from`` (the selected child models skip ``from``'s aggregation).
+    ``combine: each`` sends the K models with their example weights; ``mean`` sends
+    their plain mean as one model of weight 1 (one vote per sending server).
+    ``opt`` / ``eta`` configure the receiving node's optimiser for this input kind;
+    unset, they copy the receiver's ``opt_up`` / ``eta_up`` (with a state of their own).
+    """
+
+    source: str = Field(alias="from")
+    to: str
+    k: Annotated[int, Field(ge=1)] = 1
+    select: Literal["l2", "loss", "cosine"] = "l2"
+    combine: Literal["each", "mean"] = "each"
+    eta: Annotated[float, Field(gt=0)] | None = None
+    opt: OptSettings | None = None
+
+
+class DownResidual(Strict):
+    """Down-residual rule: each ``from`` server sends its round-start model to ``to``.
+
+    ``to`` (a level or node id) must be a descendant of ``from``. The receiver
+    folds it into its next down-aggregation with ``opt`` / ``eta`` (default: its
+    ``opt_down`` / ``eta_down``, with a state of their own).
+    """
+
+    source: str = Field(alias="from")
+    to: str
+    eta: Annotated[float, Field(gt=0)] | None = None
+    opt: OptSettings | None = None
+
+
+class ResidualsConfig(Strict):
+    up: list[UpResidual] = []
+    down: list[DownResidual] = []
+
+
+class TreeConfig(Strict):
+    """root -> intermediate servers (``groups``) -> one edge server per language -> clients.
+
+    ``groups`` maps each intermediate server to the languages (edge servers) under it;
+    leave it empty for root -> edges directly. ``flat: true`` puts every client
+    directly under the root (classic one-server FL: FedAvg / FedOPT baselines).
+    """
+
+    flat: bool = False
+    groups: dict[str, list[str]] = {}
+    root: LevelSettings = LevelSettings(rounds=4, proxy_train=True)
+    server: LevelSettings = LevelSettings()
+    edge: LevelSettings = LevelSettings(rounds=2)
+    client: LevelSettings = LevelSettings()
+    nodes: dict[str, NodeOverride] = {}
+    residuals: ResidualsConfig = ResidualsConfig()
+
+
+# ---------------------------------------------------------------- runtime / eval
+
+class RuntimeConfig(Strict):
+    """Where and how the work runs; none of these keys changes the results of a run.
+
+    ``executor``: where client training, proxy training and evaluation run.
+    ``local`` (default) starts a Dask cluster of worker processes on 127.0.0.1 for the
+    run; ``cluster`` uses the Dask scheduler at ``cluster`` (``tcp://host:8786``), whose
+    workers must see the run folder and the data cache at the same paths; ``inprocess``
+    trains in the orchestrating process, one client at a time (debugging). ``workers``:
+    worker processes of the local cluster (``auto``: one per GPU times
+    ``workers_per_device``, or two sharing the CPU cores), or how many of the cluster's
+    workers to use (``auto``: all). ``placement``: how a round's clients are spread over
+    the workers (``lpt``: by optimizer steps, largest first; ``round_robin``;
+    ``learned``: by time predicted from what each device kind measured).
+    ``parallel_subtrees``: sibling servers of one round execute at the same time.
+    ``subflow_depth``: internal nodes down to this depth (root = 0) execute as Prefect
+    subflows, deeper ones inside their parent's subflow (their worker batches still are
+    tasks); ``null``: every internal node is a subflow (the Prefect UI shows the tree).
+    ``retries``: Prefect retries of a failed task (a worker's batch of clients, proxy
+    training, an evaluation); finished clients of a retried batch are not trained again.
+    ``on_client_failure``: a client that still fails after the retries either fails its
+    node (``fail``: the run stops and can be resumed) or is left out of that round's
+    aggregate (``drop``: logged and counted as ``train/dropped_clients``). Resource
+    errors (out of memory, disk full) always fail.
+    """
+
+    executor: Literal["local", "cluster", "inprocess"] = "local"
+    cluster: str | None = None
+    workers: Annotated[int, Field(ge=1)] | Literal["auto"] = "auto"
+    workers_per_device: Annotated[int, Field(ge=1)] = 1
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    placement: Literal["lpt", "round_robin", "learned"] = "lpt"
+    parallel_subtrees: bool = True
+    subflow_depth: Annotated[int, Field(ge=0)] | None = None
+    torch_threads: Annotated[int, Field(ge=1)] | None = None
+    retries: Annotated[int, Field(ge=0)] = 1
+    retry_delay_s: Annotated[float, Field(ge=0)] = 1.0
+    on_client_failure: Literal["fail", "drop"] = "fail"
+
+    @field_validator("cluster")
+    @classmethod
+    def _address(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith(("tcp://", "tls://", "ucx://", "inproc://")):
+            hint = " (Ray clusters are not supported: start a Dask scheduler instead)" if v.startswith("ray://") else ""
+            raise ValueError(f"{v!r} is not a Dask scheduler address such as tcp://127.0.0.1:8786{hint}")
+        return v
+
+    @model_validator(mode="after")
+    def _cluster_for_executor(self) -> RuntimeConfig:
+        if self.executor == "cluster" and self.cluster is None:
+            raise ValueError("executor: cluster needs runtime.cluster, the Dask scheduler's address (tcp://host:8786)")
+        if self.executor != "cluster" and self.cluster is not None:
+            raise ValueError(f"cluster is set but executor is {self.executor!r}; set runtime.executor: cluster to use it")
+        return self
+
+
+class LocalOnlyBaseline(Strict):
+    """Each client trained from the initial model on its own train split only (no federation).
+
+    ``rounds``: TRAIN calls with the client level's ``train`` settings; ``matched`` gives
+    each client as many as it made in the federation (its round counter; at least 1).
+    """
+
+    rounds: Annotated[int, Field(ge=1)] | Literal["matched"] = "matched"
+
+
+class LocalAdaptation(Strict):
+    """Each client fine-tunes a final model (its parent server's, or the root's) on its own data."""
+
+    source: Literal["parent", "root"] = Field("parent", alias="from")
+    rounds: Annotated[int, Field(ge=1)] = 1  # TRAIN calls with the client level's train settings
+
+
+class EvalConfig(Strict):
+    every: Annotated[int, Field(ge=0)] = 0  # evaluate every N root rounds (0: only at the end)
+    batch_size: Annotated[int, Field(ge=1)] = 256
+    client_models: bool = True  # also evaluate persistent client models
+    local_only: LocalOnlyBaseline | None = None  # final evaluation: the local-only baseline (off: null)
+    local_adaptation: LocalAdaptation | None = None  # final evaluation: locally fine-tuned models (off: null)
+
+
+class ExperimentConfig(Strict):
+    name: Annotated[str, Field(min_length=1, pattern=r"^[A-Za-z0-9_.\-]+$")] = "bhfl"
+    seed: int = 0
+    data: DataConfig = DataConfig()
+    model: ModelConfig = ModelConfig()
+    tree: TreeConfig = TreeConfig()
+    runtime: RuntimeConfig = RuntimeConfig()
+    eval: EvalConfig = EvalConfig()
+
+    @model_validator(mode="after")
+    def _groups(self) -> ExperimentConfig:
+        languages = self.data.cluster_names()  # languages, or k-means clusters c0..cK-1
+        where = ("data.clustering (k-means clusters)" if isinstance(self.data.clustering, KMeansClustering)
+                 else "data.source.languages")
+        if self.tree.flat and self.tree.groups:
+            raise ValueError("tree.flat: a flat tree (root -> clients) cannot also have tree.groups")
+        seen: dict[str, str] = {}
+        for group, langs in self.tree.groups.items():
+            if group in languages or group == "root":
+                raise ValueError(f"tree.groups.{group}: a group name must differ from 'root' and from language/cluster names")
+            if not langs:
+                raise ValueError(f"tree.groups.{group}: an intermediate server needs at least one language")
+            for lang in langs:
+                if lang not in languages:
+                    noun = "cluster" if where.startswith("data.clustering") else "language"
+                    raise ValueError(f"tree.groups.{group}: {noun} {lang!r} is not in {where} {languages}")
+                if lang in seen:
+                    raise ValueError(f"tree.groups.{group}: language {lang!r} is already under group {seen[lang]!r}")
+                seen[lang] = group
+        if self.tree.groups:
+            missing = [lang for lang in languages if lang not in seen]
+            if missing:
+                raise ValueError(f"tree.groups: languages {missing} are not under any intermediate server")
+        return self
+
+
+def dump(config: ExperimentConfig) -> dict[str, Any]:
+    """The resolved config as plain data (JSON/YAML-safe)."""
+    return config.model_dump(mode="json", by_alias=True)

@@ -1,0 +1,289 @@
+"""Build the experiment tree from the config and the data manifest.
+
+root -> intermediate servers (``tree.groups``, optional) -> edge servers -> clients.
+Clients are grouped by the edge server the data manifest assigns them (by default
+one edge per language, ``edge-<lang>``; or several per language, or k-means
+clusters: see ``data.clustering``); ``tree.groups`` maps each intermediate server
+to the languages (or clusters) whose edge servers it holds. Settings are resolved
+per node: the level's settings, then ``tree.nodes.<id>`` overrides. Impossible
+trees (a cohort larger than the children, proxy training without proxy data,
+overrides for unknown nodes) raise ``ConfigError`` naming the key.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from bhfl_core.config.base import ConfigError
+from bhfl_core.config.data import KMeansClustering, LanguageClustering
+from bhfl_core.config.schema import ExperimentConfig, LevelSettings, NodeOverride, OptSettings
+from bhfl_core.algorithm.node_opt import NodeOptParams
+from bhfl_core.algorithm.residuals import DownLink, UpLink
+from bhfl_core.algorithm.tree import Node, NodeSettings, Role, TrainParams, Tree
+
+ROOT_ID = "root"
+_LEVEL_KEY = {Role.ROOT: "root", Role.SERVER: "server", Role.EDGE: "edge", Role.CLIENT: "client"}
+
+
+@dataclass(frozen=True)
+class ClientInfo:
+    """What the tree needs to know about a client (from the data manifest).
+
+    ``edge`` / ``cluster``: the client's edge server and that edge's cluster (what
+    ``tree.groups`` refers to); unset, they are ``edge-<language>`` and the language.
+    """
+
+    id: str
+    language: str
+    num_train: int
+    edge: str | None = None
+    cluster: str | None = None
+
+    @property
+    def edge_id(self) -> str:
+        return self.edge or edge_id(self.language)
+
+    @property
+    def cluster_name(self) -> str:
+        return self.cluster or self.language
+
+
+def edge_id(cluster: str) -> str:
+    """The edge server of a language (or k-means cluster) that has one edge server."""
+    return f"edge-{cluster}"
+
+
+def client_ids(language: str, count: int) -> list[str]:
+    width = max(2, len(str(count - 1)))
+    return [f"{language}-{i:0{width}d}" for i in range(count)]
+
+
+def language_edges(language: str, count: int, edges: int) -> list[str]:
+    """The edge server of each of a language's ``count`` clients (in id order).
+
+    One edge: ``edge-<lang>`` for all. Several: contiguous, near-equal blocks of
+    clients, ``edge-<lang>-0``, ``edge-<lang>-1``, ... (deterministic, no draw).
+    """
+    if edges == 1:
+        return [edge_id(language)] * count
+    return [f"edge-{language}-{i * edges // count}" for i in range(count)]
+
+
+def placeholder_clients(config: ExperimentConfig) -> list[ClientInfo]:
+    """The clients the config will produce, before any data exists (for validating the tree).
+
+    K-means assignments depend on the data; placeholders spread clients round-robin
+    over the clusters, so checks that depend on cluster sizes are repeated when the
+    tree is built from the real manifest.
+    """
+    data = config.data
+    out: list[ClientInfo] = []
+    for lang in data.source.languages:
+        ids = client_ids(lang, data.clients_per_language)
+        if isinstance(data.clustering, LanguageClustering):
+            edges = language_edges(lang, len(ids), data.clustering.edges_per_language)
+            out += [ClientInfo(cid, lang, 1, edge, lang) for cid, edge in zip(ids, edges)]
+        else:
+            out += [ClientInfo(cid, lang, 1) for cid in ids]
+    if isinstance(data.clustering, KMeansClustering):
+        k = data.clustering.clusters
+        out = [replace(c, edge=edge_id(f"c{i % k}"), cluster=f"c{i % k}") for i, c in enumerate(out)]
+    return out
+
+
+def _holds_proxy(config: ExperimentConfig, node_id: str, role: Role) -> bool:
+    proxy = config.data.proxy
+    return proxy.train_per_language > 0 and (node_id in proxy.servers or _LEVEL_KEY[role] in proxy.servers)
+
+
+def _resolve(config: ExperimentConfig, node_id: str, role: Role, num_children: int) -> NodeSettings:
+    level_key = f"tree.{_LEVEL_KEY[role]}"
+    level: LevelSettings = getattr(config.tree, _LEVEL_KEY[role])
+    override = config.tree.nodes.get(node_id, NodeOverride())
+    values = {key: getattr(level, key) for key in LevelSettings.model_fields}
+    origin = {key: f"{level_key}.{key}" for key in values}
+    for key in override.model_fields_set:  # keys written in YAML; `cohort: null` means "all children"
+        if getattr(override, key) is None and key != "cohort":
+            continue
+        values[key] = getattr(override, key)
+        origin[key] = f"tree.nodes.{node_id}.{key}"
+
+    cohort = values["cohort"]
+    if role is Role.CLIENT:
+        cohort = None
+    elif isinstance(cohort, float):
+        cohort = max(1, round(cohort * num_children))
+    elif isinstance(cohort, int) and cohort > num_children:
+        raise ConfigError(f"{origin['cohort']}: cohort of {cohort} is larger than the {num_children} children of node {node_id!r}")
+
+    train: TrainParams | None = None
+    if role is Role.CLIENT or values["proxy_train"]:
+        if role is not Role.CLIENT and not _holds_proxy(config, node_id, role):
+            raise ConfigError(
+                f"{origin['proxy_train']}: node {node_id!r} has no proxy split to train on "
+                f"(data.proxy.servers is {config.data.proxy.servers}, "
+                f"data.proxy.train_per_language is {config.data.proxy.train_per_language})"
+            )
+        t = values["train"]
+        train = TrainParams(lr=t.lr, epochs=t.epochs, max_steps=t.max_steps, batch_size=t.batch_size,
+                            optimizer=t.optimizer, weight_decay=t.weight_decay)
+
+    def opt(direction: str) -> NodeOptParams:
+        o = values[f"opt_{direction}"]
+        return NodeOptParams(kind=o.kind, eta=values[f"eta_{direction}"], beta1=o.beta1, beta2=o.beta2, tau=o.tau)
+
+    return NodeSettings(rounds=values["rounds"], cohort=cohort, opt_up=opt("up"), opt_down=opt("down"),
+                        persistent=values["persistent"], train=train)
+
+
+def build_tree(config: ExperimentConfig, clients: Sequence[ClientInfo]) -> Tree:
+    """The tree for ``config`` over ``clients`` (settings resolved, residuals wired).
+
+    Clients are grouped by their edge server; edge servers are ordered by their
+    cluster's position in ``data.cluster_names()`` (languages in config order), then
+    by first appearance. Node ids: clients keep theirs, edges are ``ClientInfo.edge``.
+    """
+    languages = config.data.source.languages
+    clusters = config.data.cluster_names()
+    kmeans = isinstance(config.data.clustering, KMeansClustering)
+    by_language: dict[str, int] = {lang: 0 for lang in languages}
+    edges: dict[str, tuple[str, list[ClientInfo]]] = {}  # edge id -> (cluster, clients)
+    for c in clients:
+        if c.language not in by_language:
+            raise ConfigError(f"data: client {c.id!r} has language {c.language!r}, not in data.source.languages")
+        by_language[c.language] += 1
+        cluster, members = edges.setdefault(c.edge_id, (c.cluster_name, []))
+        if c.cluster_name not in clusters:
+            raise ConfigError(f"data: client {c.id!r} is in cluster {c.cluster_name!r}, not one of {clusters}")
+        if cluster != c.cluster_name:
+            raise ConfigError(f"data: edge server {c.edge_id!r} has clients in two clusters ({cluster!r}, {c.cluster_name!r})")
+        members.append(c)
+    empty = [lang for lang, n in by_language.items() if not n]
+    if empty:
+        raise ConfigError(f"data.source.languages: languages {empty} have no clients")
+    used = {cluster for cluster, _ in edges.values()}
+    if kmeans and not config.tree.flat and len(used) < len(clusters):
+        raise ConfigError(f"data.clustering.clusters: clusters {[c for c in clusters if c not in used]} have no clients")
+    order = sorted(edges, key=lambda e: clusters.index(edges[e][0]))  # stable: first appearance within a cluster
+
+    groups = config.tree.groups or {}
+    edge_parent = {lang: group for group, langs in groups.items() for lang in langs}
+    nodes: dict[str, Node] = {}
+    depth_edge = 2 if groups else 1
+
+    def add(node_id: str, role: Role, depth: int, parent: str | None, children: list[str], weight: float, group: str | None) -> None:
+        settings = _resolve(config, node_id, role, len(children))
+        nodes[node_id] = Node(node_id, role, depth, parent, tuple(children), settings, float(weight), group)
+
+    if config.tree.flat:
+        for c in clients:
+            add(c.id, Role.CLIENT, 1, ROOT_ID, [], c.num_train, c.language)
+        top = [c.id for c in clients]
+        add(ROOT_ID, Role.ROOT, 0, None, top, sum(c.num_train for c in clients), None)
+        return _finish(config, nodes)
+
+    for edge in order:
+        cluster, members = edges[edge]
+        for c in members:
+            add(c.id, Role.CLIENT, depth_edge + 1, edge, [], c.num_train, c.language)
+        add(edge, Role.EDGE, depth_edge, edge_parent.get(cluster, ROOT_ID), [c.id for c in members],
+            sum(c.num_train for c in members), cluster)
+    for group, langs in groups.items():
+        children = [e for lang in langs for e in order if edges[e][0] == lang]
+        add(group, Role.SERVER, 1, ROOT_ID, children, sum(nodes[e].weight for e in children), group)
+    top = list(groups) if groups else order
+    add(ROOT_ID, Role.ROOT, 0, None, top, sum(nodes[c].weight for c in top), None)
+    return _finish(config, nodes)
+
+
+def _finish(config: ExperimentConfig, nodes: dict[str, Node]) -> Tree:
+    """Check node-name references, wire residual links, freeze the tree."""
+    _check_names(config, nodes)
+    tree = Tree(nodes=nodes, root_id=ROOT_ID)
+    return _wire_residuals(config, tree)
+
+
+def _servers_hint(nodes: dict[str, Node]) -> str:
+    servers = ", ".join(n for n, node in nodes.items() if not node.is_leaf)
+    return f"servers: {servers}; clients: <language>-NN"
+
+
+def _check_names(config: ExperimentConfig, nodes: dict[str, Node]) -> None:
+    unknown = sorted(set(config.tree.nodes) - set(nodes))
+    if unknown:
+        raise ConfigError(f"tree.nodes.{unknown[0]}: no such node ({_servers_hint(nodes)})")
+    for i, name in enumerate(config.data.proxy.servers):
+        if name in ("root", "server", "edge"):
+            continue
+        if name not in nodes or nodes[name].is_leaf:
+            raise ConfigError(f"data.proxy.servers[{i}]: {name!r} is not a server or a level (root, server, edge); "
+                              f"{_servers_hint(nodes)}")
+
+
+def _matches(selector: str, node: Node) -> bool:
+    return node.id == selector or _LEVEL_KEY[node.role] == selector
+
+
+def _lookup(tree: Tree, selector: str, key: str) -> list[Node]:
+    found = [n for n in tree if _matches(selector, n)]
+    if not found:
+        raise ConfigError(f"{key}: {selector!r} matches no node (a level: root, server, edge, client; or a node id)")
+    return found
+
+
+def _receiver_opt(node: Node, direction: str, opt: OptSettings | None, eta: float | None) -> NodeOptParams:
+    """A residual kind's optimiser at ``node``: the rule's settings over the node's own for that direction."""
+    own: NodeOptParams = getattr(node.settings, f"opt_{direction}")
+    if opt is None:
+        return replace(own, eta=own.eta if eta is None else eta)
+    return NodeOptParams(kind=opt.kind, eta=own.eta if eta is None else eta, beta1=opt.beta1, beta2=opt.beta2, tau=opt.tau)
+
+
+def _wire_residuals(config: ExperimentConfig, tree: Tree) -> Tree:
+    """Resolve ``tree.residuals`` into per-node links (senders) and optimiser kinds (receivers)."""
+    sends_up: dict[str, list[UpLink]] = {}
+    sends_down: dict[str, list[DownLink]] = {}
+    receives: dict[str, list[tuple[str, NodeOptParams]]] = {}
+
+    for i, rule in enumerate(config.tree.residuals.up):
+        key = f"tree.residuals.up[{i}]"
+        _lookup(tree, rule.to, f"{key}.to")
+        for src in _lookup(tree, rule.source, f"{key}.from"):
+            if src.is_leaf:
+                raise ConfigError(f"{key}.from: {src.id!r} is a client; up-residuals are selected by a server among its children")
+            if rule.select == "loss" and not all(c.is_leaf for c in tree.children(src.id)):
+                raise ConfigError(f"{key}.select: 'loss' ranks clients by training loss, but the children of {src.id!r} are servers")
+            targets = [a for a in tree.ancestors(src.id) if _matches(rule.to, tree[a])]
+            if not targets:
+                raise ConfigError(f"{key}.to: {rule.to!r} is not an ancestor of {src.id!r}; up-residuals go to ancestors")
+            for target in targets:
+                link = UpLink(i, target, rule.k, rule.select, rule.combine)
+                sends_up.setdefault(src.id, []).append(link)
+                receives.setdefault(target, []).append((link.key, _receiver_opt(tree[target], "up", rule.opt, rule.eta)))
+
+    for i, rule in enumerate(config.tree.residuals.down):
+        key = f"tree.residuals.down[{i}]"
+        _lookup(tree, rule.to, f"{key}.to")
+        for src in _lookup(tree, rule.source, f"{key}.from"):
+            below = [n for n in tree if src.id in tree.ancestors(n.id)]
+            targets = [n for n in below if _matches(rule.to, n)]
+            if not targets:
+                raise ConfigError(f"{key}.to: {rule.to!r} is not a descendant of {src.id!r}; down-residuals go to descendants")
+            for target in targets:
+                link = DownLink(i, target.id)
+                sends_down.setdefault(src.id, []).append(link)
+                receives.setdefault(target.id, []).append((link.key, _receiver_opt(target, "down", rule.opt, rule.eta)))
+
+    if not (sends_up or sends_down):
+        return tree
+    nodes = {
+        node_id: replace(node, settings=replace(
+            node.settings,
+            res_up=tuple(sends_up.get(node_id, ())),
+            res_down=tuple(sends_down.get(node_id, ())),
+            res_in=tuple(dict(receives.get(node_id, ())).items()),
+        ))
+        for node_id, node in tree.nodes.items()
+    }
+    return Tree(nodes=nodes, root_id=tree.root_id)

@@ -1,0 +1,119 @@
+"""TRAIN and EVAL loops over pre-tokenised tensors, for any transformers model.
+
+The model instance is reused across clients (the caller loads a flat vector into it
+first); the optimiser is created per call, i.e. local optimiser state is not kept
+between rounds (as in FedAvg/FedOPT). Batches are trimmed to their longest sequence,
+so padding to ``max_length`` at tokenisation time costs little compute.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from bhfl_core.learning.params import trainable_parameters
+from bhfl_core.algorithm.tree import TrainParams
+
+Batch = dict[str, torch.Tensor]
+BatchTransform = Callable[[Batch, torch.Generator], Batch]
+
+
+def _batches(data: Mapping[str, torch.Tensor], order: torch.Tensor, batch_size: int) -> Iterator[Batch]:
+    for start in range(0, len(order), batch_size):
+        idx = order[start : start + batch_size]
+        batch = {k: v[idx] for k, v in data.items()}
+        if "attention_mask" in batch:
+            width = int(batch["attention_mask"].sum(dim=1).max())
+            batch = {k: (v[:, :width] if v.dim() == 2 and k != "labels" else v) for k, v in batch.items()}
+            if "labels" in batch and batch["labels"].dim() == 2:
+                batch["labels"] = batch["labels"][:, :width]
+        yield batch
+
+
+def _optimizer(model: nn.Module, params: TrainParams) -> torch.optim.Optimizer:
+    weights = trainable_parameters(model)
+    if params.optimizer == "adamw":
+        return torch.optim.AdamW(weights, lr=params.lr, weight_decay=params.weight_decay)
+    if params.optimizer == "sgd":
+        return torch.optim.SGD(weights, lr=params.lr, weight_decay=params.weight_decay)
+    raise ValueError(f"unknown local optimizer {params.optimizer!r} (use 'adamw' or 'sgd')")
+
+
+def planned_steps(examples: int, params: TrainParams) -> int:
+    """Optimizer steps ``train_model`` will take on ``examples`` rows (placement's unit of work)."""
+    steps = -(-examples // params.batch_size) * params.epochs
+    return min(steps, params.max_steps) if params.max_steps is not None else steps
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    loss: float
+    steps: int
+    examples: int
+
+
+def train_model(
+    model: nn.Module,
+    data: Mapping[str, torch.Tensor],
+    params: TrainParams,
+    seed: int,
+    device: torch.device,
+    transform: BatchTransform | None = None,
+) -> TrainResult:
+    """Train in place for ``params.epochs`` epochs (or ``max_steps``); data order from ``seed``."""
+    n = len(next(iter(data.values())))
+    if n == 0:
+        return TrainResult(loss=float("nan"), steps=0, examples=0)
+    generator = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)  # dropout, if the model has any
+    optimizer = _optimizer(model, params)
+    model.train()
+    steps, seen, loss_sum = 0, 0, 0.0
+    for _ in range(params.epochs):
+        for batch in _batches(data, torch.randperm(n, generator=generator), params.batch_size):
+            if transform is not None:
+                batch = transform(batch, generator)
+            out = model(**{k: v.to(device) for k, v in batch.items()})
+            out.loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            size = len(batch["labels"])
+            loss_sum += float(out.loss.detach()) * size
+            seen += size
+            steps += 1
+            if params.max_steps is not None and steps >= params.max_steps:
+                return TrainResult(loss_sum / seen, steps, seen)
+    return TrainResult(loss_sum / seen, steps, seen)
+
+
+@torch.no_grad()
+def grouped_confusions(
+    model: nn.Module,
+    data: Mapping[str, torch.Tensor],
+    groups: torch.Tensor,
+    num_groups: int,
+    num_labels: int,
+    batch_size: int,
+    device: torch.device,
+) -> torch.Tensor:
+    """``confusion[group, true, pred]`` of a sequence classifier over rows tagged with ``groups``.
+
+    Scoring many small test splits in one pass (rows sorted by length, full batches)
+    instead of split by split keeps evaluation cost proportional to the rows, not to
+    the number of clients.
+    """
+    model.eval()
+    lengths = data["attention_mask"].sum(dim=1) if "attention_mask" in data else torch.zeros(len(groups))
+    order = torch.argsort(lengths, stable=True)
+    cells = num_labels * num_labels
+    flat = torch.zeros(num_groups * cells, dtype=torch.int64)
+    for start in range(0, len(order), batch_size):
+        idx = order[start : start + batch_size]
+        batch = next(_batches(data, idx, len(idx)))
+        labels = batch.pop("labels")
+        preds = model(**{k: v.to(device) for k, v in batch.items()}).logits.argmax(dim=-1).cpu()
+        flat += torch.bincount(groups[idx] * cells + labels * num_labels + preds, minlength=num_groups * cells)
+    return flat.view(num_groups, num_labels, num_labels)

@@ -1,0 +1,76 @@
+"""Model construction through the transformers Auto* API, for sequence classification or masked LM.
+
+``tiny-bert`` builds a small BERT from a config (no download) sized by the config;
+any other name (a hub id such as ``bert-base-multilingual-cased`` or
+``xlm-roberta-base``, or a local folder) goes through
+``AutoModelForSequenceClassification`` / ``AutoModelForMaskedLM.from_pretrained``,
+chosen by the task. A model that cannot be loaded (no network, hub offline, a typo)
+is a ``ModelSourceError`` whose message says how to point the config at local files.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from bhfl_core.config.schema import ModelConfig
+from bhfl_core.config.base import ConfigError
+
+TINY = "tiny-bert"
+TASKS = ("classification", "mlm")
+
+
+class ModelSourceError(ConfigError):
+    """A model or tokenizer cannot be loaded; the message says how to use a local copy."""
+
+
+def hub_error(what: str, model: ModelConfig, exc: BaseException) -> ModelSourceError:
+    detail = str(exc).strip().splitlines()[0][:300].rstrip(".") if str(exc).strip() else ""
+    return ModelSourceError(
+        f"model.name: could not load the {what} {model.name!r} (revision {model.revision or 'default'}): "
+        f"{type(exc).__name__}: {detail}. Without hub access (HF_HUB_OFFLINE=1, no network) use a local copy: "
+        f"on a machine with access run `huggingface-cli download {model.name} --local-dir DIR` (or save_pretrained "
+        "the model and its tokenizer into DIR), copy DIR here and set model.name: DIR; a model already in the "
+        "Hugging Face cache (HF_HOME) also loads offline. model.name: tiny-bert needs no download."
+    )
+
+
+def check_available(model: ModelConfig) -> None:
+    """Fail early (before any data work) when a hub model's config cannot be found."""
+    if model.name == TINY:
+        return
+    from transformers import AutoConfig  # transformers (~1 s to import) only where a model is built or checked
+
+    try:
+        AutoConfig.from_pretrained(model.name, revision=model.revision)
+    except Exception as exc:  # OSError offline / not found, ValueError for bad folders: one message
+        raise hub_error("model", model, exc) from None
+
+
+def build_model(model: ModelConfig, task: str, labels: list[str], vocab_size: int, pad_token_id: int, seed: int) -> nn.Module:
+    """A sequence classifier (``task: classification``) or masked LM (``mlm``).
+
+    Weights are initialised from ``seed`` (tiny) or the checkpoint (hub; new heads from ``seed``).
+    """
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r} (use one of {TASKS})")
+    from transformers import AutoModelForMaskedLM, AutoModelForSequenceClassification, BertConfig
+    id2label = dict(enumerate(labels))
+    label2id = {name: i for i, name in id2label.items()}
+    head = {"num_labels": len(labels), "id2label": id2label, "label2id": label2id} if task == "classification" else {}
+    auto = AutoModelForSequenceClassification if task == "classification" else AutoModelForMaskedLM
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        if model.name == TINY:
+            t = model.tiny
+            config = BertConfig(
+                vocab_size=vocab_size, hidden_size=t.hidden_size, num_hidden_layers=t.num_hidden_layers,
+                num_attention_heads=t.num_attention_heads, intermediate_size=t.intermediate_size,
+                max_position_embeddings=max(64, model.max_length), hidden_dropout_prob=t.dropout,
+                attention_probs_dropout_prob=t.dropout, pad_token_id=pad_token_id, **head,
+            )
+            return auto.from_config(config)
+        try:
+            return auto.from_pretrained(model.name, revision=model.revision, **head)
+        except Exception as exc:
+            raise hub_error("model", model, exc) from None

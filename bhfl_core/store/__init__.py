@@ -1,0 +1,1 @@
+"""Persistence: node states and messages (safetensors), atomic small files, tables."""

@@ -1,0 +1,260 @@
+"""On-disk node state: one safetensors file per node, written atomically, checksummed.
+
+A node's state (persistent model ``W_q``, up/down optimiser states, one optimiser state
+per residual kind it receives, rounds done, and which execution it belongs to) is one
+file, so a crash can never leave a model from round t beside optimiser moments from
+round t-1. Files are written to a temporary name, fsync'ed and renamed; every tensor's
+CRC-32 is kept in the file's metadata and checked on load, so a truncated or damaged
+file is reported with its name instead of silently feeding garbage into a run. Loads
+use safetensors (no unpickling). Memory is bounded by what callers load, not by the
+number of nodes. Messages (a model sent down to children or up to the parent) and
+residual accumulators use the same atomic writer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from bhfl_core.algorithm.aggregation import WeightedSum
+from bhfl_core.algorithm.node_opt import OptState
+from bhfl_core.algorithm.node_state import NodeState
+from bhfl_core.algorithm.node_step import Inbox, PendingResidual, ResidualPost
+
+_MODEL = "model"
+_INFO = "bhfl"
+
+WriteHook = Callable[[Path], None]
+"""Called with the temporary file after it is written and fsync'ed, before the rename."""
+
+
+class CheckpointError(RuntimeError):
+    """A state file that cannot be trusted (truncated, damaged, unreadable); names the file."""
+
+
+def state_tensors(state: NodeState) -> dict[str, torch.Tensor]:
+    """A state's tensors under their file names: ``model``, ``up.*``, ``down.*``, ``res.<kind>.*``."""
+    tensors: dict[str, torch.Tensor] = {}
+    if state.model is not None:
+        tensors[_MODEL] = state.model
+    tensors.update({f"up.{k}": v for k, v in state.opt_up.items()})
+    tensors.update({f"down.{k}": v for k, v in state.opt_down.items()})
+    for kind, opt in state.opt_res.items():
+        tensors.update({f"res.{kind}.{k}": v for k, v in opt.items()})
+    return tensors
+
+
+def state_info(state: NodeState) -> dict[str, Any]:
+    """A state's header: everything but tensors (readable without loading the model)."""
+    return {"rounds_done": state.rounds_done, "exec_caller": state.exec_caller, "exec_start": state.exec_start,
+            "metrics": state.metrics, "res_seen": state.res_seen}
+
+
+def state_from_file(tensors: dict[str, torch.Tensor], info: dict[str, Any]) -> NodeState:
+    """The inverse of ``state_tensors`` + ``state_info`` (tensors may be omitted: a header-only state)."""
+    opt_res: dict[str, OptState] = {}
+    for name, value in tensors.items():
+        if name.startswith("res."):
+            kind, k = name[4:].split(".", 1)
+            opt_res.setdefault(kind, {})[k] = value
+    return NodeState(
+        model=tensors.get(_MODEL),
+        opt_up={k[3:]: v for k, v in tensors.items() if k.startswith("up.")},
+        opt_down={k[5:]: v for k, v in tensors.items() if k.startswith("down.")},
+        rounds_done=int(info.get("rounds_done", 0)),
+        opt_res=opt_res,
+        exec_caller=info.get("exec_caller"),
+        exec_start=int(info.get("exec_start", 0)),
+        metrics=dict(info.get("metrics", {})),
+        res_seen=dict(info.get("res_seen", {})),
+    )
+
+
+def _crc(tensor: torch.Tensor) -> int:
+    data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
+    return zlib.crc32(data)
+
+
+def atomic_save(
+    tensors: dict[str, torch.Tensor],
+    path: Path,
+    info: dict[str, Any] | None = None,
+    before_replace: WriteHook | None = None,
+) -> None:
+    """Write a checksummed safetensors file so that readers see the old file or the new one, never half.
+
+    ``info`` (JSON-able) and the tensors' CRC-32s go in one metadata entry with sorted
+    keys: safetensors writes its metadata map in no fixed order, and identical states
+    must give identical bytes.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
+    crcs = {k: _crc(v) for k, v in tensors.items()}
+    meta = {_INFO: json.dumps({**(info or {}), "crc32": crcs}, sort_keys=True)}
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        save_file(tensors, tmp, metadata=meta)
+        with open(tmp, "rb") as fh:
+            os.fsync(fh.fileno())
+        if before_replace is not None:
+            before_replace(Path(tmp))
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _damaged(path: Path, why: str) -> CheckpointError:
+    return CheckpointError(
+        f"checkpoint {path} is damaged ({why}). It was complete when written (files are written to a "
+        f"temporary name and renamed), so it was truncated or changed afterwards, e.g. by a disk error or "
+        f"an outside copy. Restore it from a backup, or delete the run folder and run the experiment again."
+    )
+
+
+def load_tensors(path: Path, names: list[str] | None = None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Tensors (all, or ``names``) and the info of a file written by ``atomic_save``, checksums verified."""
+    try:
+        with safe_open(str(path), framework="pt") as fh:
+            info = json.loads((fh.metadata() or {}).get(_INFO, "{}"))
+            keys = list(fh.keys()) if names is None else [n for n in names if n in fh.keys()]
+            tensors = {k: fh.get_tensor(k) for k in keys}
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise _damaged(path, f"unreadable: {exc}") from None
+    expected = info.pop("crc32", {})
+    for name, tensor in tensors.items():
+        if name not in expected or expected[name] != _crc(tensor):
+            raise _damaged(path, f"checksum mismatch in tensor {name!r}")
+    return tensors, info
+
+
+class StateStore:
+    """Node states, messages and residual accumulators of one run, under ``root``.
+
+    ``before_replace`` (optional) runs between writing a checkpoint and renaming it into
+    place; the fault-injection tests use it to kill a run in the middle of a write.
+    """
+
+    def __init__(self, root: str | Path, before_replace: WriteHook | None = None) -> None:
+        self.root = Path(root)
+        self.before_replace = before_replace
+
+    def remove_partial_writes(self) -> int:
+        """Delete temporary files of writes that a killed process never renamed into place."""
+        partial = list(self.root.glob("**/.*.tmp")) if self.root.is_dir() else []
+        for f in partial:
+            f.unlink(missing_ok=True)
+        return len(partial)
+
+    def node_path(self, node_id: str) -> Path:
+        return self.root / "nodes" / f"{node_id}.safetensors"
+
+    def has(self, node_id: str) -> bool:
+        return self.node_path(node_id).exists()
+
+    def load(self, node_id: str) -> NodeState:
+        path = self.node_path(node_id)
+        if not path.exists():
+            return NodeState()
+        return state_from_file(*load_tensors(path))
+
+    def load_info(self, node_id: str) -> dict[str, Any]:
+        """A node's round counter, execution and last metrics, without loading its tensors."""
+        path = self.node_path(node_id)
+        return load_tensors(path, [])[1] if path.exists() else {}
+
+    def load_header(self, node_id: str) -> NodeState:
+        """A node's state without its tensors (``model`` is None): cheap progress reads."""
+        return state_from_file({}, self.load_info(node_id))
+
+    def load_model(self, node_id: str) -> torch.Tensor | None:
+        path = self.node_path(node_id)
+        if not path.exists():
+            return None
+        return load_tensors(path, [_MODEL])[0].get(_MODEL)
+
+    def save(self, node_id: str, state: NodeState) -> None:
+        atomic_save(state_tensors(state), self.node_path(node_id), state_info(state), self.before_replace)
+
+    def commit(self, node_id: str, state: NodeState, persist: bool = True) -> None:
+        """The round's one commit point: save the state, then delete the residuals it consumed.
+
+        ``persist=False`` (a non-persistent client that receives no residuals) skips the
+        save: nothing of it outlives the execution.
+        """
+        if persist:
+            self.save(node_id, state)
+        self.drop_consumed(node_id, state.res_seen)
+
+    # Residual accumulators R_up / R_down: one file per sending round
+    # (``residuals/<receiver>/<kind>/<sender>.<round>.safetensors``), so posting is
+    # idempotent (a re-run round overwrites its own file) and needs no read-modify-write.
+
+    def post_residual(self, target: str, kind: str, sender: str, round_index: int, part: WeightedSum) -> None:
+        """Append a sender round's contribution to ``target``'s accumulator of residual ``kind``."""
+        assert part.total is not None
+        if self.load_info(target).get("res_seen", {}).get(f"{kind}/{sender}", -1) >= round_index:
+            return  # consumed already: this is a re-run of the sending round after a crash
+        path = self.root / "residuals" / target / kind / f"{sender}.{round_index:06d}.safetensors"
+        atomic_save({"total": part.total}, path, {"weight": part.weight})
+
+    def post(self, sender: str, round_index: int, posts: list[ResidualPost]) -> None:
+        """Deliver a sending round's residual posts (idempotent: see ``post_residual``)."""
+        for p in posts:
+            self.post_residual(p.target, p.kind, sender, round_index, p.part)
+
+    def inbox(self, target: str, direction: str, seen: dict[str, int]) -> Inbox:
+        """The residual accumulators of ``direction`` (``"up"``/``"down"``) waiting at ``target``, by kind.
+
+        Contributions at or below ``seen`` (already consumed) are skipped: a sender
+        re-run after a crash re-posts what the receiver may already have consumed.
+        """
+        folder = self.root / "residuals" / target
+        out: dict[str, PendingResidual] = {}
+        if not folder.is_dir():
+            return out
+        for kind_dir in sorted(d for d in folder.iterdir() if d.name.startswith(direction)):
+            acc, read = WeightedSum(), dict[str, int]()
+            for f in sorted(kind_dir.glob("*.safetensors")):  # sorted: float sums independent of listing order
+                sender, round_text = f.name.removesuffix(".safetensors").rsplit(".", 1)
+                key, round_index = f"{kind_dir.name}/{sender}", int(round_text)
+                if round_index <= seen.get(key, -1):
+                    continue
+                tensors, meta = load_tensors(f)
+                acc.merge(WeightedSum(tensors["total"], float(meta["weight"])))
+                read[key] = max(round_index, read.get(key, -1))
+            if not acc.empty:
+                out[kind_dir.name] = PendingResidual(acc, read)
+        return out
+
+    def drop_consumed(self, target: str, seen: dict[str, int]) -> None:
+        """Delete accumulator files at or below ``seen`` (after the state recording it is saved)."""
+        folder = self.root / "residuals" / target
+        if not folder.is_dir():
+            return
+        for f in folder.glob("*/*.safetensors"):
+            sender, round_text = f.name.removesuffix(".safetensors").rsplit(".", 1)
+            if int(round_text) <= seen.get(f"{f.parent.name}/{sender}", -1):
+                f.unlink(missing_ok=True)
+
+    def message_path(self, name: str) -> Path:
+        return self.root / "messages" / f"{name}.safetensors"
+
+    def write_message(self, name: str, theta: torch.Tensor) -> str:
+        path = self.message_path(name)
+        atomic_save({_MODEL: theta}, path)
+        return str(path)
+
+    @staticmethod
+    def read_message(path: str | Path) -> torch.Tensor:
+        return load_tensors(Path(path), [_MODEL])[0][_MODEL]

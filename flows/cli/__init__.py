@@ -1,0 +1,1 @@
+"""The ``bhfl`` command line application and its user-facing messages."""

@@ -1,0 +1,123 @@
+"""``bhfl compare``: several experiment runs side by side, read from the MLflow store.
+
+A reference is a parent run id, or an experiment name (its latest finished run).
+Every number comes from the parent run's metrics that ``flows.tracking.report`` logged at the
+end of the run, so any finished run in any store can be compared, e.g. B-HFL vs
+FedAvg vs HierFAVG on the same data.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import math
+import re
+from collections.abc import Sequence
+
+from mlflow import MlflowClient
+from mlflow.entities import Run
+from mlflow.exceptions import MlflowException
+from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
+
+from bhfl_core.learning.metrics import task_metrics
+
+_RUN_ID = re.compile(r"^[0-9a-f]{32}$")
+
+
+class CompareError(ValueError):
+    """A reference that names no run or experiment in the store; the message says which."""
+
+
+def resolve(client: MlflowClient, ref: str) -> Run:
+    """The experiment run a reference names (a run id, or an experiment's latest finished run)."""
+    if _RUN_ID.match(ref):
+        try:
+            run = client.get_run(ref)
+        except MlflowException:
+            run = None
+        if run is not None:
+            parent = run.data.tags.get(MLFLOW_PARENT_RUN_ID)
+            if parent:
+                node = run.data.tags.get("bhfl.node", run.info.run_name)
+                raise CompareError(f"{ref}: this is the run of node {node!r}; compare experiment runs, "
+                                   f"e.g. its top-level run (follow the parent runs up from {parent})")
+            return run
+    experiment = client.get_experiment_by_name(ref)
+    if experiment is None:
+        raise CompareError(f"{ref!r} is neither a run id nor an experiment name in this MLflow store")
+    runs = client.search_runs([experiment.experiment_id], "attributes.status = 'FINISHED'",
+                              order_by=["attributes.start_time DESC"], max_results=1000)
+    for run in runs:
+        if MLFLOW_PARENT_RUN_ID not in run.data.tags:
+            return run
+    raise CompareError(f"experiment {ref!r} has no finished run yet")
+
+
+COLUMNS = (
+    "experiment", "run_id", "metric", "leaf_mean", "leaf_worst10", "parent_mean", "parent_worst10",
+    "root_union", "root_proxy", "closer_is_better_share", "comm_model_equivalents", "comm_mb", "root_rounds", "wall_s",
+)
+HEADERS = {
+    "experiment": "experiment", "run_id": "run", "metric": "metric",
+    "leaf_mean": "own model: mean", "leaf_worst10": "own model: worst 10%",
+    "parent_mean": "parent server: mean", "parent_worst10": "parent server: worst 10%",
+    "root_union": "root on union", "root_proxy": "root on proxy",
+    "closer_is_better_share": "closer is better (share of clients)",
+    "comm_model_equivalents": "communication (models)", "comm_mb": "communication (MB)",
+    "root_rounds": "root rounds", "wall_s": "wall time (s)",
+}
+
+
+def row(client: MlflowClient, run: Run) -> dict[str, object]:
+    """One table row: the run's headline metrics in the task's primary metric."""
+    m = run.data.metrics
+    metric = task_metrics(run.data.tags.get("bhfl.task", "classification")).primary
+    nan = math.nan
+    comm_bytes = m.get("comm/total_bytes", nan)
+    return {
+        "experiment": client.get_experiment(run.info.experiment_id).name,
+        "run_id": run.info.run_id,
+        "metric": metric,
+        "leaf_mean": m.get(f"client_on_own_clients/{metric}_mean", nan),
+        "leaf_worst10": m.get(f"client_on_own_clients/{metric}_worst10", nan),
+        "parent_mean": m.get(f"edge_on_own_clients/{metric}_mean", nan),
+        "parent_worst10": m.get(f"edge_on_own_clients/{metric}_worst10", nan),
+        "root_union": m.get(f"root/union/{metric}", nan),
+        "root_proxy": m.get(f"root/proxy/{metric}", nan),
+        "closer_is_better_share": m.get("proximity/share_clients_rank", nan),
+        "comm_model_equivalents": m.get("comm/total_model_equivalents", nan),
+        "comm_mb": comm_bytes / 1e6,
+        "root_rounds": run.data.params.get("tree.root.rounds", ""),
+        "wall_s": m.get("time/total_s", nan),
+    }
+
+
+def compare(client: MlflowClient, refs: Sequence[str]) -> list[dict[str, object]]:
+    return [row(client, resolve(client, ref)) for ref in refs]
+
+
+def _cell(value: object, column: str) -> str:
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "–"
+        if column in ("comm_model_equivalents", "wall_s"):
+            return f"{value:.0f}"
+        return f"{value:.2f}" if column == "comm_mb" else f"{value:.4f}"
+    if column == "run_id":
+        return str(value)[:8]
+    return str(value)
+
+
+def to_markdown(rows: Sequence[dict[str, object]]) -> str:
+    lines = ["| " + " | ".join(HEADERS[c] for c in COLUMNS) + " |", "|" + "|".join("---" for _ in COLUMNS) + "|"]
+    lines += ["| " + " | ".join(_cell(r[c], c) for c in COLUMNS) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def to_csv(rows: Sequence[dict[str, object]]) -> str:
+    """Full-precision CSV (NaN where a run lacks a number), one row per run."""
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=list(COLUMNS), lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows)
+    return out.getvalue()

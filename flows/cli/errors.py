@@ -1,0 +1,52 @@
+"""One paragraph per failure a user can act on: what went wrong, what to do, how to go on.
+
+Config and data mistakes, damaged checkpoints, out-of-memory and disk-full errors
+reach the user as a message naming the cause and the fix, not as a stack trace. An
+error not listed here is a bug: the CLI shows its traceback.
+"""
+
+from __future__ import annotations
+
+import errno
+from pathlib import Path
+
+import torch
+
+from bhfl_core.config.base import ConfigError
+from bhfl_core.store.node_store import CheckpointError
+from data_prep.partition import PartitionError
+from flows.experiment import RunStateError
+
+
+def resume_hint(run_path: Path | None) -> str:
+    if run_path is None or not (run_path / "config.yaml").exists():
+        return "Nothing was trained yet; run the command again once it is fixed."
+    return (f"Everything finished so far is kept; once it is fixed, continue with "
+            f"`bhfl resume {run_path}` (finished nodes and rounds are not run again).")
+
+
+def explain(exc: BaseException, run_path: Path | None) -> str | None:
+    """The user-facing paragraph for ``exc``, or None if it is not a known kind of failure."""
+    if isinstance(exc, RunStateError):
+        return str(exc)
+    if isinstance(exc, ConfigError):  # found while running: a dataset or model that cannot be loaded
+        return f"{exc} {resume_hint(run_path)}"
+    if isinstance(exc, PartitionError):
+        return f"The data cannot be partitioned as configured: {exc}. {resume_hint(run_path)}"
+    if isinstance(exc, CheckpointError):
+        return str(exc)
+    if isinstance(exc, torch.OutOfMemoryError):
+        return (
+            f"Out of GPU memory ({str(exc).splitlines()[0]}). Fewer workers per GPU or a smaller evaluation "
+            f"batch keep the results unchanged: resume with `--set runtime.workers=1` or `--set eval.batch_size=64`. "
+            f"A smaller `train.batch_size` or `model.max_length` changes the experiment: start a new run with it. "
+            f"{resume_hint(run_path)}"
+        )
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        where = f" while writing {exc.filename}" if exc.filename else ""
+        return (
+            f"The disk is full{where}. Checkpoints are written to a temporary file and renamed, so the "
+            f"last complete checkpoint of every node is intact. Free some space (`df -h`; the data cache "
+            f"under <run-dir>/cache and old runs can be deleted). {resume_hint(run_path)}"
+        )
+    return None

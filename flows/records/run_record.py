@@ -1,0 +1,87 @@
+"""``run.json``: what a run folder says about its run (status, MLflow ids, resumes).
+
+Written atomically (temporary file + rename) at every change of status, so a run
+killed at any moment leaves a readable record: ``bhfl runs`` and ``bhfl resume``
+start from it. A record saying ``running`` whose process is gone is a run that was
+killed (SIGKILL, power loss, OOM killer).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from bhfl_core.store.atomic import write_text_atomic
+
+RECORD_FILE = "run.json"
+Status = Literal["running", "finished", "failed"]
+
+
+def new_run_path(run_root: Path, name: str) -> Path:
+    """``<run_root>/<name>/<UTC timestamp>``: where a new run of ``name`` writes."""
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S-%f")[:-3]
+    return run_root / name / stamp
+
+
+class RunRecord(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: str
+    status: Status = "running"
+    pid: int = Field(default_factory=os.getpid)
+    host: str = Field(default_factory=socket.gethostname)
+    started: float = Field(default_factory=time.time)
+    updated: float = Field(default_factory=time.time)
+    tracking_uri: str = ""
+    experiment_id: str = ""
+    parent_run_id: str = ""
+    node_runs: dict[str, str] = {}
+    resumes: int = 0
+    evaluated_steps: list[int] = []
+    error: str = ""
+    # Where the run's worker calls go (so any process can execute any part of the tree):
+    # the Dask scheduler's address ("" for runtime.executor: inprocess) and the workers
+    # the run places work on (name, device, kind, host, pid), as found when this attempt started.
+    cluster: str = ""
+    workers: list[dict[str, str]] = []
+    # Wall-clock moments of the latest attempt (epoch seconds): process_start,
+    # imports_done, flow_start, data_ready, tracking_ready, workers_ready,
+    # first_training, last_aggregate, finished.
+    timeline: dict[str, float] = {}
+
+    @classmethod
+    def read(cls, run_path: Path) -> RunRecord | None:
+        path = run_path / RECORD_FILE
+        if not path.exists():
+            return None
+        return cls.model_validate_json(path.read_text())
+
+    def write(self, run_path: Path) -> None:
+        self.updated = time.time()
+        write_text_atomic(run_path / RECORD_FILE, json.dumps(self.model_dump(), indent=2))
+
+    def process_alive(self) -> bool:
+        """Whether the process that last ran this run is still running (same host only)."""
+        if self.host != socket.gethostname():
+            return False
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+    @property
+    def effective_status(self) -> str:
+        """``running`` only while its process lives; a dead ``running`` run was interrupted."""
+        if self.status == "running" and not self.process_alive():
+            return "interrupted"
+        return self.status

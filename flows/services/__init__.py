@@ -1,0 +1,1 @@
+"""Local services a run owns: its Prefect API server and the SQLite store templates."""

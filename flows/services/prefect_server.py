@@ -1,0 +1,149 @@
+"""A Prefect API server owned by this process, which dies with it.
+
+Prefect's own temporary server (used when ``PREFECT_API_URL`` is unset) outlives a
+process killed with SIGKILL: the orphan keeps the run folder's Prefect database open,
+and a resumed run would start a second server on the same SQLite file. So the CLI
+starts the server itself, on 127.0.0.1, asking Linux to SIGTERM it when its parent
+dies (``PR_SET_PDEATHSIG``), and points ``PREFECT_API_URL`` at it before Prefect is
+imported. ``full=False`` is the same server Prefect starts as its temporary one (API
+only); ``full=True`` is ``prefect server start`` (UI and services, e.g. the scheduler
+that ``bhfl serve`` needs). The server starts in the background (``start_server``
+returns at once) so the command does its other start-up work meanwhile.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.metadata
+import importlib.util
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Self
+
+from flows.services.store_templates import save_template, seed
+
+_PR_SET_PDEATHSIG = 1
+try:  # resolved here, not in the forked child: no dlopen between fork and exec (threads may hold its lock)
+    _prctl = ctypes.CDLL(None, use_errno=True).prctl
+except (OSError, AttributeError):  # not Linux: the server may outlive a killed parent
+    _prctl = None
+
+
+def _die_with_parent() -> None:
+    if _prctl is not None:
+        _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def free_port(preferred: int | None = None) -> int:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", preferred or 0))
+        except OSError:
+            s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+_NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # 127.0.0.1: never via $http_proxy
+
+
+def wait_healthy(api_url: str, timeout_s: float, proc: subprocess.Popen | None = None, poll_s: float = 0.05) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"the Prefect server exited with code {proc.returncode} before it was ready")
+        try:
+            with _NO_PROXY.open(f"{api_url}/health", timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(poll_s)
+    raise RuntimeError(f"the Prefect server at {api_url} did not answer within {timeout_s:.0f} s")
+
+
+class PrefectServer:
+    """A Prefect API server this process started; it may still be booting (``wait_healthy``)."""
+
+    def __init__(self, proc: subprocess.Popen, api_url: str, database: Path | None) -> None:
+        self.proc, self.api_url, self.database = proc, api_url, database
+        self._healthy = False
+
+    def wait_healthy(self, timeout_s: float = 180) -> None:
+        """Block until the server answers; a new database it migrated becomes the template for the next ones."""
+        if self._healthy:
+            return
+        try:
+            wait_healthy(self.api_url, timeout_s, self.proc)
+        except BaseException:
+            self.stop()
+            raise
+        self._healthy = True
+        if self.database is not None:
+            save_template(self.database, "prefect", prefect_version())
+
+    def stop(self) -> None:
+        """SIGTERM (uvicorn shuts down gracefully), SIGKILL after 15 s; a no-op once it has exited."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+        try:
+            self.proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def prefect_version() -> str:
+    return importlib.metadata.version("prefect")
+
+
+def _own_database(env: dict[str, str]) -> Path | None:
+    """The SQLite file the server will use, unless the user configured a database of their own."""
+    if "PREFECT_API_DATABASE_CONNECTION_URL" in env or "PREFECT_SERVER_DATABASE_CONNECTION_URL" in env:
+        return None  # e.g. Postgres: not ours to seed, nor to copy from
+    return Path(env.get("PREFECT_HOME") or Path.home() / ".prefect").expanduser() / "prefect.db"
+
+
+def start_server(log_file: Path, full: bool, port: int | None = None) -> PrefectServer:
+    """Start a Prefect server on 127.0.0.1 (database under ``$PREFECT_HOME``) and return at once.
+
+    Call it from a thread that outlives the server (Linux sends the death signal when the
+    forking thread ends; the CLI calls it from its main thread). Call ``wait_healthy`` on
+    the result before the first request (the server boots in ~3-4 s of CPU, mostly
+    imports) and ``stop`` at the end. A new database starts as a
+    copy of the migrated template of this Prefect version (flows/services/store_templates.py):
+    ~6 s of migrations and ~0.5 s of block registration saved; a new database that
+    migrated itself becomes that template once the server answers.
+    """
+    port = free_port(port)
+    env = os.environ.copy()
+    database = _own_database(env)
+    created = database is not None and not database.exists()
+    seeded = created and seed(database, "prefect", prefect_version())  # type: ignore[arg-type]
+    if full:
+        cmd = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)]
+    else:
+        spec = importlib.util.find_spec("prefect")
+        assert spec is not None and spec.submodule_search_locations
+        app_dir = str(Path(next(iter(spec.submodule_search_locations))).parent)
+        cmd = [sys.executable, "-m", "uvicorn", "--app-dir", app_dir, "--factory", "prefect.server.api.server:create_app",
+               "--host", "127.0.0.1", "--port", str(port), "--log-level", "error", "--lifespan", "on"]
+        env.update({"PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"})
+        if seeded:  # the template has them (store_templates checks), so skip re-registering
+            env.setdefault("PREFECT_API_BLOCKS_REGISTER_ON_START", "false")
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_file, "ab") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent)
+    return PrefectServer(proc, f"http://127.0.0.1:{port}/api", database if created and not seeded else None)

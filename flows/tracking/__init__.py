@@ -1,0 +1,1 @@
+"""MLflow tracking and the reports (metrics, tables, figures) logged to it."""

@@ -1,0 +1,268 @@
+"""Experiment reports: per-evaluation MLflow metrics, and the final artefacts of a run.
+
+``log_evaluation`` runs after every evaluation (``eval.every`` and the final one):
+each server's run gets ``eval/<test_set>/<metric>`` and its client distributions
+``dist/<subtree|all>/<metric>_<stat>`` with ``step = root round``; the parent run
+gets the headlines and the evaluation's wall time.
+
+``write_report`` runs once at the end. It writes, under ``<run folder>/report/`` and
+then to the parent run's artefacts (same layout):
+
+    report.md                     the key numbers together, with the two figures
+    eval/matrix.csv               node,level,test_set,metric,value (every model x test set)
+    eval/distribution.csv         per model: distribution over its subtree's clients and over all clients
+    eval/clients.csv              per client: each relative's model on its test split, gain vs local-only
+    eval/proximity.csv            metric vs tree distance (all pairs, own path, off path)
+    eval/proximity_clients.csv    per client: Spearman rho(distance, quality), path monotone
+    eval/communication.csv        models and bytes per server, round, direction, kind
+    eval/communication_levels.csv the same summed per level
+    eval/heatmap.png, eval/proximity.png
+
+Communication and evaluation time are read back from MLflow metric histories (not
+in-process counters), so a resumed run reports the whole run.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from matplotlib.figure import Figure
+
+from bhfl_core.analysis import communication as comm
+from bhfl_core.analysis import proximity
+from bhfl_core.store.atomic import temp_sibling, write_text_atomic
+from bhfl_core.analysis.evaluation import PROXY, UNION, Evaluation, clients_csv, distribution, distribution_csv, matrix_csv
+from flows.tracking import plots
+from flows.tracking.tracker import Tracker
+from tasks.context import RunContext
+
+REPORT_DIR = "report"
+RESULTS_MARK = "\n\n**Results**"
+RELATION_NAMES = {
+    "client": "client's own model", "edge": "its parent server", "server": "its intermediate server",
+    "root": "root", "adapted": "locally adapted model", "local_only": "local-only model",
+}
+
+
+def _num(value: float | None) -> float:
+    return math.nan if value is None else value
+
+
+def save_figure(fig: Figure, path: Path, dpi: int = 110) -> None:
+    """Write a figure as PNG to a temporary name, then rename."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temp_sibling(path)
+    try:
+        fig.savefig(tmp, dpi=dpi, bbox_inches="tight", format="png")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    def cell(v: object) -> str:
+        if isinstance(v, float):
+            return "–" if math.isnan(v) else f"{v:.4g}"
+        return str(v)
+
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def log_evaluation(tracker: Tracker, ev: Evaluation, step: int, seconds: Mapping[str, float]) -> dict[str, float]:
+    """Per-node metrics (server runs) and parent headlines for one evaluation, at ``step``."""
+    for node in ev.tree.servers():
+        if node.id in ev.models:
+            tracker.log_node(node.id, ev.node_metrics(node.id), step)
+    headline = ev.headline()
+    tracker.log_metrics(tracker.parent_id, {**headline, **seconds}, step)
+    return headline
+
+
+def _communication(tracker: Tracker, ctx: RunContext) -> tuple[list[comm.CommRow], int]:
+    theta = ctx.store.load_model(ctx.tree.root_id)
+    if theta is None:
+        raise RuntimeError(f"the root has no saved model in {ctx.store.root}; nothing to report")
+    history = {node: {key: tracker.history(run_id, key) for key in comm.KEYS} for node, run_id in tracker.node_runs.items()}
+    return comm.comm_rows(ctx.tree, history, theta.numel()), theta.numel()
+
+
+def _cost(tracker: Tracker, timings: Mapping[str, float], final_step: int) -> dict[str, float]:
+    """Evaluation seconds over training seconds, from the persisted per-evaluation times.
+
+    Intermediate evaluations (``eval.every``) run inside the training phase, so they are
+    taken out of ``time/train_s`` before dividing.
+    """
+    evals = tracker.history(tracker.parent_id, "time/eval_s")
+    intermediate = sum(s for step, s in evals.items() if step != final_step)
+    total = sum(evals.values())
+    training = timings.get("time/train_s", float("nan")) - intermediate
+    out = {"time/eval_total_s": total, "time/training_only_s": training,
+           "time/eval_share": total / training if training > 0 else float("nan")}
+    baselines = tracker.history(tracker.parent_id, "time/baselines_s")
+    if baselines:
+        out["time/baselines_total_s"] = sum(baselines.values())
+    return out
+
+
+def write_report(tracker: Tracker, ctx: RunContext, ev: Evaluation, timings: Mapping[str, float]) -> dict[str, float]:
+    """Write the run's report files, log them and the summary metrics to the parent run; return headlines."""
+    folder = ctx.run_path / REPORT_DIR
+    final_step = ctx.tree.root.settings.rounds
+    prox = proximity.analyse(ev)
+    comm_rows, num_params = _communication(tracker, ctx)
+    levels = comm.summarise(ctx.tree, comm_rows)
+    totals = comm.totals(comm_rows)
+    cost = _cost(tracker, timings, final_step)
+
+    files = {
+        "eval/matrix.csv": matrix_csv(ev.rows),
+        "eval/distribution.csv": distribution_csv(ev.distribution_rows()),
+        "eval/clients.csv": clients_csv(ev.client_rows()),
+        "eval/proximity.csv": proximity.curve_csv(prox),
+        "eval/proximity_clients.csv": proximity.clients_csv(prox),
+        "eval/communication.csv": comm.rows_csv(comm_rows),
+        "eval/communication_levels.csv": comm.summary_csv(levels),
+    }
+    for name, text in files.items():
+        write_text_atomic(folder / name, text)
+    save_figure(plots.heatmap(ev), folder / "eval" / "heatmap.png")
+    save_figure(plots.proximity_plot(ev, prox), folder / "eval" / "proximity.png")
+    headline = {**ev.headline(), **{k: v for k, v in proximity.headline(prox).items() if "share_clients" in k},
+                "comm/total_model_equivalents": totals["comm/total_model_equivalents"]}
+    write_text_atomic(folder / "report.md", render_markdown(tracker, ctx, ev, prox, levels, totals, num_params, cost, timings))
+
+    tracker.log_artifacts(folder)
+    tracker.log_metrics(tracker.parent_id, {**headline, **proximity.headline(prox), **totals, **cost}, final_step)
+    tracker.set_tags({"bhfl.task": ev.task.task, "bhfl.model_params": str(num_params), "bhfl.report": "report.md"})
+    _describe_runs(tracker, ctx, ev, prox, totals)
+    return headline
+
+
+def _describe_runs(tracker: Tracker, ctx: RunContext, ev: Evaluation, prox: proximity.Proximity,
+                   totals: Mapping[str, float]) -> None:
+    """Run descriptions with the key numbers, so the UI's run pages say what the run found."""
+    metric = ev.task.primary
+    h = ev.headline()
+    parts = [f"root on union {h.get(f'root/union/{metric}', math.nan):.3f}, on proxy {h.get(f'root/proxy/{metric}', math.nan):.3f}"]
+    for relation in ("client", "edge", "root", "adapted", "local_only"):
+        key = f"{relation}_on_own_clients/{metric}"
+        if f"{key}_mean" in h:
+            parts.append(f"{RELATION_NAMES[relation]} on each client: mean {h[key + '_mean']:.3f}, worst 10% {h[key + '_worst10']:.3f}")
+    parts.append(f"closer is better for {prox.share_rank:.0%} of clients (rank) / {prox.share_path:.0%} (path)")
+    parts.append(f"communication {comm.human_bytes(totals['comm/total_bytes'])}")
+    base = tracker.note(tracker.parent_id).split(RESULTS_MARK)[0]
+    tracker.describe(tracker.parent_id, f"{base}{RESULTS_MARK} ({metric}): " + "; ".join(parts) + ". See report.md.")
+    for node in ctx.tree.servers():
+        run_id = tracker.node_runs.get(node.id)
+        if run_id is None or node.id not in ev.models:
+            continue
+        s = node.settings
+        clients = ev.population(node.id)
+        d = distribution(ev.per_client(node.id, clients), ev.task.better(metric))
+        what = {"root": "Root server", "server": "Intermediate server", "edge": "Edge server"}[node.role.value]
+        tracker.describe(run_id, (
+            f"{what} `{node.id}` (level {node.depth}{f', {node.group}' if node.group else ''}): "
+            f"{len(node.children)} children, {len(clients)} clients, {node.weight:.0f} training examples; "
+            f"{s.rounds} round(s) per execution, cohort {s.cohort or 'all'}, up {s.opt_up.kind} eta {s.opt_up.eta:g}, "
+            f"down {s.opt_down.kind} eta {s.opt_down.eta:g}{', proxy training' if s.train is not None else ''}."
+            f"{RESULTS_MARK} ({metric}): on its clients' tests mean {d.mean:.3f}, worst 10% {d.worst10:.3f}; "
+            f"union {_num(ev.value(node.id, UNION)):.3f}; proxy {_num(ev.value(node.id, PROXY)):.3f}."
+        ))
+
+
+def render_markdown(tracker: Tracker, ctx: RunContext, ev: Evaluation, prox: proximity.Proximity,
+                    levels: Sequence[comm.LevelSummary], totals: Mapping[str, float], num_params: int,
+                    cost: Mapping[str, float], timings: Mapping[str, float]) -> str:
+    cfg, tree, metric = ctx.config, ctx.tree, ev.task.primary
+    better = "higher" if ev.task.better(metric) else "lower"
+    h = ev.headline()
+    out = [
+        f"# {cfg.name}: evaluation report",
+        "",
+        f"MLflow run `{tracker.parent_id}` · seed {cfg.seed} · task {ev.task.task} · "
+        f"{len(tree.clients())} clients, {len(tree.servers())} servers, {tree.root.settings.rounds} root rounds · "
+        f"model {cfg.model.name} ({num_params:,} trainable parameters) · data `{ctx.manifest.fingerprint}`",
+        "",
+        f"## Each client's test split ({metric}, {better} is better)",
+        "",
+        "Every client's own test split, scored with each model that belongs to the client; "
+        "mean / median / best and worst 10% over clients.",
+        "",
+    ]
+    rows = []
+    for relation in RELATION_NAMES:
+        values = [ev.value(m, c) for c in ev.clients for rel, m in ev.relatives(c) if rel == relation]
+        values = [v for v in values if v is not None]
+        if values:
+            d = distribution(values, ev.task.better(metric))
+            g = h.get(f"gain_vs_local/{relation}/{metric}_mean", math.nan)
+            share = h.get(f"gain_vs_local/{relation}/{metric}_share_better", math.nan)
+            rows.append([RELATION_NAMES[relation], d.n, d.mean, d.median, d.best10, d.worst10, g, share])
+    out += [markdown_table(["model", "clients", "mean", "median", "best 10%", "worst 10%",
+                            "gain vs local-only", "share better than local-only"], rows), ""]
+    out += [f"Root model: {h.get(f'root/union/{metric}', math.nan):.4f} on the union of all client tests, "
+            f"{h.get(f'root/proxy/{metric}', math.nan):.4f} on the proxy test split.", ""]
+
+    out += [f"## Every server ({metric})", "",
+            "Distribution over the clients of the server's subtree, and the server on the union and proxy tests.", ""]
+    rows = []
+    for node in tree.servers():
+        if node.id in ev.models:
+            d = distribution(ev.per_client(node.id, ev.population(node.id)), ev.task.better(metric))
+            sub = ev.value(node.id, UNION if node.parent is None else f"subtree:{node.id}")
+            rows.append([node.id, node.depth, d.n, d.mean, d.median, d.best10, d.worst10, d.variance, sub,
+                         ev.value(node.id, UNION), ev.value(node.id, PROXY)])
+    rows.sort(key=lambda r: (r[1], r[0]))
+    out += [markdown_table(["server", "level", "clients", "mean", "median", "best 10%", "worst 10%", "variance",
+                            "subtree union", "union", "proxy"], rows), ""]
+
+    out += ["## Proximity: is a closer model better?", "",
+            f"{metric} of every node model on every client's test split, against the tree distance between the "
+            "model's node and the client (0 = the client's own model). 'path' keeps the client's own model and its "
+            "ancestors.", ""]
+    dist_rows: dict[int, dict[str, object]] = {}
+    for c in prox.curve:
+        dist_rows.setdefault(c.distance, {})[c.relation] = c
+    table = []
+    for d, by in sorted(dist_rows.items()):
+        cell = lambda rel: (by[rel].mean, by[rel].n) if rel in by else (math.nan, 0)  # noqa: E731
+        (a, na), (p, np_), (o, no) = cell("all"), cell("path"), cell("off_path")
+        table.append([d, a, na, p, np_, o, no])
+    out += [markdown_table(["distance", "mean (all)", "pairs", "mean (path)", "pairs", "mean (off path)", "pairs"], table), ""]
+    out += [f"- Hypothesis on clients' data holds for **{prox.share_rank:.0%}** of clients by rank (Spearman "
+            f"correlation of distance and quality < 0) and for **{prox.share_path:.0%}** along the path "
+            "(own model ≥ parent ≥ … ≥ root). Step by step along the path: "
+            + ", ".join(f"distance {d} ≥ {d + 1} for {share:.0%} of {n} clients" for d, n, share in prox.path_steps) + "."]
+    for test_set, g in prox.globals.items():
+        out.append(f"- On `{test_set}`: rank correlation of depth and quality {g.rho_depth:+.2f} (negative = better "
+                   f"towards the root); quality never falls going up for {g.path_share:.0%} of client paths; "
+                   "mean by depth " + ", ".join(f"{d}: {v:.3f}" for d, _, v in g.by_depth) + ".")
+    out += ["", "![proximity](eval/proximity.png)", "", "## Heatmap", "",
+            "Rows: node models in tree order; columns: client test splits (same order), subtree unions, "
+            "the union of all clients, the proxy test.", "", "![heatmap](eval/heatmap.png)", ""]
+
+    out += ["## Communication", "",
+            f"One model = {num_params:,} float32 values = {comm.human_bytes(num_params * comm.BYTES_PER_VALUE)}. "
+            "Level = depth of the server that sends to / receives from its children (residuals: sent by it).", ""]
+    out += [markdown_table(["level", "servers", "direction", "kind", "server rounds", "models", "bytes", "models per round"],
+                           [[s.level, s.servers, s.direction, s.kind, s.server_rounds, f"{s.models:g}",
+                             comm.human_bytes(s.bytes), f"{s.models_per_round:.2f}"] for s in levels]), ""]
+    out += [f"Total: **{totals['comm/total_model_equivalents']:g} model-equivalents, "
+            f"{comm.human_bytes(totals['comm/total_bytes'])}** (down {comm.human_bytes(totals['comm/down_bytes'])}, "
+            f"up {comm.human_bytes(totals['comm/up_bytes'])}, of which residuals "
+            f"{comm.human_bytes(totals['comm/residual_bytes'])}).", ""]
+
+    out += ["## Cost", "",
+            f"Training {cost['time/training_only_s']:.1f} s; evaluation of every node on every test set "
+            f"{cost['time/eval_total_s']:.1f} s in all ({cost['time/eval_share']:.1%} of training)"
+            + (f"; per-client baselines {cost['time/baselines_total_s']:.1f} s" if "time/baselines_total_s" in cost else "")
+            + f"; total run {timings.get('time/total_s', math.nan):.0f} s.", ""]
+    out += ["Files: `eval/matrix.csv`, `eval/distribution.csv`, `eval/clients.csv`, `eval/proximity.csv`, "
+            "`eval/proximity_clients.csv`, `eval/communication.csv`, `eval/communication_levels.csv` "
+            "(docs/evaluation.md explains each).", ""]
+    return "\n".join(out)

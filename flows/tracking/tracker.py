@@ -1,0 +1,176 @@
+"""MLflow tracking through ``MlflowClient`` with explicit run ids (thread-safe from tasks).
+
+Layout in the store: one experiment per config ``name``; one parent run per
+experiment run; under it a run per server node, nested like the tree (root ->
+intermediate servers -> edge servers), tagged ``bhfl.node``, ``bhfl.level`` (depth,
+root = 0) and ``bhfl.role``. Training metrics use ``step = node round``; evaluation
+metrics are ``eval/<test_set>/<metric>`` with ``step = root round``.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import time
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+from mlflow import MlflowClient
+from mlflow.entities import Metric, Param
+from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID, MLFLOW_RUN_NOTE
+
+from bhfl_core.algorithm.tree import Tree
+from flows.services.store_templates import sqlite_from_template
+
+_BATCH = 900  # MLflow accepts at most 1000 entities per log_batch
+
+
+def default_tracking_uri(run_root: Path) -> str:
+    return f"sqlite:///{(run_root / 'mlflow.db').resolve()}"
+
+
+def sqlite_file(tracking_uri: str) -> Path | None:
+    """The database file of a local SQLite store URI (``sqlite:///path``), else None."""
+    return Path(tracking_uri[len("sqlite:///"):]) if urlparse(tracking_uri).scheme == "sqlite" else None
+
+
+def _artifact_root(tracking_uri: str) -> str | None:
+    """A file artefact folder next to a local SQLite store; None lets a server decide."""
+    db = sqlite_file(tracking_uri)
+    return None if db is None else (db.parent / "mlartifacts").resolve().as_uri()
+
+
+def flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
+    out: dict[str, str] = {}
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping) and value:
+            out.update(flatten(value, name + "."))
+        else:
+            out[name] = json.dumps(value) if isinstance(value, (list, dict)) else str(value)
+    return out
+
+
+class Tracker:
+    def __init__(self, tracking_uri: str) -> None:
+        self.uri = tracking_uri
+        db = sqlite_file(tracking_uri)
+        if db is None:
+            self.client = MlflowClient(tracking_uri)
+        else:  # a new local store starts as a copy of a migrated one (flows/services/store_templates.py)
+            with sqlite_from_template(db, "mlflow", importlib.metadata.version("mlflow")):
+                self.client = MlflowClient(tracking_uri)
+        self.experiment_id = ""
+        self.parent_id = ""
+        self.node_runs: dict[str, str] = {}
+
+    def start(self, name: str, params: Mapping[str, Any], tree: Tree, tags: Mapping[str, str], description: str) -> str:
+        exp = self.client.get_experiment_by_name(name)
+        self.experiment_id = exp.experiment_id if exp else self.client.create_experiment(name, artifact_location=_artifact_root(self.uri))
+        parent = self.client.create_run(self.experiment_id, run_name=name, tags={**tags, MLFLOW_RUN_NOTE: description})
+        self.parent_id = parent.info.run_id
+        flat = flatten(params)
+        self._batched(self.parent_id, params=[Param(k[:250], v[:6000]) for k, v in sorted(flat.items())])
+        # parents before children: walk the tree top-down
+        order = [tree.root]
+        while order:
+            node = order.pop(0)
+            if node.is_leaf:
+                continue
+            parent_run = self.parent_id if node.parent is None else self.node_runs[node.parent]
+            run = self.client.create_run(self.experiment_id, run_name=node.id, tags={
+                MLFLOW_PARENT_RUN_ID: parent_run, "bhfl.node": node.id, "bhfl.level": str(node.depth),
+                "bhfl.role": node.role.value, **({"bhfl.group": node.group} if node.group else {}),
+            })
+            self.node_runs[node.id] = run.info.run_id
+            order.extend(tree.children(node.id))
+        return self.parent_id
+
+    @classmethod
+    def attach(cls, tracking_uri: str, experiment_id: str, parent_id: str, node_runs: Mapping[str, str]) -> Tracker:
+        """A tracker for runs that exist (a node execution rebuilds it from the run record)."""
+        tracker = cls(tracking_uri)
+        tracker.experiment_id, tracker.parent_id, tracker.node_runs = experiment_id, parent_id, dict(node_runs)
+        return tracker
+
+    def reopen(self, experiment_id: str, parent_id: str, node_runs: Mapping[str, str], resume_number: int) -> None:
+        """Continue an existing experiment run (``bhfl resume``): same parent and node runs, tagged."""
+        self.experiment_id, self.parent_id, self.node_runs = experiment_id, parent_id, dict(node_runs)
+        for run_id in [parent_id, *self.node_runs.values()]:
+            self.client.update_run(run_id, status="RUNNING")
+        self.client.set_tag(parent_id, "bhfl.resumes", str(resume_number))
+        self.client.set_tag(parent_id, f"bhfl.resume.{resume_number}",
+                            time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime()))
+
+    def _batched(self, run_id: str, metrics: Iterable[Metric] = (), params: Iterable[Param] = ()) -> None:
+        metrics, params = list(metrics), list(params)
+        for i in range(0, max(len(metrics), 1), _BATCH):
+            chunk = metrics[i : i + _BATCH]
+            if chunk:
+                self.client.log_batch(run_id, metrics=chunk)
+        for i in range(0, len(params), 100):
+            self.client.log_batch(run_id, params=params[i : i + 100])
+
+    def log_metrics(self, run_id: str, values: Mapping[str, float], step: int) -> None:
+        now = int(time.time() * 1000)
+        self._batched(run_id, [Metric(k, float(v), now, step) for k, v in values.items() if v == v])
+
+    def log_node(self, node_id: str, values: Mapping[str, float], step: int) -> None:
+        if node_id in self.node_runs:
+            self.log_metrics(self.node_runs[node_id], values, step)
+
+    def log_text(self, text: str, artifact_path: str, run_id: str | None = None) -> None:
+        self.client.log_text(run_id or self.parent_id, text, artifact_path)
+
+    def log_artifact(self, path: Path, artifact_dir: str | None = None) -> None:
+        self.client.log_artifact(self.parent_id, str(path), artifact_dir)
+
+    def set_tags(self, tags: Mapping[str, str], run_id: str | None = None) -> None:
+        for k, v in tags.items():
+            self.client.set_tag(run_id or self.parent_id, k, v)
+
+    def log_artifacts(self, folder: Path, artifact_dir: str | None = None) -> None:
+        """Every file under ``folder`` to the parent run (``artifact_dir`` None: the artefact root)."""
+        self.client.log_artifacts(self.parent_id, str(folder), artifact_dir)
+
+    def log_data_report(self, data_root: Path) -> None:
+        """The prepared data's manifest and partition report (plots, summary) under ``data/`` of the parent run.
+
+        Headline partition numbers also go in as parent-run metrics (``data/clients``,
+        ``data/size_median``, ``data/label_skew_tv``, ...) and tags, so runs can be
+        sorted and filtered by their data in the UI.
+        """
+        self.log_artifact(data_root / "manifest.json", "data")
+        report = data_root / "report"
+        if not report.is_dir():
+            return
+        self.log_artifacts(report, "data")
+        summary = json.loads((report / "summary.json").read_text())
+        sizes, skew, proxy = summary.get("sizes", {}), summary.get("label_skew", {}), summary.get("proxy", {})
+        values = {
+            "data/clients": summary.get("clients"), "data/edges": summary.get("edges"),
+            "data/size_min": sizes.get("min"), "data/size_median": sizes.get("median"), "data/size_max": sizes.get("max"),
+            "data/label_skew_tv": skew.get("tv_to_language_mean"), "data/proxy_train": proxy.get("train"),
+            "data/proxy_test": proxy.get("test"), "data/unused_pool_rows": summary.get("unused_pool_rows"),
+        }
+        self.log_metrics(self.parent_id, {k: v for k, v in values.items() if v is not None}, step=0)
+        self.set_tags({"bhfl.task": str(summary.get("task", "")), "bhfl.data_source": str(summary.get("source", ""))[:5000]})
+
+    def history(self, run_id: str, key: str) -> dict[int, float]:
+        """A metric's values by step; where a step was logged twice (a re-run round), the later write wins."""
+        points = sorted(self.client.get_metric_history(run_id, key), key=lambda m: (m.step, m.timestamp))
+        return {m.step: m.value for m in points}
+
+    def note(self, run_id: str) -> str:
+        """A run's description (the note the UI shows at the top of the run page)."""
+        return self.client.get_run(run_id).data.tags.get(MLFLOW_RUN_NOTE, "")
+
+    def describe(self, run_id: str, note: str) -> None:
+        self.client.set_tag(run_id, MLFLOW_RUN_NOTE, note)
+
+    def finish(self, status: str) -> None:
+        for run_id in [*self.node_runs.values(), self.parent_id]:
+            if run_id:
+                self.client.set_terminated(run_id, status)
