@@ -33,14 +33,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         os.environ.setdefault("PREFECT_HOME", str(Path(tmp) / ".prefect"))
         from bhfl_core.config.loader import load_config
-        from flows.experiment import run_experiment
+        from flows.experiment import PLAIN_CALLS, PREFECT_RUNS, run_experiment
 
         config = load_config(args.config, args.overrides)
         results: dict[str, list[tuple[dict, float]]] = {"inline": [], "prefect": []}
         for _ in range(args.repeats):
             for mode in results:  # inline first also warms the data cache for both
                 started = time.time()
-                result = run_experiment(config, Path(tmp), inline=mode == "inline")
+                result = run_experiment(config, Path(tmp), orchestration=PLAIN_CALLS if mode == "inline" else PREFECT_RUNS)
                 results[mode].append((result, time.time() - started))
     print(f"{'mode':8} {'setup_s':>8} {'train_s':>8} {'eval_s':>8} {'total_s':>8}  root/union/acc   (medians of {args.repeats})")
     train = {}

@@ -180,7 +180,7 @@ def place(jobs: Sequence[Job], slots: Sequence[Slot], policy: str, model: TimeMo
         bins = [list(range(k, len(jobs), len(slots))) for k in range(len(slots))]
         busy = [math.nan] * len(slots)
     elif lines and all(line is not None for line in lines.values()):
-        kind_lines = [lines[s.kind] for s in slots]
+        kind_lines = [line for s in slots if (line := lines[s.kind]) is not None]  # all measured
         bins, busy = _earliest_finish([j.batches for j in jobs], len(slots),
                                       lambda i, k: kind_lines[k][0] + kind_lines[k][1] * jobs[i].batches)
     else:  # lpt, and learned before anything was measured

@@ -10,10 +10,10 @@ training and evaluation need (pad, mask and special token ids).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, field_validator
 
+from bhfl_core.learning.task_kinds import get_task_kind
 from bhfl_core.store.atomic import write_text_atomic
 
 MANIFEST_NAME = "manifest.json"
@@ -45,7 +45,7 @@ class Manifest(BaseModel):
 
     fingerprint: str
     source: str  # where the client pool came from (and, for XGLUE, which splits)
-    task: Literal["classification", "mlm"]
+    task: str  # a kind of bhfl_core.learning.task_kinds
     labels: list[str]
     tokenizer: str
     vocab_size: int
@@ -59,6 +59,12 @@ class Manifest(BaseModel):
     proxy_test: Shard
     unused_pool_rows: int
     held_out: str = ""  # splits of the source never read (XGLUE: test.<lang>)
+
+    @field_validator("task")
+    @classmethod
+    def _known_task(cls, v: str) -> str:
+        get_task_kind(v)  # unknown: a ValueError naming it and the available tasks
+        return v
 
     def write(self, folder: Path) -> None:
         write_text_atomic(folder / MANIFEST_NAME, self.model_dump_json(indent=2))

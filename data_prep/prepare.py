@@ -37,6 +37,7 @@ from bhfl_core.config.data import EmbeddedSource, PreparedSource, XglueSource
 from bhfl_core.config.base import ConfigError
 from bhfl_core.learning.models import TINY
 from bhfl_core.learning.models import check_available as check_model
+from bhfl_core.learning.task_kinds import get_task_kind
 from data_prep.clustering import assign_edges
 from data_prep.manifest import MANIFEST_NAME, ClientEntry, Manifest, Shard
 from data_prep.partition import Partition, draw_proxy, partition_pool
@@ -109,6 +110,8 @@ class TokenisedShards:
 # ---------------------------------------------------------------- steps
 
 def partition_step(config: ExperimentConfig, pool: TextTable) -> Partition:
+    if pool.labels is None:
+        raise ValueError("the client pool has no labels")  # sources always label the pool they return
     return partition_pool(pool.labels, pool.languages, config.data, config.seed, len(pool.label_names))
 
 
@@ -264,9 +267,10 @@ def manifest_step(config: ExperimentConfig, pool: TextTable, part: Partition, pr
         clustering=config.data.clustering.kind, clients=clients, proxy_source=proxy.description,
         proxy_train=shards.proxy_train, proxy_test=shards.proxy_test, unused_pool_rows=part.unused, held_out=held_out,
     )
-    if config.data.task == "mlm" and manifest.mask_token_id is None:
-        raise ConfigError(f"model.name: the tokenizer of {config.model.name!r} has no mask token; data.task: mlm "
-                          "needs a masked-LM model (e.g. bert-base-multilingual-cased, xlm-roberta-base)")
+    if get_task_kind(config.data.task).needs_mask_token and manifest.mask_token_id is None:
+        raise ConfigError(f"model.name: the tokenizer of {config.model.name!r} has no mask token; data.task: "
+                          f"{config.data.task} needs a masked-LM model (e.g. bert-base-multilingual-cased, "
+                          "xlm-roberta-base)")
     manifest.write(work)
     return manifest
 

@@ -60,7 +60,9 @@ def load_pool(config: ExperimentConfig) -> TextTable:
     source = config.data.source
     if isinstance(source, EmbeddedSource):
         return _embedded_pool(config, source)
-    return _xglue_pool(source)
+    if isinstance(source, XglueSource):
+        return _xglue_pool(source)
+    raise ValueError(f"data.source kind {source.kind!r} has no client pool to load (it is prepared already)")
 
 
 def _embedded_pool(config: ExperimentConfig, source: EmbeddedSource) -> TextTable:
@@ -164,7 +166,7 @@ def _check_labels(table: Dataset, source: XglueSource, split: str) -> None:
     values = table.unique(LABEL)
     if isinstance(feature, ClassLabel) or all(isinstance(v, (int, np.integer)) for v in values):
         size = len(known) if known else len(feature.names) if isinstance(feature, ClassLabel) else None
-        bad = sorted(int(v) for v in values if int(v) < 0 or (size is not None and int(v) >= size))
+        bad: list[int] | list[str] = sorted(int(v) for v in values if int(v) < 0 or (size is not None and int(v) >= size))
         allowed = f"class ids 0..{size - 1}" if size else "class ids >= 0"
     else:
         bad = sorted(str(v) for v in values if known and str(v) not in known)

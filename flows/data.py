@@ -23,7 +23,7 @@ from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.utilities.annotations import quote
 
-from bhfl_core.config.schema import ExperimentConfig, dump
+from bhfl_core.config.schema import ExperimentConfig
 from data_prep.manifest import Manifest
 from data_prep.prepare import PreparedData, prepare_data
 from flows import progress
@@ -31,13 +31,18 @@ from flows import progress
 
 def _task_step(name: str, fn: Callable[..., Any], *args: Any) -> Any:
     """Run one preparation step as a Prefect task (no caching: the prepared folder is the cache)."""
-    return task(fn, name=name, cache_policy=NO_CACHE, persist_result=False)(*[quote(a) for a in args])
+    step: Any = task(fn, name=name, cache_policy=NO_CACHE, persist_result=False)  # type: ignore[call-overload]
+    return step(*[quote(a) for a in args])
 
 
 @flow(name="prepare-data", validate_parameters=False)
-def prepare_data_flow(config: dict[str, Any], cache_root: str) -> dict[str, Any]:
-    """Prepare (or reuse, by fingerprint) an experiment's data; returns the folder and whether it was cached."""
-    cfg = ExperimentConfig.model_validate(config)
+def prepare_data_flow(config: ExperimentConfig | dict[str, Any], cache_root: str) -> dict[str, Any]:
+    """Prepare (or reuse, by fingerprint) an experiment's data; returns the folder and whether it was cached.
+
+    ``config`` is validated here only when it comes as plain data (a deployment or API
+    call); in-process callers pass the config they already validated.
+    """
+    cfg = config if isinstance(config, ExperimentConfig) else ExperimentConfig.model_validate(config)
     logger = get_run_logger()
 
     def log(message: str) -> None:
@@ -48,13 +53,11 @@ def prepare_data_flow(config: dict[str, Any], cache_root: str) -> dict[str, Any]
     return {"root": str(prepared.root), "cached": prepared.cached, "seconds": prepared.seconds}
 
 
-def run_prepare(config: ExperimentConfig, cache_root: Path, inline: bool = False) -> PreparedData:
-    """Prepare through the flow (a subflow when called inside one), or inline without Prefect.
+def run_prepare(config: ExperimentConfig, cache_root: Path) -> PreparedData:
+    """Prepare through the ``prepare-data`` flow (a subflow when called inside one).
 
     Progress goes to the ``bhfl.progress`` logger (flows/progress.py).
     """
-    if inline:
-        return prepare_data(config, cache_root, log=progress.note)
-    out = prepare_data_flow(dump(config), str(cache_root))
+    out = prepare_data_flow(config, str(cache_root))
     root = Path(out["root"])
     return PreparedData(root, Manifest.read(root), cached=out["cached"], seconds=out["seconds"])

@@ -1,285 +1,62 @@
-"""The experiment as Prefect flows: prepare data -> train the tree -> evaluate -> report.
+"""The experiment as a Prefect flow: prepare data -> train the tree -> evaluate -> report.
 
 Flow shape (what the Prefect UI shows)::
 
     bhfl-experiment                      (one per experiment run)
       prepare-data                       (subflow, flows/data.py: a task per step; cached on disk by fingerprint)
-      node: root                         (subflow: one execution of the root = T_root rounds)
-        node: <server>                   (subflow per execution of each internal node; siblings run concurrently)
-          node: edge-<lang>
-            train-clients x batches      (task per worker batch; the batch trains in that worker's process)
-          proxy-train                    (task, where the server has proxy data)
-      evaluate-models x workers          (task per worker, each scores a list of node models)
+      node: root                         (subflow tree, flows/training.py)
+      evaluate-models x workers          (task per worker, each scores a list of node models; flows/evaluation.py)
 
-Where the work runs: the orchestrating process runs the flows, the server rounds
-(NODEOPT on flat vectors, checkpoints) and MLflow logging; client training, proxy
-training and evaluation run on the run's executor (tasks/executor.py: a Dask cluster
-of worker processes, local or remote, or this process). Each node execution rebuilds
-what it needs from the run folder and its record (``run.json``: tracker ids, cluster
-address, worker slots), so nothing of a run lives in a process-global registry and any
-process that sees the run folder and reaches the cluster can execute any subtree.
-Tensors travel as files (``state/messages``) and as the workers' weighted sums.
+Where the work runs: this process runs the flows, the server rounds and MLflow
+logging; client training, proxy training and evaluation run on the run's executor
+(tasks/executor.py: a Dask cluster of worker processes, local or remote, or this
+process). ``run_experiment(..., orchestration=PLAIN_CALLS)`` runs the very same code
+without Prefect. The run folder (``run.json``, ``config.yaml``, ``data.json``,
+``state/``) is what every node execution rebuilds its runtime from.
 """
 
 from __future__ import annotations
 
-import functools
 import hashlib
-import importlib.metadata
 import json
 import os
 import platform
 import shutil
-import subprocess
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 import psutil
 import torch
 import yaml
-from prefect import Task, flow
+from prefect import flow
 from prefect.settings import temporary_settings
-from prefect.task_runners import ThreadPoolTaskRunner
-from prefect.utilities.annotations import quote
 
+from bhfl_core.algorithm.node_state import ROOT_CALLER, NodeState
 from bhfl_core.config.schema import ExperimentConfig, dump
-from bhfl_core.config.base import ConfigError
-from bhfl_core.config.loader import config_from_dict
-from bhfl_core.algorithm.engine import execute_node
-from bhfl_core.algorithm.node_state import ROOT_CALLER, Caller, NodeState, RoundKey
-from bhfl_core.algorithm.node_step import ChildrenReport
-from bhfl_core.analysis.evaluation import Evaluation
 from bhfl_core.store.atomic import write_text_atomic
-from bhfl_core.learning.local_train import planned_steps
-from bhfl_core.learning.metrics import task_metrics
-from bhfl_core.placement import Job, place, utilisation
-from bhfl_core.algorithm.residuals import Candidate, needs
 from bhfl_core.store.node_store import StateStore
-from bhfl_core.algorithm.tree import Node
+from bhfl_core.store.run_layout import CONFIG_FILE, DATA_POINTER, TIMELINE_DIR
 from flows import progress
-from flows.creation_gate import creation_gate, run_gated, signal_running
-from flows.data import run_prepare
-from flows.records.run_record import RunRecord, new_run_path
-from flows.tracking.tracker import Tracker, default_tracking_uri
+from flows.creation_gate import creation_gate
+from flows.evaluation import evaluate_all, evaluate_step
+from flows.node_runtime import NodeRuntime, Orchestration, node_runtime, worker_utilisation
+from flows.records.environment import environment_text, git_commit, package_version, peak_rss_mb
+from flows.records.run_record import RunRecord, default_tracking_uri, new_run_path
+from flows.records.run_state import RunStateError, load_run, resume_config
+from flows.tracking.tracker import Tracker
+from flows.training import PLAIN_CALLS, PREFECT_RUNS, thread_task_runner
 from tasks import faults
-from tasks.client_training import WorkerReport
-from tasks.context import CONFIG_FILE, DATA_POINTER, TIMELINE_DIR, RunContext, mark_once, open_run, read_marks
-from tasks.evaluation import baseline_models, evaluate_models, node_models
-from tasks.executor import Executor, cluster_workers, executor_for, gather, process_worker
+from tasks.context import RunContext, mark_once, open_run, read_marks
+from tasks.executor import cluster_workers, process_worker
 from tasks.local_cluster import ClusterStart
-from tasks.time_model import load_time_model, record_timings
-from tasks.training import proxy_train, train_clients, with_retries
-from tasks.worker import busy_intervals
 
 IMPORTED_AT = time.time()  # the heavy imports above are done: the timeline's "imports_done"
-TASK_THREADS = 64  # threads that wait on worker calls (cheap; the work is on the workers)
+__all__ = ["PLAIN_CALLS", "PREFECT_RUNS", "experiment_flow", "resume_experiment", "run_experiment"]
 
-@dataclass
-class NodeRuntime:
-    """What one node execution needs, rebuilt from the run folder (in any process that sees it)."""
-
-    ctx: RunContext
-    record: RunRecord
-    tracker: Tracker
-    executor: Executor
-    inline: bool = False
-
-    @property
-    def run_path(self) -> str:
-        return str(self.ctx.run_path)
-
-
-@contextmanager
-def node_runtime(run_path: str, inline: bool) -> Iterator[NodeRuntime]:
-    ctx = open_run(run_path)
-    record = RunRecord.read(ctx.run_path)
-    if record is None:
-        raise RuntimeError(f"{ctx.run_path} has no run record (run.json)")
-    tracker = Tracker.attach(record.tracking_uri, record.experiment_id, record.parent_run_id, record.node_runs)
-    with executor_for(ctx.config.runtime, record.cluster, record.workers) as executor:
-        yield NodeRuntime(ctx, record, tracker, executor, inline)
-
-
-class FlowHooks:
-    """EngineHooks for servers: children as subflows (servers) or worker batches (clients).
-
-    ``inline=True`` runs the very same node code without Prefect (plain recursion and
-    direct executor calls); benchmarks use it to measure what the orchestration costs.
-    """
-
-    def __init__(self, rt: NodeRuntime) -> None:
-        self.rt = rt
-        self.round_started: dict[int, float] = {}
-
-    # ------------------------------------------------------------ children
-
-    def _run_child(self, child: Node, phi_path: str, caller: Caller) -> str:
-        depth = self.rt.ctx.config.runtime.subflow_depth
-        if self.rt.inline or (depth is not None and child.depth > depth):  # inside this flow run
-            if not self.rt.inline:
-                signal_running()  # nothing to create: the next sibling may go
-            return _execute(self.rt.run_path, child.id, phi_path, caller, inline=self.rt.inline)
-        child_flow = node_flow.with_options(flow_run_name=f"{child.id} <- {caller}", on_running=[signal_running],
-                                            task_runner=ThreadPoolTaskRunner(max_workers=TASK_THREADS))
-        return child_flow(self.rt.run_path, child.id, phi_path, caller)
-
-    def _run_servers(self, servers: list[Node], phi_path: str, caller: Caller) -> list[str]:
-        """Execute child servers, concurrently unless ``runtime.parallel_subtrees`` is off; results in cohort order.
-
-        Each child runs in its own thread (a copy of this context: Prefect nests its
-        subflow under this flow run); the subflows are created one at a time.
-        """
-        if not self.rt.ctx.config.runtime.parallel_subtrees:
-            return [self._run_child(c, phi_path, caller) for c in servers]
-        futures = [run_gated(functools.partial(self._run_child, c, phi_path, caller)) for c in servers]
-        return gather(futures)
-
-    def _run_clients(self, node: Node, leaves: list[Node], phi_path: str, caller: Caller, key: RoundKey) -> list[WorkerReport]:
-        runtime = self.rt.ctx.config.runtime
-        keep, select = needs(node.settings.res_up)
-        jobs = [Job(c.id, planned_steps(int(c.weight), c.settings.train)) for c in leaves if c.settings.train]
-        model = load_time_model(self.rt.ctx.run_path) if runtime.placement == "learned" else None
-        plan = place(jobs, self.rt.executor.slots(), runtime.placement, model)
-        name = f"{node.id} round {key.round + 1}: " + ", ".join(f"{len(a.jobs)} on {a.slot.name}" for a in plan)
-        reports: list[WorkerReport] = _call(self.rt, train_clients, name, [(a.slot, list(a.jobs)) for a in plan],
-                                                 self.rt.run_path, caller, phi_path, keep, select)
-        if runtime.placement == "learned":
-            record_timings(self.rt.ctx.run_path, [(r.device_kind, steps, s) for r in reports for _, steps, s in r.timings])
-        return reports
-
-    def run_children(self, node: Node, cohort: list[Node], theta: torch.Tensor, key: RoundKey) -> ChildrenReport:
-        self.round_started[key.round] = time.time()
-        ctx = self.rt.ctx
-        phi_path = ctx.store.write_message(f"{node.id}.down", theta)
-        caller = key.as_caller()
-        report = ChildrenReport()
-        losses: dict[str, tuple[float, int]] = {}  # child -> (training loss of its last round, examples)
-        servers = [c for c in cohort if not c.is_leaf]
-        leaves = [c for c in cohort if c.is_leaf]
-        for child, up_path in zip(servers, self._run_servers(servers, phi_path, caller)):
-            theta_child = StateStore.read_message(up_path)
-            report.aggregate.add(theta_child, child.weight)
-            if node.settings.res_up:
-                report.candidates.append(Candidate(child.id, theta_child, child.weight))
-            last = ctx.store.load_info(child.id).get("metrics", {})  # the child's last round, saved with it
-            if last.get("train/examples"):
-                losses[child.id] = (last["train/loss"], int(last["train/examples"]))
-        if leaves:
-            order = {c.id: i for i, c in enumerate(cohort)}
-            workers = self._run_clients(node, leaves, phi_path, caller, key)
-            for worker in workers:
-                report.aggregate.merge(worker.aggregate)
-                report.candidates.extend(worker.candidates)
-                report.dropped.extend(worker.dropped)
-                losses.update(worker.losses)
-            # one order whatever the placement: selection ties and float sums then agree across worker counts
-            report.candidates.sort(key=lambda c: order.get(c.node_id, len(order)))
-            report.dropped.sort(key=order.__getitem__)
-            for client_id in report.dropped:
-                progress.note(f"client {client_id} failed and was dropped from {node.id} round {key.round + 1}")
-            report.metrics["train/clients"] = float(len(leaves))
-        if losses:  # example-weighted mean of the children's last-round client loss, in a fixed order
-            ordered = [losses[k] for k in sorted(losses)]
-            seen = sum(n for _, n in ordered)
-            report.metrics["train/loss"] = sum(loss * n for loss, n in ordered) / max(seen, 1)
-            report.metrics["train/examples"] = float(seen)
-        return report
-
-    # ------------------------------------------------------------ the node's own steps
-
-    def train(self, node: Node, theta: torch.Tensor, key: RoundKey) -> tuple[torch.Tensor, dict[str, float]]:
-        """Proxy TRAIN of a server, on a worker (the model travels as a message file)."""
-        ctx = self.rt.ctx
-        assert node.settings.train is not None
-        steps = planned_steps(ctx.manifest.proxy_train.size, node.settings.train)
-        slot = place([Job(node.id, steps)], self.rt.executor.slots(), "lpt")[0].slot
-        theta_path = ctx.store.write_message(f"{node.id}.proxy-in", theta)
-        out_path, metrics = _call(self.rt, proxy_train, f"{node.id} round {key.round + 1}: proxy on {slot.name}",
-                                       slot, self.rt.run_path, node.id, key, theta_path)
-        return StateStore.read_message(out_path), metrics
-
-    def round_done(self, node: Node, key: RoundKey, theta: torch.Tensor, metrics: dict[str, float]) -> None:
-        rt = self.rt
-        is_root = node.parent is None
-        if is_root:
-            metrics = {**metrics, **_utilisation(rt, self.round_started.get(key.round, time.time()), time.time())}
-        rt.tracker.log_node(node.id, metrics, step=key.round + 1)
-        progress.node_round(node.id, node.depth, key.round, metrics)
-        every = rt.ctx.config.eval.every
-        is_last = key.round + 1 >= node.settings.rounds
-        if is_root and is_last:
-            mark_once(rt.ctx.run_path, "last_aggregate")
-        if is_root and every and (key.round + 1) % every == 0 and not is_last:
-            _evaluate_step(rt, key.round + 1)
-        if not node.is_leaf:
-            faults.hit("round", f"{node.id} round {key.round + 1}")
-
-
-def _call(rt: NodeRuntime, task_: Task, name: str, *args: Any) -> Any:
-    """Call one of the run's tasks: as a Prefect task run (created through the gate), or plainly when inline."""
-    if rt.inline:
-        return task_.fn(rt.executor, *args)
-    named = with_retries(task_, rt.ctx.config.runtime, name, on_running=[signal_running])
-    return run_gated(functools.partial(named, quote(rt.executor), *args)).result()
-
-
-def _utilisation(rt: NodeRuntime, start: float, end: float) -> dict[str, float]:
-    """Worker utilisation over ``[start, end]``: mean busy share, and the share with every worker busy."""
-    slots = rt.executor.slots()
-    intervals = {k: v for k, v in busy_intervals(rt.ctx.run_path).items() if k in {s.name for s in slots}}
-    mean, every = utilisation(intervals, len(slots), (start, end))
-    return {"runtime/worker_utilisation": mean, "runtime/all_workers_busy": every}
-
-
-def _execute(run_path: str, node_id: str, phi_path: str | None, caller: Caller, inline: bool = False) -> str:
-    """EXECUTENODE for one internal node, from and to message files; returns the path of theta_T."""
-    with node_runtime(run_path, inline) as rt:
-        ctx = rt.ctx
-        phi = StateStore.read_message(phi_path) if phi_path else None
-        result = execute_node(ctx.tree, ctx.tree[node_id], phi, ctx.store, FlowHooks(rt), ctx.config.seed, caller)
-        return ctx.store.write_message(f"{node_id}.up", result.theta)
-
-
-@flow(name="node", validate_parameters=False)
-def node_flow(run_path: str, node_id: str, phi_path: str | None, caller: Caller) -> str:
-    """One execution of an internal node as a Prefect subflow."""
-    return _execute(run_path, node_id, phi_path, caller)
-
-
-def evaluate_all(rt: NodeRuntime, step: int, final: bool = False) -> Evaluation:
-    """Score every node model (and, when ``final``, the configured per-client baselines) on every test set.
-
-    Node models first, then the baselines (local-only, local adaptation; they train
-    first), each phase spread over the workers; both phases' wall times go to MLflow.
-    """
-    ctx = rt.ctx
-    stats: dict[str, Any] = {}
-    seconds: dict[str, float] = {}
-    nodes = node_models(ctx)
-    phases = [("time/eval_s", nodes, [1.0] * len(nodes))]
-    if final:
-        phases.append(("time/baselines_s", *baseline_models(ctx)))
-    for timer, names, loads in phases:
-        if not names:
-            continue
-        started = time.time()
-        jobs = [Job(name, max(1, round(load))) for name, load in zip(names, loads)]
-        plan = place(jobs, rt.executor.slots(), "lpt")
-        batches = [(a.slot, list(a.jobs)) for a in plan]
-        name = f"evaluate {len(names)} models on " + ", ".join(a.slot.name for a in plan)
-        stats.update(_call(rt, evaluate_models, name, batches, rt.run_path))
-        seconds[timer] = time.time() - started
-    evaluation = Evaluation.from_stats(ctx.tree, task_metrics(ctx.manifest.task), stats)
-    from flows.tracking.report import log_evaluation  # matplotlib and the report code: not needed at start-up
-
-    log_evaluation(rt.tracker, evaluation, step, seconds)
-    progress.note(f"evaluated {len(stats)} models after root round {step}")
-    return evaluation
 
 
 def _run_tags(config: ExperimentConfig, run_path: Path, data_fingerprint: str) -> dict[str, str]:
@@ -291,29 +68,8 @@ def _run_tags(config: ExperimentConfig, run_path: Path, data_fingerprint: str) -
         "bhfl.seed": str(config.seed),
         "bhfl.git_commit": git_commit(),
         "bhfl.python": platform.python_version(),
-        **{f"bhfl.version.{p}": _version(p) for p in ("bhfl", "torch", "transformers", "datasets", "prefect", "mlflow")},
+        **{f"bhfl.version.{p}": package_version(p) for p in ("bhfl", "torch", "transformers", "datasets", "prefect", "mlflow")},
     }
-
-
-def _version(package: str) -> str:
-    try:
-        return importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-        return "not installed"
-
-
-def git_commit() -> str:
-    """The project's git commit (``+dirty`` with uncommitted changes); ``unknown`` outside a checkout."""
-    repo = Path(__file__).resolve().parents[1]
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True, timeout=10)
-        if commit.returncode:
-            return "unknown"
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-        return commit.stdout.strip() + ("+dirty" if dirty else "")
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
 
 
 def _describe(config: ExperimentConfig, ctx: RunContext) -> str:
@@ -324,7 +80,7 @@ def _describe(config: ExperimentConfig, ctx: RunContext) -> str:
 
 @flow(name="bhfl-experiment", validate_parameters=False)
 def experiment_flow(
-    config: dict[str, Any], run_root: str, tracking_uri: str, run_path: str | None = None, resume: bool = False,
+    config: ExperimentConfig | dict[str, Any], run_root: str, tracking_uri: str, run_path: str | None = None, resume: bool = False,
     cluster: str | None = None,
 ) -> dict[str, Any]:
     """Run one experiment end to end (or finish an interrupted one); returns where its results are.
@@ -333,9 +89,11 @@ def experiment_flow(
     ``run_root``. ``resume`` continues the run in ``run_path`` from its checkpoints.
     ``cluster``: the address of a local cluster already started for this run (the CLI
     starts it while Prefect starts); None starts one here when ``runtime.executor`` is
-    ``local``.
+    ``local``. ``config`` is validated here only when it comes as plain data (a
+    deployment run); ``bhfl run`` passes the config it validated.
     """
-    return _experiment(config, run_root, tracking_uri, run_path, inline=False, resume=resume, cluster=cluster)
+    cfg = config if isinstance(config, ExperimentConfig) else ExperimentConfig.model_validate(config)
+    return _experiment(cfg, run_root, tracking_uri, run_path, PREFECT_RUNS, resume=resume, cluster=cluster)
 
 
 def _workers(cfg: ExperimentConfig, address: str | None) -> list[dict[str, str]]:
@@ -344,11 +102,10 @@ def _workers(cfg: ExperimentConfig, address: str | None) -> list[dict[str, str]]
 
 
 def _experiment(
-    config: dict[str, Any], run_root: str, tracking_uri: str, run_path: str | None, inline: bool, resume: bool = False,
-    cluster: str | None = None,
+    cfg: ExperimentConfig, run_root: str, tracking_uri: str, run_path: str | None, orchestration: Orchestration,
+    resume: bool = False, cluster: str | None = None,
 ) -> dict[str, Any]:
     started = time.time()
-    cfg = ExperimentConfig.model_validate(config)
     root = Path(run_root).resolve()
     path = Path(run_path).resolve() if run_path else new_run_path(root, cfg.name)
     path.mkdir(parents=True, exist_ok=True)
@@ -366,7 +123,7 @@ def _experiment(
     tracker: Tracker | None = None
     rt: NodeRuntime | None = None
     with ExitStack() as stack:
-        if not inline:  # this experiment's Prefect runs are created one at a time (flows/creation_gate.py)
+        if orchestration is PREFECT_RUNS:  # its Prefect runs are created one at a time (flows/creation_gate.py)
             stack.enter_context(creation_gate())
         starting = None
         artefacts: Future[None] | None = None  # the parent run's files, logged beside the first round
@@ -375,10 +132,10 @@ def _experiment(
             stack.callback(starting.close)
         try:
             faults.hit("prepare")
-            data_root = run_prepare(cfg, root / "cache", inline=inline).root
+            data_root = orchestration.prepare(cfg, root / "cache").root
             (path / DATA_POINTER).write_text(json.dumps({"data_root": str(data_root)}))
             mark_once(path, "data_ready")
-            ctx = open_run(path)
+            ctx = open_run(path, cfg)
             tracker = Tracker(record.tracking_uri)
             if record.parent_run_id:
                 tracker.reopen(record.experiment_id, record.parent_run_id, record.node_runs, record.resumes)
@@ -397,12 +154,12 @@ def _experiment(
             record.cluster, record.workers = address or "", workers
             record.write(path)
             torch.set_num_threads(_orchestrator_threads(cfg, workers))
-            rt = stack.enter_context(node_runtime(str(path), inline))
+            rt = stack.enter_context(node_runtime(str(path), orchestration))
             if not ctx.store.has(ctx.tree.root_id):
                 initial = rt.executor.submit(rt.executor.slots()[0], "initial_model", str(path)).result()
                 ctx.store.save(ctx.tree.root_id, NodeState(model=StateStore.read_message(initial)))
             rounds = ctx.tree.root.settings.rounds
-            done = ctx.store.load_info(ctx.tree.root_id).get("rounds_done", 0)
+            done = ctx.store.load_header(ctx.tree.root_id).rounds_done
             progress.note(f"{len(workers)} worker(s): " + ", ".join(f"{w['name']} ({w['device']})" for w in workers))
             progress.run_started(rounds, done)
             if record.resumes:
@@ -411,18 +168,13 @@ def _experiment(
                 progress.note(f"resuming {path.name}: root round {done + 1 if done < rounds else rounds} of {rounds}; "
                               "finished nodes and rounds are loaded from their checkpoints, not run again")
                 if 0 < done < rounds and cfg.eval.every and done % cfg.eval.every == 0:
-                    _evaluate_step(rt, done)  # the interrupted run may have died evaluating this step
+                    evaluate_step(rt, done)  # the interrupted run may have died evaluating this step
             peaks = {"memory/peak_rss_setup_mb": peak_rss_mb(reset=True)}
             train_started = time.time()
-            if inline:
-                _execute(str(path), ctx.tree.root_id, None, ROOT_CALLER, inline=True)
-            else:
-                root_flow = node_flow.with_options(flow_run_name="root",
-                                                   task_runner=ThreadPoolTaskRunner(max_workers=TASK_THREADS))
-                root_flow(str(path), ctx.tree.root_id, None, ROOT_CALLER)
+            orchestration.run_node(str(path), ctx.tree.root_id, None, ROOT_CALLER, subflow=True)
             train_s = time.time() - train_started
             peaks["memory/peak_rss_train_mb"] = peak_rss_mb(reset=True)
-            usage = _utilisation(rt, train_started, train_started + train_s)
+            usage = worker_utilisation(rt, train_started, train_started + train_s)
             eval_started = time.time()
             faults.hit("eval", "final")
             evaluation = evaluate_all(rt, step=rounds, final=True)
@@ -485,62 +237,28 @@ def _orchestrator_threads(cfg: ExperimentConfig, workers: list[dict[str, str]]) 
     return max(1, cores - cpu_workers)
 
 
-def _evaluate_step(rt: NodeRuntime, step: int) -> None:
-    """An evaluation during training (``eval.every``), recorded so a resumed run does not repeat it."""
-    record = RunRecord.read(rt.ctx.run_path) or rt.record
-    if step in record.evaluated_steps:
-        return
-    faults.hit("eval", f"step {step}")
-    evaluate_all(rt, step=step)
-    record.evaluated_steps.append(step)
-    record.write(rt.ctx.run_path)
-
-
-def environment_text() -> str:
-    """Installed distributions (``name==version``), logged with every run so two runs are comparable."""
-    names = sorted({f"{d.metadata['Name']}=={d.version}" for d in importlib.metadata.distributions() if d.metadata["Name"]})
-    return "\n".join(names) + "\n"
-
-
-def peak_rss_mb(reset: bool) -> float:
-    """This process's peak resident memory (MB) since the last reset (Linux; NaN elsewhere).
-
-    Resetting (``/proc/self/clear_refs`` = 5) lets each phase report its own peak, so
-    training memory is not hidden behind data preparation or evaluation. Worker
-    processes are not included (benchmarks/throughput.py measures the process tree).
-    """
-    try:
-        status = Path("/proc/self/status").read_text()
-        peak = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM:")) / 1024
-        if reset:
-            Path("/proc/self/clear_refs").write_text("5")
-        return peak
-    except (OSError, StopIteration, ValueError):
-        return float("nan")
-
-
-def _invoke(config: ExperimentConfig, run_root: Path, uri: str, path: str, inline: bool, resume: bool,
-            cluster: str | None) -> dict[str, Any]:
-    if inline:
-        return _experiment(dump(config), str(run_root), uri, path, inline=True, resume=resume, cluster=cluster)
+def _invoke(config: ExperimentConfig, run_root: Path, uri: str, path: str, orchestration: Orchestration,
+            resume: bool, cluster: str | None) -> dict[str, Any]:
+    if orchestration is not PREFECT_RUNS:
+        return _experiment(config, str(run_root), uri, path, orchestration, resume=resume, cluster=cluster)
     # Flow heartbeats only detect crashed deployment runs; off, each subflow ends ~1 s sooner.
     with temporary_settings(updates={"flows.heartbeat_frequency": None}):
         name = f"resume {Path(path).name}" if resume else Path(path).name
-        flow_ = experiment_flow.with_options(flow_run_name=name, task_runner=ThreadPoolTaskRunner(max_workers=TASK_THREADS))
-        return flow_(dump(config), str(run_root), uri, path, resume, cluster)
+        flow_ = experiment_flow.with_options(flow_run_name=name, task_runner=thread_task_runner())
+        return flow_(config, str(run_root), uri, path, resume, cluster)
 
 
 def run_experiment(
     config: ExperimentConfig,
     run_root: Path,
     tracking_uri: str | None = None,
-    inline: bool = False,
+    orchestration: Orchestration = PREFECT_RUNS,
     run_path: Path | None = None,
     cluster: str | None = None,
 ) -> dict[str, Any]:
     """Run the experiment flow in this process (Prefect's local server unless PREFECT_API_URL is set).
 
-    ``inline=True`` runs the same code with no Prefect at all (benchmarks: orchestration share).
+    ``orchestration=PLAIN_CALLS`` runs the same code with no Prefect at all (tests; benchmarks: orchestration share).
     ``run_path`` (default: a new ``<run_root>/<name>/<timestamp>``) is the run folder.
     ``cluster``: a local cluster already started for this run (``runtime.executor: local``).
     Progress goes to the ``bhfl.progress`` logger (flows/progress.py).
@@ -549,14 +267,11 @@ def run_experiment(
     run_root.mkdir(parents=True, exist_ok=True)
     uri = tracking_uri or default_tracking_uri(run_root)
     path = run_path or new_run_path(run_root, config.name)
-    return _invoke(config, run_root, uri, str(path), inline, resume=False, cluster=cluster)
-
-
-RESUME_OVERRIDABLE = ("runtime.", "eval.batch_size")  # where and how it runs, not what it computes
+    return _invoke(config, run_root, uri, str(path), orchestration, resume=False, cluster=cluster)
 
 
 def resume_experiment(
-    run_path: Path, inline: bool = False, overrides: Sequence[str] = (), cluster: str | None = None
+    run_path: Path, orchestration: Orchestration = PREFECT_RUNS, overrides: Sequence[str] = (), cluster: str | None = None
 ) -> dict[str, Any]:
     """Continue the run in ``run_path`` after a failure: same config, checkpoints, MLflow runs.
 
@@ -572,35 +287,4 @@ def resume_experiment(
         raise RunStateError(f"run {run_path} is still running (process {record.pid}); wait for it or stop it first")
     config = resume_config(run_path, config, overrides)
     # run_root: the folder holding the shared data cache (<run_root>/<name>/<stamp>)
-    return _invoke(config, run_path.parents[1], record.tracking_uri, str(run_path), inline, resume=True, cluster=cluster)
-
-
-def resume_config(run_path: Path, config: ExperimentConfig, overrides: Sequence[str]) -> ExperimentConfig:
-    """The run's config with the ``runtime.*`` / ``eval.batch_size`` changes a resume may make (written back)."""
-    if not overrides:
-        return config
-    for assignment in overrides:
-        if not assignment.split("=", 1)[0].strip().startswith(RESUME_OVERRIDABLE):
-            raise ConfigError(f"--set {assignment}: a resumed run keeps its config; only runtime.* and "
-                              f"eval.batch_size may change (they do not change results). Start a new run instead.")
-    config = config_from_dict(dump(config), overrides, source=str(run_path / CONFIG_FILE))
-    write_text_atomic(run_path / CONFIG_FILE, yaml.safe_dump(dump(config), sort_keys=False))
-    return config
-
-
-class RunStateError(RuntimeError):
-    """A run folder that cannot be resumed as asked (missing, still running, unreadable); says why."""
-
-
-def load_run(run_path: Path) -> tuple[ExperimentConfig, RunRecord]:
-    """The resolved config and the record of an existing run folder."""
-    if not (run_path / CONFIG_FILE).is_file():
-        raise RunStateError(f"{run_path} is not a run folder (no {CONFIG_FILE}); `bhfl runs` lists the runs")
-    try:
-        config = ExperimentConfig.model_validate(yaml.safe_load((run_path / CONFIG_FILE).read_text()))
-        record = RunRecord.read(run_path)
-    except (ValueError, yaml.YAMLError) as exc:
-        raise RunStateError(f"{run_path}: the run's {CONFIG_FILE} or run.json is unreadable ({exc})") from None
-    if record is None:
-        record = RunRecord(name=config.name, status="failed", tracking_uri=default_tracking_uri(run_path.parents[1]))
-    return config, record
+    return _invoke(config, run_path.parents[1], record.tracking_uri, str(run_path), orchestration, resume=True, cluster=cluster)

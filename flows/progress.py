@@ -47,7 +47,8 @@ class RichReporter(logging.Handler):
         self.task: Any = None
 
     def emit(self, record: logging.LogRecord) -> None:
-        kind, data = getattr(record, _EVENT, ("note", {"text": record.getMessage()}))
+        event: tuple[str, dict[str, Any]] = getattr(record, _EVENT, ("note", {"text": record.getMessage()}))
+        kind, data = event
         if kind == "start":
             if self.task is None:
                 self.progress.start()

@@ -16,7 +16,7 @@ from pathlib import Path
 def serve_experiment(config_data: dict, cron: str, name: str, run_root: Path, tracking_uri: str) -> None:
     """Register the deployment ``bhfl-experiment/<name>`` and serve it until interrupted."""
     from prefect import serve
-    from prefect.deployments.runner import EntrypointType
+    from prefect.deployments.runner import EntrypointType, RunnerDeployment
 
     from flows.experiment import experiment_flow
 
@@ -29,4 +29,5 @@ def serve_experiment(config_data: dict, cron: str, name: str, run_root: Path, tr
         enforce_parameter_schema=False,
         entrypoint_type=EntrypointType.MODULE_PATH,  # runs from any working directory
     )
+    assert isinstance(deployment, RunnerDeployment)  # to_deployment is sync outside an event loop
     serve(deployment, print_starting_message=True)

@@ -25,7 +25,6 @@ from bhfl_core.algorithm.engine import NodeResult, execute_node
 from bhfl_core.algorithm.node_state import Caller, RoundKey
 from bhfl_core.algorithm.node_step import ChildrenReport
 from bhfl_core.learning.local_train import train_model
-from bhfl_core.learning.mlm import mlm_transform
 from bhfl_core.learning.params import get_flat, set_flat
 from bhfl_core.algorithm.residuals import Candidate, keep_top
 from bhfl_core.rng import derive_seed
@@ -70,7 +69,7 @@ class LocalTrainer:
         data = self.ctx.shard(self.ctx.clients[node.id].train.path) if node.is_leaf else self.ctx.proxy("train", node.id)
         set_flat(self.model, theta)
         seed = derive_seed(self.ctx.config.seed, "train", *key.parts())
-        transform = mlm_transform(self.ctx.masking) if self.ctx.manifest.task == "mlm" else None  # masks from `seed`
+        transform = self.ctx.task_kind.batch_transform(self.ctx.task_facts)  # mlm: masks drawn from `seed`
         result = train_model(self.model, data, node.settings.train, seed, self.device, transform)
         self.trained += 1
         prefix = "train" if node.is_leaf else "proxy_train"

@@ -11,7 +11,6 @@ keys were changed is reopened, not served stale.
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import threading
@@ -26,18 +25,16 @@ from torch import nn
 
 from bhfl_core.config.schema import ExperimentConfig
 from bhfl_core.config.base import ConfigError
-from bhfl_core.learning.mlm import MaskingSpec
 from bhfl_core.learning.models import build_model
+from bhfl_core.learning.task_kinds import TaskFacts, TaskKind, get_task_kind
 from bhfl_core.store.node_store import StateStore
 from bhfl_core.config.topology import ClientInfo, build_tree
 from bhfl_core.algorithm.tree import Tree
 from data_prep.manifest import ClientEntry, Manifest
 from data_prep.prepare import load_shard
+from bhfl_core.store.run_layout import CONFIG_FILE, DATA_POINTER, STATE_DIR, TIMELINE_DIR
 from tasks import faults
 
-CONFIG_FILE = "config.yaml"
-DATA_POINTER = "data.json"
-TIMELINE_DIR = "timeline"
 
 
 @dataclass
@@ -51,8 +48,10 @@ class RunContext:
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     @classmethod
-    def open(cls, run_path: Path) -> RunContext:
-        config = ExperimentConfig.model_validate(yaml.safe_load((run_path / CONFIG_FILE).read_text()))
+    def open(cls, run_path: Path, config: ExperimentConfig | None = None) -> RunContext:
+        """The run in ``run_path``; ``config``: its config, already validated by the caller (else read here)."""
+        if config is None:
+            config = ExperimentConfig.model_validate(yaml.safe_load((run_path / CONFIG_FILE).read_text()))
         data_root = Path(json.loads((run_path / DATA_POINTER).read_text())["data_root"])
         return cls(run_path, config, data_root, Manifest.read(data_root))
 
@@ -63,7 +62,7 @@ class RunContext:
 
     @cached_property
     def store(self) -> StateStore:
-        return StateStore(self.run_path / "state", faults.checkpoint_hook())
+        return StateStore(self.run_path / STATE_DIR, faults.checkpoint_hook())
 
     @cached_property
     def clients(self) -> dict[str, ClientEntry]:
@@ -74,12 +73,16 @@ class RunContext:
         return build_model(self.config.model, m.task, m.labels, m.vocab_size, m.pad_token_id, seed)
 
     @cached_property
-    def masking(self) -> MaskingSpec:
-        """Masked-LM masking of this run (task ``mlm``): the tokenizer's ids from the manifest."""
+    def task_kind(self) -> TaskKind:
+        """The kind of the manifest's ``task``: training transform, scorer, metrics."""
+        return get_task_kind(self.manifest.task)
+
+    @cached_property
+    def task_facts(self) -> TaskFacts:
+        """What the task kind needs of this run: labels and tokenizer ids (manifest), masking rate and seed (config)."""
         m = self.manifest
-        if m.mask_token_id is None:
-            raise ValueError(f"the data of this run (task {m.task!r}) has no mask token id")
-        return MaskingSpec(tuple(m.special_ids), m.mask_token_id, m.vocab_size, self.config.model.mlm_probability)
+        return TaskFacts(m.task, tuple(m.labels), m.vocab_size, tuple(m.special_ids), m.mask_token_id,
+                         self.config.model.mlm_probability, self.config.seed)
 
     def shard(self, relative: str) -> dict[str, torch.Tensor]:
         return load_shard(self.data_root / relative)
@@ -131,14 +134,25 @@ def _identity(run_path: Path) -> tuple[str, int, int]:
     return (str(run_path), (run_path / CONFIG_FILE).stat().st_mtime_ns, (run_path / DATA_POINTER).stat().st_mtime_ns)
 
 
-@functools.lru_cache(maxsize=4)
-def _open(identity: tuple[str, int, int]) -> RunContext:
-    return RunContext.open(Path(identity[0]))
+_OPENED: dict[tuple[str, int, int], RunContext] = {}
+_OPENED_LOCK = threading.Lock()
 
 
-def open_run(run_path: str | Path) -> RunContext:
-    """The run's context, opened once per process while its files are unchanged (a few runs kept)."""
-    return _open(_identity(Path(run_path).resolve()))
+def open_run(run_path: str | Path, config: ExperimentConfig | None = None) -> RunContext:
+    """The run's context, opened once per process while its files are unchanged (a few runs kept).
+
+    ``config``: the run's config, already validated by the caller (the experiment flow
+    passes the one it wrote to ``config.yaml``), so it is not read and validated again.
+    """
+    identity = _identity(Path(run_path).resolve())
+    with _OPENED_LOCK:
+        ctx = _OPENED.get(identity)
+        if ctx is None:
+            ctx = RunContext.open(Path(identity[0]), config)
+            while len(_OPENED) >= 4:
+                _OPENED.pop(next(iter(_OPENED)))
+            _OPENED[identity] = ctx
+        return ctx
 
 
 def mark_once(run_path: Path, event: str) -> None:

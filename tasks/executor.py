@@ -30,12 +30,18 @@ from tasks.worker import PLUGIN, BhflWorkerPlugin, WorkerRuntime, call, worker_d
 INPROCESS = "inprocess"
 
 
+class PendingCall(Protocol):
+    """A submitted worker call: a ``concurrent.futures.Future`` or a Dask ``distributed.Future``."""
+
+    def result(self, timeout: float | None = None) -> Any: ...
+
+
 class Executor(Protocol):
     def slots(self) -> list[Slot]:
         """The worker slots a round's work is placed on (stable order)."""
         ...
 
-    def submit(self, slot: Slot, method: str, *args: Any) -> Future[Any]:
+    def submit(self, slot: Slot, method: str, *args: Any) -> PendingCall:
         """Run ``WorkerRuntime.<method>(*args)`` on ``slot``; the future's ``result()`` waits for it."""
         ...
 
@@ -101,7 +107,7 @@ class DaskExecutor:
     def slots(self) -> list[Slot]:
         return list(self._slots)
 
-    def submit(self, slot: Slot, method: str, *args: Any) -> Future[Any]:
+    def submit(self, slot: Slot, method: str, *args: Any) -> PendingCall:
         return self.client.submit(call, method, *args, workers=[slot.name], allow_other_workers=False, pure=False)
 
     def close(self) -> None:

@@ -78,7 +78,7 @@ def start_forkserver() -> None:
     # tiny-bert's modeling code too: transformers imports model classes lazily (~2 s per process)
     preload = ["distributed", "tasks.worker", "transformers.models.bert.modeling_bert"]
     multiprocessing.get_context("forkserver").set_forkserver_preload(preload)
-    if multiprocessing.forkserver._forkserver._forkserver_pid is None:
+    if _forkserver_pid() is None:
         atexit.register(_stop_forkserver)
     multiprocessing.forkserver.ensure_running()  # first: it imports while we import dask below
 
@@ -89,11 +89,19 @@ def start_forkserver() -> None:
     distributed.utils._forkserver_preload_set = True  # keep our preload list (distributed would replace it)
 
 
+def _forkserver_pid() -> int | None:
+    """The running forkserver's pid (None before it starts): a private attribute of the stdlib."""
+    import multiprocessing.forkserver
+
+    pid: int | None = getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None)
+    return pid
+
+
 def _stop_forkserver() -> None:
     """At exit, stop the forkserver now: left alone it would finish its imports first (seconds of CPU)."""
     import multiprocessing.forkserver
 
-    pid = multiprocessing.forkserver._forkserver._forkserver_pid
+    pid = _forkserver_pid()
     if pid is not None:
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGTERM)

@@ -4,8 +4,8 @@ A worker loads a flat vector into its model instance, model after model, and sco
 every client test split and the proxy test split in one batched pass over the
 pre-tokenised tables. What comes back are statistics that add up (confusion matrices,
 or masked-token NLL sums and counts), so the orchestrator forms every subtree union and
-the global union by summing, without re-running models. The scorer is chosen by the
-data manifest's ``task``.
+the global union by summing, without re-running models. The scorer is that of the
+data manifest's ``task`` kind (``bhfl_core.learning.task_kinds``).
 
 Besides node models (``<node id>``: the saved model of a server or persistent client)
 a worker can build and score two per-client baselines, never saving them:
@@ -18,44 +18,15 @@ and independent of the federated draws.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
-from torch import nn
 
 from bhfl_core.algorithm.node_state import Caller, RoundKey
 from bhfl_core.analysis.evaluation import PROXY, parse_model
-from bhfl_core.learning.local_train import grouped_confusions
-from bhfl_core.learning.mlm import grouped_lm_stats
 from bhfl_core.learning.params import get_flat, set_flat
-from bhfl_core.rng import derive_seed
 from tasks.client_training import LocalTrainer
 from tasks.context import RunContext
 
-Scorer = Callable[[RunContext, nn.Module, torch.device], torch.Tensor]
 Stats = dict[str, dict[str, torch.Tensor]]
-
-
-def _confusions(ctx: RunContext, model: nn.Module, device: torch.device) -> torch.Tensor:
-    names, data, groups = ctx.test_sets(PROXY)
-    return grouped_confusions(model, data, groups, len(names), len(ctx.manifest.labels), ctx.config.eval.batch_size, device)
-
-
-def _lm_stats(ctx: RunContext, model: nn.Module, device: torch.device) -> torch.Tensor:
-    """``[summed masked-token NLL, masked tokens]`` per test group; the same masks for every model (seed)."""
-    names, data, groups = ctx.test_sets(PROXY)
-    seed = derive_seed(ctx.config.seed, "eval", "mlm-masks")
-    return grouped_lm_stats(model, data, groups, len(names), ctx.config.eval.batch_size, device, seed, masking=ctx.masking)
-
-
-SCORERS: dict[str, Scorer] = {"classification": _confusions, "mlm": _lm_stats}
-
-
-def scorer(task_name: str) -> Scorer:
-    try:
-        return SCORERS[task_name]
-    except KeyError:
-        raise ValueError(f"no evaluation scorer for task {task_name!r}; known tasks: {sorted(SCORERS)}") from None
 
 
 def local_only_rounds(ctx: RunContext, client_id: str) -> int:
@@ -103,8 +74,8 @@ def score_models(ctx: RunContext, trainer: LocalTrainer, models: list[str]) -> S
     ``models`` are node ids (their saved models; missing ones are skipped) and
     ``local:<client>`` / ``adapt:<client>`` baselines (trained here first).
     """
-    names, _, _ = ctx.test_sets(PROXY)
-    score = scorer(ctx.manifest.task)
+    names, data, groups = ctx.test_sets(PROXY)
+    score, facts, batch_size = ctx.task_kind.score, ctx.task_facts, ctx.config.eval.batch_size
     baselines = _Baselines(ctx, trainer)
     out: Stats = {}
     for name in models:
@@ -113,5 +84,5 @@ def score_models(ctx: RunContext, trainer: LocalTrainer, models: list[str]) -> S
         if theta is None:
             continue
         set_flat(trainer.model, theta)
-        out[name] = dict(zip(names, score(ctx, trainer.model, trainer.device)))
+        out[name] = dict(zip(names, score(trainer.model, data, groups, len(names), batch_size, trainer.device, facts)))
     return out

@@ -138,7 +138,8 @@ class BhflWorkerPlugin(WorkerPlugin):
 
 def call(method: str, *args: Any) -> Any:
     """What the executor submits to a Dask worker: ``method`` of this worker's runtime."""
-    runtime: WorkerRuntime = get_worker().plugins[PLUGIN].runtime
+    plugin: Any = get_worker().plugins[PLUGIN]
+    runtime: WorkerRuntime = plugin.runtime
     return getattr(runtime, method)(*args)
 
 

@@ -144,7 +144,7 @@ class WeightedSum:
 
 def _chunked(tensor: torch.Tensor) -> list[torch.Tensor]:
     """Consecutive flat views of ``_CHUNK`` elements (the last one shorter)."""
-    return list(tensor.reshape(-1).split(_CHUNK))
+    return list(torch.split(tensor.reshape(-1), _CHUNK))
 
 
 def _chunks(hi: torch.Tensor, lo: torch.Tensor,

@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from bhfl_core.algorithm.tree import Tree
+from bhfl_core.store.tables import table_csv
 
 BYTES_PER_VALUE = 4  # float32 flat vectors
 KEYS: dict[str, tuple[str, str]] = {  # metric -> (direction, kind)
@@ -96,16 +97,14 @@ def totals(rows: Sequence[CommRow]) -> dict[str, float]:
 
 
 def rows_csv(rows: Sequence[CommRow]) -> str:
-    lines = ["level,node,round,direction,kind,models,bytes"]
-    lines += [f"{r.level},{r.node},{r.round},{r.direction},{r.kind},{r.models:g},{r.bytes:.0f}" for r in rows]
-    return "\n".join(lines) + "\n"
+    return table_csv(["level", "node", "round", "direction", "kind", "models", "bytes"],
+                     ([r.level, r.node, r.round, r.direction, r.kind, f"{r.models:g}", f"{r.bytes:.0f}"] for r in rows))
 
 
 def summary_csv(summary: Sequence[LevelSummary]) -> str:
-    lines = ["level,servers,direction,kind,server_rounds,models,bytes,models_per_round"]
-    lines += [f"{s.level},{s.servers},{s.direction},{s.kind},{s.server_rounds},{s.models:g},{s.bytes:.0f},"
-              f"{s.models_per_round:.4f}" for s in summary]
-    return "\n".join(lines) + "\n"
+    return table_csv(["level", "servers", "direction", "kind", "server_rounds", "models", "bytes", "models_per_round"],
+                     ([s.level, s.servers, s.direction, s.kind, s.server_rounds, f"{s.models:g}", f"{s.bytes:.0f}",
+                       f"{s.models_per_round:.4f}"] for s in summary))
 
 
 def human_bytes(n: float) -> str:

@@ -27,8 +27,9 @@ from dataclasses import dataclass
 
 import torch
 
-from bhfl_core.learning.metrics import TaskMetrics
+from bhfl_core.learning.task_kinds import TaskMetrics
 from bhfl_core.algorithm.tree import Tree
+from bhfl_core.store.tables import table_csv
 
 UNION = "union"
 PROXY = "proxy"
@@ -136,9 +137,8 @@ def eval_rows(tree: Tree, stats: Stats, task: TaskMetrics) -> list[EvalRow]:
 
 
 def matrix_csv(rows: Sequence[EvalRow]) -> str:
-    lines = ["node,level,test_set,metric,value"]
-    lines += [f"{r.node},{r.level},{r.test_set},{r.metric},{r.value:.6f}" for r in rows]
-    return "\n".join(lines) + "\n"
+    return table_csv(["node", "level", "test_set", "metric", "value"],
+                     ([r.node, r.level, r.test_set, r.metric, f"{r.value:.6f}"] for r in rows))
 
 
 # ---------------------------------------------------------------- distributions over clients
@@ -327,15 +327,12 @@ class ClientRow:
 
 
 def distribution_csv(rows: Sequence[DistRow]) -> str:
-    lines = ["model,level,population,metric,n," + ",".join(STATS)]
-    for r in rows:
-        d = r.dist
-        lines.append(f"{r.model},{r.level},{r.population},{r.metric},{d.n},"
-                     + ",".join(f"{getattr(d, s):.6f}" for s in STATS))
-    return "\n".join(lines) + "\n"
+    return table_csv(["model", "level", "population", "metric", "n", *STATS],
+                     ([r.model, r.level, r.population, r.metric, r.dist.n,
+                       *(f"{getattr(r.dist, s):.6f}" for s in STATS)] for r in rows))
 
 
 def clients_csv(rows: Sequence[ClientRow]) -> str:
-    lines = ["client,group,relation,model,metric,value,gain_vs_local"]
-    lines += [f"{r.client},{r.group},{r.relation},{r.model},{r.metric},{r.value:.6f},{r.gain_vs_local:.6f}" for r in rows]
-    return "\n".join(lines) + "\n"
+    return table_csv(["client", "group", "relation", "model", "metric", "value", "gain_vs_local"],
+                     ([r.client, r.group, r.relation, r.model, r.metric, f"{r.value:.6f}", f"{r.gain_vs_local:.6f}"]
+                      for r in rows))

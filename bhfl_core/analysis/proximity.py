@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from bhfl_core.analysis.evaluation import PROXY, UNION, Evaluation
+from bhfl_core.store.tables import table_csv
 
 
 @dataclass(frozen=True)
@@ -121,11 +122,11 @@ def analyse(ev: Evaluation, metric: str | None = None) -> Proximity:
     models = ev.node_models()
     pairs: list[Pair] = []
     for client in ev.clients:
-        path = {client, *tree.ancestors(client)}
+        own_path = {client, *tree.ancestors(client)}
         for model in models:
             value = ev.value(model, client, metric)
             if value is not None and not math.isnan(value):
-                pairs.append(Pair(model, client, tree.distance(model, client), model in path, value))
+                pairs.append(Pair(model, client, tree.distance(model, client), model in own_path, value))
 
     curve: list[CurvePoint] = []
     for relation, keep in (("all", lambda p: True), ("path", lambda p: p.on_path), ("off_path", lambda p: not p.on_path)):
@@ -157,8 +158,8 @@ def analyse(ev: Evaluation, metric: str | None = None) -> Proximity:
 
     globals_: dict[str, GlobalProximity] = {}
     for test_set in (UNION, PROXY):
-        scored = [(tree[m].depth, ev.value(m, test_set, metric)) for m in models]
-        scored = [(d, v) for d, v in scored if v is not None and not math.isnan(v)]
+        depth_values = [(tree[m].depth, ev.value(m, test_set, metric)) for m in models]
+        scored = [(d, v) for d, v in depth_values if v is not None and not math.isnan(v)]
         rho = spearman([float(d) for d, _ in scored], [sign * v for _, v in scored]) if scored else float("nan")
         depths: dict[int, list[float]] = {}
         for d, v in scored:
@@ -198,12 +199,11 @@ def headline(p: Proximity) -> dict[str, float]:
 
 
 def curve_csv(p: Proximity) -> str:
-    lines = ["relation,distance,pairs,mean,median"]
-    lines += [f"{c.relation},{c.distance},{c.n},{c.mean:.6f},{c.median:.6f}" for c in p.curve]
-    return "\n".join(lines) + "\n"
+    return table_csv(["relation", "distance", "pairs", "mean", "median"],
+                     ([c.relation, c.distance, c.n, f"{c.mean:.6f}", f"{c.median:.6f}"] for c in p.curve))
 
 
 def clients_csv(p: Proximity) -> str:
-    lines = ["client,models,rho,path_holds"]
-    lines += [f"{c.client},{c.models},{c.rho:.6f},{'' if c.path_holds is None else int(c.path_holds)}" for c in p.clients]
-    return "\n".join(lines) + "\n"
+    return table_csv(["client", "models", "rho", "path_holds"],
+                     ([c.client, c.models, f"{c.rho:.6f}", None if c.path_holds is None else int(c.path_holds)]
+                      for c in p.clients))

@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 
 from bhfl_core.config.base import Strict
+from bhfl_core.learning.task_kinds import available_task_kinds, get_task_kind
 
 
 class SizeDistribution(Strict):
@@ -222,13 +223,19 @@ ClusteringConfig = Annotated[
 
 class DataConfig(Strict):
     source: SourceConfig = EmbeddedSource()
-    task: Literal["classification", "mlm"] = "classification"
+    task: str = "classification"  # a kind of bhfl_core.learning.task_kinds
     clients_per_language: Annotated[int, Field(gt=0)] = 6
     dirichlet_alpha: Annotated[float, Field(gt=0)] = 0.5
     sizes: SizeDistribution = SizeDistribution()
     test_fraction: Annotated[float, Field(gt=0, lt=1)] = 0.2
     proxy: ProxySpec = ProxySpec()
     clustering: ClusteringConfig = LanguageClustering()
+
+    @field_validator("task")
+    @classmethod
+    def _known_task(cls, v: str) -> str:
+        get_task_kind(v)  # unknown: a ValueError naming it and the available tasks
+        return v
 
     @model_validator(mode="after")
     def _consistent(self) -> DataConfig:
@@ -240,9 +247,11 @@ class DataConfig(Strict):
         if isinstance(c, KMeansClustering) and c.clusters > total:
             raise ValueError(f"clustering.clusters ({c.clusters}) exceeds the number of clients ({total})")
         ps = self.proxy.source
-        if ps is not None and self.task == "classification" and ps.label_column is None:
-            raise ValueError("proxy.source.label_column: a classification task trains on proxy labels; "
-                             "name the label column (or use task: mlm, or drop proxy.source to carve the proxy from the pool)")
+        if ps is not None and get_task_kind(self.task).needs_labels and ps.label_column is None:
+            unlabelled = " or ".join(t for t in available_task_kinds() if not get_task_kind(t).needs_labels)
+            raise ValueError(f"proxy.source.label_column: a {self.task} task trains on proxy labels; name the "
+                             f"label column (or use task: {unlabelled}, or drop proxy.source to carve the proxy "
+                             "from the pool)")
         if ps is not None and not ps.per_language and ps.language_column is None:
             if any(s != "root" for s in self.proxy.servers):
                 raise ValueError("proxy.servers: only the root can hold a proxy corpus without languages "

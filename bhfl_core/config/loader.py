@@ -53,7 +53,7 @@ def format_validation_error(exc: ValidationError) -> str:
     lines = []
     for err in exc.errors():
         parts = [p for i, p in enumerate(err["loc"]) if not str(p).startswith(("function-", "constrained-"))
-                 and not (i and err["loc"][i - 1] in _UNIONS and p in _UNIONS[err["loc"][i - 1]])]
+                 and not (i and str(err["loc"][i - 1]) in _UNIONS and p in _UNIONS[str(err["loc"][i - 1])])]
         loc = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in parts).lstrip(".") or "(top level)"
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":

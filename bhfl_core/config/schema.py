@@ -8,13 +8,12 @@ docs/config.md for every key with an example.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from bhfl_core.algorithm.node_opt import available_node_opts
-from bhfl_core.config.base import ConfigError, Strict
+from bhfl_core.config.base import Strict
 from bhfl_core.config.data import DataConfig, KMeansClustering
 
 

@@ -262,18 +262,19 @@ def _wire_residuals(config: ExperimentConfig, tree: Tree) -> Tree:
                 sends_up.setdefault(src.id, []).append(link)
                 receives.setdefault(target, []).append((link.key, _receiver_opt(tree[target], "up", rule.opt, rule.eta)))
 
-    for i, rule in enumerate(config.tree.residuals.down):
+    for i, down in enumerate(config.tree.residuals.down):
         key = f"tree.residuals.down[{i}]"
-        _lookup(tree, rule.to, f"{key}.to")
-        for src in _lookup(tree, rule.source, f"{key}.from"):
+        _lookup(tree, down.to, f"{key}.to")
+        for src in _lookup(tree, down.source, f"{key}.from"):
             below = [n for n in tree if src.id in tree.ancestors(n.id)]
-            targets = [n for n in below if _matches(rule.to, n)]
-            if not targets:
-                raise ConfigError(f"{key}.to: {rule.to!r} is not a descendant of {src.id!r}; down-residuals go to descendants")
-            for target in targets:
-                link = DownLink(i, target.id)
-                sends_down.setdefault(src.id, []).append(link)
-                receives.setdefault(target.id, []).append((link.key, _receiver_opt(target, "down", rule.opt, rule.eta)))
+            receivers = [n for n in below if _matches(down.to, n)]
+            if not receivers:
+                raise ConfigError(f"{key}.to: {down.to!r} is not a descendant of {src.id!r}; down-residuals go to descendants")
+            for receiver in receivers:
+                down_link = DownLink(i, receiver.id)
+                sends_down.setdefault(src.id, []).append(down_link)
+                receives.setdefault(receiver.id, []).append(
+                    (down_link.key, _receiver_opt(receiver, "down", down.opt, down.eta)))
 
     if not (sends_up or sends_down):
         return tree

@@ -5,15 +5,17 @@ confusion matrices for classification, ``[summed masked-token NLL, masked-token
 count]`` for masked language modelling. The metric of a model on the union of several
 test sets is the metric of the *sum* of their statistics, so unions (a subtree's
 clients, all clients) cost no extra model passes. ``task_metrics(manifest.task)``
-gives the stats -> metrics function of a task and which direction is better.
+gives the stats -> metrics function of a task and which direction is better (the
+``TaskMetrics`` of its kind in ``bhfl_core.learning.task_kinds``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable
 
 import torch
+
+from bhfl_core.learning.task_kinds import TaskMetrics, available_task_kinds, get_task_kind
 
 
 def classification_batch(confusions: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -66,34 +68,9 @@ def lm_metrics(stats: torch.Tensor) -> dict[str, float]:
     return _single(lm_batch, stats)
 
 
-@dataclass(frozen=True)
-class TaskMetrics:
-    """How a task's additive statistics become metrics, and how to rank them.
-
-    ``primary`` is the metric of headlines, heatmaps and the proximity analysis;
-    ``higher_is_better[m]`` decides what "best 10%" and "worst 10%" mean for ``m``.
-    """
-
-    task: str
-    batch: Callable[[torch.Tensor], dict[str, torch.Tensor]]  # stats [n, ...] -> metric -> values [n]
-    names: tuple[str, ...]
-    higher_is_better: Mapping[str, bool]
-    primary: str
-
-    def better(self, metric: str) -> bool:
-        return self.higher_is_better[metric]
-
-
-TASKS: dict[str, TaskMetrics] = {
-    "classification": TaskMetrics("classification", classification_batch, ("accuracy", "macro_f1"),
-                                  {"accuracy": True, "macro_f1": True}, "accuracy"),
-    "mlm": TaskMetrics("mlm", lm_batch, ("loss", "perplexity"), {"loss": False, "perplexity": False}, "perplexity"),
-}
-
-
 def task_metrics(task: str) -> TaskMetrics:
     """The metrics of ``task`` (the data manifest's ``task``); unknown tasks are errors naming it."""
     try:
-        return TASKS[task]
-    except KeyError:
-        raise ValueError(f"no evaluation metrics for task {task!r}; known tasks: {sorted(TASKS)}") from None
+        return get_task_kind(task).metrics
+    except ValueError:
+        raise ValueError(f"no evaluation metrics for task {task!r}; known tasks: {available_task_kinds()}") from None

@@ -15,9 +15,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from bhfl_core.learning.local_train import BatchTransform
 
 IGNORE_INDEX = -100  # transformers' cross-entropy ignore index
 
@@ -71,7 +75,7 @@ def mask_tokens(
     return ids, labels
 
 
-def mlm_transform(spec: MaskingSpec):
+def mlm_transform(spec: MaskingSpec) -> BatchTransform:
     """A ``train_model`` transform that masks each batch with the training generator."""
 
     def transform(batch: dict[str, torch.Tensor], generator: torch.Generator) -> dict[str, torch.Tensor]:
@@ -91,16 +95,19 @@ def _masked_logits(model: nn.Module, inputs: dict[str, torch.Tensor], positions:
     the output embeddings) makes it masked tokens x vocab. Models without output
     embeddings fall back to the full logits.
     """
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    output_embeddings = getattr(model, "get_output_embeddings", None)
+    head: nn.Module | None = output_embeddings() if output_embeddings is not None else None
     if head is None:
-        return model(**inputs).logits[positions]
+        logits: torch.Tensor = model(**inputs).logits
+        return logits[positions]
 
-    def gather(_module: nn.Module, args: tuple) -> tuple:
+    def gather(_module: nn.Module, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         return (args[0][positions], *args[1:])
 
     handle = head.register_forward_pre_hook(gather)
     try:
-        return model(**inputs).logits
+        masked: torch.Tensor = model(**inputs).logits
+        return masked
     finally:
         handle.remove()
 

@@ -3,9 +3,10 @@
 ``tiny-bert`` builds a small BERT from a config (no download) sized by the config;
 any other name (a hub id such as ``bert-base-multilingual-cased`` or
 ``xlm-roberta-base``, or a local folder) goes through
-``AutoModelForSequenceClassification`` / ``AutoModelForMaskedLM.from_pretrained``,
-chosen by the task. A model that cannot be loaded (no network, hub offline, a typo)
-is a ``ModelSourceError`` whose message says how to point the config at local files.
+``AutoModelForSequenceClassification`` / ``AutoModelForMaskedLM.from_pretrained``:
+the Auto class and head of the task's kind (``task_kinds``). A model that cannot be
+loaded (no network, hub offline, a typo) is a ``ModelSourceError`` whose message says
+how to point the config at local files.
 """
 
 from __future__ import annotations
@@ -15,9 +16,9 @@ from torch import nn
 
 from bhfl_core.config.schema import ModelConfig
 from bhfl_core.config.base import ConfigError
+from bhfl_core.learning.task_kinds import get_task_kind
 
 TINY = "tiny-bert"
-TASKS = ("classification", "mlm")
 
 
 class ModelSourceError(ConfigError):
@@ -48,17 +49,14 @@ def check_available(model: ModelConfig) -> None:
 
 
 def build_model(model: ModelConfig, task: str, labels: list[str], vocab_size: int, pad_token_id: int, seed: int) -> nn.Module:
-    """A sequence classifier (``task: classification``) or masked LM (``mlm``).
+    """The model of ``task``'s kind: a sequence classifier (``classification``), a masked LM (``mlm``), ...
 
     Weights are initialised from ``seed`` (tiny) or the checkpoint (hub; new heads from ``seed``).
     """
-    if task not in TASKS:
-        raise ValueError(f"unknown task {task!r} (use one of {TASKS})")
-    from transformers import AutoModelForMaskedLM, AutoModelForSequenceClassification, BertConfig
-    id2label = dict(enumerate(labels))
-    label2id = {name: i for i, name in id2label.items()}
-    head = {"num_labels": len(labels), "id2label": id2label, "label2id": label2id} if task == "classification" else {}
-    auto = AutoModelForSequenceClassification if task == "classification" else AutoModelForMaskedLM
+    kind = get_task_kind(task)
+    from transformers import BertConfig
+    head = kind.head(labels)
+    auto = kind.model_class()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         if model.name == TINY:
@@ -69,8 +67,10 @@ def build_model(model: ModelConfig, task: str, labels: list[str], vocab_size: in
                 max_position_embeddings=max(64, model.max_length), hidden_dropout_prob=t.dropout,
                 attention_probs_dropout_prob=t.dropout, pad_token_id=pad_token_id, **head,
             )
-            return auto.from_config(config)
+            built: nn.Module = auto.from_config(config)
+            return built
         try:
-            return auto.from_pretrained(model.name, revision=model.revision, **head)
+            loaded: nn.Module = auto.from_pretrained(model.name, revision=model.revision, **head)
+            return loaded
         except Exception as exc:
             raise hub_error("model", model, exc) from None

@@ -14,8 +14,6 @@ residual accumulators use the same atomic writer.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 import zlib
 from collections.abc import Callable
 from pathlib import Path
@@ -29,6 +27,7 @@ from bhfl_core.algorithm.aggregation import WeightedSum
 from bhfl_core.algorithm.node_opt import OptState
 from bhfl_core.algorithm.node_state import NodeState
 from bhfl_core.algorithm.node_step import Inbox, PendingResidual, ResidualPost
+from bhfl_core.store.atomic import atomic_path
 
 _MODEL = "model"
 _INFO = "bhfl"
@@ -81,7 +80,7 @@ def state_from_file(tensors: dict[str, torch.Tensor], info: dict[str, Any]) -> N
 
 def _crc(tensor: torch.Tensor) -> int:
     data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
-    return zlib.crc32(data)
+    return zlib.crc32(data.data)
 
 
 def atomic_save(
@@ -96,22 +95,11 @@ def atomic_save(
     keys: safetensors writes its metadata map in no fixed order, and identical states
     must give identical bytes.
     """
-    path.parent.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
     crcs = {k: _crc(v) for k, v in tensors.items()}
     meta = {_INFO: json.dumps({**(info or {}), "crc32": crcs}, sort_keys=True)}
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        save_file(tensors, tmp, metadata=meta)
-        with open(tmp, "rb") as fh:
-            os.fsync(fh.fileno())
-        if before_replace is not None:
-            before_replace(Path(tmp))
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_path(path, before_replace=before_replace) as tmp:
+        save_file(tensors, str(tmp), metadata=meta)
 
 
 def _damaged(path: Path, why: str) -> CheckpointError:

@@ -131,7 +131,8 @@ def run(
                       "Prefect and MLflow ...", highlight=False)
         from flows.experiment import run_experiment
         from flows.progress import RichReporter
-        from flows.tracking.tracker import Tracker, default_tracking_uri
+        from flows.records.run_record import default_tracking_uri
+        from flows.tracking.tracker import Tracker
 
         uri = tracking_uri or default_tracking_uri(run_dir.resolve())
         store = threading.Thread(target=Tracker, args=(uri,), daemon=True)  # MLflow opens its store meanwhile
@@ -212,7 +213,7 @@ def resume(
 def _resume(run_spec: str, overrides: list[str], run_dir: Path, verbose: bool) -> None:
     _prepare_environment(run_dir, verbose)  # before anything imports prefect
     from bhfl_core.config.base import ConfigError
-    from flows.experiment import RunStateError
+    from flows.records.run_state import RunStateError
     from flows.records.listing import resolve_run
 
     try:
@@ -287,7 +288,7 @@ def runs(
 ) -> None:
     """List runs with their status (finished, failed at node X round Y, running) and what a resume would redo."""
     _prepare_environment(run_dir, verbose=False)
-    from flows.experiment import RunStateError
+    from flows.records.run_state import RunStateError
     from flows.records.listing import find_runs, progress, resolve_run, summarize
 
     out = Console(soft_wrap=True)  # the listing is this command's output: stdout
@@ -343,7 +344,7 @@ def serve(
         _fail(f"--cron {cron!r}: not a valid cron expression ({exc})")
     _prepare_environment(run_dir, verbose=False)
     from bhfl_core.config.schema import dump
-    from flows.tracking.tracker import default_tracking_uri
+    from flows.records.run_record import default_tracking_uri
 
     uri = tracking_uri or default_tracking_uri(run_dir)
     deployment = name or cfg.name
@@ -391,7 +392,7 @@ def ui(
     host: Annotated[str, typer.Option(help="Interface to bind; keep 127.0.0.1 unless you mean to expose it.")] = "127.0.0.1",
 ) -> None:
     """Start the MLflow UI for a tracking store (bound to 127.0.0.1 by default)."""
-    from flows.tracking.tracker import default_tracking_uri
+    from flows.records.run_record import default_tracking_uri
 
     uri = tracking_uri or default_tracking_uri(run_dir)
     if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///"):]).exists():
@@ -410,7 +411,7 @@ def compare(
     csv_path: Annotated[Optional[Path], typer.Option("--csv", help="Write the table as CSV here [default: RUN_DIR/compare.csv].")] = None,
 ) -> None:
     """Compare runs side by side (markdown on stdout, CSV on disk): per-client, root and communication numbers."""
-    from flows.tracking.tracker import default_tracking_uri
+    from flows.records.run_record import default_tracking_uri
 
     uri = tracking_uri or default_tracking_uri(run_dir)
     if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///"):]).exists():

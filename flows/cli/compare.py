@@ -8,8 +8,6 @@ FedAvg vs HierFAVG on the same data.
 
 from __future__ import annotations
 
-import csv
-import io
 import math
 import re
 from collections.abc import Sequence
@@ -20,6 +18,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 
 from bhfl_core.learning.metrics import task_metrics
+from bhfl_core.store.tables import table_csv
 
 _RUN_ID = re.compile(r"^[0-9a-f]{32}$")
 
@@ -116,8 +115,4 @@ def to_markdown(rows: Sequence[dict[str, object]]) -> str:
 
 def to_csv(rows: Sequence[dict[str, object]]) -> str:
     """Full-precision CSV (NaN where a run lacks a number), one row per run."""
-    out = io.StringIO()
-    writer = csv.DictWriter(out, fieldnames=list(COLUMNS), lineterminator="\n")
-    writer.writeheader()
-    writer.writerows(rows)
-    return out.getvalue()
+    return table_csv(COLUMNS, ([r.get(c) for c in COLUMNS] for r in rows))

@@ -15,7 +15,7 @@ import torch
 from bhfl_core.config.base import ConfigError
 from bhfl_core.store.node_store import CheckpointError
 from data_prep.partition import PartitionError
-from flows.experiment import RunStateError
+from flows.records.run_state import RunStateError
 
 
 def resume_hint(run_path: Path | None) -> str:

@@ -15,7 +15,7 @@ from bhfl_core.rng import sample_cohort
 from bhfl_core.config.topology import ROOT_ID as ROOT
 from bhfl_core.algorithm.node_state import ROOT_CALLER, Caller
 from bhfl_core.algorithm.tree import Node
-from flows.experiment import RunStateError, load_run
+from flows.records.run_state import RunStateError, load_run
 from flows.records.run_record import RECORD_FILE, RunRecord
 from tasks.context import CONFIG_FILE, DATA_POINTER, RunContext
 

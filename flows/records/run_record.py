@@ -85,3 +85,8 @@ class RunRecord(BaseModel):
         if self.status == "running" and not self.process_alive():
             return "interrupted"
         return self.status
+
+
+def default_tracking_uri(run_root: Path) -> str:
+    """The MLflow store of runs under ``run_root`` unless one is given: ``<run_root>/mlflow.db``."""
+    return f"sqlite:///{(run_root / 'mlflow.db').resolve()}"

@@ -21,6 +21,7 @@ import signal
 import socket
 import subprocess
 import sys
+from typing import Any
 import time
 import urllib.error
 import urllib.request
@@ -30,10 +31,11 @@ from typing import Self
 from flows.services.store_templates import save_template, seed
 
 _PR_SET_PDEATHSIG = 1
+_prctl: Any = None  # libc's prctl where there is one
 try:  # resolved here, not in the forked child: no dlopen between fork and exec (threads may hold its lock)
     _prctl = ctypes.CDLL(None, use_errno=True).prctl
 except (OSError, AttributeError):  # not Linux: the server may outlive a killed parent
-    _prctl = None
+    pass
 
 
 def _die_with_parent() -> None:

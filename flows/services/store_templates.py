@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterator
 from contextlib import closing, contextmanager
 from pathlib import Path
 
-from bhfl_core.store.atomic import temp_sibling
+from bhfl_core.store.atomic import atomic_path
 
 ENV = "BHFL_STORE_TEMPLATES"
 FORMAT = 2  # in the file name: templates of an older layout of this module are not used
@@ -119,23 +119,12 @@ def seed(db: Path, kind: str, version: str) -> bool:
     template = template_path(kind, version)
     if template is None or db.exists() or _leftovers(db) or not _looks_whole(template):
         return False
-    tmp = temp_sibling(db)
     try:
-        db.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(template, tmp)
-        try:
-            os.link(tmp, db)  # atomic and never replaces: fails when db was created meanwhile
-        except FileExistsError:
-            return False
-        except OSError:  # a filesystem without hard links: the narrow race of check-then-rename
-            if db.exists():
-                return False
-            os.replace(tmp, db)
+        with atomic_path(db, overwrite=False) as tmp:  # FileExistsError when db was created meanwhile
+            shutil.copyfile(template, tmp)
         return True
-    except OSError:  # unreadable template, full disk: the store migrates itself
+    except OSError:  # db appeared, unreadable template, full disk: the store migrates itself
         return False
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def save_template(db: Path, kind: str, version: str) -> bool:
@@ -144,22 +133,18 @@ def save_template(db: Path, kind: str, version: str) -> bool:
     template = template_path(kind, version)
     if template is None or template.exists() or not db.exists():
         return False
-    tmp = temp_sibling(template)
     try:
-        template.parent.mkdir(parents=True, exist_ok=True)
-        with closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5)) as source, \
+        with atomic_path(template) as tmp, \
+                closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5)) as source, \
                 closing(sqlite3.connect(tmp)) as target:
             source.backup(target)
             target.execute("PRAGMA journal_mode=DELETE")  # one self-contained file; stores set their own mode
             _KINDS[kind](target)
             if target.execute("PRAGMA integrity_check").fetchone()[0] != "ok":
                 raise NotATemplate("integrity check failed")
-        os.replace(tmp, template)
         return True
     except (OSError, sqlite3.Error, NotATemplate):  # a cache we cannot write is not an error of the run
         return False
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 @contextmanager

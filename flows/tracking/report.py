@@ -25,7 +25,6 @@ in-process counters), so a resumed run reports the whole run.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -33,7 +32,7 @@ from matplotlib.figure import Figure
 
 from bhfl_core.analysis import communication as comm
 from bhfl_core.analysis import proximity
-from bhfl_core.store.atomic import temp_sibling, write_text_atomic
+from bhfl_core.store.atomic import atomic_path, write_text_atomic
 from bhfl_core.analysis.evaluation import PROXY, UNION, Evaluation, clients_csv, distribution, distribution_csv, matrix_csv
 from flows.tracking import plots
 from flows.tracking.tracker import Tracker
@@ -53,13 +52,8 @@ def _num(value: float | None) -> float:
 
 def save_figure(fig: Figure, path: Path, dpi: int = 110) -> None:
     """Write a figure as PNG to a temporary name, then rename."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = temp_sibling(path)
-    try:
+    with atomic_path(path) as tmp:
         fig.savefig(tmp, dpi=dpi, bbox_inches="tight", format="png")
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
@@ -196,8 +190,8 @@ def render_markdown(tracker: Tracker, ctx: RunContext, ev: Evaluation, prox: pro
     ]
     rows = []
     for relation in RELATION_NAMES:
-        values = [ev.value(m, c) for c in ev.clients for rel, m in ev.relatives(c) if rel == relation]
-        values = [v for v in values if v is not None]
+        scored = [ev.value(m, c) for c in ev.clients for rel, m in ev.relatives(c) if rel == relation]
+        values = [v for v in scored if v is not None]
         if values:
             d = distribution(values, ev.task.better(metric))
             g = h.get(f"gain_vs_local/{relation}/{metric}_mean", math.nan)
@@ -225,23 +219,23 @@ def render_markdown(tracker: Tracker, ctx: RunContext, ev: Evaluation, prox: pro
             f"{metric} of every node model on every client's test split, against the tree distance between the "
             "model's node and the client (0 = the client's own model). 'path' keeps the client's own model and its "
             "ancestors.", ""]
-    dist_rows: dict[int, dict[str, object]] = {}
+    dist_rows: dict[int, dict[str, proximity.CurvePoint]] = {}
     for c in prox.curve:
         dist_rows.setdefault(c.distance, {})[c.relation] = c
     table = []
-    for d, by in sorted(dist_rows.items()):
+    for distance, by in sorted(dist_rows.items()):
         cell = lambda rel: (by[rel].mean, by[rel].n) if rel in by else (math.nan, 0)  # noqa: E731
         (a, na), (p, np_), (o, no) = cell("all"), cell("path"), cell("off_path")
-        table.append([d, a, na, p, np_, o, no])
+        table.append([distance, a, na, p, np_, o, no])
     out += [markdown_table(["distance", "mean (all)", "pairs", "mean (path)", "pairs", "mean (off path)", "pairs"], table), ""]
     out += [f"- Hypothesis on clients' data holds for **{prox.share_rank:.0%}** of clients by rank (Spearman "
             f"correlation of distance and quality < 0) and for **{prox.share_path:.0%}** along the path "
             "(own model ≥ parent ≥ … ≥ root). Step by step along the path: "
             + ", ".join(f"distance {d} ≥ {d + 1} for {share:.0%} of {n} clients" for d, n, share in prox.path_steps) + "."]
-    for test_set, g in prox.globals.items():
-        out.append(f"- On `{test_set}`: rank correlation of depth and quality {g.rho_depth:+.2f} (negative = better "
-                   f"towards the root); quality never falls going up for {g.path_share:.0%} of client paths; "
-                   "mean by depth " + ", ".join(f"{d}: {v:.3f}" for d, _, v in g.by_depth) + ".")
+    for test_set, by_test in prox.globals.items():
+        out.append(f"- On `{test_set}`: rank correlation of depth and quality {by_test.rho_depth:+.2f} (negative = better "
+                   f"towards the root); quality never falls going up for {by_test.path_share:.0%} of client paths; "
+                   "mean by depth " + ", ".join(f"{d}: {v:.3f}" for d, _, v in by_test.by_depth) + ".")
     out += ["", "![proximity](eval/proximity.png)", "", "## Heatmap", "",
             "Rows: node models in tree order; columns: client test splits (same order), subtree unions, "
             "the union of all clients, the proxy test.", "", "![heatmap](eval/heatmap.png)", ""]

@@ -27,10 +27,6 @@ from flows.services.store_templates import sqlite_from_template
 _BATCH = 900  # MLflow accepts at most 1000 entities per log_batch
 
 
-def default_tracking_uri(run_root: Path) -> str:
-    return f"sqlite:///{(run_root / 'mlflow.db').resolve()}"
-
-
 def sqlite_file(tracking_uri: str) -> Path | None:
     """The database file of a local SQLite store URI (``sqlite:///path``), else None."""
     return Path(tracking_uri[len("sqlite:///"):]) if urlparse(tracking_uri).scheme == "sqlite" else None

@@ -1,5 +1,6 @@
 """Masked LM: BERT's 80/10/10 masking and the grouped masked-token NLL statistics."""
 
+import pytest
 import torch
 from transformers import BertConfig, BertForMaskedLM
 
@@ -89,6 +90,7 @@ def test_grouped_lm_stats_match_a_hand_sum_and_add_up():
     assert 0.5 * VOCAB < float(torch.exp(stats[:, 0].sum() / stats[:, 1].sum())) < 2 * VOCAB
 
 
+@pytest.mark.integration
 def test_mlm_training_through_the_transform_hook_lowers_the_loss():
     spec = MaskingSpec(SPECIAL, MASK, VOCAB, 0.15)
     data = _table(rows=64, width=12, seed=5)

@@ -87,6 +87,7 @@ def files(folder: Path) -> dict[str, bytes]:
             if "messages" not in p.parts}
 
 
+@pytest.mark.integration
 def test_crash_at_every_event_then_rerun_is_bit_identical(tmp_path):
     clean = run(tmp_path / "clean")
     want = files(tmp_path / "clean")

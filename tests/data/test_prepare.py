@@ -1,11 +1,14 @@
 """Data preparation: shards, manifest, tokenizer round-trip, and the fingerprint cache."""
 
 import numpy as np
+import pytest
 import torch
 from transformers import AutoTokenizer
 
 from data_prep.prepare import fingerprint, load_shard, prepare_data
 from tests.small import small_config
+
+pytestmark = pytest.mark.integration
 
 
 def test_prepare_then_cache_hit(tmp_path):

@@ -158,14 +158,15 @@ def test_path_and_languages_are_required(source, key):
         small_config(f"data.source={source}", "tree.groups={}")
 
 
+@pytest.mark.integration
 def test_an_experiment_runs_end_to_end_on_a_prepared_folder(tmp_path):
     """The whole pipeline (no Prefect, this process's worker): training, evaluation with empty client test splits, report."""
-    from flows.experiment import run_experiment
+    from flows.experiment import PLAIN_CALLS, run_experiment
 
     folder = write_folder(tmp_path / "outside")
     cfg = prepared_config(folder, "tree.root.rounds=1", "tree.root.proxy_train=false", "eval.every=0",
                           "runtime.executor=inprocess")
-    result = run_experiment(cfg, tmp_path / "runs", inline=True)
+    result = run_experiment(cfg, tmp_path / "runs", orchestration=PLAIN_CALLS)
     assert 0.0 <= result["headline"]["root/proxy/accuracy"] <= 1.0  # the proxy test split is scored
     assert not (tmp_path / "runs" / "cache").exists()
 
@@ -176,4 +177,4 @@ def test_an_experiment_runs_end_to_end_on_a_prepared_folder(tmp_path):
 
     with pytest.raises(ConfigError, match="has no proxy train split"):  # proxy training needs a proxy train split
         run_experiment(prepared_config(folder, "tree.root.rounds=1", "runtime.executor=inprocess"), tmp_path / "runs",
-                       inline=True)
+                       orchestration=PLAIN_CALLS)

@@ -33,6 +33,7 @@ def test_pool_follows_the_xglue_rule(nc_dir):
     assert np.array_equal(pool.labels, np.asarray(pool.data["label"][:]))
 
 
+@pytest.mark.integration
 def test_prepare_from_local_parquet_then_cache_hit(nc_dir, tmp_path):
     cfg = _xglue(nc_dir)
     logs: list[str] = []
@@ -68,6 +69,7 @@ def test_prepare_from_local_parquet_then_cache_hit(nc_dir, tmp_path):
     assert fingerprint(cfg) == before
 
 
+@pytest.mark.integration
 def test_xnli_sentence_pairs_with_plain_int_labels(tmp_path):
     folder = write_xglue_xnli(tmp_path / "x")
     cfg = small_config(f"data.source={{kind: xglue, config: xnli, local_dir: '{folder}', languages: [en, de]}}",

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from mlflow import MlflowClient
 from prefect.settings import PREFECT_API_URL
 
@@ -18,6 +19,8 @@ from flows.records.run_record import RunRecord
 from tasks import faults
 from tests.data.xglue_fixtures import write_xglue_nc
 from tests.small import REPO, SMALL, small_config
+
+pytestmark = pytest.mark.integration
 
 
 def _cli(*args: str, run_dir: Path) -> subprocess.CompletedProcess:

@@ -3,7 +3,11 @@
 import threading
 import time
 
+import pytest
+
 from flows.creation_gate import creation_gate, run_gated, signal_running
+
+pytestmark = pytest.mark.integration
 
 CREATE_S, RUN_S = 0.15, 0.4
 

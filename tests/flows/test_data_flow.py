@@ -19,6 +19,8 @@ from flows.experiment import run_experiment
 from tests.data.xglue_fixtures import write_xglue_nc
 from tests.small import small_config
 
+pytestmark = pytest.mark.integration
+
 REPO = Path(__file__).resolve().parents[2]
 STEPS = {"load-pool", "partition", "proxy-split", "tokenizer", "tokenise", "assign-edges", "write-manifest", "partition-report"}
 

@@ -13,11 +13,15 @@ its own folder. All must give the same bytes; another seed must not.
 
 from pathlib import Path
 
+import pytest
+
 from bhfl_core.store.node_store import StateStore
-from flows.experiment import run_experiment
+from flows.experiment import PLAIN_CALLS, run_experiment
 from tasks import faults
 from tasks.context import open_run
 from tests.small import small_config
+
+pytestmark = pytest.mark.integration
 
 BASE = ("tree.root.rounds=2", "eval.every=0", "model.tiny.dropout=0.1")
 
@@ -45,10 +49,10 @@ def test_bhfl_example_is_bit_identical_across_workers_executors_and_placements(t
 
     others = {
         "inline, this process, 1 worker": run_experiment(
-            small_config(*BASE, "runtime.executor=inprocess", config="bhfl.yaml"), tmp_path / "b", inline=True),
+            small_config(*BASE, "runtime.executor=inprocess", config="bhfl.yaml"), tmp_path / "b", orchestration=PLAIN_CALLS),
         "inline, local cluster of 4 workers, round robin": run_experiment(
             small_config(*BASE, "runtime.workers=4", "runtime.placement=round_robin", config="bhfl.yaml"),
-            tmp_path / "c", inline=True),
+            tmp_path / "c", orchestration=PLAIN_CALLS),
         "Prefect, user-started Dask cluster, learned placement": run_experiment(
             small_config(*BASE, "runtime.executor=cluster", f"runtime.cluster={dask_cluster}", "runtime.placement=learned",
                          config="bhfl.yaml"), tmp_path / "d"),
@@ -67,5 +71,5 @@ def test_bhfl_example_is_bit_identical_across_workers_executors_and_placements(t
 
     # and a different seed changes the result
     other = run_experiment(small_config(*BASE, "seed=1", "runtime.executor=inprocess", config="bhfl.yaml"),
-                           tmp_path / "e", inline=True)
+                           tmp_path / "e", orchestration=PLAIN_CALLS)
     assert _node_files(other["run_path"])["root.safetensors"] != reference["root.safetensors"]

@@ -1,10 +1,13 @@
 """Executors: the local cluster's worker slots, a user-started Dask cluster's slots."""
 
+import pytest
 import torch
 
 from bhfl_core.config.schema import RuntimeConfig
 from tasks import local_cluster
 from tasks.executor import cluster_workers
+
+pytestmark = pytest.mark.integration
 
 
 def test_local_slots_per_gpu_and_per_core(monkeypatch):

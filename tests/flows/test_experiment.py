@@ -11,6 +11,8 @@ from bhfl_core.store.node_store import StateStore
 from flows.experiment import run_experiment
 from tests.small import small_config
 
+pytestmark = pytest.mark.integration
+
 
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory):

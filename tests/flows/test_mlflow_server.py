@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.integration
+
 PNG = b"\x89PNG\r\n\x1a\n"
 
 

@@ -31,6 +31,8 @@ from flows.services.store_templates import (
     template_path,
 )
 
+pytestmark = pytest.mark.integration
+
 FLOW = '''
 from prefect import flow, task
 from prefect.settings import temporary_settings

@@ -15,6 +15,8 @@ from flows.tracking.tracker import Tracker
 from tasks.context import open_run
 from tasks.worker import WorkerRuntime, worker_device
 
+pytestmark = pytest.mark.integration
+
 CLIENTS = [f"{lang}-{i:02d}" for lang in ("en", "fr", "de") for i in range(3)]
 PNG = b"\x89PNG\r\n\x1a\n"
 

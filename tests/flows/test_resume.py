@@ -25,6 +25,8 @@ from flows.experiment import run_experiment
 from flows.records.run_record import RunRecord
 from tests.small import REPO, SMALL, small_config
 
+pytestmark = pytest.mark.integration
+
 EXTRA = ["tree.root.rounds=3", "tree.edge.rounds=2", "eval.every=1"]
 KILLED = -9  # returncode of a process killed by SIGKILL
 # One chain of interruptions, in the order the run meets them:
@@ -74,6 +76,7 @@ def reference(tmp_path_factory):
     return run_dir, Path(result["run_path"])
 
 
+@pytest.mark.timeout(900)  # reference run + 9 `bhfl` processes: ~3 min idle, far more on a busy machine (default 300 s)
 def test_killed_and_resumed_run_is_bit_identical_to_uninterrupted(reference):
     run_dir, clean_path = reference
     sets = [arg for s in [*SMALL, *EXTRA] for arg in ("--set", s)]

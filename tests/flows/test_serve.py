@@ -17,9 +17,12 @@ import sys
 import time
 import urllib.request
 
+import pytest
 from mlflow import MlflowClient
 
 from tests.small import REPO, SMALL
+
+pytestmark = pytest.mark.integration
 
 
 def _api(url: str, body: dict | None = None) -> dict | list:

@@ -1,0 +1,11 @@
+"""The files of a run folder that more than one layer reads (names only, no I/O).
+
+``<run>/config.yaml`` the resolved config, ``<run>/data.json`` where its prepared data
+lie, ``<run>/timeline/`` first-occurrence marks of start-up events, ``<run>/state/``
+the state store. ``run.json`` (the run record) belongs to flows/records.
+"""
+
+CONFIG_FILE = "config.yaml"
+DATA_POINTER = "data.json"
+TIMELINE_DIR = "timeline"
+STATE_DIR = "state"

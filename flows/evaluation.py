@@ -1,0 +1,57 @@
+"""Evaluation as flows see it: every node model (and the baselines) scored on the workers, logged."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from bhfl_core.analysis.evaluation import Evaluation
+from bhfl_core.learning.metrics import task_metrics
+from bhfl_core.placement import Job, place
+from flows import progress
+from flows.node_runtime import NodeRuntime
+from flows.records.run_record import RunRecord
+from tasks import faults
+from tasks.evaluation import baseline_models, evaluate_models, node_models
+
+
+def evaluate_all(rt: NodeRuntime, step: int, final: bool = False) -> Evaluation:
+    """Score every node model (and, when ``final``, the configured per-client baselines) on every test set.
+
+    Node models first, then the baselines (local-only, local adaptation; they train
+    first), each phase spread over the workers; both phases' wall times go to MLflow.
+    """
+    ctx = rt.ctx
+    stats: dict[str, Any] = {}
+    seconds: dict[str, float] = {}
+    nodes = node_models(ctx)
+    phases = [("time/eval_s", nodes, [1.0] * len(nodes))]
+    if final:
+        phases.append(("time/baselines_s", *baseline_models(ctx)))
+    for timer, names, loads in phases:
+        if not names:
+            continue
+        started = time.time()
+        jobs = [Job(name, max(1, round(load))) for name, load in zip(names, loads)]
+        plan = place(jobs, rt.executor.slots(), "lpt")
+        batches = [(a.slot, list(a.jobs)) for a in plan]
+        name = f"evaluate {len(names)} models on " + ", ".join(a.slot.name for a in plan)
+        stats.update(rt.orchestration.call_task(rt, evaluate_models, name, batches, rt.run_path))
+        seconds[timer] = time.time() - started
+    evaluation = Evaluation.from_stats(ctx.tree, task_metrics(ctx.manifest.task), stats)
+    from flows.tracking.report import log_evaluation  # matplotlib and the report code: not needed at start-up
+
+    log_evaluation(rt.tracker, evaluation, step, seconds)
+    progress.note(f"evaluated {len(stats)} models after root round {step}")
+    return evaluation
+
+
+def evaluate_step(rt: NodeRuntime, step: int) -> None:
+    """An evaluation during training (``eval.every``), recorded so a resumed run does not repeat it."""
+    record = RunRecord.read(rt.ctx.run_path) or rt.record
+    if step in record.evaluated_steps:
+        return
+    faults.hit("eval", f"step {step}")
+    evaluate_all(rt, step=step)
+    record.evaluated_steps.append(step)
+    record.write(rt.ctx.run_path)

@@ -1,0 +1,48 @@
+"""An existing run folder as a resume sees it: its config and record, and what may change."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import yaml
+
+from bhfl_core.config.base import ConfigError
+from bhfl_core.config.loader import config_from_dict
+from bhfl_core.config.schema import ExperimentConfig, dump
+from bhfl_core.store.atomic import write_text_atomic
+from bhfl_core.store.run_layout import CONFIG_FILE
+from flows.records.run_record import RunRecord, default_tracking_uri
+
+RESUME_OVERRIDABLE = ("runtime.", "eval.batch_size")  # where and how it runs, not what it computes
+
+
+class RunStateError(RuntimeError):
+    """A run folder that cannot be resumed as asked (missing, still running, unreadable); says why."""
+
+
+def load_run(run_path: Path) -> tuple[ExperimentConfig, RunRecord]:
+    """The resolved config and the record of an existing run folder."""
+    if not (run_path / CONFIG_FILE).is_file():
+        raise RunStateError(f"{run_path} is not a run folder (no {CONFIG_FILE}); `bhfl runs` lists the runs")
+    try:
+        config = ExperimentConfig.model_validate(yaml.safe_load((run_path / CONFIG_FILE).read_text()))
+        record = RunRecord.read(run_path)
+    except (ValueError, yaml.YAMLError) as exc:
+        raise RunStateError(f"{run_path}: the run's {CONFIG_FILE} or run.json is unreadable ({exc})") from None
+    if record is None:
+        record = RunRecord(name=config.name, status="failed", tracking_uri=default_tracking_uri(run_path.parents[1]))
+    return config, record
+
+
+def resume_config(run_path: Path, config: ExperimentConfig, overrides: Sequence[str]) -> ExperimentConfig:
+    """The run's config with the ``runtime.*`` / ``eval.batch_size`` changes a resume may make (written back)."""
+    if not overrides:
+        return config
+    for assignment in overrides:
+        if not assignment.split("=", 1)[0].strip().startswith(RESUME_OVERRIDABLE):
+            raise ConfigError(f"--set {assignment}: a resumed run keeps its config; only runtime.* and "
+                              f"eval.batch_size may change (they do not change results). Start a new run instead.")
+    config = config_from_dict(dump(config), overrides, source=str(run_path / CONFIG_FILE))
+    write_text_atomic(run_path / CONFIG_FILE, yaml.safe_dump(dump(config), sort_keys=False))
+    return config

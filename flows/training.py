@@ -1,0 +1,235 @@
+"""Training the tree: each internal node's execution, as a Prefect subflow run or a plain call.
+
+Flow shape (what the Prefect UI shows under ``bhfl-experiment``)::
+
+    node: root                         (subflow: one execution of the root = T_root rounds)
+      node: <server>                   (subflow per execution of each internal node; siblings run concurrently)
+        node: edge-<lang>
+          train-clients x batches      (task per worker batch; the batch trains in that worker's process)
+        proxy-train                    (task, where the server has proxy data)
+
+``runtime.subflow_depth`` keeps deeper executions inside their parent's flow run.
+The server rounds (NODEOPT on flat vectors, checkpoints) run here, in the orchestrating
+process; client training and proxy training run on the run's executor. Models travel
+as message files (``state/messages``) between node executions and tasks, and come back
+from workers as weighted sums.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from prefect import Task, flow
+from prefect.task_runners import ThreadPoolTaskRunner
+from prefect.utilities.annotations import quote
+
+from bhfl_core.algorithm.engine import execute_node
+from bhfl_core.algorithm.node_state import Caller, RoundKey
+from bhfl_core.algorithm.node_step import ChildrenReport
+from bhfl_core.algorithm.residuals import Candidate, needs
+from bhfl_core.algorithm.tree import Node
+from bhfl_core.config.schema import ExperimentConfig
+from bhfl_core.learning.local_train import planned_steps
+from bhfl_core.placement import Job, place
+from bhfl_core.store.node_store import StateStore
+from data_prep.prepare import PreparedData, prepare_data
+from flows import progress
+from flows.creation_gate import run_gated, signal_running
+from flows.data import run_prepare
+from flows.evaluation import evaluate_step
+from flows.node_runtime import NodeRuntime, Orchestration, node_runtime, worker_utilisation
+from tasks import faults
+from tasks.client_training import WorkerReport
+from tasks.executor import gather
+from tasks.context import mark_once
+from tasks.time_model import load_time_model, record_timings
+from tasks.training import proxy_train, train_clients, with_retries
+
+TASK_THREADS = 64  # threads that wait on worker calls (cheap; the work is on the workers)
+
+
+def thread_task_runner() -> Any:
+    """The task runner of the run's flows: threads that wait on worker calls.
+
+    (Typed ``Any``: prefect's annotation of ``Flow.with_options(task_runner=...)`` accepts
+    no concrete runner without a cast.)
+    """
+    return ThreadPoolTaskRunner(max_workers=TASK_THREADS)
+
+
+class FlowHooks:
+    """EngineHooks for servers: child servers as node executions, clients as worker batches.
+
+    How those run (Prefect runs or plain calls) is the runtime's ``orchestration``.
+    """
+
+    def __init__(self, rt: NodeRuntime) -> None:
+        self.rt = rt
+        self.round_started: dict[int, float] = {}
+
+    # ------------------------------------------------------------ children
+
+    def _run_child(self, child: Node, phi_path: str, caller: Caller) -> str:
+        depth = self.rt.ctx.config.runtime.subflow_depth
+        subflow = depth is None or child.depth <= depth
+        return self.rt.orchestration.run_node(self.rt.run_path, child.id, phi_path, caller, subflow=subflow)
+
+    def _run_servers(self, servers: list[Node], phi_path: str, caller: Caller) -> list[str]:
+        """Execute child servers, concurrently unless ``runtime.parallel_subtrees`` is off; results in cohort order.
+
+        Each child runs in its own thread (a copy of this context: Prefect nests its
+        subflow under this flow run); the subflows are created one at a time.
+        """
+        if not self.rt.ctx.config.runtime.parallel_subtrees:
+            return [self._run_child(c, phi_path, caller) for c in servers]
+        futures = [run_gated(functools.partial(self._run_child, c, phi_path, caller)) for c in servers]
+        return gather(futures)
+
+    def _run_clients(self, node: Node, leaves: list[Node], phi_path: str, caller: Caller, key: RoundKey) -> list[WorkerReport]:
+        runtime = self.rt.ctx.config.runtime
+        keep, select = needs(node.settings.res_up)
+        jobs = [Job(c.id, planned_steps(int(c.weight), c.settings.train)) for c in leaves if c.settings.train]
+        model = load_time_model(self.rt.ctx.run_path) if runtime.placement == "learned" else None
+        plan = place(jobs, self.rt.executor.slots(), runtime.placement, model)
+        name = f"{node.id} round {key.round + 1}: " + ", ".join(f"{len(a.jobs)} on {a.slot.name}" for a in plan)
+        reports: list[WorkerReport] = self.rt.orchestration.call_task(self.rt, train_clients, name, [(a.slot, list(a.jobs)) for a in plan],
+                                                 self.rt.run_path, caller, phi_path, keep, select)
+        if runtime.placement == "learned":
+            record_timings(self.rt.ctx.run_path, [(r.device_kind, steps, s) for r in reports for _, steps, s in r.timings])
+        return reports
+
+    def run_children(self, node: Node, cohort: list[Node], theta: torch.Tensor, key: RoundKey) -> ChildrenReport:
+        self.round_started[key.round] = time.time()
+        ctx = self.rt.ctx
+        phi_path = ctx.store.write_message(f"{node.id}.down", theta)
+        caller = key.as_caller()
+        report = ChildrenReport()
+        losses: dict[str, tuple[float, int]] = {}  # child -> (training loss of its last round, examples)
+        servers = [c for c in cohort if not c.is_leaf]
+        leaves = [c for c in cohort if c.is_leaf]
+        for child, up_path in zip(servers, self._run_servers(servers, phi_path, caller)):
+            theta_child = StateStore.read_message(up_path)
+            report.aggregate.add(theta_child, child.weight)
+            if node.settings.res_up:
+                report.candidates.append(Candidate(child.id, theta_child, child.weight))
+            last = ctx.store.load_info(child.id).get("metrics", {})  # the child's last round, saved with it
+            if last.get("train/examples"):
+                losses[child.id] = (last["train/loss"], int(last["train/examples"]))
+        if leaves:
+            order = {c.id: i for i, c in enumerate(cohort)}
+            workers = self._run_clients(node, leaves, phi_path, caller, key)
+            for worker in workers:
+                report.aggregate.merge(worker.aggregate)
+                report.candidates.extend(worker.candidates)
+                report.dropped.extend(worker.dropped)
+                losses.update(worker.losses)
+            # one order whatever the placement: selection ties and float sums then agree across worker counts
+            report.candidates.sort(key=lambda c: order.get(c.node_id, len(order)))
+            report.dropped.sort(key=order.__getitem__)
+            for client_id in report.dropped:
+                progress.note(f"client {client_id} failed and was dropped from {node.id} round {key.round + 1}")
+            report.metrics["train/clients"] = float(len(leaves))
+        if losses:  # example-weighted mean of the children's last-round client loss, in a fixed order
+            ordered = [losses[k] for k in sorted(losses)]
+            seen = sum(n for _, n in ordered)
+            report.metrics["train/loss"] = sum(loss * n for loss, n in ordered) / max(seen, 1)
+            report.metrics["train/examples"] = float(seen)
+        return report
+
+    # ------------------------------------------------------------ the node's own steps
+
+    def train(self, node: Node, theta: torch.Tensor, key: RoundKey) -> tuple[torch.Tensor, dict[str, float]]:
+        """Proxy TRAIN of a server, on a worker (the model travels as a message file)."""
+        ctx = self.rt.ctx
+        assert node.settings.train is not None
+        steps = planned_steps(ctx.manifest.proxy_train.size, node.settings.train)
+        slot = place([Job(node.id, steps)], self.rt.executor.slots(), "lpt")[0].slot
+        theta_path = ctx.store.write_message(f"{node.id}.proxy-in", theta)
+        out_path, metrics = self.rt.orchestration.call_task(self.rt, proxy_train, f"{node.id} round {key.round + 1}: proxy on {slot.name}",
+                                       slot, self.rt.run_path, node.id, key, theta_path)
+        return StateStore.read_message(out_path), metrics
+
+    def round_done(self, node: Node, key: RoundKey, theta: torch.Tensor, metrics: dict[str, float]) -> None:
+        rt = self.rt
+        is_root = node.parent is None
+        if is_root:
+            metrics = {**metrics, **worker_utilisation(rt, self.round_started.get(key.round, time.time()), time.time())}
+        rt.tracker.log_node(node.id, metrics, step=key.round + 1)
+        progress.node_round(node.id, node.depth, key.round, metrics)
+        every = rt.ctx.config.eval.every
+        is_last = key.round + 1 >= node.settings.rounds
+        if is_root and is_last:
+            mark_once(rt.ctx.run_path, "last_aggregate")
+        if is_root and every and (key.round + 1) % every == 0 and not is_last:
+            evaluate_step(rt, key.round + 1)
+        if not node.is_leaf:
+            faults.hit("round", f"{node.id} round {key.round + 1}")
+
+
+def execute_tree_node(run_path: str, node_id: str, phi_path: str | None, caller: Caller,
+                      orchestration: Orchestration) -> str:
+    """EXECUTENODE for one internal node, from and to message files; returns the path of theta_T."""
+    with node_runtime(run_path, orchestration) as rt:
+        ctx = rt.ctx
+        phi = StateStore.read_message(phi_path) if phi_path else None
+        result = execute_node(ctx.tree, ctx.tree[node_id], phi, ctx.store, FlowHooks(rt), ctx.config.seed, caller)
+        return ctx.store.write_message(f"{node_id}.up", result.theta)
+
+
+@flow(name="node", validate_parameters=False)
+def node_flow(run_path: str, node_id: str, phi_path: str | None, caller: Caller) -> str:
+    """One execution of an internal node as a Prefect subflow."""
+    return execute_tree_node(run_path, node_id, phi_path, caller, PREFECT_RUNS)
+
+
+class PrefectRuns:
+    """Node executions as subflow runs, worker calls as task runs (with retries), data as a subflow.
+
+    Runs are *created* one at a time through the experiment's creation gate
+    (flows/creation_gate.py) and then go on concurrently.
+    """
+
+    name = "prefect"
+
+    def run_node(self, run_path: str, node_id: str, phi_path: str | None, caller: Caller, *, subflow: bool) -> str:
+        if not subflow:  # inside this flow run: nothing to create, the next sibling may go
+            signal_running()
+            return execute_tree_node(run_path, node_id, phi_path, caller, self)
+        name = f"{node_id} <- {caller}" if caller.key else node_id
+        child_flow = node_flow.with_options(flow_run_name=name, on_running=[signal_running],  # type: ignore[list-item]
+                                            task_runner=thread_task_runner())
+        return child_flow(run_path, node_id, phi_path, caller)
+
+    def call_task(self, rt: NodeRuntime, task_: Task[..., Any], name: str, *args: Any) -> Any:
+        named = with_retries(task_, rt.ctx.config.runtime, name, on_running=[signal_running])
+        return run_gated(functools.partial(named, quote(rt.executor), *args)).result()
+
+    def prepare(self, config: ExperimentConfig, cache_root: Path) -> PreparedData:
+        return run_prepare(config, cache_root)
+
+
+class PlainCalls:
+    """The very same node code without Prefect: plain recursion and direct executor calls.
+
+    No retries and nothing in the Prefect UI; tests use it, and benchmarks/orchestration.py
+    measures what the orchestration costs against it.
+    """
+
+    name = "plain"
+
+    def run_node(self, run_path: str, node_id: str, phi_path: str | None, caller: Caller, *, subflow: bool) -> str:
+        return execute_tree_node(run_path, node_id, phi_path, caller, self)
+
+    def call_task(self, rt: NodeRuntime, task_: Task[..., Any], name: str, *args: Any) -> Any:
+        return task_.fn(rt.executor, *args)
+
+    def prepare(self, config: ExperimentConfig, cache_root: Path) -> PreparedData:
+        return prepare_data(config, cache_root, log=progress.note)
+
+
+PREFECT_RUNS = PrefectRuns()
+PLAIN_CALLS = PlainCalls()
