@@ -33,7 +33,10 @@ SHRINK = [
     "name=memory-bench",
     "data.sizes={median: 24, sigma: 0.5, min: 10, max: 60}",
     "data.proxy={train_per_language: 40, test_per_language: 20}",
-    "model.tiny={vocab_size: 1000, hidden_size: 32, num_hidden_layers: 1, num_attention_heads: 2, intermediate_size: 64}",
+    (
+        "model.tiny={vocab_size: 1000, hidden_size: 32, num_hidden_layers: 1, num_attention_heads: 2,"
+        " intermediate_size: 64}"
+    ),
     "model.max_length=32",
     "tree.flat=true",
     "tree.groups={}",
@@ -45,8 +48,12 @@ SHRINK = [
 
 
 def overrides(clients: int, extra: list[str]) -> list[str]:
-    return [*SHRINK, f"data.clients_per_language={clients // LANGUAGES}", f"tree.root.cohort={min(PER_ROUND, clients)}",
-            *extra]
+    return [
+        *SHRINK,
+        f"data.clients_per_language={clients // LANGUAGES}",
+        f"tree.root.cohort={min(PER_ROUND, clients)}",
+        *extra,
+    ]
 
 
 def measure(clients: int, extra: list[str], run_dir: Path) -> dict[str, float]:
@@ -54,10 +61,21 @@ def measure(clients: int, extra: list[str], run_dir: Path) -> dict[str, float]:
     env = {**os.environ, "PREFECT_HOME": str(run_dir / ".prefect")}
     env.pop("PREFECT_API_URL", None)
     bhfl = str(Path(sys.executable).with_name("bhfl"))
-    subprocess.run([bhfl, "prepare", "configs/embedded.yaml", *sets, "--run-dir", str(run_dir)], check=True,
-                   capture_output=True, cwd=REPO, env=env)
-    proc = subprocess.Popen([bhfl, "run", "configs/embedded.yaml", *sets, "--run-dir", str(run_dir)], cwd=REPO, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    subprocess.run(
+        [bhfl, "prepare", "configs/embedded.yaml", *sets, "--run-dir", str(run_dir)],
+        check=True,
+        capture_output=True,
+        cwd=REPO,
+        env=env,
+    )
+    proc = subprocess.Popen(
+        [bhfl, "run", "configs/embedded.yaml", *sets, "--run-dir", str(run_dir)],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     with TreeSampler(proc.pid) as sampler:
         _, err = proc.communicate()
     if proc.returncode:
@@ -88,13 +106,19 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             rows.append(measure(n, args.overrides, Path(tmp)))
     print(f"peak PSS of the process tree (orchestrator, {PER_ROUND} clients per round, workers, Prefect server), MB")
-    print(f"{'clients':>8} {'training':>9} {'whole run':>10} {'train s':>8} {'wall s':>7} {'CPU s':>7} {'node files':>10}")
+    print(
+        f"{'clients':>8} {'training':>9} {'whole run':>10} {'train s':>8} {'wall s':>7} {'CPU s':>7} {'node files':>10}"
+    )
     for r in rows:
-        print(f"{r['clients']:8d} {r['train_pss_mb']:9.0f} {r['run_pss_mb']:10.0f} {r['train_s']:8.1f} {r['wall_s']:7.1f} "
-              f"{r['cpu_s']:7.1f} {r['node_files']:10d}")
+        print(
+            f"{r['clients']:8d} {r['train_pss_mb']:9.0f} {r['run_pss_mb']:10.0f} {r['train_s']:8.1f} "
+            f"{r['wall_s']:7.1f} {r['cpu_s']:7.1f} {r['node_files']:10d}"
+        )
     base = rows[0]["train_pss_mb"]
-    print("training peak relative to the first size: " + ", ".join(f"{r['clients']}: {r['train_pss_mb'] / base:.2f}x"
-                                                                  for r in rows))
+    print(
+        "training peak relative to the first size: "
+        + ", ".join(f"{r['clients']}: {r['train_pss_mb'] / base:.2f}x" for r in rows)
+    )
 
 
 if __name__ == "__main__":

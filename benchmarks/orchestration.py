@@ -38,21 +38,33 @@ def main() -> None:
         config = load_config(args.config, args.overrides)
         results: dict[str, list[tuple[dict, float]]] = {"inline": [], "prefect": []}
         for _ in range(args.repeats):
-            for mode in results:  # inline first also warms the data cache for both
+            for mode, runs in results.items():  # inline first also warms the data cache for both
                 started = time.time()
-                result = run_experiment(config, Path(tmp), orchestration=PLAIN_CALLS if mode == "inline" else PREFECT_RUNS)
-                results[mode].append((result, time.time() - started))
-    print(f"{'mode':8} {'setup_s':>8} {'train_s':>8} {'eval_s':>8} {'total_s':>8}  root/union/acc   (medians of {args.repeats})")
+                result = run_experiment(
+                    config, Path(tmp), orchestration=PLAIN_CALLS if mode == "inline" else PREFECT_RUNS
+                )
+                runs.append((result, time.time() - started))
+    print(
+        f"{'mode':8} {'setup_s':>8} {'train_s':>8} {'eval_s':>8} {'total_s':>8}  "
+        f"root/union/acc   (medians of {args.repeats})"
+    )
     train = {}
     for mode, runs in results.items():
-        med = {k: statistics.median(r["timings"][k] for r, _ in runs) for k in ("time/setup_s", "time/train_s",
-                                                                                "time/final_eval_s")}
+        med = {
+            k: statistics.median(r["timings"][k] for r, _ in runs)
+            for k in ("time/setup_s", "time/train_s", "time/final_eval_s")
+        }
         train[mode] = med["time/train_s"]
-        print(f"{mode:8} {med['time/setup_s']:8.1f} {med['time/train_s']:8.1f} {med['time/final_eval_s']:8.1f} "
-              f"{statistics.median(w for _, w in runs):8.1f}  {runs[0][0]['headline'].get('root/union/accuracy', float('nan')):.4f}")
+        accuracy = runs[0][0]["headline"].get("root/union/accuracy", float("nan"))
+        print(
+            f"{mode:8} {med['time/setup_s']:8.1f} {med['time/train_s']:8.1f} {med['time/final_eval_s']:8.1f} "
+            f"{statistics.median(w for _, w in runs):8.1f}  {accuracy:.4f}"
+        )
         print(f"{'':8} train_s of each run: " + ", ".join(f"{r['timings']['time/train_s']:.1f}" for r, _ in runs))
-    print(f"orchestration share of training time: {1 - train['inline'] / train['prefect']:.1%} "
-          f"({train['prefect'] - train['inline']:.1f} s of {train['prefect']:.1f} s)")
+    print(
+        f"orchestration share of training time: {1 - train['inline'] / train['prefect']:.1%} "
+        f"({train['prefect'] - train['inline']:.1f} s of {train['prefect']:.1f} s)"
+    )
 
 
 if __name__ == "__main__":

@@ -53,7 +53,6 @@ from typing import Any
 
 import numpy as np
 import psutil
-
 from _env import REPO, offline_quiet
 from _proc import TreeSampler
 
@@ -75,12 +74,12 @@ TIMELINE = ("process_start", "imports_done", "first_training", "last_aggregate")
 
 # ---------------------------------------------------------------- the loop, in its own process
 
+
 def loop_child(data: Path, draws: Path, out: Path, device: str, model_size: dict[str, int]) -> None:
     """In a fresh process: the plain loop with the given draws; prints its timestamps as JSON, saves the model."""
     started = psutil.Process().create_time()
     import torch  # noqa: F401  (the loop's imports count in its wall time, as bhfl's do in bhfl's)
     import transformers.models.bert.modeling_bert  # noqa: F401
-
     from workload import Workload, fedavg_loop
 
     imported = time.time()
@@ -88,17 +87,32 @@ def loop_child(data: Path, draws: Path, out: Path, device: str, model_size: dict
         clients = [(z[f"x{c}"], z[f"y{c}"]) for c in range(int(z["n"]))]
         work = Workload(clients, z["languages"].tolist(), (z["test_x"], z["test_y"]))
     plan = json.loads(draws.read_text())
-    seeds = {(r, cid): seed for r, (cohort, row) in enumerate(zip(plan["cohorts"], plan["seeds"]), start=1)
-             for cid, seed in zip(cohort, row)}
+    seeds = {
+        (r, cid): seed
+        for r, (cohort, row) in enumerate(zip(plan["cohorts"], plan["seeds"]), start=1)
+        for cid, seed in zip(cohort, row)
+    }
     result = fedavg_loop(work, plan["cohorts"], lambda r, cid: seeds[(r, cid)], device=device, model_size=model_size)
     np.save(out, result.flat.numpy())
-    print(json.dumps({"process_start": started, "imports_done": imported, "first_training": result.first_training,
-                      "last_aggregate": result.last_aggregate, "round_seconds": result.round_seconds}))
+    print(
+        json.dumps(
+            {
+                "process_start": started,
+                "imports_done": imported,
+                "first_training": result.first_training,
+                "last_aggregate": result.last_aggregate,
+                "round_seconds": result.round_seconds,
+            }
+        )
+    )
 
 
 # ---------------------------------------------------------------- one measured run of each
 
-def _measure(cmd: list[str], cwd: Path, env: dict[str, str] | None = None) -> tuple[str, str, float, float, TreeSampler]:
+
+def _measure(
+    cmd: list[str], cwd: Path, env: dict[str, str] | None = None
+) -> tuple[str, str, float, float, TreeSampler]:
     """Run ``cmd`` to its end under a process-tree sampler: (stdout, stderr, process start, exit, sampler)."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd, env=env)
     started = psutil.Process(proc.pid).create_time()
@@ -112,13 +126,30 @@ def _measure(cmd: list[str], cwd: Path, env: dict[str, str] | None = None) -> tu
 
 def run_loop(data: Path, draws: Path, trainings: int, device: str, model_size: dict[str, int], folder: Path) -> Result:
     out = folder / "loop.npy"
-    cmd = [sys.executable, __file__, "--loop-child", str(data), str(draws), str(out), "--device", device,
-           "--model-size", json.dumps(model_size)]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--loop-child",
+        str(data),
+        str(draws),
+        str(out),
+        "--device",
+        device,
+        "--model-size",
+        json.dumps(model_size),
+    ]
     stdout, _, _, exited, sampler = _measure(cmd, REPO / "benchmarks")
     times = json.loads(stdout.strip().splitlines()[-1])
     model = np.load(out)
-    return {**times, "exited": exited, "trainings": trainings, "pss_mb": sampler.peak_pss_mb(), "cpu_s": sampler.cpu_s,
-            "model": model, "norm": float(np.linalg.norm(model.astype(np.float64)))}
+    return {
+        **times,
+        "exited": exited,
+        "trainings": trainings,
+        "pss_mb": sampler.peak_pss_mb(),
+        "cpu_s": sampler.cpu_s,
+        "model": model,
+        "norm": float(np.linalg.norm(model.astype(np.float64))),
+    }
 
 
 def _bhfl_env(api_url: str | None) -> dict[str, str]:
@@ -129,22 +160,38 @@ def _bhfl_env(api_url: str | None) -> dict[str, str]:
     return env
 
 
-def run_bhfl(config: Path, name: str, trainings: int, overrides: list[str], api_url: str | None, folder: Path) -> Result:
+def run_bhfl(
+    config: Path, name: str, trainings: int, overrides: list[str], api_url: str | None, folder: Path
+) -> Result:
     from bhfl_core.store.node_store import load_tensors
 
     run_dir = folder / "runs"
-    cmd = [str(Path(sys.executable).with_name("bhfl")), "run", str(config), "--run-dir", str(run_dir),
-           *[a for o in overrides for a in ("--set", o)]]
+    cmd = [
+        str(Path(sys.executable).with_name("bhfl")),
+        "run",
+        str(config),
+        "--run-dir",
+        str(run_dir),
+        *[a for o in overrides for a in ("--set", o)],
+    ]
     _, _, started, exited, sampler = _measure(cmd, REPO, _bhfl_env(api_url))
     (run_path,) = (run_dir / name).iterdir()
     timeline = json.loads((run_path / "run.json").read_text()).get("timeline") or {}
     model = load_tensors(run_path / "state" / "nodes" / "root.safetensors", ["model"])[0]["model"].numpy()
-    return {**{k: float(timeline.get(k, math.nan)) for k in TIMELINE}, "process_start": started, "exited": exited,
-            "trainings": trainings, "pss_mb": sampler.peak_pss_mb(), "cpu_s": sampler.cpu_s, "model": model,
-            "norm": float(np.linalg.norm(model.astype(np.float64)))}
+    return {
+        **{k: float(timeline.get(k, math.nan)) for k in TIMELINE},
+        "process_start": started,
+        "exited": exited,
+        "trainings": trainings,
+        "pss_mb": sampler.peak_pss_mb(),
+        "cpu_s": sampler.cpu_s,
+        "model": model,
+        "norm": float(np.linalg.norm(model.astype(np.float64))),
+    }
 
 
 # ---------------------------------------------------------------- figures
+
 
 def _median(values: list[float]) -> float:
     """Median of the values that are numbers (NaN: a figure the run did not record)."""
@@ -167,23 +214,32 @@ def table(loop: dict[str, float], bhfl: dict[str, float]) -> str:
     return "\n".join(lines)
 
 
-def report(setting: str, loops: list[Result], bhfls: list[Result], test: tuple[np.ndarray, np.ndarray],
-           model_size: dict[str, int]) -> None:
+def report(
+    setting: str,
+    loops: list[Result],
+    bhfls: list[Result],
+    test: tuple[np.ndarray, np.ndarray],
+    model_size: dict[str, int],
+) -> None:
     import torch
-
     from workload import flat_accuracy
 
     print(f"\n{setting}: {loops[0]['trainings']} client trainings, median of {len(loops)} runs each, interleaved")
     print(table(medians(loops), medians(bhfls)))
     diff = max(float(np.abs(b["model"] - lp["model"]).max()) for b, lp in zip(bhfls, loops))
-    acc = {name: flat_accuracy(torch.from_numpy(runs[0]["model"]), test, model_size)
-           for name, runs in (("loop", loops), ("bhfl", bhfls))}
+    acc = {
+        name: flat_accuracy(torch.from_numpy(runs[0]["model"]), test, model_size)
+        for name, runs in (("loop", loops), ("bhfl", bhfls))
+    }
     rounds = ", ".join(f"{s:.2f}" for s in np.median([lp["round_seconds"] for lp in loops], axis=0))
-    print(f"final models: max |bhfl - loop| per parameter {diff:.2e}; test accuracy loop {acc['loop']:.3f}, "
-          f"bhfl {acc['bhfl']:.3f}; loop round times (s): {rounds}")
+    print(
+        f"final models: max |bhfl - loop| per parameter {diff:.2e}; test accuracy loop {acc['loop']:.3f}, "
+        f"bhfl {acc['bhfl']:.3f}; loop round times (s): {rounds}"
+    )
 
 
 # ---------------------------------------------------------------- the invocation
+
 
 def write_inputs(root: Path) -> tuple[Path, Path, tuple[np.ndarray, np.ndarray]]:
     """Generate the workload once: (the loop's .npz, bhfl's prepared folder, the test set); prints the fingerprint."""
@@ -195,19 +251,26 @@ def write_inputs(root: Path) -> tuple[Path, Path, tuple[np.ndarray, np.ndarray]]
     if fp != FINGERPRINT:
         raise SystemExit("the workload differs from the spec (numpy version?): the figures would not be comparable")
     data = root / "workload.npz"
-    np.savez(data, n=len(work.clients), languages=np.array(work.languages), test_x=work.test[0], test_y=work.test[1],
-             **{f"x{c}": x for c, (x, _) in enumerate(work.clients)},
-             **{f"y{c}": y for c, (_, y) in enumerate(work.clients)})
+    np.savez(
+        data,
+        n=len(work.clients),
+        languages=np.array(work.languages),
+        test_x=work.test[0],
+        test_y=work.test[1],
+        **{f"x{c}": x for c, (x, _) in enumerate(work.clients)},
+        **{f"y{c}": y for c, (_, y) in enumerate(work.clients)},
+    )
     return data, write_prepared(work, root / "prepared"), work.test
 
 
-def write_setting(root: Path, prepared: Path, k: int, rounds: int, overrides: list[str],
-                  model_size: dict[str, int]) -> tuple[Path, str, Path]:
+def write_setting(
+    root: Path, prepared: Path, k: int, rounds: int, overrides: list[str], model_size: dict[str, int]
+) -> tuple[Path, str, Path]:
     """bhfl's config file for one setting, its name, and the draws it makes (a JSON file for the loop)."""
     import yaml
+    from workload import bhfl_draws, workload_config
 
     from bhfl_core.config.loader import load_config
-    from workload import bhfl_draws, workload_config
 
     config = workload_config(prepared, k, rounds)
     if model_size:
@@ -216,22 +279,36 @@ def write_setting(root: Path, prepared: Path, k: int, rounds: int, overrides: li
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     cohorts, seed_of = bhfl_draws(load_config(path, overrides))
     draws = root / f"{config['name']}-draws.json"
-    draws.write_text(json.dumps({"cohorts": cohorts,
-                                 "seeds": [[seed_of(r, c) for c in cohort] for r, cohort in enumerate(cohorts, start=1)]}))
+    draws.write_text(
+        json.dumps(
+            {
+                "cohorts": cohorts,
+                "seeds": [[seed_of(r, c) for c in cohort] for r, cohort in enumerate(cohorts, start=1)],
+            }
+        )
+    )
     return path, config["name"], draws
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog="\n\n".join(__doc__.split("\n\n")[1:]))
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="\n\n".join(__doc__.split("\n\n")[1:]),
+    )
     parser.add_argument("--settings", nargs="+", default=["10x5", "50x3"], help="KxR: K clients per round, R rounds")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each, interleaved; figures are medians")
     parser.add_argument("--prefect-api-url", help="run bhfl against this running Prefect server (PREFECT_API_URL)")
     parser.add_argument("--device", default="cpu", help="the loop's device (cpu, cuda); give bhfl --set runtime.device")
     parser.add_argument("--model", choices=["tiny", "base"], default="tiny", help="base: BERT-base dimensions")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="extra bhfl config override (repeatable), e.g. runtime.workers=1")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra bhfl config override (repeatable), e.g. runtime.workers=1",
+    )
     parser.add_argument("--loop-child", nargs=3, metavar=("DATA", "DRAWS", "OUT"), help=argparse.SUPPRESS)
     parser.add_argument("--model-size", default="{}", help=argparse.SUPPRESS)
     return parser.parse_args()

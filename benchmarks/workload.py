@@ -39,8 +39,13 @@ FINGERPRINT = "43eff8d1bf6eb5cd"
 REFERENCE = {(10, 5): (23.7341, 0.632), (50, 3): (23.6433, 0.483)}  # (K, R) -> (final L2 norm, test accuracy)
 SEED = 1234  # the model's init seed; the bhfl config uses it as its seed (init offset 0) to build the same model
 LR, BATCH = 0.05, 16
-TINY = {"vocab_size": VOCAB, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
-        "intermediate_size": 128}
+TINY = {
+    "vocab_size": VOCAB,
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "intermediate_size": 128,
+}
 
 SeedOf = Callable[[int, int], int]  # (1-based round, client index) -> the client training's seed
 
@@ -90,8 +95,9 @@ def initial_model(size: dict[str, int] | None = None) -> torch.nn.Module:
 
     dims = {k: v for k, v in TINY.items() if k != "vocab_size"} | (size or {})
     torch.manual_seed(SEED)
-    return BertForSequenceClassification(BertConfig(vocab_size=VOCAB, max_position_embeddings=64, num_labels=TOPICS,
-                                                    **dims))
+    return BertForSequenceClassification(
+        BertConfig(vocab_size=VOCAB, max_position_embeddings=64, num_labels=TOPICS, **dims)
+    )
 
 
 def fingerprint(work: Workload, model: torch.nn.Module) -> str:
@@ -108,6 +114,7 @@ def fingerprint(work: Workload, model: torch.nn.Module) -> str:
 
 
 # ---------------------------------------------------------------- who trains when, with which seed
+
 
 def reference_cohorts(k: int, rounds: int) -> list[list[int]]:
     rng = np.random.default_rng(1236)
@@ -137,8 +144,8 @@ def bhfl_draws(config: ExperimentConfig) -> tuple[list[list[int]], SeedOf]:
     and the caller is the root round ``root:<r0>`` (flows/experiment.py). Clients are
     returned as indices into the manifest, which ``write_prepared`` writes in workload order.
     """
-    from bhfl_core.rng import derive_seed, sample_cohort
     from bhfl_core.config.topology import ClientInfo, build_tree
+    from bhfl_core.rng import derive_seed, sample_cohort
     from data_prep.manifest import Manifest
 
     manifest = Manifest.read(Path(config.data.source.path))  # type: ignore[union-attr]  (a prepared source)
@@ -146,10 +153,14 @@ def bhfl_draws(config: ExperimentConfig) -> tuple[list[list[int]], SeedOf]:
     root = tree.root
     children = tree.children(root.id)
     if not all(c.is_leaf and not c.settings.persistent for c in children):
-        raise ValueError("bhfl_draws needs a flat tree of non-persistent clients (tree.flat, tree.client.persistent: false)")
+        raise ValueError(
+            "bhfl_draws needs a flat tree of non-persistent clients (tree.flat, tree.client.persistent: false)"
+        )
     index = {c.id: i for i, c in enumerate(manifest.clients)}
-    cohorts = [[index[c.id] for c in sample_cohort(children, root.settings.cohort, config.seed, root.id, r)]
-               for r in range(root.settings.rounds)]
+    cohorts = [
+        [index[c.id] for c in sample_cohort(children, root.settings.cohort, config.seed, root.id, r)]
+        for r in range(root.settings.rounds)
+    ]
 
     def seed_of(round_1based: int, cid: int) -> int:
         return derive_seed(config.seed, "train", manifest.clients[cid].id, 0, f"{root.id}:{round_1based - 1}")
@@ -158,6 +169,7 @@ def bhfl_draws(config: ExperimentConfig) -> tuple[list[list[int]], SeedOf]:
 
 
 # ---------------------------------------------------------------- the plain loop
+
 
 @dataclass
 class LoopResult:
@@ -176,7 +188,7 @@ def accuracy(model: torch.nn.Module, test: tuple[np.ndarray, np.ndarray]) -> flo
     model.eval()
     x, y = torch.from_numpy(test[0]).to(device), torch.from_numpy(test[1]).to(device)
     with torch.no_grad():
-        preds = torch.cat([model(input_ids=x[i:i + 250]).logits.argmax(-1) for i in range(0, len(x), 250)])
+        preds = torch.cat([model(input_ids=x[i : i + 250]).logits.argmax(-1) for i in range(0, len(x), 250)])
     return float((preds == y).float().mean())
 
 
@@ -195,15 +207,20 @@ def _train_client(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, seed
     model.train()
     perm = torch.randperm(len(y), generator=g)
     for i in range(0, len(y), BATCH):
-        idx = perm[i:i + BATCH]
+        idx = perm[i : i + BATCH]
         loss = model(input_ids=x[idx], labels=y[idx]).loss
         opt.zero_grad()
         loss.backward()
         opt.step()
 
 
-def fedavg_loop(work: Workload, cohorts: Sequence[Sequence[int]], seed_of: SeedOf, device: str = "cpu",
-                model_size: dict[str, int] | None = None) -> LoopResult:
+def fedavg_loop(
+    work: Workload,
+    cohorts: Sequence[Sequence[int]],
+    seed_of: SeedOf,
+    device: str = "cpu",
+    model_size: dict[str, int] | None = None,
+) -> LoopResult:
     """The spec's plain single-process FedAvg loop over ``cohorts`` (round r = index + 1).
 
     The global weights live in tensors of their own, copied into the model before each
@@ -238,11 +255,11 @@ def fedavg_loop(work: Workload, cohorts: Sequence[Sequence[int]], seed_of: SeedO
     flat = torch.cat([w.reshape(-1) for w in global_weights]).cpu()
     rounds = np.diff([first, *ends]).tolist()
     norm = float(flat.double().norm())  # a float32 norm is off by ~1e-4 here (23.64317 for 23.64325 at 50x3)
-    return LoopResult(flat, norm, accuracy(model, work.test), first, ends[-1], rounds,
-                      sum(len(c) for c in cohorts))
+    return LoopResult(flat, norm, accuracy(model, work.test), first, ends[-1], rounds, sum(len(c) for c in cohorts))
 
 
 # ---------------------------------------------------------------- the workload as a bhfl experiment
+
 
 def write_prepared(work: Workload, folder: Path) -> Path:
     """The workload as a bhfl prepared-data folder (``data.source.kind: prepared``; docs/data.md).
@@ -254,7 +271,8 @@ def write_prepared(work: Workload, folder: Path) -> Path:
     the workload's. The partition report goes in ``report/`` as bhfl's preparation writes it.
     """
     import datasets
-    from datasets import Dataset, Features, Sequence as Seq, Value
+    from datasets import Dataset, Features, Value
+    from datasets import Sequence as Seq
 
     from bhfl_core.config.topology import edge_id
     from data_prep.manifest import ClientEntry, Manifest, Shard
@@ -265,20 +283,38 @@ def write_prepared(work: Workload, folder: Path) -> Path:
 
     def shard(x: np.ndarray, y: np.ndarray, relative: str) -> Shard:
         Dataset.from_dict({"input_ids": x.tolist(), "labels": y.tolist()}, features=features).save_to_disk(
-            str(folder / relative))
+            str(folder / relative)
+        )
         return Shard(path=relative, size=len(y), label_hist=np.bincount(y, minlength=TOPICS).tolist())
 
     empty = np.zeros((0, SEQ), np.int64), np.zeros(0, np.int64)
     clients = []
     for cid, ((x, y), language) in enumerate(zip(work.clients, work.languages)):
         name, lang = client_id(cid), language_name(language)
-        clients.append(ClientEntry(id=name, language=lang, edge=edge_id(lang), cluster=lang,
-                                   train=shard(x, y, f"clients/{name}/train"), test=shard(*empty, f"clients/{name}/test")))
+        clients.append(
+            ClientEntry(
+                id=name,
+                language=lang,
+                edge=edge_id(lang),
+                cluster=lang,
+                train=shard(x, y, f"clients/{name}/train"),
+                test=shard(*empty, f"clients/{name}/test"),
+            )
+        )
     manifest = Manifest(
-        fingerprint=fingerprint(work, initial_model()), source="benchmark workload (shared/bench/WORKLOAD.md)",
-        task="classification", labels=[str(k) for k in range(TOPICS)], tokenizer="none (token ids)",
-        vocab_size=VOCAB, pad_token_id=0, special_ids=[0, 1], clients=clients, proxy_train=shard(*empty, "proxy/train"),
-        proxy_test=shard(*work.test, "proxy/test"), unused_pool_rows=0)
+        fingerprint=fingerprint(work, initial_model()),
+        source="benchmark workload (shared/bench/WORKLOAD.md)",
+        task="classification",
+        labels=[str(k) for k in range(TOPICS)],
+        tokenizer="none (token ids)",
+        vocab_size=VOCAB,
+        pad_token_id=0,
+        special_ids=[0, 1],
+        clients=clients,
+        proxy_train=shard(*empty, "proxy/train"),
+        proxy_test=shard(*work.test, "proxy/test"),
+        unused_pool_rows=0,
+    )
     manifest.write(folder)
     write_report(manifest, folder / "report")
     return folder
@@ -294,14 +330,23 @@ def workload_config(prepared: Path, k: int, rounds: int) -> dict[str, Any]:
     return {
         "name": f"workload-{k}x{rounds}",
         "seed": SEED,
-        "data": {"source": {"kind": "prepared", "path": str(prepared),
-                            "languages": [language_name(lang) for lang in range(LANGUAGES)]}},
+        "data": {
+            "source": {
+                "kind": "prepared",
+                "path": str(prepared),
+                "languages": [language_name(lang) for lang in range(LANGUAGES)],
+            }
+        },
         "model": {"name": "tiny-bert", "tiny": {**TINY, "dropout": 0.1}, "max_length": SEQ, "init_seed_offset": 0},
         "tree": {
-            "flat": True, "groups": {},
+            "flat": True,
+            "groups": {},
             "root": {"rounds": rounds, "cohort": k, "proxy_train": False},
-            "client": {"persistent": False, "eta_down": 1.0,
-                       "train": {"optimizer": "sgd", "lr": LR, "epochs": 1, "batch_size": BATCH}},
+            "client": {
+                "persistent": False,
+                "eta_down": 1.0,
+                "train": {"optimizer": "sgd", "lr": LR, "epochs": 1, "batch_size": BATCH},
+            },
         },
         "eval": {"client_models": False},
     }
@@ -309,29 +354,46 @@ def workload_config(prepared: Path, k: int, rounds: int) -> dict[str, Any]:
 
 # ---------------------------------------------------------------- check
 
+
 def check(settings: Sequence[tuple[int, int]]) -> bool:
     """Fingerprint and reference outcome of each setting, printed; True when all match the spec."""
     work = generate()
     fp = fingerprint(work, initial_model())
     sizes = [len(y) for _, y in work.clients]
     ok = fp == FINGERPRINT
-    print(f"fingerprint {fp} ({'matches' if ok else 'DIFFERS from'} {FINGERPRINT}); {sum(sizes)} examples, "
-          f"client sizes {min(sizes)} / {float(np.median(sizes))} / {max(sizes)}")
+    print(
+        f"fingerprint {fp} ({'matches' if ok else 'DIFFERS from'} {FINGERPRINT}); {sum(sizes)} examples, "
+        f"client sizes {min(sizes)} / {float(np.median(sizes))} / {max(sizes)}"
+    )
     for k, rounds in settings:
         out = fedavg_loop(work, reference_cohorts(k, rounds), reference_seed)
         norm, acc = REFERENCE[(k, rounds)]
         same = round(out.norm, 4) == norm and round(out.accuracy, 3) == acc
         ok &= same
-        print(json.dumps({"setting": f"{k}x{rounds}", "norm": round(out.norm, 4), "accuracy": round(out.accuracy, 3),
-                          "reference": [norm, acc], "matches": same,
-                          "seconds": round(out.last_aggregate - out.first_training, 1)}))
+        print(
+            json.dumps(
+                {
+                    "setting": f"{k}x{rounds}",
+                    "norm": round(out.norm, 4),
+                    "accuracy": round(out.accuracy, 3),
+                    "reference": [norm, acc],
+                    "matches": same,
+                    "seconds": round(out.last_aggregate - out.first_training, 1),
+                }
+            )
+        )
     return ok
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--settings", nargs="+", default=["10x5"], choices=[f"{k}x{r}" for k, r in REFERENCE],
-                        help="KxR settings whose reference outcome to reproduce")
+    parser.add_argument(
+        "--settings",
+        nargs="+",
+        default=["10x5"],
+        choices=[f"{k}x{r}" for k, r in REFERENCE],
+        help="KxR settings whose reference outcome to reproduce",
+    )
     args = parser.parse_args()
     settings = [tuple(int(v) for v in s.split("x")) for s in args.settings]
     sys.exit(0 if check(settings) else 1)  # type: ignore[arg-type]

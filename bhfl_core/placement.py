@@ -181,13 +181,17 @@ def place(jobs: Sequence[Job], slots: Sequence[Slot], policy: str, model: TimeMo
         busy = [math.nan] * len(slots)
     elif lines and all(line is not None for line in lines.values()):
         kind_lines = [line for s in slots if (line := lines[s.kind]) is not None]  # all measured
-        bins, busy = _earliest_finish([j.batches for j in jobs], len(slots),
-                                      lambda i, k: kind_lines[k][0] + kind_lines[k][1] * jobs[i].batches)
+        bins, busy = _earliest_finish(
+            [j.batches for j in jobs], len(slots), lambda i, k: kind_lines[k][0] + kind_lines[k][1] * jobs[i].batches
+        )
     else:  # lpt, and learned before anything was measured
         bins, _ = _earliest_finish([j.batches for j in jobs], len(slots), lambda i, k: float(jobs[i].batches))
         busy = [math.nan] * len(slots)
-    return [Assignment(slot, tuple(jobs[i].id for i in sorted(b)), busy[k])
-            for k, (slot, b) in enumerate(zip(slots, bins)) if b]
+    return [
+        Assignment(slot, tuple(jobs[i].id for i in sorted(b)), busy[k])
+        for k, (slot, b) in enumerate(zip(slots, bins))
+        if b
+    ]
 
 
 def split_by_load(items: Sequence[str], loads: Sequence[float], workers: int) -> list[list[str]]:
@@ -203,8 +207,9 @@ def split_by_load(items: Sequence[str], loads: Sequence[float], workers: int) ->
     return [[items[i] for i in sorted(b)] for b in bins if b]
 
 
-def _earliest_finish(sizes: Sequence[float], slots: int,
-                     cost: Callable[[int, int], float]) -> tuple[list[list[int]], list[float]]:
+def _earliest_finish(
+    sizes: Sequence[float], slots: int, cost: Callable[[int, int], float]
+) -> tuple[list[list[int]], list[float]]:
     """Largest job first, each to the slot where it would finish earliest; ties: input order, then slot order.
 
     ``cost(i, k)``: time of job ``i`` on slot ``k``. With the same cost on every slot
@@ -221,8 +226,9 @@ def _earliest_finish(sizes: Sequence[float], slots: int,
     return bins, finish
 
 
-def utilisation(intervals: Mapping[str, Sequence[tuple[float, float]]], slots: int,
-                span: tuple[float, float]) -> tuple[float, float]:
+def utilisation(
+    intervals: Mapping[str, Sequence[tuple[float, float]]], slots: int, span: tuple[float, float]
+) -> tuple[float, float]:
     """(mean busy share of ``slots`` workers over ``span``, share of ``span`` with every worker busy).
 
     ``intervals``: each worker's busy (start, end) times; one worker's overlapping
@@ -239,8 +245,10 @@ def utilisation(intervals: Mapping[str, Sequence[tuple[float, float]]], slots: i
     length = end - start
     if not length > 0:
         return math.nan, math.nan
-    merged = [_merge([(max(a, start), min(b, end)) for a, b in ivs if min(b, end) > max(a, start)])
-              for ivs in intervals.values()]
+    merged = [
+        _merge([(max(a, start), min(b, end)) for a, b in ivs if min(b, end) > max(a, start)])
+        for ivs in intervals.values()
+    ]
     busy = sum(b - a for ivs in merged for a, b in ivs)
     if len(merged) < slots:
         return busy / (slots * length), 0.0

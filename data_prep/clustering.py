@@ -18,10 +18,10 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from bhfl_core.config.schema import ExperimentConfig
 from bhfl_core.config.data import KMeansClustering
-from bhfl_core.rng import derive_seed
+from bhfl_core.config.schema import ExperimentConfig
 from bhfl_core.config.topology import edge_id, language_edges
+from bhfl_core.rng import derive_seed
 from data_prep.partition import ClientSplit, PartitionError
 
 
@@ -47,8 +47,10 @@ def kmeans_labels(features: np.ndarray, k: int, seed: int) -> np.ndarray:
 
     distinct = len(np.unique(features, axis=0))
     if distinct < k:
-        raise PartitionError(f"data.clustering.clusters: k-means needs {k} distinct client embeddings, "
-                             f"the clients have {distinct}; lower clusters or use features: tokens")
+        raise PartitionError(
+            f"data.clustering.clusters: k-means needs {k} distinct client embeddings, "
+            f"the clients have {distinct}; lower clusters or use features: tokens"
+        )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ConvergenceWarning)
         raw = KMeans(n_clusters=k, n_init=10, random_state=derive_seed(seed, "kmeans") % 2**32).fit_predict(features)
@@ -73,7 +75,10 @@ def assign_edges(
         for lang in config.data.source.languages:
             mine = [c for c in clients if c.language == lang]
             out += [(e, lang) for e in language_edges(lang, len(mine), clustering.edges_per_language)]
-        order = {c.id: i for i, c in enumerate(c for lang in config.data.source.languages for c in clients if c.language == lang)}
+        order = {
+            c.id: i
+            for i, c in enumerate(c for lang in config.data.source.languages for c in clients if c.language == lang)
+        }
         return [out[order[c.id]] for c in clients]
     if clustering.features == "label_hist":
         features = label_features(label_hists)

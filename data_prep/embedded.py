@@ -25,7 +25,18 @@ from datasets import ClassLabel, Dataset, Features, Value
 
 from bhfl_core.rng import generator
 
-CATEGORIES = ("foodanddrink", "sports", "travel", "finance", "lifestyle", "news", "entertainment", "health", "video", "autos")
+CATEGORIES = (
+    "foodanddrink",
+    "sports",
+    "travel",
+    "finance",
+    "lifestyle",
+    "news",
+    "entertainment",
+    "health",
+    "video",
+    "autos",
+)
 FEATURES = Features(
     {
         "news_title": Value("string"),
@@ -36,13 +47,163 @@ FEATURES = Features(
 )
 
 _SYLLABLES = {
-    "en": "ba be bi bo bu da de di do ka ke ki ko la le li lo ma me mi mo na ne ni no ra re ri ro sa se si so ta te ti to wa we th sh".split(),
-    "de": "ach bei dor ein fra gen hal kei lan mei nor rau sch ste tze ung ver wal zei ber dam fel gur hei".split(),
-    "es": "ca ce ci co cu ga gue lla lle llo ña ñe ño pa pe pi po que qui ra rre ta to cha che cho za zo".split(),
-    "fr": "eau oui gne ché lé mé rè tè ain ien eur oir ette que pou vou jou sou cœ bé dé fé gé".split(),
-    "ru": "ба ва га да жи за ка ла ма на па ра са та фа ха ча ша щи бы вы ды мы ны ры сы ты ль ть".split(),
+    "en": [
+        "ba",
+        "be",
+        "bi",
+        "bo",
+        "bu",
+        "da",
+        "de",
+        "di",
+        "do",
+        "ka",
+        "ke",
+        "ki",
+        "ko",
+        "la",
+        "le",
+        "li",
+        "lo",
+        "ma",
+        "me",
+        "mi",
+        "mo",
+        "na",
+        "ne",
+        "ni",
+        "no",
+        "ra",
+        "re",
+        "ri",
+        "ro",
+        "sa",
+        "se",
+        "si",
+        "so",
+        "ta",
+        "te",
+        "ti",
+        "to",
+        "wa",
+        "we",
+        "th",
+        "sh",
+    ],
+    "de": [
+        "ach",
+        "bei",
+        "dor",
+        "ein",
+        "fra",
+        "gen",
+        "hal",
+        "kei",
+        "lan",
+        "mei",
+        "nor",
+        "rau",
+        "sch",
+        "ste",
+        "tze",
+        "ung",
+        "ver",
+        "wal",
+        "zei",
+        "ber",
+        "dam",
+        "fel",
+        "gur",
+        "hei",
+    ],
+    "es": [
+        "ca",
+        "ce",
+        "ci",
+        "co",
+        "cu",
+        "ga",
+        "gue",
+        "lla",
+        "lle",
+        "llo",
+        "ña",
+        "ñe",
+        "ño",
+        "pa",
+        "pe",
+        "pi",
+        "po",
+        "que",
+        "qui",
+        "ra",
+        "rre",
+        "ta",
+        "to",
+        "cha",
+        "che",
+        "cho",
+        "za",
+        "zo",
+    ],
+    "fr": [
+        "eau",
+        "oui",
+        "gne",
+        "ché",
+        "lé",
+        "mé",
+        "rè",
+        "tè",
+        "ain",
+        "ien",
+        "eur",
+        "oir",
+        "ette",
+        "que",
+        "pou",
+        "vou",
+        "jou",
+        "sou",
+        "cœ",
+        "bé",
+        "dé",
+        "fé",
+        "gé",
+    ],
+    "ru": [
+        "ба",
+        "ва",
+        "га",
+        "да",
+        "жи",
+        "за",
+        "ка",
+        "ла",
+        "ма",
+        "на",
+        "па",
+        "ра",
+        "са",
+        "та",
+        "фа",
+        "ха",
+        "ча",
+        "ша",
+        "щи",
+        "бы",
+        "вы",
+        "ды",
+        "мы",
+        "ны",
+        "ры",
+        "сы",
+        "ты",
+        "ль",
+        "ть",
+    ],
 }
-_SHARED_SYLLABLES = "xo zy qu vex tor ion ax ul ix oz".split()
+_SHARED_SYLLABLES = ["xo", "zy", "qu", "vex", "tor", "ion", "ax", "ul", "ix", "oz"]
 _NEUTRAL = [str(n) for n in (2019, 2020, 2021, 2022, 2023, 2024, 10, 12, 25, 100)]
 
 
@@ -88,9 +249,7 @@ def language_model(seed: int, language: str) -> LanguageModel:
     )
 
 
-def generate_pool(
-    seed: int, language: str, size: int, cue_strength: float, topic_strength: float
-) -> Dataset:
+def generate_pool(seed: int, language: str, size: int, cue_strength: float, topic_strength: float) -> Dataset:
     """``size`` documents of one language, labels drawn from the language prior."""
     lm = language_model(seed, language)
     cues, neutral = _shared_vocab(seed)
@@ -114,10 +273,18 @@ def generate_pool(
     cue_table = np.array(cues, dtype=object)
     topic_table = np.array(lm.topics, dtype=object)
     tokens = np.where(
-        kind < 0.18, cue_table[cue_slot, pick % cue_table.shape[1]],
-        np.where(kind < 0.30, topic_table[topic, pick % topic_table.shape[1]],
-                 np.where(kind < 0.45, np.array(neutral, dtype=object)[pick % len(neutral)],
-                          np.array(lm.filler, dtype=object)[pick % len(lm.filler)])))
+        kind < 0.18,
+        cue_table[cue_slot, pick % cue_table.shape[1]],
+        np.where(
+            kind < 0.30,
+            topic_table[topic, pick % topic_table.shape[1]],
+            np.where(
+                kind < 0.45,
+                np.array(neutral, dtype=object)[pick % len(neutral)],
+                np.array(lm.filler, dtype=object)[pick % len(lm.filler)],
+            ),
+        ),
+    )
 
     titles, bodies = [], []
     ends = np.cumsum(doc_len)

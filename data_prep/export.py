@@ -40,8 +40,14 @@ def write_splits(folder: Path, config: str, splits: Mapping[str, Dataset]) -> li
     return written
 
 
-def embedded_xglue_splits(seed: int, languages: list[str], train_size: int, eval_size: int,
-                          cue_strength: float = 0.6, topic_strength: float = 0.25) -> dict[str, Dataset]:
+def embedded_xglue_splits(
+    seed: int,
+    languages: list[str],
+    train_size: int,
+    eval_size: int,
+    cue_strength: float = 0.6,
+    topic_strength: float = 0.25,
+) -> dict[str, Dataset]:
     """The embedded corpus split like XGLUE NC: English ``train`` plus per-language validation/test."""
     splits: dict[str, Dataset] = {}
     for lang in languages:
@@ -54,8 +60,9 @@ def embedded_xglue_splits(seed: int, languages: list[str], train_size: int, eval
     return {name: splits[name] for name in sorted(splits, key=lambda s: (s != "train", s))}
 
 
-def export_embedded(folder: Path, seed: int = 0, languages: list[str] | None = None, train_size: int = 4000,
-                    eval_size: int = 1500) -> list[Path]:
+def export_embedded(
+    folder: Path, seed: int = 0, languages: list[str] | None = None, train_size: int = 4000, eval_size: int = 1500
+) -> list[Path]:
     langs = languages or ["en", "de", "es", "fr", "ru"]
     return write_splits(folder, "nc", embedded_xglue_splits(seed, langs, train_size, eval_size))
 

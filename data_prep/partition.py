@@ -25,11 +25,19 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from bhfl_core.config.data import DataConfig, SizeDistribution
-from bhfl_core.rng import generator
 from bhfl_core.config.topology import client_ids
+from bhfl_core.rng import generator
 
-__all__ = ["ClientSplit", "Partition", "PartitionError", "client_ids", "client_sizes", "draw_proxy",
-           "partition_pool", "pool_size_needed"]
+__all__ = [
+    "ClientSplit",
+    "Partition",
+    "PartitionError",
+    "client_ids",
+    "client_sizes",
+    "draw_proxy",
+    "partition_pool",
+    "pool_size_needed",
+]
 
 
 @dataclass(frozen=True)
@@ -87,7 +95,9 @@ def _draw_client(rng: np.random.Generator, by_label: list[list[int]], q: np.ndar
     return taken
 
 
-def partition_pool(labels: np.ndarray, languages: np.ndarray, spec: DataConfig, seed: int, num_labels: int) -> Partition:
+def partition_pool(
+    labels: np.ndarray, languages: np.ndarray, spec: DataConfig, seed: int, num_labels: int
+) -> Partition:
     """Partition pool rows (given their labels and languages) into proxy splits and clients."""
     out = Partition()
     for language in spec.source.languages:
@@ -100,7 +110,8 @@ def partition_pool(labels: np.ndarray, languages: np.ndarray, spec: DataConfig, 
         if len(rows) < need:
             raise PartitionError(
                 f"data.sizes: language {language!r}: the pool has {len(rows)} documents but the proxy split and "
-                f"{len(sizes)} clients need {need}; lower data.sizes / data.clients_per_language / data.proxy or add data"
+                f"{len(sizes)} clients need {need}; lower data.sizes / data.clients_per_language / data.proxy "
+                "or add data"
             )
         out.proxy_train += sorted(rows[:n_proxy_train].tolist())
         out.proxy_test += sorted(rows[n_proxy_train : n_proxy_train + n_proxy_test].tolist())
@@ -113,12 +124,16 @@ def partition_pool(labels: np.ndarray, languages: np.ndarray, spec: DataConfig, 
             mine = np.array(_draw_client(rng, by_label, q, int(size)))
             mine = mine[rng.permutation(len(mine))]
             n_test = min(len(mine) - 1, max(1, round(spec.test_fraction * len(mine))))
-            out.clients.append(ClientSplit(cid, language, sorted(mine[n_test:].tolist()), sorted(mine[:n_test].tolist())))
+            out.clients.append(
+                ClientSplit(cid, language, sorted(mine[n_test:].tolist()), sorted(mine[:n_test].tolist()))
+            )
         out.unused += sum(len(b) for b in by_label)
     return out
 
 
-def draw_proxy(languages: np.ndarray, wanted: list[str], train: int, test: int, seed: int) -> tuple[list[int], list[int]]:
+def draw_proxy(
+    languages: np.ndarray, wanted: list[str], train: int, test: int, seed: int
+) -> tuple[list[int], list[int]]:
     """Proxy train/test rows of a separate proxy corpus: ``train`` + ``test`` per language, disjoint.
 
     Rows are grouped by language (in ``wanted`` order; sorted within a language), so
@@ -129,8 +144,10 @@ def draw_proxy(languages: np.ndarray, wanted: list[str], train: int, test: int, 
     for language in wanted:
         rows = np.flatnonzero(languages == language)
         if len(rows) < train + test:
-            raise PartitionError(f"data.proxy: the proxy corpus has {len(rows)} rows of language {language!r}, "
-                                 f"train_per_language + test_per_language need {train + test}")
+            raise PartitionError(
+                f"data.proxy: the proxy corpus has {len(rows)} rows of language {language!r}, "
+                f"train_per_language + test_per_language need {train + test}"
+            )
         rows = rows[generator(seed, "proxy", "draw", language).permutation(len(rows))]
         out_train += sorted(rows[:train].tolist())
         out_test += sorted(rows[train : train + test].tolist())

@@ -32,9 +32,9 @@ import numpy as np
 from datasets import Dataset, load_from_disk
 from pydantic import ValidationError
 
-from bhfl_core.config.schema import ExperimentConfig, dump
-from bhfl_core.config.data import EmbeddedSource, PreparedSource, XglueSource
 from bhfl_core.config.base import ConfigError
+from bhfl_core.config.data import EmbeddedSource, PreparedSource, XglueSource
+from bhfl_core.config.schema import ExperimentConfig, dump
 from bhfl_core.learning.models import TINY
 from bhfl_core.learning.models import check_available as check_model
 from bhfl_core.learning.task_kinds import get_task_kind
@@ -42,8 +42,17 @@ from data_prep.clustering import assign_edges
 from data_prep.manifest import MANIFEST_NAME, ClientEntry, Manifest, Shard
 from data_prep.partition import Partition, draw_proxy, partition_pool
 from data_prep.report import write_report
-from data_prep.sources import (LABEL, PAIR, TEXT, TextTable, check_sources, load_pool, load_proxy_source, source_signature,
-                               xglue_split)
+from data_prep.sources import (
+    LABEL,
+    PAIR,
+    TEXT,
+    TextTable,
+    check_sources,
+    load_pool,
+    load_proxy_source,
+    source_signature,
+    xglue_split,
+)
 from data_prep.tokenizer import hub_tokenizer, train_wordpiece
 
 FORMAT_VERSION = 3  # 3: sources, task, clusters/edges, special token ids, report; 2: proxy language row ranges
@@ -66,9 +75,13 @@ def fingerprint(config: ExperimentConfig) -> str:
         "seed": config.seed,
         "data": {**data, "proxy": {k: v for k, v in data["proxy"].items() if k != "servers"}},
         "files": source_signature(config),
-        "tokenizer": {"name": model["name"], "revision": model["revision"], "max_length": model["max_length"],
-                      "truncation": model["truncation"],
-                      "vocab_size": model["tiny"]["vocab_size"] if model["name"] == TINY else None},
+        "tokenizer": {
+            "name": model["name"],
+            "revision": model["revision"],
+            "max_length": model["max_length"],
+            "truncation": model["truncation"],
+            "vocab_size": model["tiny"]["vocab_size"] if model["name"] == TINY else None,
+        },
     }
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -109,6 +122,7 @@ class TokenisedShards:
 
 # ---------------------------------------------------------------- steps
 
+
 def partition_step(config: ExperimentConfig, pool: TextTable) -> Partition:
     if pool.labels is None:
         raise ValueError("the client pool has no labels")  # sources always label the pool they return
@@ -124,7 +138,9 @@ def proxy_step(config: ExperimentConfig, pool: TextTable, part: Partition) -> Pr
     table = load_proxy_source(spec.source, languages, need, config.seed, pool.label_names)
     wanted = languages if (spec.source.per_language or spec.source.language_column) else ["*"]
     per = len(languages) if wanted == ["*"] else 1  # a corpus without languages: the same total
-    train, test = draw_proxy(table.languages, wanted, spec.train_per_language * per, spec.test_per_language * per, config.seed)
+    train, test = draw_proxy(
+        table.languages, wanted, spec.train_per_language * per, spec.test_per_language * per, config.seed
+    )
     where = spec.source.repo or spec.source.data_files
     return ProxyRows(table, train, test, f"separate corpus {where}", from_pool=False)
 
@@ -136,7 +152,7 @@ def tokenizer_step(config: ExperimentConfig, proxy: ProxyRows, work: Path) -> tu
         return hub_tokenizer(model), model.name
     rows = proxy.table.data.select(proxy.train)
 
-    def texts():  # noqa: ANN202 - batched iteration keeps memory flat
+    def texts():
         for batch in rows.iter(batch_size=1000):
             pairs = batch[PAIR] if PAIR in batch else [None] * len(batch[TEXT])
             yield from (f"{a} {b}" if b is not None else a for a, b in zip(batch[TEXT], pairs))
@@ -150,7 +166,13 @@ def _uses_token_types(config: ExperimentConfig) -> bool:
         return True
     from transformers import AutoConfig
 
-    return int(getattr(AutoConfig.from_pretrained(config.model.name, revision=config.model.revision), "type_vocab_size", 0) or 0) > 0
+    return (
+        int(
+            getattr(AutoConfig.from_pretrained(config.model.name, revision=config.model.revision), "type_vocab_size", 0)
+            or 0
+        )
+        > 0
+    )
 
 
 def _encoder(config: ExperimentConfig, tokenizer: Any, pair: bool, labelled: bool) -> Callable[[dict], dict]:
@@ -165,8 +187,13 @@ def _encoder(config: ExperimentConfig, tokenizer: Any, pair: bool, labelled: boo
     zero_types = _uses_token_types(config)
 
     def encode(batch: dict[str, list]) -> dict[str, list]:
-        enc = tokenizer(batch[TEXT], batch[PAIR] if pair else None, truncation=truncation,
-                        max_length=model.max_length, padding="max_length")
+        enc = tokenizer(
+            batch[TEXT],
+            batch[PAIR] if pair else None,
+            truncation=truncation,
+            max_length=model.max_length,
+            padding="max_length",
+        )
         out = {c: enc[c] for c in INPUT_COLUMNS if c in enc}
         if "token_type_ids" not in out and zero_types:
             out["token_type_ids"] = [[0] * len(ids) for ids in out["input_ids"]]
@@ -177,12 +204,21 @@ def _encoder(config: ExperimentConfig, tokenizer: Any, pair: bool, labelled: boo
     return encode
 
 
-def _tokenise(config: ExperimentConfig, tokenizer: Any, table: TextTable, rows: np.ndarray, cache_file: Path, fp: str) -> Dataset:
+def _tokenise(
+    config: ExperimentConfig, tokenizer: Any, table: TextTable, rows: np.ndarray, cache_file: Path, fp: str
+) -> Dataset:
     """Tokenise the selected rows once (batched ``map`` into an Arrow file: bounded memory)."""
     subset = table.data.select(rows.tolist())
     encode = _encoder(config, tokenizer, table.pair, LABEL in subset.column_names)
-    return subset.map(encode, batched=True, batch_size=1000, remove_columns=subset.column_names,
-                      cache_file_name=str(cache_file), new_fingerprint=fp, desc="tokenising")
+    return subset.map(
+        encode,
+        batched=True,
+        batch_size=1000,
+        remove_columns=subset.column_names,
+        cache_file_name=str(cache_file),
+        new_fingerprint=fp,
+        desc="tokenising",
+    )
 
 
 def _language_rows(row_languages: np.ndarray) -> dict[str, tuple[int, int]]:
@@ -196,8 +232,15 @@ def _language_rows(row_languages: np.ndarray) -> dict[str, tuple[int, int]]:
     return out
 
 
-def shards_step(config: ExperimentConfig, tokenizer: Any, pool: TextTable, part: Partition, proxy: ProxyRows,
-                work: Path, log: Callable[[str], None]) -> TokenisedShards:
+def shards_step(
+    config: ExperimentConfig,
+    tokenizer: Any,
+    pool: TextTable,
+    part: Partition,
+    proxy: ProxyRows,
+    work: Path,
+    log: Callable[[str], None],
+) -> TokenisedShards:
     fp = fingerprint(config)
     tmp = work / ".tokenised"
     tmp.mkdir(exist_ok=True)
@@ -208,23 +251,38 @@ def shards_step(config: ExperimentConfig, tokenizer: Any, pool: TextTable, part:
     log(f"tokenising {len(used)} pool rows with {type(tokenizer).__name__} (max_length {config.model.max_length})")
     tokens = _tokenise(config, tokenizer, pool, used, tmp / "pool.arrow", fp + "-pool")
 
-    def save(table: TextTable, tokenised: Dataset, index: np.ndarray, rows: list[int], relative: str,
-             by_language: bool = False) -> Shard:
+    def save(
+        table: TextTable,
+        tokenised: Dataset,
+        index: np.ndarray,
+        rows: list[int],
+        relative: str,
+        by_language: bool = False,
+    ) -> Shard:
         tokenised.select(np.searchsorted(index, rows).tolist()).save_to_disk(str(work / relative))
         hist = np.bincount(table.labels[rows], minlength=num_labels).tolist() if table.labels is not None else []
         ranges = _language_rows(table.languages[rows]) if by_language and rows else {}
         return Shard(path=relative, size=len(rows), label_hist=hist, language_rows=ranges)
 
-    clients = [(save(pool, tokens, used, c.train, f"clients/{c.id}/train"), save(pool, tokens, used, c.test, f"clients/{c.id}/test"))
-               for c in part.clients]
+    clients = [
+        (
+            save(pool, tokens, used, c.train, f"clients/{c.id}/train"),
+            save(pool, tokens, used, c.test, f"clients/{c.id}/test"),
+        )
+        for c in part.clients
+    ]
     if same_table:
         p_tokens, p_index = tokens, used
     else:
         p_index = np.unique(np.asarray(proxy.train + proxy.test, dtype=np.int64))
         log(f"tokenising {len(p_index)} proxy rows")
         p_tokens = _tokenise(config, tokenizer, proxy.table, p_index, tmp / "proxy.arrow", fp + "-proxy")
-    proxy_train = save(proxy.table, p_tokens, used if same_table else p_index, proxy.train, "proxy/train", by_language=True)
-    proxy_test = save(proxy.table, p_tokens, used if same_table else p_index, proxy.test, "proxy/test", by_language=True)
+    proxy_train = save(
+        proxy.table, p_tokens, used if same_table else p_index, proxy.train, "proxy/train", by_language=True
+    )
+    proxy_test = save(
+        proxy.table, p_tokens, used if same_table else p_index, proxy.test, "proxy/test", by_language=True
+    )
 
     client_tokens: dict[str, np.ndarray] = {}
     clustering = config.data.clustering
@@ -249,33 +307,60 @@ def describe_source(config: ExperimentConfig) -> tuple[str, str]:
     if isinstance(source, EmbeddedSource):
         return "embedded", ""
     assert isinstance(source, XglueSource)
-    where = f"local parquet {source.local_dir}" if source.local_dir else f"hub {source.repo}@{source.revision or 'default'}"
+    where = (
+        f"local parquet {source.local_dir}" if source.local_dir else f"hub {source.repo}@{source.revision or 'default'}"
+    )
     pools = ", ".join(f"{lang}={xglue_split(source, lang)}" for lang in source.languages)
     held = ", ".join(f"test.{lang}" for lang in source.languages)
     return f"xglue/{source.config} from {where}; pools: {pools}", held
 
 
-def manifest_step(config: ExperimentConfig, pool: TextTable, part: Partition, proxy: ProxyRows, tokenizer: Any,
-                  tokenizer_ref: str, shards: TokenisedShards, edges: list[tuple[str, str]], work: Path) -> Manifest:
+def manifest_step(
+    config: ExperimentConfig,
+    pool: TextTable,
+    part: Partition,
+    proxy: ProxyRows,
+    tokenizer: Any,
+    tokenizer_ref: str,
+    shards: TokenisedShards,
+    edges: list[tuple[str, str]],
+    work: Path,
+) -> Manifest:
     source, held_out = describe_source(config)
-    clients = [ClientEntry(id=c.id, language=c.language, edge=edge, cluster=cluster, train=train, test=test)
-               for c, (train, test), (edge, cluster) in zip(part.clients, shards.clients, edges)]
+    clients = [
+        ClientEntry(id=c.id, language=c.language, edge=edge, cluster=cluster, train=train, test=test)
+        for c, (train, test), (edge, cluster) in zip(part.clients, shards.clients, edges)
+    ]
     manifest = Manifest(
-        fingerprint=fingerprint(config), source=source, task=config.data.task, labels=pool.label_names,
-        tokenizer=tokenizer_ref, vocab_size=len(tokenizer), pad_token_id=int(tokenizer.pad_token_id or 0),
-        mask_token_id=tokenizer.mask_token_id, special_ids=sorted(set(tokenizer.all_special_ids)),
-        clustering=config.data.clustering.kind, clients=clients, proxy_source=proxy.description,
-        proxy_train=shards.proxy_train, proxy_test=shards.proxy_test, unused_pool_rows=part.unused, held_out=held_out,
+        fingerprint=fingerprint(config),
+        source=source,
+        task=config.data.task,
+        labels=pool.label_names,
+        tokenizer=tokenizer_ref,
+        vocab_size=len(tokenizer),
+        pad_token_id=int(tokenizer.pad_token_id or 0),
+        mask_token_id=tokenizer.mask_token_id,
+        special_ids=sorted(set(tokenizer.all_special_ids)),
+        clustering=config.data.clustering.kind,
+        clients=clients,
+        proxy_source=proxy.description,
+        proxy_train=shards.proxy_train,
+        proxy_test=shards.proxy_test,
+        unused_pool_rows=part.unused,
+        held_out=held_out,
     )
     if get_task_kind(config.data.task).needs_mask_token and manifest.mask_token_id is None:
-        raise ConfigError(f"model.name: the tokenizer of {config.model.name!r} has no mask token; data.task: "
-                          f"{config.data.task} needs a masked-LM model (e.g. bert-base-multilingual-cased, "
-                          "xlm-roberta-base)")
+        raise ConfigError(
+            f"model.name: the tokenizer of {config.model.name!r} has no mask token; data.task: "
+            f"{config.data.task} needs a masked-LM model (e.g. bert-base-multilingual-cased, "
+            "xlm-roberta-base)"
+        )
     manifest.write(work)
     return manifest
 
 
 # ---------------------------------------------------------------- the pipeline
+
 
 def _problems(exc: ValueError) -> str:
     """The first few problems of a failed manifest read, on one line (``loc: message``)."""
@@ -299,15 +384,18 @@ def prepared_folder(source: PreparedSource, task: str) -> PreparedData:
     shards = [s for c in manifest.clients for s in (c.train, c.test)] + [manifest.proxy_train, manifest.proxy_test]
     # a shard is a datasets save_to_disk folder: without its state.json, load_from_disk would fail mid-run
     if missing := [s.path for s in shards if not (root / s.path / "state.json").is_file()]:
-        raise ConfigError(f"{key}: shard(s) named in {root / MANIFEST_NAME} are missing or not datasets "
-                          f"save_to_disk folders (no state.json): {', '.join(missing[:5])}"
-                          + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+        raise ConfigError(
+            f"{key}: shard(s) named in {root / MANIFEST_NAME} are missing or not datasets "
+            f"save_to_disk folders (no state.json): {', '.join(missing[:5])}"
+            + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        )
     if manifest.task != task:
         raise ConfigError(f"data.task: {task!r} but the data in {root} is for task {manifest.task!r}")
     found = sorted({c.language for c in manifest.clients})
     if found != sorted(source.languages):
-        raise ConfigError(f"data.source.languages: {sorted(source.languages)} but the clients of {root} have "
-                          f"languages {found}")
+        raise ConfigError(
+            f"data.source.languages: {sorted(source.languages)} but the clients of {root} have languages {found}"
+        )
     return PreparedData(root, manifest, cached=True, seconds=time.time() - started)
 
 
@@ -328,8 +416,9 @@ def preflight(config: ExperimentConfig, cache_root: Path) -> None:
         check_sources(config)
 
 
-def prepare_data(config: ExperimentConfig, cache_root: Path, log: Callable[[str], None] = print,
-                 step: Step = inline_step) -> PreparedData:
+def prepare_data(
+    config: ExperimentConfig, cache_root: Path, log: Callable[[str], None] = print, step: Step = inline_step
+) -> PreparedData:
     started = time.time()
     hit = cached_data(config, cache_root)
     if hit is not None:
@@ -351,7 +440,9 @@ def prepare_data(config: ExperimentConfig, cache_root: Path, log: Callable[[str]
         tokenizer, tokenizer_ref = step("tokenizer", tokenizer_step, config, proxy, work)
         shards = step("tokenise", shards_step, config, tokenizer, pool, part, proxy, work, log)
         edges = step("assign-edges", edges_step, config, part, shards)
-        manifest = step("write-manifest", manifest_step, config, pool, part, proxy, tokenizer, tokenizer_ref, shards, edges, work)
+        manifest = step(
+            "write-manifest", manifest_step, config, pool, part, proxy, tokenizer, tokenizer_ref, shards, edges, work
+        )
         step("partition-report", write_report, manifest, work / REPORT_DIR)
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)  # nothing half-written stays behind
@@ -361,8 +452,10 @@ def prepare_data(config: ExperimentConfig, cache_root: Path, log: Callable[[str]
     shutil.rmtree(final, ignore_errors=True)
     work.rename(final)
     seconds = time.time() - started
-    log(f"prepared {len(manifest.clients)} clients on {len({c.edge for c in manifest.clients})} edge servers, "
-        f"proxy {manifest.proxy_train.size}/{manifest.proxy_test.size} (train/test), in {seconds:.1f} s")
+    log(
+        f"prepared {len(manifest.clients)} clients on {len({c.edge for c in manifest.clients})} edge servers, "
+        f"proxy {manifest.proxy_train.size}/{manifest.proxy_test.size} (train/test), in {seconds:.1f} s"
+    )
     return PreparedData(final, manifest, cached=False, seconds=seconds)
 
 

@@ -25,7 +25,7 @@ from data_prep.manifest import Manifest
 SUMMARY, MARKDOWN, SIZES_PNG, SKEW_PNG = "summary.json", "partition.md", "client_sizes.png", "label_skew.png"
 
 
-def _hist(c) -> np.ndarray:  # noqa: ANN001 - a ClientEntry
+def _hist(c) -> np.ndarray:
     a, b = np.asarray(c.train.label_hist, dtype=float), np.asarray(c.test.label_hist, dtype=float)
     return a + b if len(a) and len(b) else np.zeros(0)
 
@@ -45,9 +45,13 @@ def partition_summary(manifest: Manifest) -> dict[str, Any]:
         idx = [i for i, c in enumerate(clients) if c.language == lang]
         s = sizes[idx]
         per_language[lang] = {
-            "clients": len(idx), "edges": sorted({clients[i].edge for i in idx}),
-            "size_min": int(s.min()), "size_median": float(np.median(s)), "size_max": int(s.max()),
-            "train": int(sum(clients[i].train.size for i in idx)), "test": int(sum(clients[i].test.size for i in idx)),
+            "clients": len(idx),
+            "edges": sorted({clients[i].edge for i in idx}),
+            "size_min": int(s.min()),
+            "size_median": float(np.median(s)),
+            "size_max": int(s.max()),
+            "train": int(sum(clients[i].train.size for i in idx)),
+            "test": int(sum(clients[i].test.size for i in idx)),
         }
         if hists.shape[1]:
             pooled = hists[idx].sum(axis=0)
@@ -56,10 +60,21 @@ def partition_summary(manifest: Manifest) -> dict[str, Any]:
         total = hists.sum(axis=0)
         tv_global = [_tv(h, total) for h in hists]
     return {
-        "fingerprint": manifest.fingerprint, "task": manifest.task, "source": manifest.source,
-        "clients": len(clients), "edges": len({c.edge for c in clients}), "clustering": manifest.clustering,
-        "sizes": {"min": int(sizes.min()), "median": float(np.median(sizes)), "max": int(sizes.max()),
-                  "mean": float(sizes.mean()), "total": int(sizes.sum())} if len(sizes) else {},
+        "fingerprint": manifest.fingerprint,
+        "task": manifest.task,
+        "source": manifest.source,
+        "clients": len(clients),
+        "edges": len({c.edge for c in clients}),
+        "clustering": manifest.clustering,
+        "sizes": {
+            "min": int(sizes.min()),
+            "median": float(np.median(sizes)),
+            "max": int(sizes.max()),
+            "mean": float(sizes.mean()),
+            "total": int(sizes.sum()),
+        }
+        if len(sizes)
+        else {},
         "label_skew": {
             "tv_to_language_mean": float(np.mean(tv_lang)) if tv_lang else None,
             "tv_to_global_mean": float(np.mean(tv_global)) if tv_global else None,
@@ -67,7 +82,11 @@ def partition_summary(manifest: Manifest) -> dict[str, Any]:
             "labels": len(manifest.labels),
         },
         "per_language": per_language,
-        "proxy": {"source": manifest.proxy_source, "train": manifest.proxy_train.size, "test": manifest.proxy_test.size},
+        "proxy": {
+            "source": manifest.proxy_source,
+            "train": manifest.proxy_train.size,
+            "test": manifest.proxy_test.size,
+        },
         "unused_pool_rows": manifest.unused_pool_rows,
         "held_out": manifest.held_out,
     }
@@ -83,19 +102,28 @@ def summary_markdown(summary: dict[str, Any]) -> str:
         "|---|---|---|---|---|---|---|---|",
     ]
     for lang, s in summary["per_language"].items():
-        lines.append(f"| {lang} | {s['clients']} | {len(s['edges'])} | {s['size_min']} | {s['size_median']:g} | "
-                     f"{s['size_max']} | {s['train']} | {s['test']} |")
+        lines.append(
+            f"| {lang} | {s['clients']} | {len(s['edges'])} | {s['size_min']} | {s['size_median']:g} | "
+            f"{s['size_max']} | {s['train']} | {s['test']} |"
+        )
     if skew["tv_to_language_mean"] is not None:
-        lines += ["", f"Label skew: mean total-variation distance of a client's labels to its language's "
-                      f"{skew['tv_to_language_mean']:.3f}, to the global {skew['tv_to_global_mean']:.3f}; "
-                      f"{skew['labels_present_mean']:.1f} of {skew['labels']} labels present per client on average."]
+        lines += [
+            "",
+            f"Label skew: mean total-variation distance of a client's labels to its language's "
+            f"{skew['tv_to_language_mean']:.3f}, to the global {skew['tv_to_global_mean']:.3f}; "
+            f"{skew['labels_present_mean']:.1f} of {skew['labels']} labels present per client on average.",
+        ]
     p = summary["proxy"]
-    lines += ["", f"Proxy ({p['source']}): {p['train']} train / {p['test']} test rows. "
-                  f"Unused pool rows: {summary['unused_pool_rows']}." + (f" Held out: {summary['held_out']}." if summary["held_out"] else "")]
+    lines += [
+        "",
+        f"Proxy ({p['source']}): {p['train']} train / {p['test']} test rows. "
+        f"Unused pool rows: {summary['unused_pool_rows']}."
+        + (f" Held out: {summary['held_out']}." if summary["held_out"] else ""),
+    ]
     return "\n".join(lines) + "\n"
 
 
-def _figure(width: float, height: float):  # noqa: ANN202
+def _figure(width: float, height: float):
     from matplotlib.figure import Figure
 
     return Figure(figsize=(width, height), dpi=110)

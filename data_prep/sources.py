@@ -22,9 +22,9 @@ from pathlib import Path
 import numpy as np
 from datasets import ClassLabel, Dataset, Value, concatenate_datasets, load_dataset
 
-from bhfl_core.config.schema import ExperimentConfig
-from bhfl_core.config.data import EmbeddedSource, ProxySource, XglueSource
 from bhfl_core.config.base import ConfigError
+from bhfl_core.config.data import EmbeddedSource, ProxySource, XglueSource
+from bhfl_core.config.schema import ExperimentConfig
 from bhfl_core.rng import derive_seed
 from data_prep.embedded import CATEGORIES, generate_pool
 from data_prep.partition import pool_size_needed
@@ -56,6 +56,7 @@ class TextTable:
 
 # ---------------------------------------------------------------- the client pool
 
+
 def load_pool(config: ExperimentConfig) -> TextTable:
     source = config.data.source
     if isinstance(source, EmbeddedSource):
@@ -69,11 +70,14 @@ def _embedded_pool(config: ExperimentConfig, source: EmbeddedSource) -> TextTabl
     parts = []
     for lang in source.languages:
         need = pool_size_needed(config.data, config.seed, lang)
-        parts.append(generate_pool(config.seed, lang, int(need * 1.3) + 50, source.shared_cue_strength, source.topic_strength))
+        parts.append(
+            generate_pool(config.seed, lang, int(need * 1.3) + 50, source.shared_cue_strength, source.topic_strength)
+        )
     pool = concatenate_datasets(parts)
     languages = np.asarray(pool.with_format("numpy")["language"]).astype(str)
     data = pool.select_columns(["news_title", "news_body", "news_category"]).rename_columns(
-        {"news_title": TEXT, "news_body": PAIR, "news_category": LABEL})
+        {"news_title": TEXT, "news_body": PAIR, "news_category": LABEL}
+    )
     return TextTable(data, languages, np.asarray(data.with_format("numpy")[LABEL]), list(CATEGORIES))
 
 
@@ -86,8 +90,10 @@ def xglue_split(source: XglueSource, language: str) -> str:
 
 def _xglue_pool(source: XglueSource) -> TextTable:
     texts, label = source.columns()
-    tables = [_normalise(_load_xglue_split(source, xglue_split(source, lang)), texts, label, f"data.source ({lang})")
-              for lang in source.languages]
+    tables = [
+        _normalise(_load_xglue_split(source, xglue_split(source, lang)), texts, label, f"data.source ({lang})")
+        for lang in source.languages
+    ]
     for lang, table in zip(source.languages, tables):
         _check_labels(table, source, xglue_split(source, lang))
     names = _common_label_names(tables, "data.source")
@@ -119,14 +125,20 @@ def _load_xglue_split(source: XglueSource, split: str) -> Dataset:
                 f"{source.train_split!r} for {source.train_languages} and {source.pool_split!r} for the others "
                 f"(docs/data.md, 'XGLUE from local parquet')."
             )
-        return _load(lambda: load_dataset("parquet", data_files={split: [str(f) for f in files]}, split=split),
-                     f"parquet files {[str(f) for f in files]}", "data.source.local_dir")
-    return _load(lambda: load_dataset(source.repo, source.repo_config or source.config, split=split, revision=source.revision),
-                 f"split {split!r} of {source.repo!r} (config {source.repo_config or source.config!r}, "
-                 f"revision {source.revision or 'default'})", "data.source")
+        return _load(
+            lambda: load_dataset("parquet", data_files={split: [str(f) for f in files]}, split=split),
+            f"parquet files {[str(f) for f in files]}",
+            "data.source.local_dir",
+        )
+    return _load(
+        lambda: load_dataset(source.repo, source.repo_config or source.config, split=split, revision=source.revision),
+        f"split {split!r} of {source.repo!r} (config {source.repo_config or source.config!r}, "
+        f"revision {source.revision or 'default'})",
+        "data.source",
+    )
 
 
-def _load(fn, what: str, key: str):  # noqa: ANN001, ANN202 - a thunk around load_dataset
+def _load(fn, what: str, key: str):
     try:
         return fn()
     except DataSourceError:
@@ -147,15 +159,19 @@ def _normalise(ds: Dataset, texts: list[str], label: str | None, key: str) -> Da
     wanted = [*texts, *([label] if label else [])]
     missing = [c for c in wanted if c not in ds.column_names]
     if missing:
-        raise DataSourceError(f"{key}: columns {missing} not found; the data has {ds.column_names} "
-                              "(set text_columns / label_column to the names it uses)")
+        raise DataSourceError(
+            f"{key}: columns {missing} not found; the data has {ds.column_names} "
+            "(set text_columns / label_column to the names it uses)"
+        )
     rename = {texts[0]: TEXT, **({texts[1]: PAIR} if len(texts) > 1 else {}), **({label: LABEL} if label else {})}
     return ds.select_columns(wanted).rename_columns({k: v for k, v in rename.items() if k != v})
 
 
 # The classes of each XGLUE task, for checking labels (with the task's own label column).
 XGLUE_LABELS: dict[str, tuple[str, ...]] = {
-    "nc": CATEGORIES, "xnli": ("entailment", "neutral", "contradiction"), "paws-x": ("0", "1"),
+    "nc": CATEGORIES,
+    "xnli": ("entailment", "neutral", "contradiction"),
+    "paws-x": ("0", "1"),
 }
 
 
@@ -166,7 +182,9 @@ def _check_labels(table: Dataset, source: XglueSource, split: str) -> None:
     values = table.unique(LABEL)
     if isinstance(feature, ClassLabel) or all(isinstance(v, (int, np.integer)) for v in values):
         size = len(known) if known else len(feature.names) if isinstance(feature, ClassLabel) else None
-        bad: list[int] | list[str] = sorted(int(v) for v in values if int(v) < 0 or (size is not None and int(v) >= size))
+        bad: list[int] | list[str] = sorted(
+            int(v) for v in values if int(v) < 0 or (size is not None and int(v) >= size)
+        )
         allowed = f"class ids 0..{size - 1}" if size else "class ids >= 0"
     else:
         bad = sorted(str(v) for v in values if known and str(v) not in known)
@@ -207,8 +225,10 @@ def _encode_labels(ds: Dataset, names: list[str]) -> Dataset:
 
 # ---------------------------------------------------------------- the separate proxy corpus
 
-def load_proxy_source(spec: ProxySource, languages: list[str], need: int, seed: int,
-                      label_names: list[str]) -> TextTable:
+
+def load_proxy_source(
+    spec: ProxySource, languages: list[str], need: int, seed: int, label_names: list[str]
+) -> TextTable:
     """The proxy corpus in the common schema; ``need`` rows per language are enough (streaming stops there).
 
     Labels, when the corpus has them, are encoded with the client pool's class names
@@ -216,11 +236,17 @@ def load_proxy_source(spec: ProxySource, languages: list[str], need: int, seed: 
     """
     label = spec.label_column
     if spec.per_language:
-        parts = [_normalise(_proxy_rows(spec, lang, need, seed), spec.text_columns, label, f"data.proxy.source ({lang})")
-                 for lang in languages]
+        parts = [
+            _normalise(_proxy_rows(spec, lang, need, seed), spec.text_columns, label, f"data.proxy.source ({lang})")
+            for lang in languages
+        ]
         langs = np.repeat(np.array(languages), [len(p) for p in parts])
     else:
-        columns = [*spec.text_columns, *([label] if label else []), *([spec.language_column] if spec.language_column else [])]
+        columns = [
+            *spec.text_columns,
+            *([label] if label else []),
+            *([spec.language_column] if spec.language_column else []),
+        ]
         raw = _proxy_rows(spec, None, need, seed, languages)
         missing = [c for c in columns if c not in raw.column_names]
         if missing:
@@ -234,13 +260,17 @@ def load_proxy_source(spec: ProxySource, languages: list[str], need: int, seed: 
         parts = [_encode_labels(p, label_names) for p in parts]
         unknown = set().union(*(set(p.unique(LABEL)) for p in parts)) - set(range(len(label_names)))
         if unknown:
-            raise DataSourceError(f"data.proxy.source.label_column: labels {sorted(unknown)} are not classes of the client pool")
+            raise DataSourceError(
+                f"data.proxy.source.label_column: labels {sorted(unknown)} are not classes of the client pool"
+            )
     data = concatenate_datasets(parts) if len(parts) > 1 else parts[0]
     labels = np.asarray(data.with_format("numpy")[LABEL]) if label else None
     return TextTable(data, langs, labels, label_names)
 
 
-def _proxy_rows(spec: ProxySource, lang: str | None, need: int, seed: int, languages: list[str] | None = None) -> Dataset:
+def _proxy_rows(
+    spec: ProxySource, lang: str | None, need: int, seed: int, languages: list[str] | None = None
+) -> Dataset:
     fill = (lambda v: v.format(lang=lang)) if lang is not None else (lambda v: v)
     split = fill(spec.split)
     what = f"proxy {'files ' + str(spec.data_files) if spec.data_files else repr(spec.repo)} split {split!r}"
@@ -256,10 +286,13 @@ def _proxy_rows(spec: ProxySource, lang: str | None, need: int, seed: int, langu
     return _take_streamed(ds, spec, lang, need, seed, languages)
 
 
-def _take_streamed(stream, spec: ProxySource, lang: str | None, need: int, seed: int,  # noqa: ANN001
-                   languages: list[str] | None) -> Dataset:
+def _take_streamed(
+    stream, spec: ProxySource, lang: str | None, need: int, seed: int, languages: list[str] | None
+) -> Dataset:
     """Read only ``need`` rows per language from a streamed corpus (seeded shuffle buffer)."""
-    stream = stream.shuffle(seed=derive_seed(seed, "proxy", "stream", lang or "") % 2**32, buffer_size=spec.shuffle_buffer)
+    stream = stream.shuffle(
+        seed=derive_seed(seed, "proxy", "stream", lang or "") % 2**32, buffer_size=spec.shuffle_buffer
+    )
     if lang is not None or not spec.language_column:
         total = need if lang is not None or spec.language_column else need * len(languages or [None])
         return Dataset.from_list(list(stream.take(total)))
@@ -276,6 +309,7 @@ def _take_streamed(stream, spec: ProxySource, lang: str | None, need: int, seed:
 
 
 # ---------------------------------------------------------------- reachability (before any work)
+
 
 def check_sources(config: ExperimentConfig) -> None:
     """Cheap checks that the configured datasets can be found: local files exist, hub repos answer.
@@ -294,9 +328,14 @@ def check_sources(config: ExperimentConfig) -> None:
                 if not local_split_files(Path(source.local_dir).expanduser(), source.config, split):
                     _load_xglue_split(source, split)
         else:
-            _load(lambda: load_dataset_builder(source.repo, source.repo_config or source.config, revision=source.revision),
-                  f"{source.repo!r} (config {source.repo_config or source.config!r}, revision {source.revision or 'default'})",
-                  "data.source")
+            _load(
+                lambda: load_dataset_builder(
+                    source.repo, source.repo_config or source.config, revision=source.revision
+                ),
+                f"{source.repo!r} (config {source.repo_config or source.config!r}, "
+                f"revision {source.revision or 'default'})",
+                "data.source",
+            )
     proxy = config.data.proxy.source
     if proxy is None:
         return
@@ -306,14 +345,20 @@ def check_sources(config: ExperimentConfig) -> None:
         patterns = [proxy.data_files] if isinstance(proxy.data_files, str) else proxy.data_files
         missing = [fill(p) for p in patterns if not _glob(fill(p))]
         if missing:
-            raise DataSourceError(f"data.proxy.source.data_files: no files match {missing} (paths are relative to the "
-                                  "working directory; {lang} is replaced by each language)")
+            raise DataSourceError(
+                f"data.proxy.source.data_files: no files match {missing} (paths are relative to the "
+                "working directory; {lang} is replaced by each language)"
+            )
     else:
-        _load(lambda: load_dataset_builder(proxy.repo, fill(proxy.name) if proxy.name else None, revision=proxy.revision),
-              f"proxy dataset {proxy.repo!r}", "data.proxy.source")
+        _load(
+            lambda: load_dataset_builder(proxy.repo, fill(proxy.name) if proxy.name else None, revision=proxy.revision),
+            f"proxy dataset {proxy.repo!r}",
+            "data.proxy.source",
+        )
 
 
 # ---------------------------------------------------------------- identity (for the cache key)
+
 
 def source_signature(config: ExperimentConfig) -> dict:
     """What identifies the source data beyond the config: local files' names, sizes and parquet footers.
@@ -327,7 +372,9 @@ def source_signature(config: ExperimentConfig) -> dict:
     if isinstance(source, XglueSource) and source.local_dir is not None:
         folder = Path(source.local_dir).expanduser()
         splits = {xglue_split(source, lang) for lang in source.languages}
-        out["source_files"] = {s: [_file_signature(f) for f in local_split_files(folder, source.config, s)] for s in sorted(splits)}
+        out["source_files"] = {
+            s: [_file_signature(f) for f in local_split_files(folder, source.config, s)] for s in sorted(splits)
+        }
     proxy = config.data.proxy.source
     if proxy is not None and proxy.data_files is not None:
         patterns = [proxy.data_files] if isinstance(proxy.data_files, str) else proxy.data_files

@@ -39,8 +39,13 @@ def train_wordpiece(texts: Iterable[str], vocab_size: int, max_length: int, out_
     )
     tok.decoder = decoders.WordPiece()
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]", sep_token="[SEP]",
-        mask_token="[MASK]", model_max_length=max_length,
+        tokenizer_object=tok,
+        unk_token="[UNK]",
+        pad_token="[PAD]",
+        cls_token="[CLS]",
+        sep_token="[SEP]",
+        mask_token="[MASK]",
+        model_max_length=max_length,
     )
     fast.save_pretrained(out_dir)
     # reload from disk: later runs (and hub models) take exactly this path

@@ -58,7 +58,6 @@ IMPORTED_AT = time.time()  # the heavy imports above are done: the timeline's "i
 __all__ = ["PLAIN_CALLS", "PREFECT_RUNS", "experiment_flow", "resume_experiment", "run_experiment"]
 
 
-
 def _run_tags(config: ExperimentConfig, run_path: Path, data_fingerprint: str) -> dict[str, str]:
     resolved = json.dumps(dump(config), sort_keys=True)
     return {
@@ -68,19 +67,28 @@ def _run_tags(config: ExperimentConfig, run_path: Path, data_fingerprint: str) -
         "bhfl.seed": str(config.seed),
         "bhfl.git_commit": git_commit(),
         "bhfl.python": platform.python_version(),
-        **{f"bhfl.version.{p}": package_version(p) for p in ("bhfl", "torch", "transformers", "datasets", "prefect", "mlflow")},
+        **{
+            f"bhfl.version.{p}": package_version(p)
+            for p in ("bhfl", "torch", "transformers", "datasets", "prefect", "mlflow")
+        },
     }
 
 
 def _describe(config: ExperimentConfig, ctx: RunContext) -> str:
     tree = ctx.tree
-    return (f"B-HFL experiment `{config.name}`: {len(tree.clients())} clients, "
-            f"{len(tree.servers())} servers, {tree.root.settings.rounds} root rounds, seed {config.seed}.")
+    return (
+        f"B-HFL experiment `{config.name}`: {len(tree.clients())} clients, "
+        f"{len(tree.servers())} servers, {tree.root.settings.rounds} root rounds, seed {config.seed}."
+    )
 
 
 @flow(name="bhfl-experiment", validate_parameters=False)
 def experiment_flow(
-    config: ExperimentConfig | dict[str, Any], run_root: str, tracking_uri: str, run_path: str | None = None, resume: bool = False,
+    config: ExperimentConfig | dict[str, Any],
+    run_root: str,
+    tracking_uri: str,
+    run_path: str | None = None,
+    resume: bool = False,
     cluster: str | None = None,
 ) -> dict[str, Any]:
     """Run one experiment end to end (or finish an interrupted one); returns where its results are.
@@ -102,8 +110,13 @@ def _workers(cfg: ExperimentConfig, address: str | None) -> list[dict[str, str]]
 
 
 def _experiment(
-    cfg: ExperimentConfig, run_root: str, tracking_uri: str, run_path: str | None, orchestration: Orchestration,
-    resume: bool = False, cluster: str | None = None,
+    cfg: ExperimentConfig,
+    run_root: str,
+    tracking_uri: str,
+    run_path: str | None,
+    orchestration: Orchestration,
+    resume: bool = False,
+    cluster: str | None = None,
 ) -> dict[str, Any]:
     started = time.time()
     root = Path(run_root).resolve()
@@ -114,10 +127,15 @@ def _experiment(
         record = RunRecord(name=cfg.name, tracking_uri=tracking_uri)
         write_text_atomic(path / CONFIG_FILE, yaml.safe_dump(dump(cfg), sort_keys=False))
     else:
-        record = record.model_copy(update={"status": "running", "pid": os.getpid(), "error": "",
-                                           "resumes": record.resumes + 1})
+        record = record.model_copy(
+            update={"status": "running", "pid": os.getpid(), "error": "", "resumes": record.resumes + 1}
+        )
     shutil.rmtree(path / TIMELINE_DIR, ignore_errors=True)  # the timeline is the latest attempt's
-    record.timeline = {"process_start": psutil.Process().create_time(), "imports_done": IMPORTED_AT, "flow_start": started}
+    record.timeline = {
+        "process_start": psutil.Process().create_time(),
+        "imports_done": IMPORTED_AT,
+        "flow_start": started,
+    }
     record.write(path)
 
     tracker: Tracker | None = None
@@ -140,9 +158,14 @@ def _experiment(
             if record.parent_run_id:
                 tracker.reopen(record.experiment_id, record.parent_run_id, record.node_runs, record.resumes)
             else:
-                tracker.start(cfg.name, dump(cfg), ctx.tree, _run_tags(cfg, path, ctx.manifest.fingerprint), _describe(cfg, ctx))
-                record.experiment_id, record.parent_run_id, record.node_runs = (tracker.experiment_id, tracker.parent_id,
-                                                                                 tracker.node_runs)
+                tracker.start(
+                    cfg.name, dump(cfg), ctx.tree, _run_tags(cfg, path, ctx.manifest.fingerprint), _describe(cfg, ctx)
+                )
+                record.experiment_id, record.parent_run_id, record.node_runs = (
+                    tracker.experiment_id,
+                    tracker.parent_id,
+                    tracker.node_runs,
+                )
                 record.write(path)
                 # the parent run's files do not hold up the first round: logged beside it, awaited at the end
                 logging_files = stack.enter_context(ThreadPoolExecutor(1, thread_name_prefix="bhfl-artefacts"))
@@ -165,8 +188,10 @@ def _experiment(
             if record.resumes:
                 if removed := ctx.store.remove_partial_writes():
                     progress.note(f"removed {removed} checkpoint write(s) that the interrupted run left unfinished")
-                progress.note(f"resuming {path.name}: root round {done + 1 if done < rounds else rounds} of {rounds}; "
-                              "finished nodes and rounds are loaded from their checkpoints, not run again")
+                progress.note(
+                    f"resuming {path.name}: root round {done + 1 if done < rounds else rounds} of {rounds}; "
+                    "finished nodes and rounds are loaded from their checkpoints, not run again"
+                )
                 if 0 < done < rounds and cfg.eval.every and done % cfg.eval.every == 0:
                     evaluate_step(rt, done)  # the interrupted run may have died evaluating this step
             peaks = {"memory/peak_rss_setup_mb": peak_rss_mb(reset=True)}
@@ -180,8 +205,12 @@ def _experiment(
             evaluation = evaluate_all(rt, step=rounds, final=True)
             eval_s = time.time() - eval_started
             peaks["memory/peak_rss_eval_mb"] = peak_rss_mb(reset=False)
-            timings = {"time/setup_s": train_started - started, "time/train_s": train_s, "time/final_eval_s": eval_s,
-                       "time/total_s": time.time() - started}
+            timings = {
+                "time/setup_s": train_started - started,
+                "time/train_s": train_s,
+                "time/final_eval_s": eval_s,
+                "time/total_s": time.time() - started,
+            }
             tracker.log_metrics(tracker.parent_id, {**timings, **peaks, **usage}, step=record.resumes)
             if artefacts is not None:
                 artefacts.result()
@@ -237,8 +266,15 @@ def _orchestrator_threads(cfg: ExperimentConfig, workers: list[dict[str, str]]) 
     return max(1, cores - cpu_workers)
 
 
-def _invoke(config: ExperimentConfig, run_root: Path, uri: str, path: str, orchestration: Orchestration,
-            resume: bool, cluster: str | None) -> dict[str, Any]:
+def _invoke(
+    config: ExperimentConfig,
+    run_root: Path,
+    uri: str,
+    path: str,
+    orchestration: Orchestration,
+    resume: bool,
+    cluster: str | None,
+) -> dict[str, Any]:
     if orchestration is not PREFECT_RUNS:
         return _experiment(config, str(run_root), uri, path, orchestration, resume=resume, cluster=cluster)
     # Flow heartbeats only detect crashed deployment runs; off, each subflow ends ~1 s sooner.
@@ -271,7 +307,10 @@ def run_experiment(
 
 
 def resume_experiment(
-    run_path: Path, orchestration: Orchestration = PREFECT_RUNS, overrides: Sequence[str] = (), cluster: str | None = None
+    run_path: Path,
+    orchestration: Orchestration = PREFECT_RUNS,
+    overrides: Sequence[str] = (),
+    cluster: str | None = None,
 ) -> dict[str, Any]:
     """Continue the run in ``run_path`` after a failure: same config, checkpoints, MLflow runs.
 
@@ -287,4 +326,6 @@ def resume_experiment(
         raise RunStateError(f"run {run_path} is still running (process {record.pid}); wait for it or stop it first")
     config = resume_config(run_path, config, overrides)
     # run_root: the folder holding the shared data cache (<run_root>/<name>/<stamp>)
-    return _invoke(config, run_path.parents[1], record.tracking_uri, str(run_path), orchestration, resume=True, cluster=cluster)
+    return _invoke(
+        config, run_path.parents[1], record.tracking_uri, str(run_path), orchestration, resume=True, cluster=cluster
+    )

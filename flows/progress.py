@@ -21,13 +21,21 @@ _EVENT = "bhfl_event"
 
 
 def run_started(total_root_rounds: int, done: int = 0) -> None:
-    LOGGER.info("root rounds: %d of %d done", done, total_root_rounds,
-                extra={_EVENT: ("start", {"total": total_root_rounds, "done": done})})
+    LOGGER.info(
+        "root rounds: %d of %d done",
+        done,
+        total_root_rounds,
+        extra={_EVENT: ("start", {"total": total_root_rounds, "done": done})},
+    )
 
 
 def node_round(node_id: str, depth: int, round_index: int, metrics: dict[str, float]) -> None:
-    LOGGER.info("%s round %d done", node_id, round_index + 1,
-                extra={_EVENT: ("node_round", {"node": node_id, "depth": depth, "round": round_index, "metrics": metrics})})
+    LOGGER.info(
+        "%s round %d done",
+        node_id,
+        round_index + 1,
+        extra={_EVENT: ("node_round", {"node": node_id, "depth": depth, "round": round_index, "metrics": metrics})},
+    )
 
 
 def note(text: str) -> None:
@@ -41,8 +49,14 @@ class RichReporter(logging.Handler):
         super().__init__(logging.INFO)
         self.console = console or Console(stderr=True)
         self.progress = Progress(
-            SpinnerColumn(), TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-            TimeElapsedColumn(), TextColumn("{task.fields[detail]}"), console=self.console, transient=False,
+            SpinnerColumn(),
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TextColumn("{task.fields[detail]}"),
+            console=self.console,
+            transient=False,
         )
         self.task: Any = None
 
@@ -52,12 +66,15 @@ class RichReporter(logging.Handler):
         if kind == "start":
             if self.task is None:
                 self.progress.start()
-                self.task = self.progress.add_task("root rounds", total=data["total"], completed=data["done"], detail="")
+                self.task = self.progress.add_task(
+                    "root rounds", total=data["total"], completed=data["done"], detail=""
+                )
         elif kind == "node_round":
             metrics = data["metrics"]
             loss = metrics.get("train/loss", metrics.get("proxy_train/loss"))
-            detail = (f"{'  ' * data['depth']}{data['node']} round {data['round'] + 1}"
-                      + (f"  loss {loss:.3f}" if loss is not None else ""))
+            detail = f"{'  ' * data['depth']}{data['node']} round {data['round'] + 1}" + (
+                f"  loss {loss:.3f}" if loss is not None else ""
+            )
             if self.task is not None:
                 self.progress.update(self.task, detail=detail, advance=1 if data["depth"] == 0 else 0)
         else:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+
 def serve_experiment(config_data: dict, cron: str, name: str, run_root: Path, tracking_uri: str) -> None:
     """Register the deployment ``bhfl-experiment/<name>`` and serve it until interrupted."""
     from prefect import serve

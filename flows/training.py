@@ -44,8 +44,8 @@ from flows.evaluation import evaluate_step
 from flows.node_runtime import NodeRuntime, Orchestration, node_runtime, worker_utilisation
 from tasks import faults
 from tasks.client_training import WorkerReport
-from tasks.executor import gather
 from tasks.context import mark_once
+from tasks.executor import gather
 from tasks.time_model import load_time_model, record_timings
 from tasks.training import proxy_train, train_clients, with_retries
 
@@ -89,17 +89,30 @@ class FlowHooks:
         futures = [run_gated(functools.partial(self._run_child, c, phi_path, caller)) for c in servers]
         return gather(futures)
 
-    def _run_clients(self, node: Node, leaves: list[Node], phi_path: str, caller: Caller, key: RoundKey) -> list[WorkerReport]:
+    def _run_clients(
+        self, node: Node, leaves: list[Node], phi_path: str, caller: Caller, key: RoundKey
+    ) -> list[WorkerReport]:
         runtime = self.rt.ctx.config.runtime
         keep, select = needs(node.settings.res_up)
         jobs = [Job(c.id, planned_steps(int(c.weight), c.settings.train)) for c in leaves if c.settings.train]
         model = load_time_model(self.rt.ctx.run_path) if runtime.placement == "learned" else None
         plan = place(jobs, self.rt.executor.slots(), runtime.placement, model)
         name = f"{node.id} round {key.round + 1}: " + ", ".join(f"{len(a.jobs)} on {a.slot.name}" for a in plan)
-        reports: list[WorkerReport] = self.rt.orchestration.call_task(self.rt, train_clients, name, [(a.slot, list(a.jobs)) for a in plan],
-                                                 self.rt.run_path, caller, phi_path, keep, select)
+        reports: list[WorkerReport] = self.rt.orchestration.call_task(
+            self.rt,
+            train_clients,
+            name,
+            [(a.slot, list(a.jobs)) for a in plan],
+            self.rt.run_path,
+            caller,
+            phi_path,
+            keep,
+            select,
+        )
         if runtime.placement == "learned":
-            record_timings(self.rt.ctx.run_path, [(r.device_kind, steps, s) for r in reports for _, steps, s in r.timings])
+            record_timings(
+                self.rt.ctx.run_path, [(r.device_kind, steps, s) for r in reports for _, steps, s in r.timings]
+            )
         return reports
 
     def run_children(self, node: Node, cohort: list[Node], theta: torch.Tensor, key: RoundKey) -> ChildrenReport:
@@ -149,8 +162,16 @@ class FlowHooks:
         steps = planned_steps(ctx.manifest.proxy_train.size, node.settings.train)
         slot = place([Job(node.id, steps)], self.rt.executor.slots(), "lpt")[0].slot
         theta_path = ctx.store.write_message(f"{node.id}.proxy-in", theta)
-        out_path, metrics = self.rt.orchestration.call_task(self.rt, proxy_train, f"{node.id} round {key.round + 1}: proxy on {slot.name}",
-                                       slot, self.rt.run_path, node.id, key, theta_path)
+        out_path, metrics = self.rt.orchestration.call_task(
+            self.rt,
+            proxy_train,
+            f"{node.id} round {key.round + 1}: proxy on {slot.name}",
+            slot,
+            self.rt.run_path,
+            node.id,
+            key,
+            theta_path,
+        )
         return StateStore.read_message(out_path), metrics
 
     def round_done(self, node: Node, key: RoundKey, theta: torch.Tensor, metrics: dict[str, float]) -> None:
@@ -170,8 +191,9 @@ class FlowHooks:
             faults.hit("round", f"{node.id} round {key.round + 1}")
 
 
-def execute_tree_node(run_path: str, node_id: str, phi_path: str | None, caller: Caller,
-                      orchestration: Orchestration) -> str:
+def execute_tree_node(
+    run_path: str, node_id: str, phi_path: str | None, caller: Caller, orchestration: Orchestration
+) -> str:
     """EXECUTENODE for one internal node, from and to message files; returns the path of theta_T."""
     with node_runtime(run_path, orchestration) as rt:
         ctx = rt.ctx
@@ -200,8 +222,11 @@ class PrefectRuns:
             signal_running()
             return execute_tree_node(run_path, node_id, phi_path, caller, self)
         name = f"{node_id} <- {caller}" if caller.key else node_id
-        child_flow = node_flow.with_options(flow_run_name=name, on_running=[signal_running],  # type: ignore[list-item]
-                                            task_runner=thread_task_runner())
+        child_flow = node_flow.with_options(
+            flow_run_name=name,
+            on_running=[signal_running],  # type: ignore[list-item]
+            task_runner=thread_task_runner(),
+        )
         return child_flow(run_path, node_id, phi_path, caller)
 
     def call_task(self, rt: NodeRuntime, task_: Task[..., Any], name: str, *args: Any) -> Any:

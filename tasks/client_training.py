@@ -24,12 +24,12 @@ from bhfl_core.algorithm.aggregation import WeightedSum
 from bhfl_core.algorithm.engine import NodeResult, execute_node
 from bhfl_core.algorithm.node_state import Caller, RoundKey
 from bhfl_core.algorithm.node_step import ChildrenReport
+from bhfl_core.algorithm.residuals import Candidate, keep_top
+from bhfl_core.algorithm.tree import Node
 from bhfl_core.learning.local_train import train_model
 from bhfl_core.learning.params import get_flat, set_flat
-from bhfl_core.algorithm.residuals import Candidate, keep_top
 from bhfl_core.rng import derive_seed
 from bhfl_core.store.node_store import CheckpointError
-from bhfl_core.algorithm.tree import Node
 from tasks import faults
 from tasks.context import RunContext, mark_once
 
@@ -44,7 +44,9 @@ class WorkerReport:
     losses: dict[str, tuple[float, int]] = field(default_factory=dict)  # client -> (mean loss, examples)
     candidates: list[Candidate] = field(default_factory=list)  # running top-K for up-residuals
     dropped: list[str] = field(default_factory=list)  # clients left out (runtime.on_client_failure: drop)
-    timings: list[tuple[str, int, float]] = field(default_factory=list)  # (client, optimizer steps, seconds) trained here
+    timings: list[tuple[str, int, float]] = field(
+        default_factory=list
+    )  # (client, optimizer steps, seconds) trained here
     worker: str = ""
     device_kind: str = ""
     started: float = 0.0  # wall clock (time.time) of the batch on the worker
@@ -66,7 +68,9 @@ class LocalTrainer:
         if node.is_leaf:
             faults.hit("client", node.id)
             mark_once(self.ctx.run_path, "first_training")
-        data = self.ctx.shard(self.ctx.clients[node.id].train.path) if node.is_leaf else self.ctx.proxy("train", node.id)
+        data = (
+            self.ctx.shard(self.ctx.clients[node.id].train.path) if node.is_leaf else self.ctx.proxy("train", node.id)
+        )
         set_flat(self.model, theta)
         seed = derive_seed(self.ctx.config.seed, "train", *key.parts())
         transform = self.ctx.task_kind.batch_transform(self.ctx.task_facts)  # mlm: masks drawn from `seed`
@@ -82,8 +86,15 @@ class LocalTrainer:
         return None
 
 
-def train_clients(ctx: RunContext, trainer: LocalTrainer, caller: Caller, client_ids: list[str], phi: torch.Tensor,
-                  keep: int = 0, select: str | None = None) -> WorkerReport:
+def train_clients(
+    ctx: RunContext,
+    trainer: LocalTrainer,
+    caller: Caller,
+    client_ids: list[str],
+    phi: torch.Tensor,
+    keep: int = 0,
+    select: str | None = None,
+) -> WorkerReport:
     """Execute ``client_ids`` from the parent model ``phi``; return their weighted sum and statistics.
 
     With ``keep > 0`` the worker also returns its ``keep`` best residual candidates by
@@ -116,7 +127,9 @@ def is_resource_error(exc: BaseException) -> bool:
     return isinstance(exc, (MemoryError, torch.OutOfMemoryError, CheckpointError))
 
 
-def _execute_client(ctx: RunContext, node: Node, phi: torch.Tensor, trainer: LocalTrainer, caller: Caller) -> NodeResult | None:
+def _execute_client(
+    ctx: RunContext, node: Node, phi: torch.Tensor, trainer: LocalTrainer, caller: Caller
+) -> NodeResult | None:
     """EXECUTENODE for one client under the run's failure policy; None = dropped from this round.
 
     ``fail``: the error propagates (Prefect retries the whole batch; clients that

@@ -23,18 +23,17 @@ import torch
 import yaml
 from torch import nn
 
-from bhfl_core.config.schema import ExperimentConfig
+from bhfl_core.algorithm.tree import Tree
 from bhfl_core.config.base import ConfigError
+from bhfl_core.config.schema import ExperimentConfig
+from bhfl_core.config.topology import ClientInfo, build_tree
 from bhfl_core.learning.models import build_model
 from bhfl_core.learning.task_kinds import TaskFacts, TaskKind, get_task_kind
 from bhfl_core.store.node_store import StateStore
-from bhfl_core.config.topology import ClientInfo, build_tree
-from bhfl_core.algorithm.tree import Tree
+from bhfl_core.store.run_layout import CONFIG_FILE, DATA_POINTER, STATE_DIR, TIMELINE_DIR
 from data_prep.manifest import ClientEntry, Manifest
 from data_prep.prepare import load_shard
-from bhfl_core.store.run_layout import CONFIG_FILE, DATA_POINTER, STATE_DIR, TIMELINE_DIR
 from tasks import faults
-
 
 
 @dataclass
@@ -81,8 +80,15 @@ class RunContext:
     def task_facts(self) -> TaskFacts:
         """What the task kind needs of this run: labels and tokenizer ids (manifest), masking rate and seed (config)."""
         m = self.manifest
-        return TaskFacts(m.task, tuple(m.labels), m.vocab_size, tuple(m.special_ids), m.mask_token_id,
-                         self.config.model.mlm_probability, self.config.seed)
+        return TaskFacts(
+            m.task,
+            tuple(m.labels),
+            m.vocab_size,
+            tuple(m.special_ids),
+            m.mask_token_id,
+            self.config.model.mlm_probability,
+            self.config.seed,
+        )
 
     def shard(self, relative: str) -> dict[str, torch.Tensor]:
         return load_shard(self.data_root / relative)
@@ -94,8 +100,10 @@ class RunContext:
         """
         shard = self.manifest.proxy_train if split == "train" else self.manifest.proxy_test
         if not shard.size:
-            raise ConfigError(f"proxy_train: node {node_id or self.tree.root_id!r} trains on proxy data, but the data in "
-                              f"{self.data_root} has no proxy {split} split (set proxy_train: false for it)")
+            raise ConfigError(
+                f"proxy_train: node {node_id or self.tree.root_id!r} trains on proxy data, but the data in "
+                f"{self.data_root} has no proxy {split} split (set proxy_train: false for it)"
+            )
         languages = None
         if node_id is not None and node_id != self.tree.root_id:
             languages = tuple(sorted({self.tree[c].group or "" for c in self.tree.leaves_under(node_id)}))
@@ -107,7 +115,9 @@ class RunContext:
             else:
                 ranges = [shard.language_rows[lang] for lang in languages if lang in shard.language_rows]
                 if not ranges:
-                    raise ValueError(f"the proxy {split} split has no rows for the languages {languages} under {node_id!r}")
+                    raise ValueError(
+                        f"the proxy {split} split has no rows for the languages {languages} under {node_id!r}"
+                    )
                 self._proxy[key] = {k: torch.cat([v[a:b] for a, b in ranges]) for k, v in full.items()}
         return self._proxy[key]
 
@@ -177,4 +187,6 @@ def read_marks(run_path: Path) -> dict[str, float]:
     folder = run_path / TIMELINE_DIR
     if not folder.is_dir():
         return {}
-    return {p.name: float(p.read_text() or "nan") for p in folder.iterdir() if p.is_file() and not p.name.startswith(".")}
+    return {
+        p.name: float(p.read_text() or "nan") for p in folder.iterdir() if p.is_file() and not p.name.startswith(".")
+    }

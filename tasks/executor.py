@@ -80,7 +80,9 @@ def cluster_workers(address: str, runtime: RuntimeConfig) -> list[dict[str, str]
         client.register_plugin(BhflWorkerPlugin())
         workers = sorted(client.run(_describe).values(), key=lambda w: w["name"])
     if not workers:
-        raise RuntimeError(f"the Dask cluster at {address} has no workers; start some with `dask worker {address} --nthreads 1`")
+        raise RuntimeError(
+            f"the Dask cluster at {address} has no workers; start some with `dask worker {address} --nthreads 1`"
+        )
     if runtime.executor == "cluster" and runtime.workers != "auto":
         workers = workers[: int(runtime.workers)]
     return workers

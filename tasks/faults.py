@@ -53,7 +53,9 @@ def _plan() -> dict[str, list[tuple[int, str]]]:
         point, _, nth = where.partition("@")
         action = action or "kill"
         if point not in POINTS or action not in ACTIONS or not nth.isdigit():
-            raise ValueError(f"{ENV}: bad entry {item!r}; expected point@n[:action], point in {POINTS}, action in {ACTIONS}")
+            raise ValueError(
+                f"{ENV}: bad entry {item!r}; expected point@n[:action], point in {POINTS}, action in {ACTIONS}"
+            )
         plan.setdefault(point, []).append((int(nth), action))
     return plan
 
@@ -101,7 +103,7 @@ def share_with_workers(folder: Path) -> dict[str, str]:
     faults planned (the normal case) the plan is set empty: workers fork from a process
     started earlier, whose environment may still hold an older plan.
     """
-    global _run_counter
+    global _run_counter  # noqa: PLW0603 (test-only fault plan: one counter file per attempt of this process)
     if not os.environ.get(ENV):
         return {ENV: ""}
     counter = os.environ.get(COUNTER_ENV)

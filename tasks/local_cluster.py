@@ -1,8 +1,9 @@
 """The run's own Dask cluster on 127.0.0.1 (``runtime.executor: local``).
 
 A scheduler and one worker process per slot (per GPU times ``workers_per_device``, or
-one per CPU core), each running one call at a time on its own device (``BHFL_DEVICE``). Workers are forked from a server process that imported torch,
-transformers and the worker code once (multiprocessing's forkserver), so N workers
+one per CPU core), each running one call at a time on its own device (``BHFL_DEVICE``).
+Workers are forked from a server process that imported torch, transformers and the
+worker code once (multiprocessing's forkserver), so N workers
 cost one import, not N (CPU workers; GPU workers are spawned, so that no worker
 inherits a process that touched the CUDA driver). Worker processes exit when the process that started the
 cluster dies, even by SIGKILL (Dask watches the parent).
@@ -99,7 +100,6 @@ def _forkserver_pid() -> int | None:
 
 def _stop_forkserver() -> None:
     """At exit, stop the forkserver now: left alone it would finish its imports first (seconds of CPU)."""
-    import multiprocessing.forkserver
 
     pid = _forkserver_pid()
     if pid is not None:
@@ -116,7 +116,10 @@ def worker_env(run_path: Path) -> dict[str, str]:
     from tasks import faults
 
     keep = ("HF_", "TRANSFORMERS_", "TOKENIZERS_", "CUDA_")
-    return {**{k: v for k, v in os.environ.items() if k.startswith(keep)}, **faults.share_with_workers(run_path / ".faults")}
+    return {
+        **{k: v for k, v in os.environ.items() if k.startswith(keep)},
+        **faults.share_with_workers(run_path / ".faults"),
+    }
 
 
 def start_local_cluster(runtime: RuntimeConfig, env: Mapping[str, str]) -> Any:
@@ -134,15 +137,24 @@ def start_local_cluster(runtime: RuntimeConfig, env: Mapping[str, str]) -> Any:
     else:  # a process that imported torch may have touched the CUDA driver: GPU workers start fresh (spawn)
         dask.config.set({"distributed.worker.multiprocessing-method": "spawn"})
     workers = {
-        name: {"cls": Nanny, "options": {
-            "name": name, "host": "127.0.0.1", "nthreads": 1, "memory_limit": 0, "dashboard": False,
-            "silence_logs": logging.CRITICAL,  # a failed call surfaces in the orchestrator, once
-            "env": {"BHFL_DEVICE": device, **env},
-        }}
+        name: {
+            "cls": Nanny,
+            "options": {
+                "name": name,
+                "host": "127.0.0.1",
+                "nthreads": 1,
+                "memory_limit": 0,
+                "dashboard": False,
+                "silence_logs": logging.CRITICAL,  # a failed call surfaces in the orchestrator, once
+                "env": {"BHFL_DEVICE": device, **env},
+            },
+        }
         for name, device in slots
     }
-    scheduler = {"cls": Scheduler, "options": {"host": "127.0.0.1", "port": 0, "dashboard": False,
-                                               "dashboard_address": "127.0.0.1:0"}}  # its HTTP endpoint: loopback, any port
+    scheduler = {
+        "cls": Scheduler,
+        "options": {"host": "127.0.0.1", "port": 0, "dashboard": False, "dashboard_address": "127.0.0.1:0"},
+    }  # its HTTP endpoint: loopback, any port
     return SpecCluster(workers=workers, scheduler=scheduler, silence_logs=logging.ERROR, name="bhfl-local")
 
 

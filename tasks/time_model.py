@@ -13,8 +13,8 @@ import json
 from collections.abc import Iterable
 from pathlib import Path
 
-from bhfl_core.store.atomic import write_text_atomic
 from bhfl_core.placement import TimeModel
+from bhfl_core.store.atomic import write_text_atomic
 
 FILE = Path("state") / "placement.json"
 

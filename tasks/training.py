@@ -16,8 +16,8 @@ from typing import Any
 from prefect import Task, task
 from prefect.cache_policies import NO_CACHE
 
-from bhfl_core.config.schema import RuntimeConfig
 from bhfl_core.algorithm.node_state import Caller, RoundKey
+from bhfl_core.config.schema import RuntimeConfig
 from bhfl_core.placement import Slot
 from tasks.client_training import WorkerReport, is_resource_error
 from tasks.executor import Executor, gather
@@ -30,22 +30,38 @@ def _worth_retrying(task_: Any, task_run: Any, state: Any) -> bool:
     return not (isinstance(state.data, BaseException) and is_resource_error(state.data))
 
 
-def with_retries(task_: Task, runtime: RuntimeConfig, name: str, on_running: Sequence[Callable[..., None]] = ()) -> Task:
+def with_retries(
+    task_: Task, runtime: RuntimeConfig, name: str, on_running: Sequence[Callable[..., None]] = ()
+) -> Task:
     """The task with the run's Prefect retries (``runtime.retries``, ``runtime.retry_delay_s``), a name and hooks."""
-    return task_.with_options(retries=runtime.retries, retry_delay_seconds=runtime.retry_delay_s,
-                              retry_condition_fn=_worth_retrying, task_run_name=name, on_running=list(on_running))
+    return task_.with_options(
+        retries=runtime.retries,
+        retry_delay_seconds=runtime.retry_delay_s,
+        retry_condition_fn=_worth_retrying,
+        task_run_name=name,
+        on_running=list(on_running),
+    )
 
 
 @task(name="train-clients", cache_policy=NO_CACHE, persist_result=False)
-def train_clients(executor: Executor, batches: Batches, run_path: str, caller: Caller, phi_path: str,
-                  keep: int = 0, select: str | None = None) -> list[WorkerReport]:
+def train_clients(
+    executor: Executor,
+    batches: Batches,
+    run_path: str,
+    caller: Caller,
+    phi_path: str,
+    keep: int = 0,
+    select: str | None = None,
+) -> list[WorkerReport]:
     """Execute each batch of clients on its slot from the parent model at ``phi_path``; one report per batch."""
-    return gather([executor.submit(slot, "train_clients", run_path, caller, ids, phi_path, keep, select)
-                   for slot, ids in batches])
+    return gather(
+        [executor.submit(slot, "train_clients", run_path, caller, ids, phi_path, keep, select) for slot, ids in batches]
+    )
 
 
 @task(name="proxy-train", cache_policy=NO_CACHE, persist_result=False)
-def proxy_train(executor: Executor, slot: Slot, run_path: str, node_id: str, key: RoundKey,
-                theta_path: str) -> tuple[str, dict[str, float]]:
+def proxy_train(
+    executor: Executor, slot: Slot, run_path: str, node_id: str, key: RoundKey, theta_path: str
+) -> tuple[str, dict[str, float]]:
     """TRAIN a server's model (message at ``theta_path``) on its proxy split; returns the result's message."""
     return executor.submit(slot, "proxy_train", run_path, node_id, key, theta_path).result()

@@ -70,8 +70,13 @@ class WorkerRuntime:
 
     def describe(self) -> dict[str, str]:
         """Who this worker is: what placement needs (name, device, kind) and where it runs (host, pid)."""
-        return {"name": self.name, "device": str(self.device), "kind": self.kind, "host": socket.gethostname(),
-                "pid": str(os.getpid())}
+        return {
+            "name": self.name,
+            "device": str(self.device),
+            "kind": self.kind,
+            "host": socket.gethostname(),
+            "pid": str(os.getpid()),
+        }
 
     def _trainer(self, ctx: RunContext) -> LocalTrainer:
         """A trainer on this worker's model instance for the run's model (built once, reused)."""
@@ -101,16 +106,18 @@ class WorkerRuntime:
                 with open(folder / f"{self.name}.txt", "a") as fh:
                     fh.write(f"{started:.6f} {time.time():.6f}\n")
 
-    def train_clients(self, run_path: str, caller: Caller, client_ids: list[str], phi_path: str, keep: int,
-                      select: str | None) -> WorkerReport:
+    def train_clients(
+        self, run_path: str, caller: Caller, client_ids: list[str], phi_path: str, keep: int, select: str | None
+    ) -> WorkerReport:
         with self._call(run_path) as ctx:
-            report = train_clients(ctx, self._trainer(ctx), caller, client_ids, StateStore.read_message(phi_path),
-                                   keep, select)
+            report = train_clients(
+                ctx, self._trainer(ctx), caller, client_ids, StateStore.read_message(phi_path), keep, select
+            )
         report.worker, report.device_kind = self.name, self.kind
         return report
 
     def proxy_train(self, run_path: str, node_id: str, key: RoundKey, theta_path: str) -> tuple[str, dict[str, float]]:
-        """TRAIN a server's model (from the message at ``theta_path``) on its proxy split; returns the result's message."""
+        """TRAIN a server's model (the message at ``theta_path``) on its proxy split; returns the result's message."""
         with self._call(run_path) as ctx:
             theta, metrics = self._trainer(ctx).train(ctx.tree[node_id], StateStore.read_message(theta_path), key)
             return ctx.store.write_message(f"{node_id}.proxy-out", theta), metrics

@@ -12,7 +12,10 @@ SMALL = [
     "data.clients_per_language=3",
     "data.sizes={median: 30, sigma: 0.5, min: 10, max: 60}",
     "data.proxy={train_per_language: 30, test_per_language: 20}",
-    "model.tiny={vocab_size: 400, hidden_size: 32, num_hidden_layers: 1, num_attention_heads: 2, intermediate_size: 64}",
+    (
+        "model.tiny={vocab_size: 400, hidden_size: 32, num_hidden_layers: 1, num_attention_heads: 2,"
+        " intermediate_size: 64}"
+    ),
     "model.max_length=32",
     "tree.groups={west: [en, fr], east: [de]}",
     "tree.root.rounds=2",

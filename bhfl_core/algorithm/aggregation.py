@@ -130,16 +130,19 @@ class WeightedSum:
             if len(near):
                 p, pe = _two_prod(q[near], w, w_hi, w_lo)
                 inexact = near[(p != s[near]) | (pe != e[near])]
-                exact_mean = [_nearest_float32((Fraction(a) + Fraction(b)) / Fraction(w))
-                              for a, b in zip(hi[inexact].tolist(), lo[inexact].tolist())]
+                exact_mean = [
+                    _nearest_float32((Fraction(a) + Fraction(b)) / Fraction(w))
+                    for a, b in zip(hi[inexact].tolist(), lo[inexact].tolist())
+                ]
                 f[inexact] = torch.tensor(exact_mean, dtype=torch.float32, device=f.device)
         return out
 
     def _check_shape(self, vector: torch.Tensor) -> None:
         assert self.hi is not None
         if vector.shape != self.hi.shape:
-            raise ValueError(f"cannot add a vector of shape {tuple(vector.shape)} "
-                             f"to a sum of shape {tuple(self.hi.shape)}")
+            raise ValueError(
+                f"cannot add a vector of shape {tuple(vector.shape)} to a sum of shape {tuple(self.hi.shape)}"
+            )
 
 
 def _chunked(tensor: torch.Tensor) -> list[torch.Tensor]:
@@ -147,12 +150,13 @@ def _chunked(tensor: torch.Tensor) -> list[torch.Tensor]:
     return list(torch.split(tensor.reshape(-1), _CHUNK))
 
 
-def _chunks(hi: torch.Tensor, lo: torch.Tensor,
-            x: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]]:
+def _chunks(
+    hi: torch.Tensor, lo: torch.Tensor, x: torch.Tensor
+) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]]:
     """(hi, lo, x) chunk views with three float64 scratch buffers of the chunk's length, allocated once."""
     scratch = [torch.empty(min(_CHUNK, hi.numel()), dtype=torch.float64, device=hi.device) for _ in range(3)]
-    for h, l, v in zip(_chunked(hi), _chunked(lo), _chunked(x)):
-        yield h, l, v, [b[: h.numel()] for b in scratch]
+    for h, low, v in zip(_chunked(hi), _chunked(lo), _chunked(x)):
+        yield h, low, v, [b[: h.numel()] for b in scratch]
 
 
 def _two_sum_into(hi: torch.Tensor, lo: torch.Tensor, p: torch.Tensor, s: torch.Tensor, t: torch.Tensor) -> None:

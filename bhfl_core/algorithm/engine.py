@@ -65,8 +65,15 @@ class EngineHooks(Protocol):
         ...
 
 
-def execute_node(tree: Tree, node: Node, phi: torch.Tensor | None, store: StateStore, hooks: EngineHooks,
-                 seed: int, caller: Caller = ROOT_CALLER) -> NodeResult:
+def execute_node(
+    tree: Tree,
+    node: Node,
+    phi: torch.Tensor | None,
+    store: StateStore,
+    hooks: EngineHooks,
+    seed: int,
+    caller: Caller = ROOT_CALLER,
+) -> NodeResult:
     """Run one execution of ``node`` (T_q rounds), or finish it after a crash; return theta_T."""
     settings = node.settings
     state = store.load(node.id)
@@ -96,15 +103,21 @@ def execute_node(tree: Tree, node: Node, phi: torch.Tensor | None, store: StateS
     return NodeResult(state.theta, state.metrics)
 
 
-def round_metrics(node: Node, cohort: list[Node], report: ChildrenReport | None,
-                  posts: list[ResidualPost]) -> dict[str, float]:
+def round_metrics(
+    node: Node, cohort: list[Node], report: ChildrenReport | None, posts: list[ResidualPost]
+) -> dict[str, float]:
     """A round's communication (in models, i.e. flat vectors), dropped clients and the children's statistics."""
     metrics: dict[str, float] = {}
     dropped = len(report.dropped) if report is not None else 0
     if not node.is_leaf:
-        metrics.update({"comm/down_models": float(len(cohort)), "comm/up_models": float(len(cohort) - dropped),
-                        "comm/res_down_models": float(len(node.settings.res_down)),
-                        "comm/res_up_models": float(sum(p.models for p in posts))})
+        metrics.update(
+            {
+                "comm/down_models": float(len(cohort)),
+                "comm/up_models": float(len(cohort) - dropped),
+                "comm/res_down_models": float(len(node.settings.res_down)),
+                "comm/res_up_models": float(sum(p.models for p in posts)),
+            }
+        )
     if dropped:
         metrics["train/dropped_clients"] = float(dropped)
     if report is not None:

@@ -82,20 +82,26 @@ def _count(state: OptState) -> torch.Tensor:
 
 
 @register_node_opt("fedavg")
-def fedavg(state: OptState, theta: torch.Tensor, mean_input: torch.Tensor, p: NodeOptParams) -> tuple[OptState, torch.Tensor]:
+def fedavg(
+    state: OptState, theta: torch.Tensor, mean_input: torch.Tensor, p: NodeOptParams
+) -> tuple[OptState, torch.Tensor]:
     # lerp is exact at eta == 1 (returns mean_input bit-for-bit): HierFAVG's "replace".
     return {"step": _count(state)}, torch.lerp(theta, mean_input, p.eta)
 
 
 @register_node_opt("fedavgm")
-def fedavgm(state: OptState, theta: torch.Tensor, mean_input: torch.Tensor, p: NodeOptParams) -> tuple[OptState, torch.Tensor]:
+def fedavgm(
+    state: OptState, theta: torch.Tensor, mean_input: torch.Tensor, p: NodeOptParams
+) -> tuple[OptState, torch.Tensor]:
     delta = mean_input - theta
     m = p.beta1 * state["m"] + delta if "m" in state else delta
     return {"step": _count(state), "m": m}, theta + p.eta * m
 
 
 def _adaptive(update_v: Callable[[torch.Tensor, torch.Tensor, NodeOptParams], torch.Tensor]) -> StepFn:
-    def step(state: OptState, theta: torch.Tensor, mean_input: torch.Tensor, p: NodeOptParams) -> tuple[OptState, torch.Tensor]:
+    def step(
+        state: OptState, theta: torch.Tensor, mean_input: torch.Tensor, p: NodeOptParams
+    ) -> tuple[OptState, torch.Tensor]:
         delta = mean_input - theta
         m = p.beta1 * state.get("m", torch.zeros_like(delta)) + (1 - p.beta1) * delta
         v = update_v(state.get("v", torch.zeros_like(delta)), delta * delta, p)

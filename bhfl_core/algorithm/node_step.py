@@ -77,8 +77,9 @@ class ResidualPost:
     models: int  # models it carries (communication accounting)
 
 
-def node_down(stored: NodeState, phi: torch.Tensor | None, inbox: Inbox, settings: NodeSettings,
-              caller: Caller) -> NodeState:
+def node_down(
+    stored: NodeState, phi: torch.Tensor | None, inbox: Inbox, settings: NodeSettings, caller: Caller
+) -> NodeState:
     """Begin the execution ``caller`` triggered: theta_0 = NODEOPT_down(q, W_q, [phi], R_down[q]).
 
     Without ``phi`` (the root) the node starts from its own model. ``inbox`` holds the
@@ -109,8 +110,9 @@ def down_posts(theta: torch.Tensor, settings: NodeSettings) -> list[ResidualPost
     return posts
 
 
-def node_up(state: NodeState, report: ChildrenReport | None, inbox: Inbox,
-            settings: NodeSettings) -> tuple[NodeState, list[ResidualPost]]:
+def node_up(
+    state: NodeState, report: ChildrenReport | None, inbox: Inbox, settings: NodeSettings
+) -> tuple[NodeState, list[ResidualPost]]:
     """Aggregate a round's children: residuals for the ancestors, then NODEOPT_up with R_up[q].
 
     Returns the state with theta' (the model before the node's own TRAIN) and the
@@ -148,8 +150,9 @@ def fold_residuals(
     theta, new_opt_res, new_seen = stepped, dict(opt_res), dict(seen)
     for kind in sorted(inbox):
         pending = inbox[kind]
-        new_opt_res[kind], moved = node_opt_step(new_opt_res.get(kind, {}), base, pending.total.mean(),
-                                                 settings.residual_opt(kind))
+        new_opt_res[kind], moved = node_opt_step(
+            new_opt_res.get(kind, {}), base, pending.total.mean(), settings.residual_opt(kind)
+        )
         theta = theta + (moved - base)
         new_seen.update(pending.read)
     return theta, new_opt_res, new_seen

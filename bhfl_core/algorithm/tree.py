@@ -9,14 +9,14 @@ per-node overrides) before the tree is built, so algorithms read one flat object
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 
 from bhfl_core.algorithm.node_opt import NodeOptParams
 from bhfl_core.algorithm.residuals import DownLink, UpLink
 
 
-class Role(str, Enum):
+class Role(str, Enum):  # noqa: UP042 (StrEnum would change str(Role.X) in messages)
     ROOT = "root"
     SERVER = "server"  # intermediate server
     EDGE = "edge"  # server whose children are clients
@@ -41,8 +41,8 @@ class NodeSettings:
 
     rounds: int = 1
     cohort: int | None = None  # children sampled per round; None = all
-    opt_up: NodeOptParams = NodeOptParams()
-    opt_down: NodeOptParams = NodeOptParams()
+    opt_up: NodeOptParams = field(default_factory=NodeOptParams)
+    opt_down: NodeOptParams = field(default_factory=NodeOptParams)
     persistent: bool = True
     train: TrainParams | None = None  # None = no local/proxy training at this node
     res_up: tuple[UpLink, ...] = ()  # residuals this node sends to ancestors

@@ -53,8 +53,17 @@ def comm_rows(tree: Tree, history: History, num_params: int) -> list[CommRow]:
             for step, models in sorted(history[node_id].get(key, {}).items()):
                 if not models:
                     continue  # rounds that moved nothing of this kind (e.g. no residual rule) add no row
-                rows.append(CommRow(tree[node_id].depth, node_id, step, direction, kind, float(models),
-                                    float(models) * num_params * BYTES_PER_VALUE))
+                rows.append(
+                    CommRow(
+                        tree[node_id].depth,
+                        node_id,
+                        step,
+                        direction,
+                        kind,
+                        float(models),
+                        float(models) * num_params * BYTES_PER_VALUE,
+                    )
+                )
     return rows
 
 
@@ -82,8 +91,17 @@ def summarise(tree: Tree, rows: Sequence[CommRow]) -> list[LevelSummary]:
     order = {"down": 0, "up": 1}
     for (level, direction, kind), items in sorted(groups.items(), key=lambda kv: (kv[0][0], order[kv[0][1]], kv[0][2])):
         roles = "/".join(sorted({tree[r.node].role.value for r in items}))
-        out.append(LevelSummary(level, roles, direction, kind, len({(r.node, r.round) for r in items}),
-                                sum(r.models for r in items), sum(r.bytes for r in items)))
+        out.append(
+            LevelSummary(
+                level,
+                roles,
+                direction,
+                kind,
+                len({(r.node, r.round) for r in items}),
+                sum(r.models for r in items),
+                sum(r.bytes for r in items),
+            )
+        )
     return out
 
 
@@ -97,14 +115,29 @@ def totals(rows: Sequence[CommRow]) -> dict[str, float]:
 
 
 def rows_csv(rows: Sequence[CommRow]) -> str:
-    return table_csv(["level", "node", "round", "direction", "kind", "models", "bytes"],
-                     ([r.level, r.node, r.round, r.direction, r.kind, f"{r.models:g}", f"{r.bytes:.0f}"] for r in rows))
+    return table_csv(
+        ["level", "node", "round", "direction", "kind", "models", "bytes"],
+        ([r.level, r.node, r.round, r.direction, r.kind, f"{r.models:g}", f"{r.bytes:.0f}"] for r in rows),
+    )
 
 
 def summary_csv(summary: Sequence[LevelSummary]) -> str:
-    return table_csv(["level", "servers", "direction", "kind", "server_rounds", "models", "bytes", "models_per_round"],
-                     ([s.level, s.servers, s.direction, s.kind, s.server_rounds, f"{s.models:g}", f"{s.bytes:.0f}",
-                       f"{s.models_per_round:.4f}"] for s in summary))
+    return table_csv(
+        ["level", "servers", "direction", "kind", "server_rounds", "models", "bytes", "models_per_round"],
+        (
+            [
+                s.level,
+                s.servers,
+                s.direction,
+                s.kind,
+                s.server_rounds,
+                f"{s.models:g}",
+                f"{s.bytes:.0f}",
+                f"{s.models_per_round:.4f}",
+            ]
+            for s in summary
+        ),
+    )
 
 
 def human_bytes(n: float) -> str:

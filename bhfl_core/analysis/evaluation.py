@@ -27,8 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
-from bhfl_core.learning.task_kinds import TaskMetrics
 from bhfl_core.algorithm.tree import Tree
+from bhfl_core.learning.task_kinds import TaskMetrics
 from bhfl_core.store.tables import table_csv
 
 UNION = "union"
@@ -58,7 +58,7 @@ class ModelRef:
 def parse_model(name: str) -> ModelRef:
     for prefix, kind in _KINDS.items():
         if name.startswith(prefix):
-            return ModelRef(name, name[len(prefix):], kind)
+            return ModelRef(name, name[len(prefix) :], kind)
     return ModelRef(name, name, "node")
 
 
@@ -97,7 +97,7 @@ class EvalSets:
         unions = [n for n in self.names if n.startswith(SUBTREE) or n == UNION]
         self.members = torch.zeros(len(unions), len(self.clients), dtype=torch.float64)
         for row, name in enumerate(unions):
-            under = self.clients if name == UNION else tree.leaves_under(name[len(SUBTREE):])
+            under = self.clients if name == UNION else tree.leaves_under(name[len(SUBTREE) :])
             self.members[row, [index[c] for c in under]] = 1.0
 
     def stack(self, blocks: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -137,11 +137,14 @@ def eval_rows(tree: Tree, stats: Stats, task: TaskMetrics) -> list[EvalRow]:
 
 
 def matrix_csv(rows: Sequence[EvalRow]) -> str:
-    return table_csv(["node", "level", "test_set", "metric", "value"],
-                     ([r.node, r.level, r.test_set, r.metric, f"{r.value:.6f}"] for r in rows))
+    return table_csv(
+        ["node", "level", "test_set", "metric", "value"],
+        ([r.node, r.level, r.test_set, r.metric, f"{r.value:.6f}"] for r in rows),
+    )
 
 
 # ---------------------------------------------------------------- distributions over clients
+
 
 def _tail_mean(values: Sequence[float], fraction: float, highest: bool) -> float:
     clean = sorted((v for v in values if not math.isnan(v)), reverse=highest)
@@ -184,8 +187,14 @@ def distribution(values: Sequence[float], higher_is_better: bool) -> Distributio
     ordered = sorted(clean)
     mid = len(ordered) // 2
     median = ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
-    return Distribution(len(clean), float(t.mean()), median, best_fraction_mean(clean, 0.1, higher_is_better),
-                        worst_fraction_mean(clean, 0.1, higher_is_better), float(t.var(unbiased=False)))
+    return Distribution(
+        len(clean),
+        float(t.mean()),
+        median,
+        best_fraction_mean(clean, 0.1, higher_is_better),
+        worst_fraction_mean(clean, 0.1, higher_is_better),
+        float(t.var(unbiased=False)),
+    )
 
 
 class Evaluation:
@@ -327,12 +336,17 @@ class ClientRow:
 
 
 def distribution_csv(rows: Sequence[DistRow]) -> str:
-    return table_csv(["model", "level", "population", "metric", "n", *STATS],
-                     ([r.model, r.level, r.population, r.metric, r.dist.n,
-                       *(f"{getattr(r.dist, s):.6f}" for s in STATS)] for r in rows))
+    return table_csv(
+        ["model", "level", "population", "metric", "n", *STATS],
+        (
+            [r.model, r.level, r.population, r.metric, r.dist.n, *(f"{getattr(r.dist, s):.6f}" for s in STATS)]
+            for r in rows
+        ),
+    )
 
 
 def clients_csv(rows: Sequence[ClientRow]) -> str:
-    return table_csv(["client", "group", "relation", "model", "metric", "value", "gain_vs_local"],
-                     ([r.client, r.group, r.relation, r.model, r.metric, f"{r.value:.6f}", f"{r.gain_vs_local:.6f}"]
-                      for r in rows))
+    return table_csv(
+        ["client", "group", "relation", "model", "metric", "value", "gain_vs_local"],
+        ([r.client, r.group, r.relation, r.model, r.metric, f"{r.value:.6f}", f"{r.gain_vs_local:.6f}"] for r in rows),
+    )

@@ -24,6 +24,7 @@ for the rank test, two or more models on the path).
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -129,7 +130,11 @@ def analyse(ev: Evaluation, metric: str | None = None) -> Proximity:
                 pairs.append(Pair(model, client, tree.distance(model, client), model in own_path, value))
 
     curve: list[CurvePoint] = []
-    for relation, keep in (("all", lambda p: True), ("path", lambda p: p.on_path), ("off_path", lambda p: not p.on_path)):
+    for relation, keep in (
+        ("all", lambda p: True),
+        ("path", lambda p: p.on_path),
+        ("off_path", lambda p: not p.on_path),
+    ):
         by_d: dict[int, list[float]] = {}
         for p in pairs:
             if keep(p):
@@ -151,8 +156,8 @@ def analyse(ev: Evaluation, metric: str | None = None) -> Proximity:
         rho = spearman(distances, [sign * p.value for p in mine]) if len(set(distances)) > 1 else float("nan")
         path = sorted((p for p in mine if p.on_path), key=lambda p: p.distance)
         chain = [sign * p.value for p in path]
-        holds = all(a >= b for a, b in zip(chain, chain[1:])) if len(chain) > 1 else None
-        for lower, a, b in zip(path, chain, chain[1:]):
+        holds = all(a >= b for a, b in itertools.pairwise(chain)) if len(chain) > 1 else None
+        for lower, (a, b) in zip(path, itertools.pairwise(chain)):
             steps.setdefault(lower.distance, []).append(a >= b)
         clients.append(ClientProximity(client, len(mine), rho, holds))
 
@@ -168,14 +173,22 @@ def analyse(ev: Evaluation, metric: str | None = None) -> Proximity:
         for client in ev.clients:
             up = [m for m in [client, *tree.ancestors(client)] if ev.value(m, test_set, metric) is not None]
             chain = [sign * float(ev.value(m, test_set, metric)) for m in up]  # type: ignore[arg-type]
-            flags.append(all(a <= b for a, b in zip(chain, chain[1:])) if len(chain) > 1 else None)
-        globals_[test_set] = GlobalProximity(test_set, rho, _share(flags),
-                                             [(d, len(v), sum(v) / len(v)) for d, v in sorted(depths.items())])
+            flags.append(all(a <= b for a, b in itertools.pairwise(chain)) if len(chain) > 1 else None)
+        globals_[test_set] = GlobalProximity(
+            test_set, rho, _share(flags), [(d, len(v), sum(v) / len(v)) for d, v in sorted(depths.items())]
+        )
 
-    return Proximity(metric, sign > 0, pairs, curve, clients,
-                     _share([None if math.isnan(c.rho) else c.rho < 0 for c in clients]),
-                     _share([c.path_holds for c in clients]),
-                     [(d, len(flags), _share(flags)) for d, flags in sorted(steps.items())], globals_)
+    return Proximity(
+        metric,
+        sign > 0,
+        pairs,
+        curve,
+        clients,
+        _share([None if math.isnan(c.rho) else c.rho < 0 for c in clients]),
+        _share([c.path_holds for c in clients]),
+        [(d, len(flags), _share(flags)) for d, flags in sorted(steps.items())],
+        globals_,
+    )
 
 
 def headline(p: Proximity) -> dict[str, float]:
@@ -199,11 +212,14 @@ def headline(p: Proximity) -> dict[str, float]:
 
 
 def curve_csv(p: Proximity) -> str:
-    return table_csv(["relation", "distance", "pairs", "mean", "median"],
-                     ([c.relation, c.distance, c.n, f"{c.mean:.6f}", f"{c.median:.6f}"] for c in p.curve))
+    return table_csv(
+        ["relation", "distance", "pairs", "mean", "median"],
+        ([c.relation, c.distance, c.n, f"{c.mean:.6f}", f"{c.median:.6f}"] for c in p.curve),
+    )
 
 
 def clients_csv(p: Proximity) -> str:
-    return table_csv(["client", "models", "rho", "path_holds"],
-                     ([c.client, c.models, f"{c.rho:.6f}", None if c.path_holds is None else int(c.path_holds)]
-                      for c in p.clients))
+    return table_csv(
+        ["client", "models", "rho", "path_holds"],
+        ([c.client, c.models, f"{c.rho:.6f}", None if c.path_holds is None else int(c.path_holds)] for c in p.clients),
+    )

@@ -59,8 +59,11 @@ class EmbeddedSource(Strict):
 # XGLUE configs usable as federated classification data: text columns, label column, languages.
 XGLUE_TASKS: dict[str, tuple[tuple[str, ...], str, tuple[str, ...]]] = {
     "nc": (("news_title", "news_body"), "news_category", ("de", "en", "es", "fr", "ru")),
-    "xnli": (("premise", "hypothesis"), "label",
-             ("ar", "bg", "de", "el", "en", "es", "fr", "hi", "ru", "sw", "th", "tr", "ur", "vi", "zh")),
+    "xnli": (
+        ("premise", "hypothesis"),
+        "label",
+        ("ar", "bg", "de", "el", "en", "es", "fr", "hi", "ru", "sw", "th", "tr", "ur", "vi", "zh"),
+    ),
     "paws-x": (("sentence1", "sentence2"), "label", ("de", "en", "es", "fr")),
 }
 
@@ -209,15 +212,20 @@ class PreparedSource(Strict):
 
 
 SourceConfig = Annotated[
-    Annotated[EmbeddedSource, Tag("embedded")] | Annotated[XglueSource, Tag("xglue")]
+    Annotated[EmbeddedSource, Tag("embedded")]
+    | Annotated[XglueSource, Tag("xglue")]
     | Annotated[PreparedSource, Tag("prepared")],
-    Discriminator(_kind("embedded"), custom_error_type="kind",
-                  custom_error_message="kind must be one of: embedded, xglue, prepared"),
+    Discriminator(
+        _kind("embedded"),
+        custom_error_type="kind",
+        custom_error_message="kind must be one of: embedded, xglue, prepared",
+    ),
 ]
 ClusteringConfig = Annotated[
     Annotated[LanguageClustering, Tag("language")] | Annotated[KMeansClustering, Tag("kmeans")],
-    Discriminator(_kind("language"), custom_error_type="kind",
-                  custom_error_message="kind must be one of: language, kmeans"),
+    Discriminator(
+        _kind("language"), custom_error_type="kind", custom_error_message="kind must be one of: language, kmeans"
+    ),
 ]
 
 
@@ -241,21 +249,31 @@ class DataConfig(Strict):
     def _consistent(self) -> DataConfig:
         c = self.clustering
         if isinstance(c, LanguageClustering) and c.edges_per_language > self.clients_per_language:
-            raise ValueError(f"clustering.edges_per_language ({c.edges_per_language}) exceeds "
-                             f"clients_per_language ({self.clients_per_language}): an edge server needs clients")
+            raise ValueError(
+                f"clustering.edges_per_language ({c.edges_per_language}) exceeds "
+                f"clients_per_language ({self.clients_per_language}): an edge server needs clients"
+            )
         total = self.clients_per_language * len(self.source.languages)
         if isinstance(c, KMeansClustering) and c.clusters > total:
             raise ValueError(f"clustering.clusters ({c.clusters}) exceeds the number of clients ({total})")
         ps = self.proxy.source
         if ps is not None and get_task_kind(self.task).needs_labels and ps.label_column is None:
             unlabelled = " or ".join(t for t in available_task_kinds() if not get_task_kind(t).needs_labels)
-            raise ValueError(f"proxy.source.label_column: a {self.task} task trains on proxy labels; name the "
-                             f"label column (or use task: {unlabelled}, or drop proxy.source to carve the proxy "
-                             "from the pool)")
-        if ps is not None and not ps.per_language and ps.language_column is None:
-            if any(s != "root" for s in self.proxy.servers):
-                raise ValueError("proxy.servers: only the root can hold a proxy corpus without languages "
-                                 "(set proxy.source.language_column or put {lang} in its name/split/data_files)")
+            raise ValueError(
+                f"proxy.source.label_column: a {self.task} task trains on proxy labels; name the "
+                f"label column (or use task: {unlabelled}, or drop proxy.source to carve the proxy "
+                "from the pool)"
+            )
+        if (
+            ps is not None
+            and not ps.per_language
+            and ps.language_column is None
+            and any(s != "root" for s in self.proxy.servers)
+        ):
+            raise ValueError(
+                "proxy.servers: only the root can hold a proxy corpus without languages "
+                "(set proxy.source.language_column or put {lang} in its name/split/data_files)"
+            )
         return self
 
     def cluster_names(self) -> list[str]:

@@ -52,8 +52,12 @@ _UNIONS = {"source": {"embedded", "xglue", "prepared"}, "clustering": {"language
 def format_validation_error(exc: ValidationError) -> str:
     lines = []
     for err in exc.errors():
-        parts = [p for i, p in enumerate(err["loc"]) if not str(p).startswith(("function-", "constrained-"))
-                 and not (i and str(err["loc"][i - 1]) in _UNIONS and p in _UNIONS[str(err["loc"][i - 1])])]
+        parts = [
+            p
+            for i, p in enumerate(err["loc"])
+            if not str(p).startswith(("function-", "constrained-"))
+            and not (i and str(err["loc"][i - 1]) in _UNIONS and p in _UNIONS[str(err["loc"][i - 1])])
+        ]
         loc = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in parts).lstrip(".") or "(top level)"
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
@@ -96,7 +100,9 @@ def merge(base: dict[str, Any], child: dict[str, Any]) -> dict[str, Any]:
     out = copy.deepcopy(base)
     for key, value in child.items():
         old = out.get(key)
-        switches = isinstance(value, dict) and isinstance(old, dict) and value.get("kind", old.get("kind")) != old.get("kind")
+        switches = (
+            isinstance(value, dict) and isinstance(old, dict) and value.get("kind", old.get("kind")) != old.get("kind")
+        )
         if isinstance(value, dict) and value and isinstance(old, dict) and not switches:
             out[key] = merge(out[key], value)
         else:

@@ -13,13 +13,12 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from bhfl_core.algorithm.node_opt import available_node_opts
+from bhfl_core.algorithm.residuals import SELECTORS
 from bhfl_core.config.base import Strict
 from bhfl_core.config.data import DataConfig, KMeansClustering
 
-
-
-
 # ---------------------------------------------------------------- model
+
 
 class TinyBert(Strict):
     """A small BERT built from a config (no download); the tokenizer is trained on proxy data."""
@@ -121,10 +120,17 @@ class UpResidual(Strict):
     source: str = Field(alias="from")
     to: str
     k: Annotated[int, Field(ge=1)] = 1
-    select: Literal["l2", "loss", "cosine"] = "l2"
+    select: str = "l2"
     combine: Literal["each", "mean"] = "each"
     eta: Annotated[float, Field(gt=0)] | None = None
     opt: OptSettings | None = None
+
+    @field_validator("select")
+    @classmethod
+    def _known_selector(cls, v: str) -> str:
+        if v not in SELECTORS:
+            raise ValueError(f"unknown residual selection {v!r}; choose one of {list(SELECTORS)}")
+        return v
 
 
 class DownResidual(Strict):
@@ -165,6 +171,7 @@ class TreeConfig(Strict):
 
 
 # ---------------------------------------------------------------- runtime / eval
+
 
 class RuntimeConfig(Strict):
     """Where and how the work runs; none of these keys changes the results of a run.
@@ -217,7 +224,9 @@ class RuntimeConfig(Strict):
         if self.executor == "cluster" and self.cluster is None:
             raise ValueError("executor: cluster needs runtime.cluster, the Dask scheduler's address (tcp://host:8786)")
         if self.executor != "cluster" and self.cluster is not None:
-            raise ValueError(f"cluster is set but executor is {self.executor!r}; set runtime.executor: cluster to use it")
+            raise ValueError(
+                f"cluster is set but executor is {self.executor!r}; set runtime.executor: cluster to use it"
+            )
         return self
 
 
@@ -258,14 +267,19 @@ class ExperimentConfig(Strict):
     @model_validator(mode="after")
     def _groups(self) -> ExperimentConfig:
         languages = self.data.cluster_names()  # languages, or k-means clusters c0..cK-1
-        where = ("data.clustering (k-means clusters)" if isinstance(self.data.clustering, KMeansClustering)
-                 else "data.source.languages")
+        where = (
+            "data.clustering (k-means clusters)"
+            if isinstance(self.data.clustering, KMeansClustering)
+            else "data.source.languages"
+        )
         if self.tree.flat and self.tree.groups:
             raise ValueError("tree.flat: a flat tree (root -> clients) cannot also have tree.groups")
         seen: dict[str, str] = {}
         for group, langs in self.tree.groups.items():
             if group in languages or group == "root":
-                raise ValueError(f"tree.groups.{group}: a group name must differ from 'root' and from language/cluster names")
+                raise ValueError(
+                    f"tree.groups.{group}: a group name must differ from 'root' and from language/cluster names"
+                )
             if not langs:
                 raise ValueError(f"tree.groups.{group}: an intermediate server needs at least one language")
             for lang in langs:

@@ -15,12 +15,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from bhfl_core.config.base import ConfigError
-from bhfl_core.config.data import KMeansClustering, LanguageClustering
-from bhfl_core.config.schema import ExperimentConfig, LevelSettings, NodeOverride, OptSettings
 from bhfl_core.algorithm.node_opt import NodeOptParams
 from bhfl_core.algorithm.residuals import DownLink, UpLink
 from bhfl_core.algorithm.tree import Node, NodeSettings, Role, TrainParams, Tree
+from bhfl_core.config.base import ConfigError
+from bhfl_core.config.data import KMeansClustering, LanguageClustering
+from bhfl_core.config.schema import ExperimentConfig, LevelSettings, NodeOverride, OptSettings
 
 ROOT_ID = "root"
 _LEVEL_KEY = {Role.ROOT: "root", Role.SERVER: "server", Role.EDGE: "edge", Role.CLIENT: "client"}
@@ -115,7 +115,9 @@ def _resolve(config: ExperimentConfig, node_id: str, role: Role, num_children: i
     elif isinstance(cohort, float):
         cohort = max(1, round(cohort * num_children))
     elif isinstance(cohort, int) and cohort > num_children:
-        raise ConfigError(f"{origin['cohort']}: cohort of {cohort} is larger than the {num_children} children of node {node_id!r}")
+        raise ConfigError(
+            f"{origin['cohort']}: cohort of {cohort} is larger than the {num_children} children of node {node_id!r}"
+        )
 
     train: TrainParams | None = None
     if role is Role.CLIENT or values["proxy_train"]:
@@ -126,15 +128,27 @@ def _resolve(config: ExperimentConfig, node_id: str, role: Role, num_children: i
                 f"data.proxy.train_per_language is {config.data.proxy.train_per_language})"
             )
         t = values["train"]
-        train = TrainParams(lr=t.lr, epochs=t.epochs, max_steps=t.max_steps, batch_size=t.batch_size,
-                            optimizer=t.optimizer, weight_decay=t.weight_decay)
+        train = TrainParams(
+            lr=t.lr,
+            epochs=t.epochs,
+            max_steps=t.max_steps,
+            batch_size=t.batch_size,
+            optimizer=t.optimizer,
+            weight_decay=t.weight_decay,
+        )
 
     def opt(direction: str) -> NodeOptParams:
         o = values[f"opt_{direction}"]
         return NodeOptParams(kind=o.kind, eta=values[f"eta_{direction}"], beta1=o.beta1, beta2=o.beta2, tau=o.tau)
 
-    return NodeSettings(rounds=values["rounds"], cohort=cohort, opt_up=opt("up"), opt_down=opt("down"),
-                        persistent=values["persistent"], train=train)
+    return NodeSettings(
+        rounds=values["rounds"],
+        cohort=cohort,
+        opt_up=opt("up"),
+        opt_down=opt("down"),
+        persistent=values["persistent"],
+        train=train,
+    )
 
 
 def build_tree(config: ExperimentConfig, clients: Sequence[ClientInfo]) -> Tree:
@@ -157,14 +171,18 @@ def build_tree(config: ExperimentConfig, clients: Sequence[ClientInfo]) -> Tree:
         if c.cluster_name not in clusters:
             raise ConfigError(f"data: client {c.id!r} is in cluster {c.cluster_name!r}, not one of {clusters}")
         if cluster != c.cluster_name:
-            raise ConfigError(f"data: edge server {c.edge_id!r} has clients in two clusters ({cluster!r}, {c.cluster_name!r})")
+            raise ConfigError(
+                f"data: edge server {c.edge_id!r} has clients in two clusters ({cluster!r}, {c.cluster_name!r})"
+            )
         members.append(c)
     empty = [lang for lang, n in by_language.items() if not n]
     if empty:
         raise ConfigError(f"data.source.languages: languages {empty} have no clients")
     used = {cluster for cluster, _ in edges.values()}
     if kmeans and not config.tree.flat and len(used) < len(clusters):
-        raise ConfigError(f"data.clustering.clusters: clusters {[c for c in clusters if c not in used]} have no clients")
+        raise ConfigError(
+            f"data.clustering.clusters: clusters {[c for c in clusters if c not in used]} have no clients"
+        )
     order = sorted(edges, key=lambda e: clusters.index(edges[e][0]))  # stable: first appearance within a cluster
 
     groups = config.tree.groups or {}
@@ -172,7 +190,9 @@ def build_tree(config: ExperimentConfig, clients: Sequence[ClientInfo]) -> Tree:
     nodes: dict[str, Node] = {}
     depth_edge = 2 if groups else 1
 
-    def add(node_id: str, role: Role, depth: int, parent: str | None, children: list[str], weight: float, group: str | None) -> None:
+    def add(
+        node_id: str, role: Role, depth: int, parent: str | None, children: list[str], weight: float, group: str | None
+    ) -> None:
         settings = _resolve(config, node_id, role, len(children))
         nodes[node_id] = Node(node_id, role, depth, parent, tuple(children), settings, float(weight), group)
 
@@ -187,8 +207,15 @@ def build_tree(config: ExperimentConfig, clients: Sequence[ClientInfo]) -> Tree:
         cluster, members = edges[edge]
         for c in members:
             add(c.id, Role.CLIENT, depth_edge + 1, edge, [], c.num_train, c.language)
-        add(edge, Role.EDGE, depth_edge, edge_parent.get(cluster, ROOT_ID), [c.id for c in members],
-            sum(c.num_train for c in members), cluster)
+        add(
+            edge,
+            Role.EDGE,
+            depth_edge,
+            edge_parent.get(cluster, ROOT_ID),
+            [c.id for c in members],
+            sum(c.num_train for c in members),
+            cluster,
+        )
     for group, langs in groups.items():
         children = [e for lang in langs for e in order if edges[e][0] == lang]
         add(group, Role.SERVER, 1, ROOT_ID, children, sum(nodes[e].weight for e in children), group)
@@ -217,8 +244,10 @@ def _check_names(config: ExperimentConfig, nodes: dict[str, Node]) -> None:
         if name in ("root", "server", "edge"):
             continue
         if name not in nodes or nodes[name].is_leaf:
-            raise ConfigError(f"data.proxy.servers[{i}]: {name!r} is not a server or a level (root, server, edge); "
-                              f"{_servers_hint(nodes)}")
+            raise ConfigError(
+                f"data.proxy.servers[{i}]: {name!r} is not a server or a level (root, server, edge); "
+                f"{_servers_hint(nodes)}"
+            )
 
 
 def _matches(selector: str, node: Node) -> bool:
@@ -237,7 +266,9 @@ def _receiver_opt(node: Node, direction: str, opt: OptSettings | None, eta: floa
     own: NodeOptParams = getattr(node.settings, f"opt_{direction}")
     if opt is None:
         return replace(own, eta=own.eta if eta is None else eta)
-    return NodeOptParams(kind=opt.kind, eta=own.eta if eta is None else eta, beta1=opt.beta1, beta2=opt.beta2, tau=opt.tau)
+    return NodeOptParams(
+        kind=opt.kind, eta=own.eta if eta is None else eta, beta1=opt.beta1, beta2=opt.beta2, tau=opt.tau
+    )
 
 
 def _wire_residuals(config: ExperimentConfig, tree: Tree) -> Tree:
@@ -251,16 +282,24 @@ def _wire_residuals(config: ExperimentConfig, tree: Tree) -> Tree:
         _lookup(tree, rule.to, f"{key}.to")
         for src in _lookup(tree, rule.source, f"{key}.from"):
             if src.is_leaf:
-                raise ConfigError(f"{key}.from: {src.id!r} is a client; up-residuals are selected by a server among its children")
+                raise ConfigError(
+                    f"{key}.from: {src.id!r} is a client; up-residuals are selected by a server among its children"
+                )
             if rule.select == "loss" and not all(c.is_leaf for c in tree.children(src.id)):
-                raise ConfigError(f"{key}.select: 'loss' ranks clients by training loss, but the children of {src.id!r} are servers")
+                raise ConfigError(
+                    f"{key}.select: 'loss' ranks clients by training loss, but the children of {src.id!r} are servers"
+                )
             targets = [a for a in tree.ancestors(src.id) if _matches(rule.to, tree[a])]
             if not targets:
-                raise ConfigError(f"{key}.to: {rule.to!r} is not an ancestor of {src.id!r}; up-residuals go to ancestors")
+                raise ConfigError(
+                    f"{key}.to: {rule.to!r} is not an ancestor of {src.id!r}; up-residuals go to ancestors"
+                )
             for target in targets:
                 link = UpLink(i, target, rule.k, rule.select, rule.combine)
                 sends_up.setdefault(src.id, []).append(link)
-                receives.setdefault(target, []).append((link.key, _receiver_opt(tree[target], "up", rule.opt, rule.eta)))
+                receives.setdefault(target, []).append(
+                    (link.key, _receiver_opt(tree[target], "up", rule.opt, rule.eta))
+                )
 
     for i, down in enumerate(config.tree.residuals.down):
         key = f"tree.residuals.down[{i}]"
@@ -269,22 +308,28 @@ def _wire_residuals(config: ExperimentConfig, tree: Tree) -> Tree:
             below = [n for n in tree if src.id in tree.ancestors(n.id)]
             receivers = [n for n in below if _matches(down.to, n)]
             if not receivers:
-                raise ConfigError(f"{key}.to: {down.to!r} is not a descendant of {src.id!r}; down-residuals go to descendants")
+                raise ConfigError(
+                    f"{key}.to: {down.to!r} is not a descendant of {src.id!r}; down-residuals go to descendants"
+                )
             for receiver in receivers:
                 down_link = DownLink(i, receiver.id)
                 sends_down.setdefault(src.id, []).append(down_link)
                 receives.setdefault(receiver.id, []).append(
-                    (down_link.key, _receiver_opt(receiver, "down", down.opt, down.eta)))
+                    (down_link.key, _receiver_opt(receiver, "down", down.opt, down.eta))
+                )
 
     if not (sends_up or sends_down):
         return tree
     nodes = {
-        node_id: replace(node, settings=replace(
-            node.settings,
-            res_up=tuple(sends_up.get(node_id, ())),
-            res_down=tuple(sends_down.get(node_id, ())),
-            res_in=tuple(dict(receives.get(node_id, ())).items()),
-        ))
+        node_id: replace(
+            node,
+            settings=replace(
+                node.settings,
+                res_up=tuple(sends_up.get(node_id, ())),
+                res_down=tuple(sends_down.get(node_id, ())),
+                res_in=tuple(dict(receives.get(node_id, ())).items()),
+            ),
+        )
         for node_id, node in tree.nodes.items()
     }
     return Tree(nodes=nodes, root_id=tree.root_id)

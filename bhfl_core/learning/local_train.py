@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from bhfl_core.learning.params import trainable_parameters
 from bhfl_core.algorithm.tree import TrainParams
+from bhfl_core.learning.params import trainable_parameters
 
 Batch = dict[str, torch.Tensor]
 BatchTransform = Callable[[Batch, torch.Generator], Batch]
@@ -73,9 +73,8 @@ def train_model(
     model.train()
     steps, seen, loss_sum = 0, 0, 0.0
     for _ in range(params.epochs):
-        for batch in _batches(data, torch.randperm(n, generator=generator), params.batch_size):
-            if transform is not None:
-                batch = transform(batch, generator)
+        for raw in _batches(data, torch.randperm(n, generator=generator), params.batch_size):
+            batch = transform(raw, generator) if transform is not None else raw
             out = model(**{k: v.to(device) for k, v in batch.items()})
             out.loss.backward()
             optimizer.step()

@@ -33,7 +33,9 @@ def classification_batch(confusions: torch.Tensor) -> dict[str, torch.Tensor]:
     nan = torch.tensor(float("nan"), dtype=torch.float64)
     return {
         "accuracy": torch.where(total > 0, tp.sum(dim=-1) / total.clamp(min=1), nan),
-        "macro_f1": torch.where(present.any(dim=-1), (f1 * present).sum(dim=-1) / present.sum(dim=-1).clamp(min=1), nan),
+        "macro_f1": torch.where(
+            present.any(dim=-1), (f1 * present).sum(dim=-1) / present.sum(dim=-1).clamp(min=1), nan
+        ),
     }
 
 

@@ -79,8 +79,15 @@ def mlm_transform(spec: MaskingSpec) -> BatchTransform:
     """A ``train_model`` transform that masks each batch with the training generator."""
 
     def transform(batch: dict[str, torch.Tensor], generator: torch.Generator) -> dict[str, torch.Tensor]:
-        ids, labels = mask_tokens(batch["input_ids"], batch.get("attention_mask"), spec.special_ids,
-                                  spec.mask_token_id, spec.vocab_size, spec.probability, generator)
+        ids, labels = mask_tokens(
+            batch["input_ids"],
+            batch.get("attention_mask"),
+            spec.special_ids,
+            spec.mask_token_id,
+            spec.vocab_size,
+            spec.probability,
+            generator,
+        )
         return {**{k: v for k, v in batch.items() if k != "labels"}, "input_ids": ids, "labels": labels}
 
     return transform
@@ -133,8 +140,15 @@ def grouped_lm_stats(
     """
     model.eval()
     gen = torch.Generator().manual_seed(seed)
-    masked_ids, targets = mask_tokens(data["input_ids"], data.get("attention_mask"), masking.special_ids,
-                                      masking.mask_token_id, masking.vocab_size, masking.probability, gen)
+    masked_ids, targets = mask_tokens(
+        data["input_ids"],
+        data.get("attention_mask"),
+        masking.special_ids,
+        masking.mask_token_id,
+        masking.vocab_size,
+        masking.probability,
+        gen,
+    )
     lengths = data["attention_mask"].sum(dim=1) if "attention_mask" in data else torch.zeros(len(groups))
     order = torch.argsort(lengths, stable=True)
     stats = torch.zeros(num_groups, 2, dtype=torch.float64)

@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from bhfl_core.config.schema import ModelConfig
 from bhfl_core.config.base import ConfigError
+from bhfl_core.config.schema import ModelConfig
 from bhfl_core.learning.task_kinds import get_task_kind
 
 TINY = "tiny-bert"
@@ -48,13 +48,16 @@ def check_available(model: ModelConfig) -> None:
         raise hub_error("model", model, exc) from None
 
 
-def build_model(model: ModelConfig, task: str, labels: list[str], vocab_size: int, pad_token_id: int, seed: int) -> nn.Module:
+def build_model(
+    model: ModelConfig, task: str, labels: list[str], vocab_size: int, pad_token_id: int, seed: int
+) -> nn.Module:
     """The model of ``task``'s kind: a sequence classifier (``classification``), a masked LM (``mlm``), ...
 
     Weights are initialised from ``seed`` (tiny) or the checkpoint (hub; new heads from ``seed``).
     """
     kind = get_task_kind(task)
     from transformers import BertConfig
+
     head = kind.head(labels)
     auto = kind.model_class()
     with torch.random.fork_rng(devices=[]):
@@ -62,10 +65,16 @@ def build_model(model: ModelConfig, task: str, labels: list[str], vocab_size: in
         if model.name == TINY:
             t = model.tiny
             config = BertConfig(
-                vocab_size=vocab_size, hidden_size=t.hidden_size, num_hidden_layers=t.num_hidden_layers,
-                num_attention_heads=t.num_attention_heads, intermediate_size=t.intermediate_size,
-                max_position_embeddings=max(64, model.max_length), hidden_dropout_prob=t.dropout,
-                attention_probs_dropout_prob=t.dropout, pad_token_id=pad_token_id, **head,
+                vocab_size=vocab_size,
+                hidden_size=t.hidden_size,
+                num_hidden_layers=t.num_hidden_layers,
+                num_attention_heads=t.num_attention_heads,
+                intermediate_size=t.intermediate_size,
+                max_position_embeddings=max(64, model.max_length),
+                hidden_dropout_prob=t.dropout,
+                attention_probs_dropout_prob=t.dropout,
+                pad_token_id=pad_token_id,
+                **head,
             )
             built: nn.Module = auto.from_config(config)
             return built

@@ -28,8 +28,9 @@ if TYPE_CHECKING:
     from bhfl_core.learning.mlm import MaskingSpec
 
     StatsToMetrics = Callable[[torch.Tensor], dict[str, torch.Tensor]]
-    Scorer = Callable[[nn.Module, Mapping[str, torch.Tensor], torch.Tensor, int, int, torch.device, "TaskFacts"],
-                      torch.Tensor]
+    Scorer = Callable[
+        [nn.Module, Mapping[str, torch.Tensor], torch.Tensor, int, int, torch.device, "TaskFacts"], torch.Tensor
+    ]
 
 
 @dataclass(frozen=True)
@@ -134,8 +135,15 @@ def _no_transform(facts: TaskFacts) -> None:
     return None
 
 
-def _confusions(model: nn.Module, data: Mapping[str, torch.Tensor], groups: torch.Tensor, num_groups: int,
-                batch_size: int, device: torch.device, facts: TaskFacts) -> torch.Tensor:
+def _confusions(
+    model: nn.Module,
+    data: Mapping[str, torch.Tensor],
+    groups: torch.Tensor,
+    num_groups: int,
+    batch_size: int,
+    device: torch.device,
+    facts: TaskFacts,
+) -> torch.Tensor:
     """``confusion[group, true, pred]``."""
     from bhfl_core.learning.local_train import grouped_confusions
 
@@ -148,16 +156,23 @@ def _classification_metrics(confusions: torch.Tensor) -> dict[str, torch.Tensor]
     return classification_batch(confusions)
 
 
-register_task_kind(TaskKind(
-    name="classification",
-    auto_class="AutoModelForSequenceClassification",
-    head=_label_head,
-    batch_transform=_no_transform,
-    score=_confusions,
-    metrics=TaskMetrics("classification", _classification_metrics, ("accuracy", "macro_f1"),
-                        {"accuracy": True, "macro_f1": True}, "accuracy"),
-    needs_labels=True,
-))
+register_task_kind(
+    TaskKind(
+        name="classification",
+        auto_class="AutoModelForSequenceClassification",
+        head=_label_head,
+        batch_transform=_no_transform,
+        score=_confusions,
+        metrics=TaskMetrics(
+            "classification",
+            _classification_metrics,
+            ("accuracy", "macro_f1"),
+            {"accuracy": True, "macro_f1": True},
+            "accuracy",
+        ),
+        needs_labels=True,
+    )
+)
 
 
 # ---------------------------------------------------------------- masked language modelling
@@ -174,8 +189,15 @@ def _masking_transform(facts: TaskFacts) -> BatchTransform:
     return mlm_transform(facts.masking())
 
 
-def _lm_stats(model: nn.Module, data: Mapping[str, torch.Tensor], groups: torch.Tensor, num_groups: int,
-              batch_size: int, device: torch.device, facts: TaskFacts) -> torch.Tensor:
+def _lm_stats(
+    model: nn.Module,
+    data: Mapping[str, torch.Tensor],
+    groups: torch.Tensor,
+    num_groups: int,
+    batch_size: int,
+    device: torch.device,
+    facts: TaskFacts,
+) -> torch.Tensor:
     """``[summed masked-token NLL, masked tokens]`` per group; the same masks for every model (run seed)."""
     from bhfl_core.learning.mlm import grouped_lm_stats
     from bhfl_core.rng import derive_seed
@@ -190,12 +212,16 @@ def _lm_metrics(stats: torch.Tensor) -> dict[str, torch.Tensor]:
     return lm_batch(stats)
 
 
-register_task_kind(TaskKind(
-    name="mlm",
-    auto_class="AutoModelForMaskedLM",
-    head=_no_head,
-    batch_transform=_masking_transform,
-    score=_lm_stats,
-    metrics=TaskMetrics("mlm", _lm_metrics, ("loss", "perplexity"), {"loss": False, "perplexity": False}, "perplexity"),
-    needs_mask_token=True,
-))
+register_task_kind(
+    TaskKind(
+        name="mlm",
+        auto_class="AutoModelForMaskedLM",
+        head=_no_head,
+        batch_transform=_masking_transform,
+        score=_lm_stats,
+        metrics=TaskMetrics(
+            "mlm", _lm_metrics, ("loss", "perplexity"), {"loss": False, "perplexity": False}, "perplexity"
+        ),
+        needs_mask_token=True,
+    )
+)

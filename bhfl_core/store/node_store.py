@@ -54,8 +54,13 @@ def state_tensors(state: NodeState) -> dict[str, torch.Tensor]:
 
 def state_info(state: NodeState) -> dict[str, Any]:
     """A state's header: everything but tensors (readable without loading the model)."""
-    return {"rounds_done": state.rounds_done, "exec_caller": state.exec_caller, "exec_start": state.exec_start,
-            "metrics": state.metrics, "res_seen": state.res_seen}
+    return {
+        "rounds_done": state.rounds_done,
+        "exec_caller": state.exec_caller,
+        "exec_start": state.exec_start,
+        "metrics": state.metrics,
+        "res_seen": state.res_seen,
+    }
 
 
 def state_from_file(tensors: dict[str, torch.Tensor], info: dict[str, Any]) -> NodeState:
@@ -115,7 +120,7 @@ def load_tensors(path: Path, names: list[str] | None = None) -> tuple[dict[str, 
     try:
         with safe_open(str(path), framework="pt") as fh:
             info = json.loads((fh.metadata() or {}).get(_INFO, "{}"))
-            keys = list(fh.keys()) if names is None else [n for n in names if n in fh.keys()]
+            keys = list(fh.keys()) if names is None else [n for n in names if n in set(fh.keys())]
             tensors = {k: fh.get_tensor(k) for k in keys}
     except (SafetensorError, OSError, ValueError) as exc:
         raise _damaged(path, f"unreadable: {exc}") from None

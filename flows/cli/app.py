@@ -7,6 +7,7 @@ settings.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -16,7 +17,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Optional
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
@@ -37,11 +38,16 @@ if TYPE_CHECKING:
 DEFAULT_CONFIG = Path("configs/embedded.yaml")
 DEFAULT_RUN_DIR = Path("runs")
 
-RunDirOption = Annotated[Path, typer.Option("--run-dir", help="Folder for run files, the data cache and the default MLflow store.")]
+RunDirOption = Annotated[
+    Path, typer.Option("--run-dir", help="Folder for run files, the data cache and the default MLflow store.")
+]
 TrackingOption = Annotated[
-    Optional[str],
-    typer.Option("--tracking-uri", envvar="MLFLOW_TRACKING_URI",
-                 help="MLflow tracking URI [default: $MLFLOW_TRACKING_URI, else sqlite:///RUN_DIR/mlflow.db]"),
+    str | None,
+    typer.Option(
+        "--tracking-uri",
+        envvar="MLFLOW_TRACKING_URI",
+        help="MLflow tracking URI [default: $MLFLOW_TRACKING_URI, else sqlite:///RUN_DIR/mlflow.db]",
+    ),
 ]
 
 
@@ -96,19 +102,22 @@ def _limit_malloc_arenas(arenas: int = 2) -> None:
     import ctypes
 
     m_arena_max = -8  # glibc's malloc.h
-    try:
+    with contextlib.suppress(OSError, AttributeError):  # not glibc (e.g. musl): nothing to tune
         ctypes.CDLL(None).mallopt(m_arena_max, arenas)
-    except (OSError, AttributeError):  # not glibc (e.g. musl): nothing to tune
-        pass
 
 
 @app.command()
 def run(
     config: Annotated[Path, typer.Argument(help="Experiment YAML.")] = DEFAULT_CONFIG,
-    set_: Annotated[list[str], typer.Option("--set", help="Override a config key by dotted path, e.g. --set tree.root.rounds=2 (repeatable).")] = [],
+    set_: Annotated[
+        list[str],
+        typer.Option("--set", help="Override a config key by dotted path, e.g. --set tree.root.rounds=2 (repeatable)."),
+    ] = [],
     run_dir: RunDirOption = DEFAULT_RUN_DIR,
     tracking_uri: TrackingOption = None,
-    resume_run: Annotated[Optional[str], typer.Option("--resume", help="Continue this run instead (same as `bhfl resume RUN`).")] = None,
+    resume_run: Annotated[
+        str | None, typer.Option("--resume", help="Continue this run instead (same as `bhfl resume RUN`).")
+    ] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show Prefect's run logs.")] = False,
 ) -> None:
     """Run an experiment: prepare data, train the tree, evaluate every node, log to MLflow."""
@@ -127,8 +136,11 @@ def run(
     # the Prefect server and the workers boot while the model/data check runs and the pipeline is imported
     with _prefect_api(run_dir, full=False) as prefect_ready, _local_cluster(cfg, run_path) as cluster:
         _preflight(cfg, run_dir)
-        console.print(f"[bold]bhfl[/] running [cyan]{cfg.name}[/] from {config} (seed {cfg.seed}); starting workers, "
-                      "Prefect and MLflow ...", highlight=False)
+        console.print(
+            f"[bold]bhfl[/] running [cyan]{cfg.name}[/] from {config} (seed {cfg.seed}); starting workers, "
+            "Prefect and MLflow ...",
+            highlight=False,
+        )
         from flows.experiment import run_experiment
         from flows.progress import RichReporter
         from flows.records.run_record import default_tracking_uri
@@ -140,8 +152,13 @@ def run(
         prefect_ready()
         store.join()
         with RichReporter(console).attached():
-            result = _guarded(lambda: run_experiment(cfg, run_dir, uri, run_path=run_path,
-                                                     cluster=cluster.address() if cluster else None), run_path, verbose)
+            result = _guarded(
+                lambda: run_experiment(
+                    cfg, run_dir, uri, run_path=run_path, cluster=cluster.address() if cluster else None
+                ),
+                run_path,
+                verbose,
+            )
     _print_summary(result, run_dir)
 
 
@@ -195,14 +212,21 @@ def prepare(
     report = prepared.report_dir / "partition.md"
     print(report.read_text() if report.exists() else "")
     state = "cache hit (no tokenisation)" if prepared.cached else "prepared"
-    console.print(f"[bold green]{state}[/] in {prepared.seconds:.2f} s: {prepared.root}\n"
-                  f"  manifest: {prepared.root / 'manifest.json'}\n  plots: {prepared.report_dir}", highlight=False)
+    console.print(
+        f"[bold green]{state}[/] in {prepared.seconds:.2f} s: {prepared.root}\n"
+        f"  manifest: {prepared.root / 'manifest.json'}\n  plots: {prepared.report_dir}",
+        highlight=False,
+    )
 
 
 @app.command()
 def resume(
-    run_spec: Annotated[str, typer.Argument(metavar="RUN", help="Run folder, <name>/<stamp>, `latest`, or MLflow run id.")],
-    set_: Annotated[list[str], typer.Option("--set", help="Change runtime.* or eval.batch_size only (they do not change results).")] = [],
+    run_spec: Annotated[
+        str, typer.Argument(metavar="RUN", help="Run folder, <name>/<stamp>, `latest`, or MLflow run id.")
+    ],
+    set_: Annotated[
+        list[str], typer.Option("--set", help="Change runtime.* or eval.batch_size only (they do not change results).")
+    ] = [],
     run_dir: RunDirOption = DEFAULT_RUN_DIR,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show Prefect's run logs.")] = False,
 ) -> None:
@@ -213,8 +237,8 @@ def resume(
 def _resume(run_spec: str, overrides: list[str], run_dir: Path, verbose: bool) -> None:
     _prepare_environment(run_dir, verbose)  # before anything imports prefect
     from bhfl_core.config.base import ConfigError
-    from flows.records.run_state import RunStateError
     from flows.records.listing import resolve_run
+    from flows.records.run_state import RunStateError
 
     try:
         run_path = resolve_run(run_spec, run_dir)
@@ -283,13 +307,13 @@ def _guarded(work: Callable[[], dict], run_path: Path | None, verbose: bool) -> 
 
 @app.command()
 def runs(
-    run_spec: Annotated[Optional[str], typer.Argument(metavar="[RUN]", help="Show one run's plan in detail.")] = None,
+    run_spec: Annotated[str | None, typer.Argument(metavar="[RUN]", help="Show one run's plan in detail.")] = None,
     run_dir: RunDirOption = DEFAULT_RUN_DIR,
 ) -> None:
     """List runs with their status (finished, failed at node X round Y, running) and what a resume would redo."""
     _prepare_environment(run_dir, verbose=False)
-    from flows.records.run_state import RunStateError
     from flows.records.listing import find_runs, progress, resolve_run, summarize
+    from flows.records.run_state import RunStateError
 
     out = Console(soft_wrap=True)  # the listing is this command's output: stdout
 
@@ -299,8 +323,11 @@ def runs(
             summary, plan = summarize(path), progress(path)
         except RunStateError as exc:
             _fail(str(exc))
-        out.print(f"[bold]{summary.name}[/] {path}\n  status: {summary.status} {summary.detail}\n"
-                  f"  a resume would redo: {summary.redo}", highlight=False)
+        out.print(
+            f"[bold]{summary.name}[/] {path}\n  status: {summary.status} {summary.detail}\n"
+            f"  a resume would redo: {summary.redo}",
+            highlight=False,
+        )
         if plan is not None:
             out.print(f"  root rounds saved: {plan.root_done} of {plan.root_rounds}", highlight=False)
             for line in plan.lines:
@@ -317,8 +344,11 @@ def runs(
             out.print(f"{path}  unreadable: {exc}", highlight=False)
             continue
         started = datetime.fromtimestamp(s.started).strftime("%Y-%m-%d %H:%M")
-        out.print(f"[bold]{s.name}/{path.name}[/]  [{colour.get(s.status, 'white')}]{s.status}[/]  "
-                  f"started {started}  MLflow run {s.mlflow_run_id or '-'}", highlight=False)
+        out.print(
+            f"[bold]{s.name}/{path.name}[/]  [{colour.get(s.status, 'white')}]{s.status}[/]  "
+            f"started {started}  MLflow run {s.mlflow_run_id or '-'}",
+            highlight=False,
+        )
         if s.detail:
             out.print(f"    {s.detail}", highlight=False)
         if s.status != "finished":
@@ -329,7 +359,7 @@ def runs(
 def serve(
     config: Annotated[Path, typer.Argument(help="Experiment YAML.")] = DEFAULT_CONFIG,
     cron: Annotated[str, typer.Option(help='Cron schedule, e.g. "0 2 * * *" (every day at 02:00).')] = "0 2 * * *",
-    name: Annotated[Optional[str], typer.Option(help="Deployment name [default: the config's name].")] = None,
+    name: Annotated[str | None, typer.Option(help="Deployment name [default: the config's name].")] = None,
     set_: Annotated[list[str], typer.Option("--set", help="Override a config key by dotted path (repeatable).")] = [],
     run_dir: RunDirOption = DEFAULT_RUN_DIR,
     tracking_uri: TrackingOption = None,
@@ -355,9 +385,12 @@ def serve(
 
         prefect_ready()
         ui_url = os.environ["PREFECT_API_URL"].removesuffix("/api")
-        console.print(f"serving [cyan]bhfl-experiment/{deployment}[/] on cron {cron!r}; Prefect UI {ui_url} "
-                      f"(trigger a run there or `prefect deployment run bhfl-experiment/{deployment}`); Ctrl-C stops",
-                      highlight=False, soft_wrap=True)
+        console.print(
+            f"serving [cyan]bhfl-experiment/{deployment}[/] on cron {cron!r}; Prefect UI {ui_url} "
+            f"(trigger a run there or `prefect deployment run bhfl-experiment/{deployment}`); Ctrl-C stops",
+            highlight=False,
+            soft_wrap=True,
+        )
         serve_experiment(dump(cfg), cron, deployment, run_dir.resolve(), uri)
 
 
@@ -377,7 +410,8 @@ def _print_summary(result: dict, run_dir: Path) -> None:
         f"  run files (node models, optimiser states): {result['run_path']}\n"
         f"  MLflow store: {uri}\n"
         f"  MLflow run id: {result['run_id']}  (evaluation matrix: artefact eval/matrix.csv)\n"
-        f"  report: {Path(result['run_path']) / 'report' / 'report.md'}  (artefact report.md; tables and figures in eval/)\n"
+        f"  report: {Path(result['run_path']) / 'report' / 'report.md'}  "
+        "(artefact report.md; tables and figures in eval/)\n"
         f"  open the UI:  {ui_cmd}   then browse "
         f"http://127.0.0.1:5000/#/experiments/{result['experiment_id']}/runs/{result['run_id']}",
         highlight=False,
@@ -389,38 +423,59 @@ def ui(
     run_dir: RunDirOption = DEFAULT_RUN_DIR,
     tracking_uri: TrackingOption = None,
     port: Annotated[int, typer.Option(help="Port to serve on.")] = 5000,
-    host: Annotated[str, typer.Option(help="Interface to bind; keep 127.0.0.1 unless you mean to expose it.")] = "127.0.0.1",
+    host: Annotated[
+        str, typer.Option(help="Interface to bind; keep 127.0.0.1 unless you mean to expose it.")
+    ] = "127.0.0.1",
 ) -> None:
     """Start the MLflow UI for a tracking store (bound to 127.0.0.1 by default)."""
     from flows.records.run_record import default_tracking_uri
 
     uri = tracking_uri or default_tracking_uri(run_dir)
-    if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///"):]).exists():
+    if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///") :]).exists():
         _fail(f"no MLflow store at {uri}; run `bhfl run` first or pass --tracking-uri")
-    console.print(f"MLflow UI for {uri} on http://{host}:{port}  (Ctrl-C to stop; open 'Training runs' of your experiment)")
+    console.print(
+        f"MLflow UI for {uri} on http://{host}:{port}  (Ctrl-C to stop; open 'Training runs' of your experiment)"
+    )
     env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
-    cmd = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", uri, "--host", host, "--port", str(port), "--workers", "1"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "mlflow",
+        "server",
+        "--backend-store-uri",
+        uri,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--workers",
+        "1",
+    ]
     raise typer.Exit(subprocess.call(cmd, env=env))
 
 
 @app.command()
 def compare(
-    runs: Annotated[list[str], typer.Argument(help="Experiment run ids, or experiment names (their latest finished run).")],
+    runs: Annotated[
+        list[str], typer.Argument(help="Experiment run ids, or experiment names (their latest finished run).")
+    ],
     run_dir: RunDirOption = DEFAULT_RUN_DIR,
     tracking_uri: TrackingOption = None,
-    csv_path: Annotated[Optional[Path], typer.Option("--csv", help="Write the table as CSV here [default: RUN_DIR/compare.csv].")] = None,
+    csv_path: Annotated[
+        Path | None, typer.Option("--csv", help="Write the table as CSV here [default: RUN_DIR/compare.csv].")
+    ] = None,
 ) -> None:
     """Compare runs side by side (markdown on stdout, CSV on disk): per-client, root and communication numbers."""
     from flows.records.run_record import default_tracking_uri
 
     uri = tracking_uri or default_tracking_uri(run_dir)
-    if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///"):]).exists():
+    if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///") :]).exists():
         _fail(f"no MLflow store at {uri}; run `bhfl run` first or pass --tracking-uri")
     from mlflow import MlflowClient
 
+    from bhfl_core.store.atomic import write_text_atomic
     from flows.cli.compare import CompareError, to_csv, to_markdown
     from flows.cli.compare import compare as compare_runs
-    from bhfl_core.store.atomic import write_text_atomic
 
     try:
         rows = compare_runs(MlflowClient(uri), runs)

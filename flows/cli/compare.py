@@ -38,14 +38,20 @@ def resolve(client: MlflowClient, ref: str) -> Run:
             parent = run.data.tags.get(MLFLOW_PARENT_RUN_ID)
             if parent:
                 node = run.data.tags.get("bhfl.node", run.info.run_name)
-                raise CompareError(f"{ref}: this is the run of node {node!r}; compare experiment runs, "
-                                   f"e.g. its top-level run (follow the parent runs up from {parent})")
+                raise CompareError(
+                    f"{ref}: this is the run of node {node!r}; compare experiment runs, "
+                    f"e.g. its top-level run (follow the parent runs up from {parent})"
+                )
             return run
     experiment = client.get_experiment_by_name(ref)
     if experiment is None:
         raise CompareError(f"{ref!r} is neither a run id nor an experiment name in this MLflow store")
-    runs = client.search_runs([experiment.experiment_id], "attributes.status = 'FINISHED'",
-                              order_by=["attributes.start_time DESC"], max_results=1000)
+    runs = client.search_runs(
+        [experiment.experiment_id],
+        "attributes.status = 'FINISHED'",
+        order_by=["attributes.start_time DESC"],
+        max_results=1000,
+    )
     for run in runs:
         if MLFLOW_PARENT_RUN_ID not in run.data.tags:
             return run
@@ -53,17 +59,36 @@ def resolve(client: MlflowClient, ref: str) -> Run:
 
 
 COLUMNS = (
-    "experiment", "run_id", "metric", "leaf_mean", "leaf_worst10", "parent_mean", "parent_worst10",
-    "root_union", "root_proxy", "closer_is_better_share", "comm_model_equivalents", "comm_mb", "root_rounds", "wall_s",
+    "experiment",
+    "run_id",
+    "metric",
+    "leaf_mean",
+    "leaf_worst10",
+    "parent_mean",
+    "parent_worst10",
+    "root_union",
+    "root_proxy",
+    "closer_is_better_share",
+    "comm_model_equivalents",
+    "comm_mb",
+    "root_rounds",
+    "wall_s",
 )
 HEADERS = {
-    "experiment": "experiment", "run_id": "run", "metric": "metric",
-    "leaf_mean": "own model: mean", "leaf_worst10": "own model: worst 10%",
-    "parent_mean": "parent server: mean", "parent_worst10": "parent server: worst 10%",
-    "root_union": "root on union", "root_proxy": "root on proxy",
+    "experiment": "experiment",
+    "run_id": "run",
+    "metric": "metric",
+    "leaf_mean": "own model: mean",
+    "leaf_worst10": "own model: worst 10%",
+    "parent_mean": "parent server: mean",
+    "parent_worst10": "parent server: worst 10%",
+    "root_union": "root on union",
+    "root_proxy": "root on proxy",
     "closer_is_better_share": "closer is better (share of clients)",
-    "comm_model_equivalents": "communication (models)", "comm_mb": "communication (MB)",
-    "root_rounds": "root rounds", "wall_s": "wall time (s)",
+    "comm_model_equivalents": "communication (models)",
+    "comm_mb": "communication (MB)",
+    "root_rounds": "root rounds",
+    "wall_s": "wall time (s)",
 }
 
 

@@ -21,8 +21,10 @@ from flows.records.run_state import RunStateError
 def resume_hint(run_path: Path | None) -> str:
     if run_path is None or not (run_path / "config.yaml").exists():
         return "Nothing was trained yet; run the command again once it is fixed."
-    return (f"Everything finished so far is kept; once it is fixed, continue with "
-            f"`bhfl resume {run_path}` (finished nodes and rounds are not run again).")
+    return (
+        f"Everything finished so far is kept; once it is fixed, continue with "
+        f"`bhfl resume {run_path}` (finished nodes and rounds are not run again)."
+    )
 
 
 def explain(exc: BaseException, run_path: Path | None) -> str | None:

@@ -11,12 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bhfl_core.rng import sample_cohort
-from bhfl_core.config.topology import ROOT_ID as ROOT
 from bhfl_core.algorithm.node_state import ROOT_CALLER, Caller
 from bhfl_core.algorithm.tree import Node
-from flows.records.run_state import RunStateError, load_run
+from bhfl_core.config.topology import ROOT_ID as ROOT
+from bhfl_core.rng import sample_cohort
 from flows.records.run_record import RECORD_FILE, RunRecord
+from flows.records.run_state import RunStateError, load_run
 from tasks.context import CONFIG_FILE, DATA_POINTER, RunContext
 
 
@@ -51,8 +51,10 @@ def _walk(ctx: RunContext, node: Node, caller: Caller, out: Progress) -> str:
         del out.lines[at:]
         return "to do"
     finished = sum(status == "done" for status in statuses)
-    out.lines[at] = (f"{'  ' * node.depth}{node.id}: round {done + 1} of {settings.rounds}, "
-                     f"{finished} of {len(cohort)} children finished")
+    out.lines[at] = (
+        f"{'  ' * node.depth}{node.id}: round {done + 1} of {settings.rounds}, "
+        f"{finished} of {len(cohort)} children finished"
+    )
     if node.depth >= out.stopped_depth:
         out.stopped_at, out.stopped_depth = f"{node.id} round {done + 1}", node.depth
     return "under way"
@@ -132,5 +134,7 @@ def resolve_run(spec: str, run_dir: Path) -> Path:
         record = RunRecord.read(path)
         if record is not None and spec in (record.parent_run_id, path.name):
             return path.resolve()
-    raise RunStateError(f"no run {spec!r} under {run_dir}: give a run folder, <name>/<stamp>, `latest` or an "
-                        f"MLflow run id (`bhfl runs --run-dir {run_dir}` lists them)")
+    raise RunStateError(
+        f"no run {spec!r} under {run_dir}: give a run folder, <name>/<stamp>, `latest` or an "
+        f"MLflow run id (`bhfl runs --run-dir {run_dir}` lists them)"
+    )

@@ -12,7 +12,7 @@ import json
 import os
 import socket
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Literal
 
@@ -26,7 +26,7 @@ Status = Literal["running", "finished", "failed"]
 
 def new_run_path(run_root: Path, name: str) -> Path:
     """``<run_root>/<name>/<UTC timestamp>``: where a new run of ``name`` writes."""
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S-%f")[:-3]
+    stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S-%f")[:-3]
     return run_root / name / stamp
 
 

@@ -41,8 +41,10 @@ def resume_config(run_path: Path, config: ExperimentConfig, overrides: Sequence[
         return config
     for assignment in overrides:
         if not assignment.split("=", 1)[0].strip().startswith(RESUME_OVERRIDABLE):
-            raise ConfigError(f"--set {assignment}: a resumed run keeps its config; only runtime.* and "
-                              f"eval.batch_size may change (they do not change results). Start a new run instead.")
+            raise ConfigError(
+                f"--set {assignment}: a resumed run keeps its config; only runtime.* and "
+                f"eval.batch_size may change (they do not change results). Start a new run instead."
+            )
     config = config_from_dict(dump(config), overrides, source=str(run_path / CONFIG_FILE))
     write_text_atomic(run_path / CONFIG_FILE, yaml.safe_dump(dump(config), sort_keys=False))
     return config

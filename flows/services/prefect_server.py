@@ -13,6 +13,7 @@ returns at once) so the command does its other start-up work meanwhile.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import importlib.metadata
 import importlib.util
@@ -21,21 +22,20 @@ import signal
 import socket
 import subprocess
 import sys
-from typing import Any
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Self
+from typing import Any, Self
 
 from flows.services.store_templates import save_template, seed
 
 _PR_SET_PDEATHSIG = 1
 _prctl: Any = None  # libc's prctl where there is one
-try:  # resolved here, not in the forked child: no dlopen between fork and exec (threads may hold its lock)
+# resolved here, not in the forked child: no dlopen between fork and exec (threads may hold its lock);
+# not Linux: no prctl, and the server may outlive a killed parent
+with contextlib.suppress(OSError, AttributeError):
     _prctl = ctypes.CDLL(None, use_errno=True).prctl
-except (OSError, AttributeError):  # not Linux: the server may outlive a killed parent
-    pass
 
 
 def _die_with_parent() -> None:
@@ -140,12 +140,27 @@ def start_server(log_file: Path, full: bool, port: int | None = None) -> Prefect
         spec = importlib.util.find_spec("prefect")
         assert spec is not None and spec.submodule_search_locations
         app_dir = str(Path(next(iter(spec.submodule_search_locations))).parent)
-        cmd = [sys.executable, "-m", "uvicorn", "--app-dir", app_dir, "--factory", "prefect.server.api.server:create_app",
-               "--host", "127.0.0.1", "--port", str(port), "--log-level", "error", "--lifespan", "on"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "uvicorn",
+            "--app-dir",
+            app_dir,
+            "--factory",
+            "prefect.server.api.server:create_app",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--log-level",
+            "error",
+            "--lifespan",
+            "on",
+        ]
         env.update({"PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"})
         if seeded:  # the template has them (store_templates checks), so skip re-registering
             env.setdefault("PREFECT_API_BLOCKS_REGISTER_ON_START", "false")
     log_file.parent.mkdir(parents=True, exist_ok=True)
     with open(log_file, "ab") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent)  # noqa: PLW1509 (prctl resolved before fork; it takes no lock)
     return PrefectServer(proc, f"http://127.0.0.1:{port}/api", database if created and not seeded else None)

@@ -134,9 +134,11 @@ def save_template(db: Path, kind: str, version: str) -> bool:
     if template is None or template.exists() or not db.exists():
         return False
     try:
-        with atomic_path(template) as tmp, \
-                closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5)) as source, \
-                closing(sqlite3.connect(tmp)) as target:
+        with (
+            atomic_path(template) as tmp,
+            closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5)) as source,
+            closing(sqlite3.connect(tmp)) as target,
+        ):
             source.backup(target)
             target.execute("PRAGMA journal_mode=DELETE")  # one self-contained file; stores set their own mode
             _KINDS[kind](target)

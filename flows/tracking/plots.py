@@ -1,8 +1,9 @@
 """Report figures: the evaluation heatmap (models x test sets) and the proximity plot.
 
 matplotlib's object-oriented API (``Figure`` objects, no pyplot state: safe in worker
-threads, nothing to close); the functions return figures and the report writer saves them. Jitter in scatter plots uses a fixed seed so the same
-evaluation gives the same picture.
+threads, nothing to close); the functions return figures and the report writer saves
+them. Jitter in scatter plots uses a fixed seed so the same evaluation gives the same
+picture.
 """
 
 from __future__ import annotations
@@ -71,8 +72,10 @@ def proximity_plot(ev: Evaluation, prox: Proximity) -> Figure:
         left.plot([c.distance for c in curve], [c.mean for c in curve], style, marker="o", linewidth=2, label=label)
     left.set_xlabel("tree distance between the model's node and the client (edges)")
     left.set_ylabel(f"{prox.metric} on the client's test split")
-    left.set_title(f"clients' data: hypothesis holds for {prox.share_rank:.0%} of clients (rank), "
-                   f"{prox.share_path:.0%} (path)", fontsize=10)
+    left.set_title(
+        f"clients' data: hypothesis holds for {prox.share_rank:.0%} of clients (rank), {prox.share_path:.0%} (path)",
+        fontsize=10,
+    )
     left.legend(fontsize=7, loc="best")
     max_d = max((p.distance for p in prox.pairs), default=0)
     left.set_xticks(range(max_d + 1))
@@ -81,8 +84,14 @@ def proximity_plot(ev: Evaluation, prox: Proximity) -> Figure:
         models = [m for m in ev.node_models() if ev.value(m, test_set) is not None]
         x = np.array([ev.tree[m].depth for m in models], dtype=float) + rng.uniform(-0.12, 0.12, len(models))
         right.scatter(x, [ev.value(m, test_set) for m in models], s=9, alpha=0.4, color=colour)
-        right.plot([d for d, _, _ in g.by_depth], [v for _, _, v in g.by_depth], "-o", color=colour, linewidth=2,
-                   label=f"{test_set}: rank corr(depth, quality) {g.rho_depth:+.2f}, paths {g.path_share:.0%}")
+        right.plot(
+            [d for d, _, _ in g.by_depth],
+            [v for _, _, v in g.by_depth],
+            "-o",
+            color=colour,
+            linewidth=2,
+            label=f"{test_set}: rank corr(depth, quality) {g.rho_depth:+.2f}, paths {g.path_share:.0%}",
+        )
     right.set_xlabel("depth of the model's node (root = 0)")
     right.set_ylabel(prox.metric)
     right.set_title("union of clients' tests and proxy test: better towards the root?", fontsize=10)

@@ -32,8 +32,16 @@ from matplotlib.figure import Figure
 
 from bhfl_core.analysis import communication as comm
 from bhfl_core.analysis import proximity
+from bhfl_core.analysis.evaluation import (
+    PROXY,
+    UNION,
+    Evaluation,
+    clients_csv,
+    distribution,
+    distribution_csv,
+    matrix_csv,
+)
 from bhfl_core.store.atomic import atomic_path, write_text_atomic
-from bhfl_core.analysis.evaluation import PROXY, UNION, Evaluation, clients_csv, distribution, distribution_csv, matrix_csv
 from flows.tracking import plots
 from flows.tracking.tracker import Tracker
 from tasks.context import RunContext
@@ -41,8 +49,12 @@ from tasks.context import RunContext
 REPORT_DIR = "report"
 RESULTS_MARK = "\n\n**Results**"
 RELATION_NAMES = {
-    "client": "client's own model", "edge": "its parent server", "server": "its intermediate server",
-    "root": "root", "adapted": "locally adapted model", "local_only": "local-only model",
+    "client": "client's own model",
+    "edge": "its parent server",
+    "server": "its intermediate server",
+    "root": "root",
+    "adapted": "locally adapted model",
+    "local_only": "local-only model",
 }
 
 
@@ -81,7 +93,9 @@ def _communication(tracker: Tracker, ctx: RunContext) -> tuple[list[comm.CommRow
     theta = ctx.store.load_model(ctx.tree.root_id)
     if theta is None:
         raise RuntimeError(f"the root has no saved model in {ctx.store.root}; nothing to report")
-    history = {node: {key: tracker.history(run_id, key) for key in comm.KEYS} for node, run_id in tracker.node_runs.items()}
+    history = {
+        node: {key: tracker.history(run_id, key) for key in comm.KEYS} for node, run_id in tracker.node_runs.items()
+    }
     return comm.comm_rows(ctx.tree, history, theta.numel()), theta.numel()
 
 
@@ -95,8 +109,11 @@ def _cost(tracker: Tracker, timings: Mapping[str, float], final_step: int) -> di
     intermediate = sum(s for step, s in evals.items() if step != final_step)
     total = sum(evals.values())
     training = timings.get("time/train_s", float("nan")) - intermediate
-    out = {"time/eval_total_s": total, "time/training_only_s": training,
-           "time/eval_share": total / training if training > 0 else float("nan")}
+    out = {
+        "time/eval_total_s": total,
+        "time/training_only_s": training,
+        "time/eval_share": total / training if training > 0 else float("nan"),
+    }
     baselines = tracker.history(tracker.parent_id, "time/baselines_s")
     if baselines:
         out["time/baselines_total_s"] = sum(baselines.values())
@@ -126,9 +143,14 @@ def write_report(tracker: Tracker, ctx: RunContext, ev: Evaluation, timings: Map
         write_text_atomic(folder / name, text)
     save_figure(plots.heatmap(ev), folder / "eval" / "heatmap.png")
     save_figure(plots.proximity_plot(ev, prox), folder / "eval" / "proximity.png")
-    headline = {**ev.headline(), **{k: v for k, v in proximity.headline(prox).items() if "share_clients" in k},
-                "comm/total_model_equivalents": totals["comm/total_model_equivalents"]}
-    write_text_atomic(folder / "report.md", render_markdown(tracker, ctx, ev, prox, levels, totals, num_params, cost, timings))
+    headline = {
+        **ev.headline(),
+        **{k: v for k, v in proximity.headline(prox).items() if "share_clients" in k},
+        "comm/total_model_equivalents": totals["comm/total_model_equivalents"],
+    }
+    write_text_atomic(
+        folder / "report.md", render_markdown(tracker, ctx, ev, prox, levels, totals, num_params, cost, timings)
+    )
 
     tracker.log_artifacts(folder)
     tracker.log_metrics(tracker.parent_id, {**headline, **proximity.headline(prox), **totals, **cost}, final_step)
@@ -137,16 +159,23 @@ def write_report(tracker: Tracker, ctx: RunContext, ev: Evaluation, timings: Map
     return headline
 
 
-def _describe_runs(tracker: Tracker, ctx: RunContext, ev: Evaluation, prox: proximity.Proximity,
-                   totals: Mapping[str, float]) -> None:
+def _describe_runs(
+    tracker: Tracker, ctx: RunContext, ev: Evaluation, prox: proximity.Proximity, totals: Mapping[str, float]
+) -> None:
     """Run descriptions with the key numbers, so the UI's run pages say what the run found."""
     metric = ev.task.primary
     h = ev.headline()
-    parts = [f"root on union {h.get(f'root/union/{metric}', math.nan):.3f}, on proxy {h.get(f'root/proxy/{metric}', math.nan):.3f}"]
+    parts = [
+        f"root on union {h.get(f'root/union/{metric}', math.nan):.3f}, "
+        f"on proxy {h.get(f'root/proxy/{metric}', math.nan):.3f}"
+    ]
     for relation in ("client", "edge", "root", "adapted", "local_only"):
         key = f"{relation}_on_own_clients/{metric}"
         if f"{key}_mean" in h:
-            parts.append(f"{RELATION_NAMES[relation]} on each client: mean {h[key + '_mean']:.3f}, worst 10% {h[key + '_worst10']:.3f}")
+            parts.append(
+                f"{RELATION_NAMES[relation]} on each client: mean {h[key + '_mean']:.3f}, "
+                f"worst 10% {h[key + '_worst10']:.3f}"
+            )
     parts.append(f"closer is better for {prox.share_rank:.0%} of clients (rank) / {prox.share_path:.0%} (path)")
     parts.append(f"communication {comm.human_bytes(totals['comm/total_bytes'])}")
     base = tracker.note(tracker.parent_id).split(RESULTS_MARK)[0]
@@ -159,19 +188,31 @@ def _describe_runs(tracker: Tracker, ctx: RunContext, ev: Evaluation, prox: prox
         clients = ev.population(node.id)
         d = distribution(ev.per_client(node.id, clients), ev.task.better(metric))
         what = {"root": "Root server", "server": "Intermediate server", "edge": "Edge server"}[node.role.value]
-        tracker.describe(run_id, (
-            f"{what} `{node.id}` (level {node.depth}{f', {node.group}' if node.group else ''}): "
-            f"{len(node.children)} children, {len(clients)} clients, {node.weight:.0f} training examples; "
-            f"{s.rounds} round(s) per execution, cohort {s.cohort or 'all'}, up {s.opt_up.kind} eta {s.opt_up.eta:g}, "
-            f"down {s.opt_down.kind} eta {s.opt_down.eta:g}{', proxy training' if s.train is not None else ''}."
-            f"{RESULTS_MARK} ({metric}): on its clients' tests mean {d.mean:.3f}, worst 10% {d.worst10:.3f}; "
-            f"union {_num(ev.value(node.id, UNION)):.3f}; proxy {_num(ev.value(node.id, PROXY)):.3f}."
-        ))
+        tracker.describe(
+            run_id,
+            (
+                f"{what} `{node.id}` (level {node.depth}{f', {node.group}' if node.group else ''}): "
+                f"{len(node.children)} children, {len(clients)} clients, {node.weight:.0f} training examples; "
+                f"{s.rounds} round(s) per execution, cohort {s.cohort or 'all'}, "
+                f"up {s.opt_up.kind} eta {s.opt_up.eta:g}, "
+                f"down {s.opt_down.kind} eta {s.opt_down.eta:g}{', proxy training' if s.train is not None else ''}."
+                f"{RESULTS_MARK} ({metric}): on its clients' tests mean {d.mean:.3f}, worst 10% {d.worst10:.3f}; "
+                f"union {_num(ev.value(node.id, UNION)):.3f}; proxy {_num(ev.value(node.id, PROXY)):.3f}."
+            ),
+        )
 
 
-def render_markdown(tracker: Tracker, ctx: RunContext, ev: Evaluation, prox: proximity.Proximity,
-                    levels: Sequence[comm.LevelSummary], totals: Mapping[str, float], num_params: int,
-                    cost: Mapping[str, float], timings: Mapping[str, float]) -> str:
+def render_markdown(
+    tracker: Tracker,
+    ctx: RunContext,
+    ev: Evaluation,
+    prox: proximity.Proximity,
+    levels: Sequence[comm.LevelSummary],
+    totals: Mapping[str, float],
+    num_params: int,
+    cost: Mapping[str, float],
+    timings: Mapping[str, float],
+) -> str:
     cfg, tree, metric = ctx.config, ctx.tree, ev.task.primary
     better = "higher" if ev.task.better(metric) else "lower"
     h = ev.headline()
@@ -189,74 +230,179 @@ def render_markdown(tracker: Tracker, ctx: RunContext, ev: Evaluation, prox: pro
         "",
     ]
     rows = []
-    for relation in RELATION_NAMES:
+    for relation, relation_name in RELATION_NAMES.items():
         scored = [ev.value(m, c) for c in ev.clients for rel, m in ev.relatives(c) if rel == relation]
         values = [v for v in scored if v is not None]
         if values:
             d = distribution(values, ev.task.better(metric))
             g = h.get(f"gain_vs_local/{relation}/{metric}_mean", math.nan)
             share = h.get(f"gain_vs_local/{relation}/{metric}_share_better", math.nan)
-            rows.append([RELATION_NAMES[relation], d.n, d.mean, d.median, d.best10, d.worst10, g, share])
-    out += [markdown_table(["model", "clients", "mean", "median", "best 10%", "worst 10%",
-                            "gain vs local-only", "share better than local-only"], rows), ""]
-    out += [f"Root model: {h.get(f'root/union/{metric}', math.nan):.4f} on the union of all client tests, "
-            f"{h.get(f'root/proxy/{metric}', math.nan):.4f} on the proxy test split.", ""]
+            rows.append([relation_name, d.n, d.mean, d.median, d.best10, d.worst10, g, share])
+    out += [
+        markdown_table(
+            [
+                "model",
+                "clients",
+                "mean",
+                "median",
+                "best 10%",
+                "worst 10%",
+                "gain vs local-only",
+                "share better than local-only",
+            ],
+            rows,
+        ),
+        "",
+    ]
+    out += [
+        f"Root model: {h.get(f'root/union/{metric}', math.nan):.4f} on the union of all client tests, "
+        f"{h.get(f'root/proxy/{metric}', math.nan):.4f} on the proxy test split.",
+        "",
+    ]
 
-    out += [f"## Every server ({metric})", "",
-            "Distribution over the clients of the server's subtree, and the server on the union and proxy tests.", ""]
+    out += [
+        f"## Every server ({metric})",
+        "",
+        "Distribution over the clients of the server's subtree, and the server on the union and proxy tests.",
+        "",
+    ]
     rows = []
     for node in tree.servers():
         if node.id in ev.models:
             d = distribution(ev.per_client(node.id, ev.population(node.id)), ev.task.better(metric))
             sub = ev.value(node.id, UNION if node.parent is None else f"subtree:{node.id}")
-            rows.append([node.id, node.depth, d.n, d.mean, d.median, d.best10, d.worst10, d.variance, sub,
-                         ev.value(node.id, UNION), ev.value(node.id, PROXY)])
+            rows.append(
+                [
+                    node.id,
+                    node.depth,
+                    d.n,
+                    d.mean,
+                    d.median,
+                    d.best10,
+                    d.worst10,
+                    d.variance,
+                    sub,
+                    ev.value(node.id, UNION),
+                    ev.value(node.id, PROXY),
+                ]
+            )
     rows.sort(key=lambda r: (r[1], r[0]))
-    out += [markdown_table(["server", "level", "clients", "mean", "median", "best 10%", "worst 10%", "variance",
-                            "subtree union", "union", "proxy"], rows), ""]
+    out += [
+        markdown_table(
+            [
+                "server",
+                "level",
+                "clients",
+                "mean",
+                "median",
+                "best 10%",
+                "worst 10%",
+                "variance",
+                "subtree union",
+                "union",
+                "proxy",
+            ],
+            rows,
+        ),
+        "",
+    ]
 
-    out += ["## Proximity: is a closer model better?", "",
-            f"{metric} of every node model on every client's test split, against the tree distance between the "
-            "model's node and the client (0 = the client's own model). 'path' keeps the client's own model and its "
-            "ancestors.", ""]
+    out += [
+        "## Proximity: is a closer model better?",
+        "",
+        f"{metric} of every node model on every client's test split, against the tree distance between the "
+        "model's node and the client (0 = the client's own model). 'path' keeps the client's own model and its "
+        "ancestors.",
+        "",
+    ]
     dist_rows: dict[int, dict[str, proximity.CurvePoint]] = {}
     for c in prox.curve:
         dist_rows.setdefault(c.distance, {})[c.relation] = c
     table = []
+
+    def cell(by: dict[str, proximity.CurvePoint], rel: str) -> tuple[float, int]:
+        return (by[rel].mean, by[rel].n) if rel in by else (math.nan, 0)
+
     for distance, by in sorted(dist_rows.items()):
-        cell = lambda rel: (by[rel].mean, by[rel].n) if rel in by else (math.nan, 0)  # noqa: E731
-        (a, na), (p, np_), (o, no) = cell("all"), cell("path"), cell("off_path")
+        (a, na), (p, np_), (o, no) = cell(by, "all"), cell(by, "path"), cell(by, "off_path")
         table.append([distance, a, na, p, np_, o, no])
-    out += [markdown_table(["distance", "mean (all)", "pairs", "mean (path)", "pairs", "mean (off path)", "pairs"], table), ""]
-    out += [f"- Hypothesis on clients' data holds for **{prox.share_rank:.0%}** of clients by rank (Spearman "
-            f"correlation of distance and quality < 0) and for **{prox.share_path:.0%}** along the path "
-            "(own model ≥ parent ≥ … ≥ root). Step by step along the path: "
-            + ", ".join(f"distance {d} ≥ {d + 1} for {share:.0%} of {n} clients" for d, n, share in prox.path_steps) + "."]
+    out += [
+        markdown_table(["distance", "mean (all)", "pairs", "mean (path)", "pairs", "mean (off path)", "pairs"], table),
+        "",
+    ]
+    out += [
+        f"- Hypothesis on clients' data holds for **{prox.share_rank:.0%}** of clients by rank (Spearman "
+        f"correlation of distance and quality < 0) and for **{prox.share_path:.0%}** along the path "
+        "(own model ≥ parent ≥ … ≥ root). Step by step along the path: "
+        + ", ".join(f"distance {d} ≥ {d + 1} for {share:.0%} of {n} clients" for d, n, share in prox.path_steps)
+        + "."
+    ]
     for test_set, by_test in prox.globals.items():
-        out.append(f"- On `{test_set}`: rank correlation of depth and quality {by_test.rho_depth:+.2f} (negative = better "
-                   f"towards the root); quality never falls going up for {by_test.path_share:.0%} of client paths; "
-                   "mean by depth " + ", ".join(f"{d}: {v:.3f}" for d, _, v in by_test.by_depth) + ".")
-    out += ["", "![proximity](eval/proximity.png)", "", "## Heatmap", "",
-            "Rows: node models in tree order; columns: client test splits (same order), subtree unions, "
-            "the union of all clients, the proxy test.", "", "![heatmap](eval/heatmap.png)", ""]
+        out.append(
+            f"- On `{test_set}`: rank correlation of depth and quality {by_test.rho_depth:+.2f} (negative = better "
+            f"towards the root); quality never falls going up for {by_test.path_share:.0%} of client paths; "
+            "mean by depth " + ", ".join(f"{d}: {v:.3f}" for d, _, v in by_test.by_depth) + "."
+        )
+    out += [
+        "",
+        "![proximity](eval/proximity.png)",
+        "",
+        "## Heatmap",
+        "",
+        "Rows: node models in tree order; columns: client test splits (same order), subtree unions, "
+        "the union of all clients, the proxy test.",
+        "",
+        "![heatmap](eval/heatmap.png)",
+        "",
+    ]
 
-    out += ["## Communication", "",
-            f"One model = {num_params:,} float32 values = {comm.human_bytes(num_params * comm.BYTES_PER_VALUE)}. "
-            "Level = depth of the server that sends to / receives from its children (residuals: sent by it).", ""]
-    out += [markdown_table(["level", "servers", "direction", "kind", "server rounds", "models", "bytes", "models per round"],
-                           [[s.level, s.servers, s.direction, s.kind, s.server_rounds, f"{s.models:g}",
-                             comm.human_bytes(s.bytes), f"{s.models_per_round:.2f}"] for s in levels]), ""]
-    out += [f"Total: **{totals['comm/total_model_equivalents']:g} model-equivalents, "
-            f"{comm.human_bytes(totals['comm/total_bytes'])}** (down {comm.human_bytes(totals['comm/down_bytes'])}, "
-            f"up {comm.human_bytes(totals['comm/up_bytes'])}, of which residuals "
-            f"{comm.human_bytes(totals['comm/residual_bytes'])}).", ""]
+    out += [
+        "## Communication",
+        "",
+        f"One model = {num_params:,} float32 values = {comm.human_bytes(num_params * comm.BYTES_PER_VALUE)}. "
+        "Level = depth of the server that sends to / receives from its children (residuals: sent by it).",
+        "",
+    ]
+    out += [
+        markdown_table(
+            ["level", "servers", "direction", "kind", "server rounds", "models", "bytes", "models per round"],
+            [
+                [
+                    s.level,
+                    s.servers,
+                    s.direction,
+                    s.kind,
+                    s.server_rounds,
+                    f"{s.models:g}",
+                    comm.human_bytes(s.bytes),
+                    f"{s.models_per_round:.2f}",
+                ]
+                for s in levels
+            ],
+        ),
+        "",
+    ]
+    out += [
+        f"Total: **{totals['comm/total_model_equivalents']:g} model-equivalents, "
+        f"{comm.human_bytes(totals['comm/total_bytes'])}** (down {comm.human_bytes(totals['comm/down_bytes'])}, "
+        f"up {comm.human_bytes(totals['comm/up_bytes'])}, of which residuals "
+        f"{comm.human_bytes(totals['comm/residual_bytes'])}).",
+        "",
+    ]
 
-    out += ["## Cost", "",
-            f"Training {cost['time/training_only_s']:.1f} s; evaluation of every node on every test set "
-            f"{cost['time/eval_total_s']:.1f} s in all ({cost['time/eval_share']:.1%} of training)"
-            + (f"; per-client baselines {cost['time/baselines_total_s']:.1f} s" if "time/baselines_total_s" in cost else "")
-            + f"; total run {timings.get('time/total_s', math.nan):.0f} s.", ""]
-    out += ["Files: `eval/matrix.csv`, `eval/distribution.csv`, `eval/clients.csv`, `eval/proximity.csv`, "
-            "`eval/proximity_clients.csv`, `eval/communication.csv`, `eval/communication_levels.csv` "
-            "(docs/evaluation.md explains each).", ""]
+    out += [
+        "## Cost",
+        "",
+        f"Training {cost['time/training_only_s']:.1f} s; evaluation of every node on every test set "
+        f"{cost['time/eval_total_s']:.1f} s in all ({cost['time/eval_share']:.1%} of training)"
+        + (f"; per-client baselines {cost['time/baselines_total_s']:.1f} s" if "time/baselines_total_s" in cost else "")
+        + f"; total run {timings.get('time/total_s', math.nan):.0f} s.",
+        "",
+    ]
+    out += [
+        "Files: `eval/matrix.csv`, `eval/distribution.csv`, `eval/clients.csv`, `eval/proximity.csv`, "
+        "`eval/proximity_clients.csv`, `eval/communication.csv`, `eval/communication_levels.csv` "
+        "(docs/evaluation.md explains each).",
+        "",
+    ]
     return "\n".join(out)

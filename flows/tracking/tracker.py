@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import math
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -29,7 +30,7 @@ _BATCH = 900  # MLflow accepts at most 1000 entities per log_batch
 
 def sqlite_file(tracking_uri: str) -> Path | None:
     """The database file of a local SQLite store URI (``sqlite:///path``), else None."""
-    return Path(tracking_uri[len("sqlite:///"):]) if urlparse(tracking_uri).scheme == "sqlite" else None
+    return Path(tracking_uri[len("sqlite:///") :]) if urlparse(tracking_uri).scheme == "sqlite" else None
 
 
 def _artifact_root(tracking_uri: str) -> str | None:
@@ -64,7 +65,11 @@ class Tracker:
 
     def start(self, name: str, params: Mapping[str, Any], tree: Tree, tags: Mapping[str, str], description: str) -> str:
         exp = self.client.get_experiment_by_name(name)
-        self.experiment_id = exp.experiment_id if exp else self.client.create_experiment(name, artifact_location=_artifact_root(self.uri))
+        self.experiment_id = (
+            exp.experiment_id
+            if exp
+            else self.client.create_experiment(name, artifact_location=_artifact_root(self.uri))
+        )
         parent = self.client.create_run(self.experiment_id, run_name=name, tags={**tags, MLFLOW_RUN_NOTE: description})
         self.parent_id = parent.info.run_id
         flat = flatten(params)
@@ -76,10 +81,17 @@ class Tracker:
             if node.is_leaf:
                 continue
             parent_run = self.parent_id if node.parent is None else self.node_runs[node.parent]
-            run = self.client.create_run(self.experiment_id, run_name=node.id, tags={
-                MLFLOW_PARENT_RUN_ID: parent_run, "bhfl.node": node.id, "bhfl.level": str(node.depth),
-                "bhfl.role": node.role.value, **({"bhfl.group": node.group} if node.group else {}),
-            })
+            run = self.client.create_run(
+                self.experiment_id,
+                run_name=node.id,
+                tags={
+                    MLFLOW_PARENT_RUN_ID: parent_run,
+                    "bhfl.node": node.id,
+                    "bhfl.level": str(node.depth),
+                    "bhfl.role": node.role.value,
+                    **({"bhfl.group": node.group} if node.group else {}),
+                },
+            )
             self.node_runs[node.id] = run.info.run_id
             order.extend(tree.children(node.id))
         return self.parent_id
@@ -97,8 +109,9 @@ class Tracker:
         for run_id in [parent_id, *self.node_runs.values()]:
             self.client.update_run(run_id, status="RUNNING")
         self.client.set_tag(parent_id, "bhfl.resumes", str(resume_number))
-        self.client.set_tag(parent_id, f"bhfl.resume.{resume_number}",
-                            time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime()))
+        self.client.set_tag(
+            parent_id, f"bhfl.resume.{resume_number}", time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime())
+        )
 
     def _batched(self, run_id: str, metrics: Iterable[Metric] = (), params: Iterable[Param] = ()) -> None:
         metrics, params = list(metrics), list(params)
@@ -111,7 +124,7 @@ class Tracker:
 
     def log_metrics(self, run_id: str, values: Mapping[str, float], step: int) -> None:
         now = int(time.time() * 1000)
-        self._batched(run_id, [Metric(k, float(v), now, step) for k, v in values.items() if v == v])
+        self._batched(run_id, [Metric(k, float(v), now, step) for k, v in values.items() if not math.isnan(v)])
 
     def log_node(self, node_id: str, values: Mapping[str, float], step: int) -> None:
         if node_id in self.node_runs:
@@ -146,13 +159,20 @@ class Tracker:
         summary = json.loads((report / "summary.json").read_text())
         sizes, skew, proxy = summary.get("sizes", {}), summary.get("label_skew", {}), summary.get("proxy", {})
         values = {
-            "data/clients": summary.get("clients"), "data/edges": summary.get("edges"),
-            "data/size_min": sizes.get("min"), "data/size_median": sizes.get("median"), "data/size_max": sizes.get("max"),
-            "data/label_skew_tv": skew.get("tv_to_language_mean"), "data/proxy_train": proxy.get("train"),
-            "data/proxy_test": proxy.get("test"), "data/unused_pool_rows": summary.get("unused_pool_rows"),
+            "data/clients": summary.get("clients"),
+            "data/edges": summary.get("edges"),
+            "data/size_min": sizes.get("min"),
+            "data/size_median": sizes.get("median"),
+            "data/size_max": sizes.get("max"),
+            "data/label_skew_tv": skew.get("tv_to_language_mean"),
+            "data/proxy_train": proxy.get("train"),
+            "data/proxy_test": proxy.get("test"),
+            "data/unused_pool_rows": summary.get("unused_pool_rows"),
         }
         self.log_metrics(self.parent_id, {k: v for k, v in values.items() if v is not None}, step=0)
-        self.set_tags({"bhfl.task": str(summary.get("task", "")), "bhfl.data_source": str(summary.get("source", ""))[:5000]})
+        self.set_tags(
+            {"bhfl.task": str(summary.get("task", "")), "bhfl.data_source": str(summary.get("source", ""))[:5000]}
+        )
 
     def history(self, run_id: str, key: str) -> dict[int, float]:
         """A metric's values by step; where a step was logged twice (a re-run round), the later write wins."""

@@ -5,25 +5,32 @@ from __future__ import annotations
 import torch
 
 from bhfl_core.algorithm.engine import execute_node
+from bhfl_core.algorithm.node_opt import NodeOptParams
 from bhfl_core.algorithm.node_state import RoundKey
 from bhfl_core.algorithm.node_step import ChildrenReport
-from bhfl_core.algorithm.node_opt import NodeOptParams
 from bhfl_core.algorithm.residuals import Candidate
-from bhfl_core.store.node_store import StateStore
 from bhfl_core.algorithm.tree import Node, NodeSettings, Role, TrainParams, Tree
+from bhfl_core.store.node_store import StateStore
 
 
 def settings(rounds=1, eta_down=1.0, eta_up=1.0, persistent=True, train=False, cohort=None, kind="fedavg"):
     return NodeSettings(
-        rounds=rounds, cohort=cohort, persistent=persistent, train=TrainParams() if train else None,
-        opt_up=NodeOptParams(kind=kind, eta=eta_up), opt_down=NodeOptParams(kind="fedavg", eta=eta_down),
+        rounds=rounds,
+        cohort=cohort,
+        persistent=persistent,
+        train=TrainParams() if train else None,
+        opt_up=NodeOptParams(kind=kind, eta=eta_up),
+        opt_down=NodeOptParams(kind="fedavg", eta=eta_down),
     )
 
 
 def two_edge_tree(client_settings: NodeSettings, root_rounds: int = 1, root_train: bool = True) -> Tree:
     """root -> edges A, B -> clients a1 (1 example), a2 (3), b1 (2), b2 (2)."""
     weights = {"a1": 1.0, "a2": 3.0, "b1": 2.0, "b2": 2.0}
-    nodes = {cid: Node(cid, Role.CLIENT, 2, "A" if cid[0] == "a" else "B", (), client_settings, w) for cid, w in weights.items()}
+    nodes = {
+        cid: Node(cid, Role.CLIENT, 2, "A" if cid[0] == "a" else "B", (), client_settings, w)
+        for cid, w in weights.items()
+    }
     nodes["A"] = Node("A", Role.EDGE, 1, "root", ("a1", "a2"), settings(), 4.0)
     nodes["B"] = Node("B", Role.EDGE, 1, "root", ("b1", "b2"), settings(), 4.0)
     nodes["root"] = Node("root", Role.ROOT, 0, None, ("A", "B"), settings(rounds=root_rounds, train=root_train), 8.0)

@@ -33,8 +33,10 @@ def nearest_float32(q: Fraction) -> float:
 
 def exact_mean(vectors, weights) -> list[float]:
     total = sum(weights)
-    return [nearest_float32(sum(Fraction(float(v[i])) * w for v, w in zip(vectors, weights)) / total)
-            for i in range(len(vectors[0]))]
+    return [
+        nearest_float32(sum(Fraction(float(v[i])) * w for v, w in zip(vectors, weights)) / total)
+        for i in range(len(vectors[0]))
+    ]
 
 
 def bits(t: torch.Tensor) -> list[int]:
@@ -166,7 +168,8 @@ def test_model_sized_sums_agree_across_1_2_and_4_workers_where_float64_sums_do_n
     total = sum(weights)
     sample = torch.randperm(n, generator=gen)[:200].tolist()
     assert [means[0][i].item() for i in sample] == [
-        nearest_float32(sum(Fraction(x[i].item()) * w for x, w in zip(clients, weights)) / total) for i in sample]
+        nearest_float32(sum(Fraction(x[i].item()) * w for x, w in zip(clients, weights)) / total) for i in sample
+    ]
 
 
 def test_near_ties_are_rounded_exactly():

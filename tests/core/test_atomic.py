@@ -33,7 +33,7 @@ def test_a_hook_sees_the_written_temp_file_before_the_rename(tmp_path):
     seen: list[tuple[Path, bytes, bool]] = []
     with atomic_path(target, before_replace=lambda t: seen.append((t, t.read_bytes(), target.exists()))) as tmp:
         tmp.write_bytes(b"new")
-    (t, content, existed), = seen
+    ((t, content, existed),) = seen
     assert t.parent == target.parent and t.name.startswith(".state.bin.") and t.name.endswith(".tmp")
     assert content == b"new" and not existed and not t.exists()
     assert target.read_bytes() == b"new" and [p.name for p in target.parent.iterdir()] == ["state.bin"]
@@ -51,10 +51,12 @@ def test_a_failing_hook_keeps_the_old_file_and_a_kill_leaves_a_temp_the_store_cl
     assert target.read_text() == "old" and [p.name for p in target.parent.iterdir()] == ["x.safetensors"]
 
     # a process killed between write and rename leaves its temporary file, which the store's cleanup finds
-    code = ("import os, signal, sys\n"
-            "from bhfl_core.store.atomic import atomic_path\n"
-            "with atomic_path(sys.argv[1], before_replace=lambda t: os.kill(os.getpid(), signal.SIGKILL)) as tmp:\n"
-            "    tmp.write_text('new')\n")
+    code = (
+        "import os, signal, sys\n"
+        "from bhfl_core.store.atomic import atomic_path\n"
+        "with atomic_path(sys.argv[1], before_replace=lambda t: os.kill(os.getpid(), signal.SIGKILL)) as tmp:\n"
+        "    tmp.write_text('new')\n"
+    )
     killed = subprocess.run([sys.executable, "-c", code, str(target)], cwd=Path(__file__).parents[2], check=False)
     assert killed.returncode < 0
     assert target.read_text() == "old" and len(list(target.parent.iterdir())) == 2

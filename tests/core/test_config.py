@@ -18,7 +18,7 @@ def test_embedded_default_is_valid_and_matches_the_issue_shape():
     assert tree.root.settings.train is not None  # proxy training at the root
     assert sorted(tree.root.children) == ["europe-east", "europe-west"]
     edges = [n for n in tree if n.role.value == "edge"]
-    assert sorted(e.id for e in edges) == [f"edge-{l}" for l in sorted(cfg.data.source.languages)]
+    assert sorted(e.id for e in edges) == [f"edge-{lang}" for lang in sorted(cfg.data.source.languages)]
     assert all(e.settings.cohort and e.settings.cohort < len(e.children) for e in edges)
     assert tree.distance("en-0", "de-0") == 6 and tree.distance("en-0", "edge-en") == 1
 
@@ -38,15 +38,23 @@ def test_embedded_default_is_valid_and_matches_the_issue_shape():
         (["data.sizes.min=1"], "data.sizes.min"),
         (["tree.root"], "expected KEY=VALUE"),
         (["seed.x=1"], "seed is a value, not a section"),
-        (["tree.residuals.up=[{from: edge, to: edge-de}]"],
-         "tree.residuals.up[0].to: 'edge-de' is not an ancestor of 'edge-en'"),
-        (["tree.residuals.up=[{from: edge, to: root}, {from: root, to: europe-west}]"],
-         "tree.residuals.up[1].to: 'europe-west' is not an ancestor of 'root'"),
+        (
+            ["tree.residuals.up=[{from: edge, to: edge-de}]"],
+            "tree.residuals.up[0].to: 'edge-de' is not an ancestor of 'edge-en'",
+        ),
+        (
+            ["tree.residuals.up=[{from: edge, to: root}, {from: root, to: europe-west}]"],
+            "tree.residuals.up[1].to: 'europe-west' is not an ancestor of 'root'",
+        ),
         (["tree.residuals.up=[{from: client, to: root}]"], "tree.residuals.up[0].from: 'en-00' is a client"),
-        (["tree.residuals.up=[{from: europe-west, to: root, select: loss}]"],
-         "tree.residuals.up[0].select: 'loss' ranks clients by training loss"),
-        (["tree.residuals.down=[{from: edge-en, to: root}]"],
-         "tree.residuals.down[0].to: 'root' is not a descendant of 'edge-en'"),
+        (
+            ["tree.residuals.up=[{from: europe-west, to: root, select: loss}]"],
+            "tree.residuals.up[0].select: 'loss' ranks clients by training loss",
+        ),
+        (
+            ["tree.residuals.down=[{from: edge-en, to: root}]"],
+            "tree.residuals.down[0].to: 'root' is not a descendant of 'edge-en'",
+        ),
         (["tree.residuals.down=[{from: root, to: edge-xx}]"], "tree.residuals.down[0].to: 'edge-xx' matches no node"),
         (["tree.residuals.up=[{from: edge, to: root, k: 0}]"], "tree.residuals.up[0].k"),
         (["tree.residuals.up=[{source: edge, to: root}]"], "tree.residuals.up[0].source: unknown key"),
@@ -55,9 +63,11 @@ def test_embedded_default_is_valid_and_matches_the_issue_shape():
         (["data.proxy.train_per_language=0"], "tree.root.proxy_train: node 'root' has no proxy split"),
         (["runtime.executor=cluster"], "runtime: executor: cluster needs runtime.cluster"),
         (["runtime.cluster=tcp://127.0.0.1:8786"], "cluster is set but executor is 'local'"),
-        (["runtime.executor=cluster", "runtime.cluster=ray://head:10001"],
-         "runtime.cluster: 'ray://head:10001' is not a Dask scheduler address such as tcp://127.0.0.1:8786 "
-         "(Ray clusters are not supported"),
+        (
+            ["runtime.executor=cluster", "runtime.cluster=ray://head:10001"],
+            "runtime.cluster: 'ray://head:10001' is not a Dask scheduler address such as tcp://127.0.0.1:8786 "
+            "(Ray clusters are not supported",
+        ),
         (["runtime.executor=threads"], "runtime.executor"),
         (["runtime.placement=fastest"], "runtime.placement"),
         (["runtime.workers_per_device=0"], "runtime.workers_per_device"),
@@ -71,8 +81,10 @@ def test_errors_name_the_key(overrides, message):
 
 
 def test_set_overrides_by_dotted_path_with_yaml_values():
-    cfg = load_config(REPO / "configs" / "embedded.yaml", ["tree.root.rounds=2", "tree.nodes.edge-de.eta_down=0.5",
-                                                           "data.source.languages=[en, de]", "tree.groups={}"])
+    cfg = load_config(
+        REPO / "configs" / "embedded.yaml",
+        ["tree.root.rounds=2", "tree.nodes.edge-de.eta_down=0.5", "data.source.languages=[en, de]", "tree.groups={}"],
+    )
     assert cfg.tree.root.rounds == 2 and cfg.tree.nodes["edge-de"].eta_down == 0.5
     clients = [ClientInfo(f"{lang}-{i}", lang, 10) for lang in ("en", "de") for i in range(6)]
     tree = build_tree(cfg, clients)
@@ -86,19 +98,23 @@ def test_override_and_file_errors(tmp_path):
         load_config(tmp_path / "missing.yaml")
     bad = tmp_path / "bad.yaml"
     bad.write_text("tree: [unclosed\n")
-    with pytest.raises(ConfigError, match="bad.yaml: not valid YAML"):
+    with pytest.raises(ConfigError, match=r"bad\.yaml: not valid YAML"):
         load_config(bad)
     with pytest.raises(ConfigError, match="top level must be a mapping"):
         config_from_dict([1, 2])
 
 
 def test_residual_rules_resolve_to_links_and_receiver_optimisers():
-    cfg = load_config(REPO / "configs" / "bhfl.yaml", ["tree.residuals.up=[{from: edge, to: root, k: 2, select: cosine, eta: 0.5}]"])
+    cfg = load_config(
+        REPO / "configs" / "bhfl.yaml", ["tree.residuals.up=[{from: edge, to: root, k: 2, select: cosine, eta: 0.5}]"]
+    )
     clients = [ClientInfo(f"{lang}-{i}", lang, 10) for lang in cfg.data.source.languages for i in range(6)]
     tree = build_tree(cfg, clients)
     up = tree["edge-de"].settings.res_up
-    assert [(l.target, l.k, l.select) for l in up] == [("root", 2, "cosine")]
-    assert [l.target for l in tree.root.settings.res_down] == [f"edge-{l}" for l in cfg.data.source.languages]
+    assert [(link.target, link.k, link.select) for link in up] == [("root", 2, "cosine")]
+    assert [link.target for link in tree.root.settings.res_down] == [
+        f"edge-{lang}" for lang in cfg.data.source.languages
+    ]
     root_in = dict(tree.root.settings.res_in)
     assert root_in["up0"].eta == 0.5 and root_in["up0"].kind == tree.root.settings.opt_up.kind  # inherits the kind
     edge_in = dict(tree["edge-fr"].settings.res_in)
@@ -107,7 +123,9 @@ def test_residual_rules_resolve_to_links_and_receiver_optimisers():
 
 
 def test_language_group_proxy_holders():
-    cfg = load_config(REPO / "configs" / "embedded.yaml", ["data.proxy.servers=[root, server]", "tree.server.proxy_train=true"])
+    cfg = load_config(
+        REPO / "configs" / "embedded.yaml", ["data.proxy.servers=[root, server]", "tree.server.proxy_train=true"]
+    )
     clients = [ClientInfo(f"{lang}-{i}", lang, 10) for lang in cfg.data.source.languages for i in range(6)]
     tree = build_tree(cfg, clients)
     assert tree["europe-west"].settings.train is not None and tree["edge-en"].settings.train is None

@@ -21,8 +21,11 @@ REPO = Path(__file__).resolve().parents[2]
 CONFIGS = ["embedded.yaml", "bhfl.yaml", "fedavg.yaml", "hierfavg.yaml"]
 
 odd_values = st.one_of(
-    st.none(), st.booleans(), st.integers(min_value=-10**12, max_value=10**12),
-    st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=12),
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(10**12), max_value=10**12),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=12),
     st.lists(st.one_of(st.integers(-3, 40), st.text(max_size=6)), max_size=4),
     st.dictionaries(st.text(max_size=8), st.one_of(st.integers(-3, 40), st.text(max_size=6), st.none()), max_size=3),
     st.sampled_from(["root", "edge", "server", "client", "edge-de", "europe-west", "en", "fedadam", "l2", "auto"]),

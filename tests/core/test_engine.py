@@ -100,12 +100,15 @@ def test_cohort_sampling_is_seeded(tmp_path):
     assert draws == [sample_cohort(kids, 3, seed=7, node_id="edge", round_index=r) for r in range(5)]
     assert all(len(d) == 3 and d == sorted(d, key=kids.index) for d in draws)
     assert len({tuple(d) for d in draws}) > 1  # rounds differ
-    assert sample_cohort(kids, 3, seed=8, node_id="edge", round_index=0) != draws[0] or \
-        sample_cohort(kids, 3, seed=9, node_id="edge", round_index=0) != draws[0]
+    assert (
+        sample_cohort(kids, 3, seed=8, node_id="edge", round_index=0) != draws[0]
+        or sample_cohort(kids, 3, seed=9, node_id="edge", round_index=0) != draws[0]
+    )
     assert sample_cohort(kids, None, 0, "edge", 0) == kids
 
 
 # ---------------------------------------------------------------- residuals
+
 
 def with_residuals(tree, **per_node):
     """Replace NodeSettings fields (residual links, receiver optimisers, ...) of nodes of ``tree``."""
@@ -126,7 +129,8 @@ def test_up_residual_top1_by_l2_reaches_root_with_its_own_step(tmp_path):
     link = UpLink(rule=0, target="root", k=1, select="l2")
     tree = with_residuals(
         two_edge_tree(settings(train=True), root_rounds=2),
-        A={"res_up": (link,)}, B={"res_up": (link,)},
+        A={"res_up": (link,)},
+        B={"res_up": (link,)},
         root={"res_in": (("up0", NodeOptParams("fedavg", eta=0.5)),)},
     )
     store, _ = run(tree, tmp_path)
@@ -148,7 +152,8 @@ def test_up_residual_mean_of_top2_is_one_unweighted_input(tmp_path):
     link = UpLink(rule=0, target="root", k=2, select="l2", combine="mean")
     tree = with_residuals(
         two_edge_tree(settings(train=True), root_train=False),
-        A={"res_up": (link,)}, B={"res_up": (link,)},
+        A={"res_up": (link,)},
+        B={"res_up": (link,)},
         root={"res_in": (("up0", NodeOptParams("fedavg", eta=1.0)),)},
     )
     store, _ = run(tree, tmp_path)
@@ -205,8 +210,10 @@ def test_residual_selection_criteria_and_streaming_top_k():
 def test_stateful_up_optimiser_carries_momentum_across_rounds(tmp_path):
     from bhfl_core.algorithm.node_opt import NodeOptParams
 
-    tree = with_residuals(two_edge_tree(settings(train=True), root_rounds=2),
-                          root={"opt_up": NodeOptParams("fedavgm", eta=1.0, beta1=0.5)})
+    tree = with_residuals(
+        two_edge_tree(settings(train=True), root_rounds=2),
+        root={"opt_up": NodeOptParams("fedavgm", eta=1.0, beta1=0.5)},
+    )
     store, _ = run(tree, tmp_path)
     # Round 1: Delta1 = [1.625, 1.25] (the children's mean - 0); m = Delta1; TRAIN -> [1.625, 0.25].
     # Round 2: children adopt phi, so Delta2 = [1.625, 1.25] again; m = 0.5 * Delta1 + Delta2 = [2.4375, 1.875];
@@ -216,10 +223,9 @@ def test_stateful_up_optimiser_carries_momentum_across_rounds(tmp_path):
     assert state.opt_up["m"].tolist() == pytest.approx([2.4375, 1.875]) and state.opt_down == {}
 
 
-
 def test_communication_counts_per_round(tmp_path):
-    from bhfl_core.algorithm.residuals import DownLink, UpLink
     from bhfl_core.algorithm.node_opt import NodeOptParams
+    from bhfl_core.algorithm.residuals import DownLink, UpLink
 
     link = UpLink(rule=0, target="root", k=2, select="l2")
     tree = with_residuals(
@@ -230,8 +236,12 @@ def test_communication_counts_per_round(tmp_path):
     )
     _, hooks = run(tree, tmp_path)
     # root: 2 children down and up, one down-residual to A; A: cohort of 1, so only 1 residual model up
-    assert hooks.metrics[("root", 0)] == {"comm/down_models": 2.0, "comm/up_models": 2.0,
-                                          "comm/res_down_models": 1.0, "comm/res_up_models": 0.0}
+    assert hooks.metrics[("root", 0)] == {
+        "comm/down_models": 2.0,
+        "comm/up_models": 2.0,
+        "comm/res_down_models": 1.0,
+        "comm/res_up_models": 0.0,
+    }
     assert hooks.metrics[("A", 0)]["comm/res_up_models"] == 1.0 and hooks.metrics[("A", 0)]["comm/up_models"] == 1.0
     assert hooks.metrics[("B", 0)]["comm/res_up_models"] == 2.0
     assert not any(k.startswith("comm/") for k in hooks.metrics[("b1", 0)])  # clients send, servers count

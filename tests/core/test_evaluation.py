@@ -8,16 +8,16 @@ import pytest
 import torch
 
 from bhfl_core.analysis import communication as comm
-from bhfl_core.config.schema import EvalConfig
 from bhfl_core.analysis.evaluation import (
-    Evaluation,
-    distribution,
     EvalSets,
-    parse_model,
+    Evaluation,
     all_test_sets,
+    distribution,
+    parse_model,
 )
-from bhfl_core.learning.metrics import classification_metrics, lm_metrics, task_metrics
 from bhfl_core.analysis.proximity import analyse, average_ranks, spearman
+from bhfl_core.config.schema import EvalConfig
+from bhfl_core.learning.metrics import classification_metrics, lm_metrics, task_metrics
 from tests.core.fake_tree import settings, two_edge_tree
 
 CLS = task_metrics("classification")
@@ -39,8 +39,10 @@ def accuracy_eval(acc: dict[str, dict[str, float]], task=CLS) -> Evaluation:
     t = tree()
     stats = {}
     for model, per_client in acc.items():
-        blocks = {c: conf(round(10 * per_client.get(c, 0.0)), 10 - round(10 * per_client.get(c, 0.0)))
-                  for c in ("a1", "a2", "b1", "b2")}
+        blocks = {
+            c: conf(round(10 * per_client.get(c, 0.0)), 10 - round(10 * per_client.get(c, 0.0)))
+            for c in ("a1", "a2", "b1", "b2")
+        }
         blocks["proxy"] = conf(5, 5)
         stats[model] = blocks
     return Evaluation.from_stats(t, task, stats)
@@ -70,8 +72,13 @@ def test_lm_metrics_by_hand_and_unions_of_lm_stats():
     assert lm_metrics(torch.tensor([6.0, 3.0])) == pytest.approx({"loss": 2.0, "perplexity": math.exp(2.0)})
     assert all(math.isnan(v) for v in lm_metrics(torch.tensor([0.0, 0.0])).values())
     t = tree()
-    blocks = {"a1": torch.tensor([6.0, 3.0]), "a2": torch.tensor([1.0, 1.0]), "b1": torch.tensor([2.0, 4.0]),
-              "b2": torch.tensor([0.0, 2.0]), "proxy": torch.tensor([3.0, 1.0])}
+    blocks = {
+        "a1": torch.tensor([6.0, 3.0]),
+        "a2": torch.tensor([1.0, 1.0]),
+        "b1": torch.tensor([2.0, 4.0]),
+        "b2": torch.tensor([0.0, 2.0]),
+        "proxy": torch.tensor([3.0, 1.0]),
+    }
     ev = Evaluation.from_stats(t, MLM, {"A": blocks})
     assert ev.value("A", "subtree:A", "loss") == pytest.approx(7 / 4)  # (6 + 1) / (3 + 1)
     assert ev.value("A", "union", "perplexity") == pytest.approx(math.exp(9 / 10))
@@ -94,13 +101,19 @@ def test_distribution_statistics_and_direction():
 
 
 def test_relatives_headline_and_gain_over_local_only():
-    ev = accuracy_eval({
-        "root": {"a1": 0.5, "a2": 0.5, "b1": 0.5, "b2": 0.5},
-        "A": {"a1": 0.7, "a2": 0.6},
-        "B": {"b1": 0.8, "b2": 0.4},
-        "a1": {"a1": 0.9}, "b1": {"b1": 0.6},  # a2, b2 have no persistent model
-        "local:a1": {"a1": 0.8}, "local:a2": {"a2": 0.6}, "local:b1": {"b1": 0.7}, "local:b2": {"b2": 0.5},
-    })
+    ev = accuracy_eval(
+        {
+            "root": {"a1": 0.5, "a2": 0.5, "b1": 0.5, "b2": 0.5},
+            "A": {"a1": 0.7, "a2": 0.6},
+            "B": {"b1": 0.8, "b2": 0.4},
+            "a1": {"a1": 0.9},
+            "b1": {"b1": 0.6},  # a2, b2 have no persistent model
+            "local:a1": {"a1": 0.8},
+            "local:a2": {"a2": 0.6},
+            "local:b1": {"b1": 0.7},
+            "local:b2": {"b2": 0.5},
+        }
+    )
     assert ev.relatives("a1") == [("client", "a1"), ("edge", "A"), ("root", "root"), ("local_only", "local:a1")]
     assert ev.relatives("a2") == [("edge", "A"), ("root", "root"), ("local_only", "local:a2")]
     h = ev.headline()
@@ -123,10 +136,14 @@ def test_relatives_headline_and_gain_over_local_only():
 
 def test_gain_is_positive_when_lower_perplexity():
     t = tree()
-    ev = Evaluation.from_stats(t, MLM, {
-        "A": {c: torch.tensor([2.0, 1.0]) for c in ("a1", "a2", "b1", "b2", "proxy")},
-        "local:a1": {c: torch.tensor([3.0, 1.0]) for c in ("a1", "a2", "b1", "b2", "proxy")},
-    })
+    ev = Evaluation.from_stats(
+        t,
+        MLM,
+        {
+            "A": {c: torch.tensor([2.0, 1.0]) for c in ("a1", "a2", "b1", "b2", "proxy")},
+            "local:a1": {c: torch.tensor([3.0, 1.0]) for c in ("a1", "a2", "b1", "b2", "proxy")},
+        },
+    )
     h = ev.headline()
     assert h["gain_vs_local/edge/perplexity_mean"] == pytest.approx(math.exp(3) - math.exp(2))
     assert h["gain_vs_local/edge/perplexity_share_better"] == 1.0
@@ -143,12 +160,15 @@ def test_proximity_distances_and_hypothesis_shares():
     # a1: own 0.9 > A 0.7 > root 0.5 > B 0.3 (d 0, 1, 2, 3): holds by rank and on the path.
     # b1: own 0.6 < B 0.8 (parent better than own): fails on the path; rank over
     #     (d0 0.6, d1 0.8, d2 0.5, d3 A 0.1) -> rho(distance, quality) = -0.4 < 0: holds by rank.
-    ev = accuracy_eval({
-        "root": {"a1": 0.5, "a2": 0.5, "b1": 0.5, "b2": 0.5},
-        "A": {"a1": 0.7, "a2": 0.6, "b1": 0.1, "b2": 0.1},
-        "B": {"a1": 0.3, "a2": 0.3, "b1": 0.8, "b2": 0.4},
-        "a1": {"a1": 0.9}, "b1": {"b1": 0.6},
-    })
+    ev = accuracy_eval(
+        {
+            "root": {"a1": 0.5, "a2": 0.5, "b1": 0.5, "b2": 0.5},
+            "A": {"a1": 0.7, "a2": 0.6, "b1": 0.1, "b2": 0.1},
+            "B": {"a1": 0.3, "a2": 0.3, "b1": 0.8, "b2": 0.4},
+            "a1": {"a1": 0.9},
+            "b1": {"b1": 0.6},
+        }
+    )
     p = analyse(ev)
     pair = {(x.model, x.client): x for x in p.pairs}
     assert pair[("A", "a1")].distance == 1 and pair[("B", "a1")].distance == 3
@@ -177,8 +197,11 @@ def test_proximity_distances_and_hypothesis_shares():
 def test_proximity_flips_sign_for_perplexity():
     t = tree()
     low, high = torch.tensor([0.0, 1.0]), torch.tensor([2.0, 1.0])  # perplexity 1 (good) and e^2 (bad)
-    stats = {"A": {c: (low if c.startswith("a") else high) for c in ("a1", "a2", "b1", "b2")},
-             "B": {c: high for c in ("a1", "a2", "b1", "b2")}, "root": {c: high for c in ("a1", "a2", "b1", "b2")}}
+    stats = {
+        "A": {c: (low if c.startswith("a") else high) for c in ("a1", "a2", "b1", "b2")},
+        "B": {c: high for c in ("a1", "a2", "b1", "b2")},
+        "root": {c: high for c in ("a1", "a2", "b1", "b2")},
+    }
     for s in stats.values():
         s["proxy"] = low
     p = analyse(Evaluation.from_stats(t, MLM, stats))
@@ -191,8 +214,12 @@ def test_proximity_flips_sign_for_perplexity():
 def test_communication_bytes_per_level_by_hand():
     t = tree()
     history = {
-        "root": {"comm/down_models": {1: 2, 2: 2}, "comm/up_models": {1: 2, 2: 2},
-                 "comm/res_down_models": {1: 2, 2: 2}, "comm/res_up_models": {1: 0, 2: 0}},
+        "root": {
+            "comm/down_models": {1: 2, 2: 2},
+            "comm/up_models": {1: 2, 2: 2},
+            "comm/res_down_models": {1: 2, 2: 2},
+            "comm/res_up_models": {1: 0, 2: 0},
+        },
         "A": {"comm/down_models": {1: 2, 2: 1}, "comm/up_models": {1: 2, 2: 1}, "comm/res_up_models": {1: 1, 2: 1}},
     }
     rows = comm.comm_rows(t, history, num_params=10)

@@ -75,8 +75,7 @@ def test_node_up_aggregates_selects_residuals_and_folds_its_inbox():
     # and posts it with its weight (total [0, 12], weight 3). The node's own R_up holds
     # [2, 0] (weight 2): its NODEOPT (FedAvg, eta 0.5) steps from theta_t to [1, 0], and
     # that step is added to the regular one: [0.5, 3] + [1, 0] = [1.5, 3].
-    settings = NodeSettings(res_up=(UpLink(0, "root", k=1, select="l2"),),
-                            res_in=(("up1", NodeOptParams(eta=0.5)),))
+    settings = NodeSettings(res_up=(UpLink(0, "root", k=1, select="l2"),), res_in=(("up1", NodeOptParams(eta=0.5)),))
     report = ChildrenReport()
     candidates = [Candidate("c1", t(2, 0), 1.0), Candidate("c2", t(0, 4), 3.0)]
     for c in candidates:
@@ -114,8 +113,10 @@ def test_node_up_with_no_children_or_all_dropped_changes_nothing():
 
 def test_down_posts_send_the_round_model_with_weight_one():
     posts = down_posts(t(2, 5), NodeSettings(res_down=(DownLink(0, "c1"), DownLink(3, "c2"))))
-    assert [(p.target, p.kind, p.models, p.part.weight) for p in posts] == [("c1", "down0", 1, 1.0),
-                                                                              ("c2", "down3", 1, 1.0)]
+    assert [(p.target, p.kind, p.models, p.part.weight) for p in posts] == [
+        ("c1", "down0", 1, 1.0),
+        ("c2", "down3", 1, 1.0),
+    ]
     assert all(p.part.mean().tolist() == [2.0, 5.0] for p in posts)
 
 

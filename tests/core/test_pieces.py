@@ -2,17 +2,18 @@
 
 import subprocess
 import sys
+from dataclasses import FrozenInstanceError
 
 import pytest
 import torch
 
 from bhfl_core.algorithm.aggregation import WeightedSum
+from bhfl_core.algorithm.node_opt import NodeOptParams
+from bhfl_core.algorithm.node_state import NodeState
 from bhfl_core.analysis.evaluation import worst_fraction_mean
 from bhfl_core.learning.metrics import accuracy, macro_f1
-from bhfl_core.algorithm.node_opt import NodeOptParams
 from bhfl_core.learning.params import get_flat, set_flat
 from bhfl_core.placement import split_by_load
-from bhfl_core.algorithm.node_state import NodeState
 from bhfl_core.store.node_store import StateStore
 
 
@@ -50,7 +51,7 @@ def test_split_by_load_balances_and_is_deterministic():
     items = ["a", "b", "c", "d", "e"]
     loads = [10, 1, 9, 2, 8]
     plan = split_by_load(items, loads, 2)
-    assert sorted(sum(plan, [])) == items
+    assert sorted(item for batch in plan for item in batch) == items
     totals = sorted(sum(loads[items.index(i)] for i in b) for b in plan)
     assert totals == [13, 17]  # LPT: a(10)->w0, c(9)->w1, e(8)->w1, d(2)->w0, b(1)->w0
     assert plan == split_by_load(items, loads, 2)
@@ -60,7 +61,9 @@ def test_split_by_load_balances_and_is_deterministic():
 def test_state_store_roundtrip_and_atomicity(tmp_path):
     store = StateStore(tmp_path)
     assert store.load("x") == NodeState()
-    st = NodeState(torch.arange(4.0), {"m": torch.ones(4), "step": torch.tensor(3)}, {"v": torch.zeros(4)}, rounds_done=5)
+    st = NodeState(
+        torch.arange(4.0), {"m": torch.ones(4), "step": torch.tensor(3)}, {"v": torch.zeros(4)}, rounds_done=5
+    )
     store.save("x", st)
     back = store.load("x")
     assert torch.equal(back.model, st.model) and back.rounds_done == 5
@@ -106,7 +109,7 @@ def test_core_never_imports_prefect_or_mlflow():
 
 
 def test_node_opt_params_frozen():
-    with pytest.raises(Exception):
+    with pytest.raises(FrozenInstanceError):
         NodeOptParams().eta = 2.0  # type: ignore[misc]
 
 
@@ -116,14 +119,32 @@ def test_grouped_confusions_equal_split_by_split_scoring():
     from bhfl_core.learning.models import build_model
 
     labels = ["a", "b", "c"]
-    model = build_model(ModelConfig(tiny={"vocab_size": 100, "hidden_size": 16, "num_hidden_layers": 1,
-                                               "num_attention_heads": 2, "intermediate_size": 32}), "classification", labels, 100, 0, 3)
+    model = build_model(
+        ModelConfig(
+            tiny={
+                "vocab_size": 100,
+                "hidden_size": 16,
+                "num_hidden_layers": 1,
+                "num_attention_heads": 2,
+                "intermediate_size": 32,
+            }
+        ),
+        "classification",
+        labels,
+        100,
+        0,
+        3,
+    )
     g = torch.Generator().manual_seed(0)
     n, width = 23, 12
     lengths = torch.randint(2, width + 1, (n,), generator=g)
     mask = (torch.arange(width)[None, :] < lengths[:, None]).long()
-    data = {"input_ids": torch.randint(5, 100, (n, width), generator=g) * mask, "attention_mask": mask,
-            "token_type_ids": torch.zeros(n, width, dtype=torch.long), "labels": torch.randint(0, 3, (n,), generator=g)}
+    data = {
+        "input_ids": torch.randint(5, 100, (n, width), generator=g) * mask,
+        "attention_mask": mask,
+        "token_type_ids": torch.zeros(n, width, dtype=torch.long),
+        "labels": torch.randint(0, 3, (n,), generator=g),
+    }
     groups = torch.randint(0, 4, (n,), generator=g)
     together = grouped_confusions(model, data, groups, 4, 3, batch_size=5, device=torch.device("cpu"))
     model.eval()

@@ -41,7 +41,8 @@ def makespan(assignments, jobs, seconds) -> float:
 
 job_lists = st.lists(st.integers(0, 60), max_size=30).map(lambda sizes: [Job(f"c{i}", b) for i, b in enumerate(sizes)])
 slot_lists = st.lists(st.sampled_from(["cpu", "fast", "slow"]), min_size=1, max_size=6).map(
-    lambda kinds: [Slot(f"w{k}", "cuda:0" if kind != "cpu" else "cpu", kind) for k, kind in enumerate(kinds)])
+    lambda kinds: [Slot(f"w{k}", "cuda:0" if kind != "cpu" else "cpu", kind) for k, kind in enumerate(kinds)]
+)
 models = st.sampled_from([None, TimeModel(), fitted({"fast": 4.0}), fitted({"fast": 4.0, "slow": 1.0}, a=0.5)])
 
 
@@ -97,9 +98,12 @@ speed_of = {"fast": 4.0, "slow": 1.0}
 
 
 @settings(max_examples=300, deadline=None, derandomize=True)
-@given(jobs=st.lists(st.integers(1, 60), min_size=1, max_size=30).map(
-           lambda sizes: [Job(f"c{i}", b) for i, b in enumerate(sizes)]),
-       kinds=st.lists(st.sampled_from(["fast", "slow"]), min_size=2, max_size=5).filter(lambda k: len(set(k)) == 2))
+@given(
+    jobs=st.lists(st.integers(1, 60), min_size=1, max_size=30).map(
+        lambda sizes: [Job(f"c{i}", b) for i, b in enumerate(sizes)]
+    ),
+    kinds=st.lists(st.sampled_from(["fast", "slow"]), min_size=2, max_size=5).filter(lambda k: len(set(k)) == 2),
+)
 def test_learned_makespan_is_no_worse_than_lpt_on_heterogeneous_slots(jobs, kinds):
     """Greedy earliest-finish is not optimal, so this is empirical (derandomized): with a 4x gap no cohort of
     150 000 random ones lost to lpt; with a 1.5x gap about 1 in 1000 does, by a few per cent."""
@@ -171,13 +175,16 @@ def test_time_model_fallbacks_never_predict_negative_or_decreasing_time():
     assert model.line("zero") == (1.5, 0.0)
 
 
-@pytest.mark.parametrize("jobs, slots, policy, message", [
-    ([Job("a", 1)], CPU, "fastest", "unknown placement policy 'fastest'"),
-    ([Job("a", 1)], [], "lpt", "at least one worker slot"),
-    ([Job("a", 1), Job("b", 2), Job("a", 3)], CPU, "lpt", r"job ids must be unique, got \['a'\]"),
-    ([Job("a", -1)], CPU, "lpt", "negative batches"),
-    ([Job("a", 1)], [CPU[0], CPU[0]], "lpt", "slot names must be unique"),
-])
+@pytest.mark.parametrize(
+    "jobs, slots, policy, message",
+    [
+        ([Job("a", 1)], CPU, "fastest", "unknown placement policy 'fastest'"),
+        ([Job("a", 1)], [], "lpt", "at least one worker slot"),
+        ([Job("a", 1), Job("b", 2), Job("a", 3)], CPU, "lpt", r"job ids must be unique, got \['a'\]"),
+        ([Job("a", -1)], CPU, "lpt", "negative batches"),
+        ([Job("a", 1)], [CPU[0], CPU[0]], "lpt", "slot names must be unique"),
+    ],
+)
 def test_placement_refuses_bad_input(jobs, slots, policy, message):
     with pytest.raises(ValueError, match=message):
         place(jobs, slots, policy)
@@ -189,7 +196,9 @@ def test_utilisation_by_hand():
     assert utilisation({"a": [(0, 10)], "b": []}, 2, (0, 10)) == (0.5, 0.0)
     # overlapping intervals of one worker merge; everything is clipped to the span
     assert utilisation({"a": [(-5, 4), (2, 6), (8, 30)], "b": [(3, 9)]}, 2, (0, 10)) == (
-        pytest.approx((6 + 2 + 6) / 20), pytest.approx((3 + 1) / 10))
+        pytest.approx((6 + 2 + 6) / 20),
+        pytest.approx((3 + 1) / 10),
+    )
     three = {"a": [(0, 4), (6, 10)], "b": [(1, 7)], "c": [(2, 9)]}
     assert utilisation(three, 3, (0, 10)) == (pytest.approx((8 + 6 + 7) / 30), pytest.approx((4 - 2 + 7 - 6) / 10))
     assert all(math.isnan(v) for v in utilisation({"a": [(0, 1)]}, 1, (5, 5)))
@@ -198,8 +207,10 @@ def test_utilisation_by_hand():
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.lists(st.tuples(st.integers(-5, 25), st.integers(0, 10)), max_size=4), min_size=1, max_size=4),
-       st.integers(0, 1))
+@given(
+    st.lists(st.lists(st.tuples(st.integers(-5, 25), st.integers(0, 10)), max_size=4), min_size=1, max_size=4),
+    st.integers(0, 1),
+)
 def test_utilisation_agrees_with_counting_unit_steps(raw, idle_slots):
     intervals = {f"w{k}": [(a, a + d) for a, d in ivs] for k, ivs in enumerate(raw)}
     slots, span = len(raw) + idle_slots, (0, 20)

@@ -18,20 +18,19 @@ def test_a_value_with_a_comma_and_a_quote_round_trips():
 def test_a_node_name_with_a_comma_stays_one_field_in_the_matrix():
     text = matrix_csv([EvalRow("edge,1", 1, 'test "a"', "accuracy", 0.25)])
     assert list(csv.DictReader(io.StringIO(text))) == [
-        {"node": "edge,1", "level": "1", "test_set": 'test "a"', "metric": "accuracy", "value": "0.250000"}]
+        {"node": "edge,1", "level": "1", "test_set": 'test "a"', "metric": "accuracy", "value": "0.250000"}
+    ]
 
 
 def test_ordinary_output_is_unchanged():
     assert matrix_csv([]) == "node,level,test_set,metric,value\n"
     assert matrix_csv([EvalRow("root", 0, "union", "accuracy", 0.8125), EvalRow("e1", 1, "c3", "macro_f1", 1 / 3)]) == (
-        "node,level,test_set,metric,value\n"
-        "root,0,union,accuracy,0.812500\n"
-        "e1,1,c3,macro_f1,0.333333\n"
+        "node,level,test_set,metric,value\nroot,0,union,accuracy,0.812500\ne1,1,c3,macro_f1,0.333333\n"
     )
-    rows = [CommRow(0, "root", 1, "down", "regular", 3.0, 3.0 * 10 * 4),
-            CommRow(1, "e1", 2, "up", "residual", 0.5, 20.0)]
+    rows = [
+        CommRow(0, "root", 1, "down", "regular", 3.0, 3.0 * 10 * 4),
+        CommRow(1, "e1", 2, "up", "residual", 0.5, 20.0),
+    ]
     assert rows_csv(rows) == (
-        "level,node,round,direction,kind,models,bytes\n"
-        "0,root,1,down,regular,3,120\n"
-        "1,e1,2,up,residual,0.5,20\n"
+        "level,node,round,direction,kind,models,bytes\n0,root,1,down,regular,3,120\n1,e1,2,up,residual,0.5,20\n"
     )

@@ -42,8 +42,12 @@ def _table(rows=13, width=12, seed=0):
     lengths = torch.randint(3, width + 1, (rows,), generator=g)
     attention = (torch.arange(width)[None, :] < lengths[:, None]).long()
     ids = torch.randint(5, VOCAB, (rows, width), generator=g) * attention
-    return {"input_ids": ids, "attention_mask": attention, "token_type_ids": torch.zeros_like(ids),
-            "labels": torch.randint(0, 3, (rows,), generator=g)}
+    return {
+        "input_ids": ids,
+        "attention_mask": attention,
+        "token_type_ids": torch.zeros_like(ids),
+        "labels": torch.randint(0, 3, (rows,), generator=g),
+    }
 
 
 def test_lookup_and_requirements():
@@ -68,13 +72,18 @@ def test_model_class_head_and_metrics_of_each_kind():
     assert cls.head(["x", "y"]) == {"num_labels": 2, "id2label": {0: "x", 1: "y"}, "label2id": {"x": 0, "y": 1}}
     assert mlm.head(["x", "y"]) == {}
     assert task_metrics("classification") is cls.metrics and task_metrics("mlm") is mlm.metrics
-    assert (cls.metrics.task, cls.metrics.primary, cls.metrics.names) == ("classification", "accuracy",
-                                                                          ("accuracy", "macro_f1"))
+    assert (cls.metrics.task, cls.metrics.primary, cls.metrics.names) == (
+        "classification",
+        "accuracy",
+        ("accuracy", "macro_f1"),
+    )
     assert cls.metrics.better("macro_f1") and not mlm.metrics.better("perplexity")
     assert mlm.metrics.primary == "perplexity"
     confusions = torch.tensor([[[3, 1], [0, 2]], [[0, 0], [0, 0]]])
-    for got, want in [(cls.metrics.batch(confusions), classification_batch(confusions)),
-                      (mlm.metrics.batch(torch.tensor([[6.0, 3.0]])), lm_batch(torch.tensor([[6.0, 3.0]])))]:
+    for got, want in [
+        (cls.metrics.batch(confusions), classification_batch(confusions)),
+        (mlm.metrics.batch(torch.tensor([[6.0, 3.0]])), lm_batch(torch.tensor([[6.0, 3.0]]))),
+    ]:
         assert got.keys() == want.keys()
         for k in got:
             torch.testing.assert_close(got[k], want[k], rtol=0, atol=0, equal_nan=True)
@@ -97,8 +106,16 @@ def test_scorers_are_the_grouped_statistics():
     assert torch.equal(got, grouped_confusions(classifier, data, groups, 3, 3, 4, CPU))
     lm = build_model(TINY, "mlm", [], VOCAB, 0, 3)
     got = get_task_kind("mlm").score(lm, data, groups, 3, 4, CPU, _facts("mlm"))
-    want = grouped_lm_stats(lm, data, groups, 3, 4, CPU, derive_seed(11, "eval", "mlm-masks"),
-                            masking=MaskingSpec(SPECIAL, MASK, VOCAB, 0.3))
+    want = grouped_lm_stats(
+        lm,
+        data,
+        groups,
+        3,
+        4,
+        CPU,
+        derive_seed(11, "eval", "mlm-masks"),
+        masking=MaskingSpec(SPECIAL, MASK, VOCAB, 0.3),
+    )
     assert torch.equal(got, want) and float(got[:, 1].sum()) > 0
 
 
@@ -106,8 +123,14 @@ def test_registering_a_kind_makes_configs_and_manifests_accept_it(monkeypatch):
     monkeypatch.setattr(task_kinds, "_REGISTRY", dict(task_kinds._REGISTRY))
     cls = get_task_kind("classification")
     metrics = TaskMetrics("regression", lm_batch, ("loss",), {"loss": False}, "loss")
-    kind = TaskKind("regression", "AutoModelForSequenceClassification", lambda labels: {"num_labels": 1},
-                    lambda facts: None, cls.score, metrics)
+    kind = TaskKind(
+        "regression",
+        "AutoModelForSequenceClassification",
+        lambda labels: {"num_labels": 1},
+        lambda facts: None,
+        cls.score,
+        metrics,
+    )
     assert register_task_kind(kind) is kind and get_task_kind("regression") is kind
     assert load_config(REPO / "configs" / "embedded.yaml", ["data.task=regression"]).data.task == "regression"
     with pytest.raises(ValueError, match="already registered"):
@@ -122,12 +145,25 @@ def test_config_and_manifest_with_an_unknown_task_name_the_key():
     assert "data.task: unknown task 'regression'; available: ['classification', 'mlm']" in str(err.value)
     shard = Shard(path="x", size=0, label_hist=[])
     with pytest.raises(ValidationError) as err:
-        Manifest(fingerprint="f", source="s", task="regression", labels=[], tokenizer="t", vocab_size=VOCAB,
-                 pad_token_id=0, clients=[], proxy_train=shard, proxy_test=shard, unused_pool_rows=0)
+        Manifest(
+            fingerprint="f",
+            source="s",
+            task="regression",
+            labels=[],
+            tokenizer="t",
+            vocab_size=VOCAB,
+            pad_token_id=0,
+            clients=[],
+            proxy_train=shard,
+            proxy_test=shard,
+            unused_pool_rows=0,
+        )
     assert err.value.errors()[0]["loc"] == ("task",) and "unknown task 'regression'" in str(err.value)
 
 
 def test_the_registry_and_the_config_schema_do_not_import_transformers():
-    code = ("import sys, bhfl_core.learning.task_kinds; assert 'torch' not in sys.modules, 'torch'; "
-            "import bhfl_core.config.schema; assert 'transformers' not in sys.modules, 'transformers'")
+    code = (
+        "import sys, bhfl_core.learning.task_kinds; assert 'torch' not in sys.modules, 'torch'; "
+        "import bhfl_core.config.schema; assert 'transformers' not in sys.modules, 'transformers'"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)

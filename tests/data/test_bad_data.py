@@ -17,8 +17,9 @@ from tests.small import small_config
 
 
 def _xglue(folder, languages="[en, de, fr]", config="nc", *extra):
-    return small_config(f"data.source={{kind: xglue, config: {config}, local_dir: '{folder}', languages: {languages}}}",
-                        *extra)
+    return small_config(
+        f"data.source={{kind: xglue, config: {config}, local_dir: '{folder}', languages: {languages}}}", *extra
+    )
 
 
 def _prepare_fails(cfg, cache, error, pattern):
@@ -31,8 +32,12 @@ def _prepare_fails(cfg, cache, error, pattern):
 def test_corrupt_parquet_file_is_named(tmp_path):
     folder = write_xglue_nc(tmp_path / "xglue")
     (folder / "nc" / "validation.de.parquet").write_bytes(b"PAR1 this is not a parquet file")
-    _prepare_fails(_xglue(folder), tmp_path / "cache", DataSourceError,
-                   r"data.source.local_dir: could not load parquet files .*validation.de.parquet.*point the config")
+    _prepare_fails(
+        _xglue(folder),
+        tmp_path / "cache",
+        DataSourceError,
+        r"data.source.local_dir: could not load parquet files .*validation.de.parquet.*point the config",
+    )
 
 
 def test_labels_outside_the_label_set(tmp_path):
@@ -41,16 +46,21 @@ def test_labels_outside_the_label_set(tmp_path):
     labels = broken.column("label").to_pylist()
     labels[3], labels[7] = -1, 5  # an unlabelled row and a class XNLI does not have
     pq.write_table(broken.set_column(2, "label", pa.array(labels)), folder / "xnli" / "validation.de.parquet")
-    _prepare_fails(_xglue(folder, "[en, de]", "xnli", "tree.groups={}"), tmp_path / "cache", DataSourceError,
-                   r"split 'validation.de' .* has labels \[-1, 5\] outside the label set \(class ids 0..2\)")
+    _prepare_fails(
+        _xglue(folder, "[en, de]", "xnli", "tree.groups={}"),
+        tmp_path / "cache",
+        DataSourceError,
+        r"split 'validation.de' .* has labels \[-1, 5\] outside the label set \(class ids 0..2\)",
+    )
 
 
 def test_missing_text_column(tmp_path):
     folder = write_xglue_nc(tmp_path / "xglue")
     table = pq.read_table(folder / "nc" / "validation.fr.parquet").drop(["news_body"])
     pq.write_table(table, folder / "nc" / "validation.fr.parquet")
-    _prepare_fails(_xglue(folder), tmp_path / "cache", DataSourceError,
-                   r"data.source \(fr\): columns \['news_body'\] not found")
+    _prepare_fails(
+        _xglue(folder), tmp_path / "cache", DataSourceError, r"data.source \(fr\): columns \['news_body'\] not found"
+    )
 
 
 def test_too_few_rows_for_the_clients_of_a_language(tmp_path):

@@ -30,7 +30,9 @@ def test_languages_have_own_vocabulary_priors_and_conflicting_cues():
     # the same shared cue slot signals different categories in different languages
     assert any(len(set(slots[:, c])) > 1 for c in range(len(CATEGORIES)))
     cues, neutral = _shared_vocab(seed)
-    docs = list(generate_pool(seed, "en", 200, 0.6, 0.25)["news_body"]) + list(generate_pool(seed, "ru", 200, 0.6, 0.25)["news_body"])
+    docs = list(generate_pool(seed, "en", 200, 0.6, 0.25)["news_body"]) + list(
+        generate_pool(seed, "ru", 200, 0.6, 0.25)["news_body"]
+    )
     shared = {w for c in cues for w in c} | set(neutral)
     assert sum(any(w in shared for w in d.split()) for d in docs) == len(docs)  # shared tokens in every language
 
@@ -67,16 +69,25 @@ def test_cue_words_predict_labels_within_a_language_not_across():
 
 def _spec(clients, alpha, median, sigma, min_size, proxy_train, proxy_test):
     return DataConfig(
-        source=EmbeddedSource(languages=["en", "fr"]), clients_per_language=clients, dirichlet_alpha=alpha,
-        sizes=SizeDistribution(median=median, sigma=sigma, min=min_size, max=400), test_fraction=0.2,
+        source=EmbeddedSource(languages=["en", "fr"]),
+        clients_per_language=clients,
+        dirichlet_alpha=alpha,
+        sizes=SizeDistribution(median=median, sigma=sigma, min=min_size, max=400),
+        test_fraction=0.2,
         proxy=ProxySpec(train_per_language=proxy_train, test_per_language=proxy_test),
     )
 
 
 @settings(max_examples=25, deadline=None)
 @given(
-    clients=st.integers(1, 6), alpha=st.floats(0.05, 5.0), median=st.integers(5, 60), sigma=st.floats(0.0, 1.5),
-    min_size=st.integers(2, 10), proxy_train=st.integers(0, 30), proxy_test=st.integers(0, 30), seed=st.integers(0, 10**6),
+    clients=st.integers(1, 6),
+    alpha=st.floats(0.05, 5.0),
+    median=st.integers(5, 60),
+    sigma=st.floats(0.0, 1.5),
+    min_size=st.integers(2, 10),
+    proxy_train=st.integers(0, 30),
+    proxy_test=st.integers(0, 30),
+    seed=st.integers(0, 10**6),
 )
 def test_partition_properties(clients, alpha, median, sigma, min_size, proxy_train, proxy_test, seed):
     spec = _spec(clients, alpha, median, sigma, min_size, proxy_train, proxy_test)

@@ -17,25 +17,44 @@ LANGS = ("en", "fr", "ru")
 def _spec(clients, alpha, sizes, proxy_train, proxy_test, external):
     source = ProxySource(data_files="unused.parquet", label_column="label") if external else None
     return DataConfig(
-        source=EmbeddedSource(languages=list(LANGS)), clients_per_language=clients, dirichlet_alpha=alpha,
-        sizes=sizes, test_fraction=0.25,
+        source=EmbeddedSource(languages=list(LANGS)),
+        clients_per_language=clients,
+        dirichlet_alpha=alpha,
+        sizes=sizes,
+        test_fraction=0.25,
         proxy=ProxySpec(train_per_language=proxy_train, test_per_language=proxy_test, source=source),
     )
 
 
 sizes_strategy = st.one_of(
-    st.builds(lambda m, s, lo: SizeDistribution(distribution="lognormal", median=m, sigma=s, min=lo, max=300),
-              st.integers(5, 60), st.floats(0.0, 1.5), st.integers(2, 12)),
-    st.builds(lambda e, lo: SizeDistribution(distribution="powerlaw", exponent=e, min=lo, max=300),
-              st.floats(0.3, 3.0), st.integers(2, 12)),
+    st.builds(
+        lambda m, s, lo: SizeDistribution(distribution="lognormal", median=m, sigma=s, min=lo, max=300),
+        st.integers(5, 60),
+        st.floats(0.0, 1.5),
+        st.integers(2, 12),
+    ),
+    st.builds(
+        lambda e, lo: SizeDistribution(distribution="powerlaw", exponent=e, min=lo, max=300),
+        st.floats(0.3, 3.0),
+        st.integers(2, 12),
+    ),
 )
 
 
 @settings(max_examples=40, deadline=None)
-@given(clients=st.integers(1, 5), alpha=st.floats(0.05, 5.0), sizes=sizes_strategy, proxy_train=st.integers(0, 20),
-       proxy_test=st.integers(0, 20), external=st.booleans(), spare=st.integers(0, 30), seed=st.integers(0, 10**6))
-def test_partition_is_disjoint_covering_sized_and_reproducible(clients, alpha, sizes, proxy_train, proxy_test, external,
-                                                               spare, seed):
+@given(
+    clients=st.integers(1, 5),
+    alpha=st.floats(0.05, 5.0),
+    sizes=sizes_strategy,
+    proxy_train=st.integers(0, 20),
+    proxy_test=st.integers(0, 20),
+    external=st.booleans(),
+    spare=st.integers(0, 30),
+    seed=st.integers(0, 10**6),
+)
+def test_partition_is_disjoint_covering_sized_and_reproducible(
+    clients, alpha, sizes, proxy_train, proxy_test, external, spare, seed
+):
     spec = _spec(clients, alpha, sizes, proxy_train, proxy_test, external)
     n = {lang: pool_size_needed(spec, seed, lang) + spare for lang in LANGS}
     languages = np.concatenate([np.full(n[lang], lang) for lang in LANGS])
@@ -73,7 +92,7 @@ def test_separate_proxy_draw_is_disjoint_balanced_and_seeded():
     assert list(langs[train]) == ["en"] * 15 + ["de"] * 15  # grouped by language, in config order
     assert (train, test) == draw_proxy(langs, ["en", "de"], 15, 10, seed=1)
     assert draw_proxy(langs, ["en", "de"], 15, 10, seed=2) != (train, test)
-    with pytest.raises(PartitionError, match="data.proxy: the proxy corpus has 40 rows of language 'de'"):
+    with pytest.raises(PartitionError, match=r"data\.proxy: the proxy corpus has 40 rows of language 'de'"):
         draw_proxy(langs, ["en", "de"], 30, 20, seed=1)
 
 
@@ -107,7 +126,9 @@ def test_token_features_are_mean_hashed_token_frequencies():
 
 
 def test_kmeans_edges_build_the_tree_with_cluster_groups():
-    cfg = small_config("data.clustering={kind: kmeans, clusters: 2}", "tree.groups={g1: [c0], g2: [c1]}", "tree.edge.cohort=1")
+    cfg = small_config(
+        "data.clustering={kind: kmeans, clusters: 2}", "tree.groups={g1: [c0], g2: [c1]}", "tree.edge.cohort=1"
+    )
     assert isinstance(cfg.data.clustering, KMeansClustering)
     clients = [ClientSplit(f"{lang}-0{i}", lang, [0], [1]) for lang in ("en", "de", "fr") for i in range(3)]
     hists = np.array([[9, 1], [8, 0], [0, 7], [9, 0], [1, 9], [0, 8], [7, 1], [0, 9], [8, 2]], dtype=float)
@@ -119,20 +140,43 @@ def test_kmeans_edges_build_the_tree_with_cluster_groups():
     assert tree["en-00"].group == "en" and tree["edge-c1"].group == "c1"  # clients keep their language (proxy shares)
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["data.clustering={edges_per_language: 4}"], "data: clustering.edges_per_language (4) exceeds clients_per_language (3)"),
-    (["data.clustering={kind: kmeans, clusters: 10}", "tree.groups={}"], "clustering.clusters (10) exceeds the number of clients (9)"),
-    (["data.clustering={kind: kmeans, clusters: 2}"], "tree.groups.west: cluster 'en' is not in data.clustering (k-means clusters) ['c0', 'c1']"),
-    (["data.clustering={kind: kmeans, features: words}"], "data.clustering.features: Input should be 'label_hist' or 'tokens'"),
-    (["data.source={kind: hub}"], "data.source: kind must be one of: embedded, xglue"),
-    (["data.source={kind: xglue, config: paws-x, languages: [en, ru]}"], "data.source: languages ['ru'] are not in XGLUE 'paws-x'"),
-    (["data.proxy.source={repo: some/corpus}"], "proxy.source.label_column: a classification task trains on proxy labels"),
-    (["data.task=mlm", "data.proxy.source={repo: a/b, data_files: x.parquet}"], "set exactly one of repo"),
-    (["data.task=mlm", "data.proxy.source={repo: a/b}", "data.proxy.servers=[root, west]"],
-     "proxy.servers: only the root can hold a proxy corpus without languages"),
-    (["data.sizes={distribution: zipf}"], "data.sizes.distribution: Input should be 'lognormal' or 'powerlaw'"),
-    (["model.truncation=middle"], "model.truncation"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["data.clustering={edges_per_language: 4}"],
+            "data: clustering.edges_per_language (4) exceeds clients_per_language (3)",
+        ),
+        (
+            ["data.clustering={kind: kmeans, clusters: 10}", "tree.groups={}"],
+            "clustering.clusters (10) exceeds the number of clients (9)",
+        ),
+        (
+            ["data.clustering={kind: kmeans, clusters: 2}"],
+            "tree.groups.west: cluster 'en' is not in data.clustering (k-means clusters) ['c0', 'c1']",
+        ),
+        (
+            ["data.clustering={kind: kmeans, features: words}"],
+            "data.clustering.features: Input should be 'label_hist' or 'tokens'",
+        ),
+        (["data.source={kind: hub}"], "data.source: kind must be one of: embedded, xglue"),
+        (
+            ["data.source={kind: xglue, config: paws-x, languages: [en, ru]}"],
+            "data.source: languages ['ru'] are not in XGLUE 'paws-x'",
+        ),
+        (
+            ["data.proxy.source={repo: some/corpus}"],
+            "proxy.source.label_column: a classification task trains on proxy labels",
+        ),
+        (["data.task=mlm", "data.proxy.source={repo: a/b, data_files: x.parquet}"], "set exactly one of repo"),
+        (
+            ["data.task=mlm", "data.proxy.source={repo: a/b}", "data.proxy.servers=[root, west]"],
+            "proxy.servers: only the root can hold a proxy corpus without languages",
+        ),
+        (["data.sizes={distribution: zipf}"], "data.sizes.distribution: Input should be 'lognormal' or 'powerlaw'"),
+        (["model.truncation=middle"], "model.truncation"),
+    ],
+)
 def test_data_config_errors_name_the_key(overrides, message):
     from bhfl_core.config.base import ConfigError
 

@@ -66,9 +66,13 @@ def test_separate_proxy_corpus_per_language_for_masked_lm(tmp_path):
 
     for lang in ("en", "de", "fr"):
         Dataset.from_dict({"text": [f"{lang} web page {i} says w{i % 9}" for i in range(70)]}).to_parquet(
-            str(tmp_path / f"web.{lang}.parquet"))
-    cfg = small_config("data.task=mlm", f"data.proxy.source={{data_files: '{tmp_path}/web.{{lang}}.parquet'}}",
-                       "data.proxy.servers=[root, west]")
+            str(tmp_path / f"web.{lang}.parquet")
+        )
+    cfg = small_config(
+        "data.task=mlm",
+        f"data.proxy.source={{data_files: '{tmp_path}/web.{{lang}}.parquet'}}",
+        "data.proxy.servers=[root, west]",
+    )
     logs: list[str] = []
     prepared = prepare_data(cfg, tmp_path / "cache", log=logs.append)
     m = prepared.manifest
@@ -79,8 +83,11 @@ def test_separate_proxy_corpus_per_language_for_masked_lm(tmp_path):
     assert set(proxy) == {"input_ids", "attention_mask", "token_type_ids"}
     # nothing was carved from the client pool for the proxy: the clients drew from all of it
     assert m.unused_pool_rows + sum(c.train.size + c.test.size for c in m.clients) == sum(
-        int(n * 1.3) + 50 for n in (sum(c.train.size + c.test.size for c in m.clients if c.language == lang)
-                                    for lang in ("en", "de", "fr")))
+        int(n * 1.3) + 50
+        for n in (
+            sum(c.train.size + c.test.size for c in m.clients if c.language == lang) for lang in ("en", "de", "fr")
+        )
+    )
     # the tokenizer was trained on the proxy corpus (public text): its words are in the vocabulary
     tok = AutoTokenizer.from_pretrained(prepared.path(m.tokenizer))
     assert "web" in tok.get_vocab()

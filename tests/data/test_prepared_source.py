@@ -34,18 +34,36 @@ def write_folder(folder, proxy_test=12):
 
     def shard(n, relative):
         labels = rng.integers(0, LABELS, n)
-        Dataset.from_dict({"input_ids": rng.integers(2, VOCAB, (n, SEQ)).tolist(), "labels": labels.tolist()},
-                          features=FEATURES).save_to_disk(str(folder / relative))
+        Dataset.from_dict(
+            {"input_ids": rng.integers(2, VOCAB, (n, SEQ)).tolist(), "labels": labels.tolist()}, features=FEATURES
+        ).save_to_disk(str(folder / relative))
         return Shard(path=relative, size=n, label_hist=np.bincount(labels, minlength=LABELS).tolist())
 
-    clients = [ClientEntry(id=f"{lang}-{j:02d}", language=lang, edge=f"edge-{lang}", cluster=lang,
-                           train=shard(10 + 7 * j, f"clients/{lang}-{j:02d}/train"),
-                           test=shard(0, f"clients/{lang}-{j:02d}/test"))
-               for lang in LANGUAGES for j in range(2)]
-    Manifest(fingerprint="outside-0001", source="an outside tool", task="classification",
-             labels=[f"t{k}" for k in range(LABELS)], tokenizer="none (token ids)", vocab_size=VOCAB, pad_token_id=0,
-             clients=clients, proxy_train=shard(0, "proxy/train"), proxy_test=shard(proxy_test, "proxy/test"),
-             unused_pool_rows=0).write(folder)
+    clients = [
+        ClientEntry(
+            id=f"{lang}-{j:02d}",
+            language=lang,
+            edge=f"edge-{lang}",
+            cluster=lang,
+            train=shard(10 + 7 * j, f"clients/{lang}-{j:02d}/train"),
+            test=shard(0, f"clients/{lang}-{j:02d}/test"),
+        )
+        for lang in LANGUAGES
+        for j in range(2)
+    ]
+    Manifest(
+        fingerprint="outside-0001",
+        source="an outside tool",
+        task="classification",
+        labels=[f"t{k}" for k in range(LABELS)],
+        tokenizer="none (token ids)",
+        vocab_size=VOCAB,
+        pad_token_id=0,
+        clients=clients,
+        proxy_train=shard(0, "proxy/train"),
+        proxy_test=shard(proxy_test, "proxy/test"),
+        unused_pool_rows=0,
+    ).write(folder)
     return folder
 
 
@@ -114,19 +132,24 @@ def _shard_not_saved_by_datasets(folder):
     (folder / "proxy" / "test" / "state.json").unlink()
 
 
-@pytest.mark.parametrize("damage, pattern", [
-    (_no_manifest, r"^data.source.path: .*outside has no manifest.json; it must be a prepared-data folder"),
-    (_not_json, r"^data.source.path: .*outside/manifest.json is not a valid manifest \(top level: Invalid JSON"),
-    (_no_clients_key, r"^data.source.path: .*manifest.json is not a valid manifest \(clients: Field required\)"),
-    (_shard_gone, r"^data.source.path: shard\(s\) named in .*manifest.json are missing .*: clients/de-01/train$"),
-    (_shard_not_saved_by_datasets, r"^data.source.path: .*\(no state.json\): proxy/test$"),
-])
+@pytest.mark.parametrize(
+    "damage, pattern",
+    [
+        (_no_manifest, r"^data.source.path: .*outside has no manifest.json; it must be a prepared-data folder"),
+        (_not_json, r"^data.source.path: .*outside/manifest.json is not a valid manifest \(top level: Invalid JSON"),
+        (_no_clients_key, r"^data.source.path: .*manifest.json is not a valid manifest \(clients: Field required\)"),
+        (_shard_gone, r"^data.source.path: shard\(s\) named in .*manifest.json are missing .*: clients/de-01/train$"),
+        (_shard_not_saved_by_datasets, r"^data.source.path: .*\(no state.json\): proxy/test$"),
+    ],
+)
 def test_a_damaged_folder_is_one_line_naming_the_key_and_the_file(tmp_path, damage, pattern):
     folder = write_folder(tmp_path / "outside")
     damage(folder)
     cfg = prepared_config(folder)
-    for check in (lambda: prepare_data(cfg, tmp_path / "cache", log=lambda _: None),
-                  lambda: preflight(cfg, tmp_path / "cache")):  # the CLI's check before anything starts
+    for check in (
+        lambda: prepare_data(cfg, tmp_path / "cache", log=lambda _: None),
+        lambda: preflight(cfg, tmp_path / "cache"),
+    ):  # the CLI's check before anything starts
         with pytest.raises(ConfigError, match=pattern) as err:
             check()
         assert "\n" not in str(err.value)
@@ -137,10 +160,17 @@ def test_a_missing_folder_is_named(tmp_path):
         prepare_data(prepared_config(tmp_path / "nowhere"), tmp_path / "cache", log=lambda _: None)
 
 
-@pytest.mark.parametrize("extra, languages, pattern", [
-    ((), "[en, de]", r"^data.source.languages: \['de', 'en'\] but the clients of .* have languages \['de', 'en', 'fr'\]"),
-    (("data.task=mlm",), "[en, de, fr]", r"^data.task: 'mlm' but the data in .* is for task 'classification'"),
-])
+@pytest.mark.parametrize(
+    "extra, languages, pattern",
+    [
+        (
+            (),
+            "[en, de]",
+            r"^data.source.languages: \['de', 'en'\] but the clients of .* have languages \['de', 'en', 'fr'\]",
+        ),
+        (("data.task=mlm",), "[en, de, fr]", r"^data.task: 'mlm' but the data in .* is for task 'classification'"),
+    ],
+)
 def test_config_must_match_the_manifest(tmp_path, extra, languages, pattern):
     folder = write_folder(tmp_path / "outside")
     cfg = prepared_config(folder, "tree.groups={}", *extra, languages=languages)
@@ -148,10 +178,13 @@ def test_config_must_match_the_manifest(tmp_path, extra, languages, pattern):
         prepare_data(cfg, tmp_path / "cache", log=lambda _: None)
 
 
-@pytest.mark.parametrize("source, key", [
-    ("{kind: prepared, languages: [en]}", "path"),
-    ("{kind: prepared, path: somewhere}", "languages"),
-])
+@pytest.mark.parametrize(
+    "source, key",
+    [
+        ("{kind: prepared, languages: [en]}", "path"),
+        ("{kind: prepared, path: somewhere}", "languages"),
+    ],
+)
 def test_path_and_languages_are_required(source, key):
     # (the location may carry the union's tag, data.source.prepared.<key>: bhfl_core/config/loader.py's _UNIONS)
     with pytest.raises(ConfigError, match=rf"data\.source\.(prepared\.)?{key}: Field required"):
@@ -160,12 +193,14 @@ def test_path_and_languages_are_required(source, key):
 
 @pytest.mark.integration
 def test_an_experiment_runs_end_to_end_on_a_prepared_folder(tmp_path):
-    """The whole pipeline (no Prefect, this process's worker): training, evaluation with empty client test splits, report."""
+    """The whole pipeline (no Prefect, this process's worker): training, evaluation with empty client
+    test splits, report."""
     from flows.experiment import PLAIN_CALLS, run_experiment
 
     folder = write_folder(tmp_path / "outside")
-    cfg = prepared_config(folder, "tree.root.rounds=1", "tree.root.proxy_train=false", "eval.every=0",
-                          "runtime.executor=inprocess")
+    cfg = prepared_config(
+        folder, "tree.root.rounds=1", "tree.root.proxy_train=false", "eval.every=0", "runtime.executor=inprocess"
+    )
     result = run_experiment(cfg, tmp_path / "runs", orchestration=PLAIN_CALLS)
     assert 0.0 <= result["headline"]["root/proxy/accuracy"] <= 1.0  # the proxy test split is scored
     assert not (tmp_path / "runs" / "cache").exists()
@@ -176,5 +211,8 @@ def test_an_experiment_runs_end_to_end_on_a_prepared_folder(tmp_path):
     assert tags["bhfl.data_fingerprint"] == "outside-0001"  # the manifest's, not the folder's name
 
     with pytest.raises(ConfigError, match="has no proxy train split"):  # proxy training needs a proxy train split
-        run_experiment(prepared_config(folder, "tree.root.rounds=1", "runtime.executor=inprocess"), tmp_path / "runs",
-                       orchestration=PLAIN_CALLS)
+        run_experiment(
+            prepared_config(folder, "tree.root.rounds=1", "runtime.executor=inprocess"),
+            tmp_path / "runs",
+            orchestration=PLAIN_CALLS,
+        )

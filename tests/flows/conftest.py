@@ -23,9 +23,11 @@ DASK = str(Path(sys.executable).with_name("dask"))
 
 @pytest.fixture(scope="session", autouse=True)
 def prefect_backend():
-    with prefect_test_harness(server_startup_timeout=120):
-        with temporary_settings(updates={"flows.heartbeat_frequency": None}):
-            yield
+    with (
+        prefect_test_harness(server_startup_timeout=120),
+        temporary_settings(updates={"flows.heartbeat_frequency": None}),
+    ):
+        yield
 
 
 def _wait(predicate, timeout_s: float, what: str, procs: list[subprocess.Popen]) -> None:
@@ -47,25 +49,55 @@ def dask_cluster(tmp_path_factory):
     folder = tmp_path_factory.mktemp("dask")
     scheduler_file = folder / "scheduler.json"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    logs = open(folder / "cluster.log", "w")
-    common = {"env": env, "stdout": logs, "stderr": subprocess.STDOUT, "cwd": Path(__file__).resolve().parents[2]}
-    procs = [subprocess.Popen([DASK, "scheduler", "--host", "127.0.0.1", "--port", "0", "--no-dashboard",
-                               "--scheduler-file", str(scheduler_file)], **common)]
-    try:
-        _wait(scheduler_file.exists, 60, "dask scheduler", procs)
-        address = json.loads(scheduler_file.read_text())["address"]
-        for name in ("w0", "w1"):
-            procs.append(subprocess.Popen([DASK, "worker", address, "--name", name, "--nthreads", "1", "--host", "127.0.0.1",
-                                           "--no-dashboard", "--memory-limit", "0"], **common))
-        with Client(address, set_as_default=False) as client:
-            _wait(lambda: len(client.scheduler_info()["workers"]) == 2, 120, "dask workers", procs)
-        yield address
-    finally:
-        for proc in procs[::-1]:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        logs.close()
+    with open(folder / "cluster.log", "w") as logs:
+        common = {"env": env, "stdout": logs, "stderr": subprocess.STDOUT, "cwd": Path(__file__).resolve().parents[2]}
+        procs = [
+            subprocess.Popen(
+                [
+                    DASK,
+                    "scheduler",
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    "0",
+                    "--no-dashboard",
+                    "--scheduler-file",
+                    str(scheduler_file),
+                ],
+                **common,
+            )
+        ]
+        try:
+            _wait(scheduler_file.exists, 60, "dask scheduler", procs)
+            address = json.loads(scheduler_file.read_text())["address"]
+            for name in ("w0", "w1"):
+                procs.append(
+                    subprocess.Popen(
+                        [
+                            DASK,
+                            "worker",
+                            address,
+                            "--name",
+                            name,
+                            "--nthreads",
+                            "1",
+                            "--host",
+                            "127.0.0.1",
+                            "--no-dashboard",
+                            "--memory-limit",
+                            "0",
+                        ],
+                        **common,
+                    )
+                )
+            with Client(address, set_as_default=False) as client:
+                _wait(lambda: len(client.scheduler_info()["workers"]) == 2, 120, "dask workers", procs)
+            yield address
+        finally:
+            for proc in procs[::-1]:
+                proc.terminate()
+            for proc in procs:
+                try:
+                    proc.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    proc.kill()

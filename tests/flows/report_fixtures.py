@@ -12,6 +12,9 @@ def evaluated_runs(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("report-runs")
     tree = run_experiment(small_config("name=itest-report", "eval.local_only={}", "eval.local_adaptation={}"), root)
-    flat = run_experiment(small_config("name=itest-flat", "tree.flat=true", "tree.groups={}", "eval.every=0"),
-                          root, orchestration=PLAIN_CALLS)
+    flat = run_experiment(
+        small_config("name=itest-flat", "tree.flat=true", "tree.groups={}", "eval.every=0"),
+        root,
+        orchestration=PLAIN_CALLS,
+    )
     return root, tree, flat

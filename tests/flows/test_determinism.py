@@ -49,13 +49,25 @@ def test_bhfl_example_is_bit_identical_across_workers_executors_and_placements(t
 
     others = {
         "inline, this process, 1 worker": run_experiment(
-            small_config(*BASE, "runtime.executor=inprocess", config="bhfl.yaml"), tmp_path / "b", orchestration=PLAIN_CALLS),
+            small_config(*BASE, "runtime.executor=inprocess", config="bhfl.yaml"),
+            tmp_path / "b",
+            orchestration=PLAIN_CALLS,
+        ),
         "inline, local cluster of 4 workers, round robin": run_experiment(
             small_config(*BASE, "runtime.workers=4", "runtime.placement=round_robin", config="bhfl.yaml"),
-            tmp_path / "c", orchestration=PLAIN_CALLS),
+            tmp_path / "c",
+            orchestration=PLAIN_CALLS,
+        ),
         "Prefect, user-started Dask cluster, learned placement": run_experiment(
-            small_config(*BASE, "runtime.executor=cluster", f"runtime.cluster={dask_cluster}", "runtime.placement=learned",
-                         config="bhfl.yaml"), tmp_path / "d"),
+            small_config(
+                *BASE,
+                "runtime.executor=cluster",
+                f"runtime.cluster={dask_cluster}",
+                "runtime.placement=learned",
+                config="bhfl.yaml",
+            ),
+            tmp_path / "d",
+        ),
     }
     for how, result in others.items():
         files = _node_files(result["run_path"])
@@ -70,6 +82,9 @@ def test_bhfl_example_is_bit_identical_across_workers_executors_and_placements(t
     assert not list((store.root / "residuals").rglob("*.safetensors"))
 
     # and a different seed changes the result
-    other = run_experiment(small_config(*BASE, "seed=1", "runtime.executor=inprocess", config="bhfl.yaml"),
-                           tmp_path / "e", orchestration=PLAIN_CALLS)
+    other = run_experiment(
+        small_config(*BASE, "seed=1", "runtime.executor=inprocess", config="bhfl.yaml"),
+        tmp_path / "e",
+        orchestration=PLAIN_CALLS,
+    )
     assert _node_files(other["run_path"])["root.safetensors"] != reference["root.safetensors"]

@@ -11,11 +11,20 @@ pytestmark = pytest.mark.integration
 
 
 def test_local_slots_per_gpu_and_per_core(monkeypatch):
-    monkeypatch.setattr(local_cluster, "resolve_devices", lambda setting: [torch.device("cuda:0"), torch.device("cuda:1")])
+    monkeypatch.setattr(
+        local_cluster, "resolve_devices", lambda setting: [torch.device("cuda:0"), torch.device("cuda:1")]
+    )
     assert local_cluster.local_slots(RuntimeConfig(workers_per_device=2)) == [
-        ("cuda0-0", "cuda:0"), ("cuda0-1", "cuda:0"), ("cuda1-0", "cuda:1"), ("cuda1-1", "cuda:1")]
+        ("cuda0-0", "cuda:0"),
+        ("cuda0-1", "cuda:0"),
+        ("cuda1-0", "cuda:1"),
+        ("cuda1-1", "cuda:1"),
+    ]
     assert [n for n, _ in local_cluster.local_slots(RuntimeConfig(workers_per_device=2, workers=3))] == [
-        "cuda0-0", "cuda0-1", "cuda1-0"]
+        "cuda0-0",
+        "cuda0-1",
+        "cuda1-0",
+    ]
     monkeypatch.setattr(local_cluster, "resolve_devices", lambda setting: [torch.device("cpu")])
     assert local_cluster.local_slots(RuntimeConfig(workers=3)) == [("cpu-0", "cpu"), ("cpu-1", "cpu"), ("cpu-2", "cpu")]
 

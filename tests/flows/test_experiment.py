@@ -35,8 +35,12 @@ def test_nested_node_runs_with_tags(finished):
     parent = runs["itest"]
     assert parent.info.status == "FINISHED" and parent.info.run_id == result["run_id"]
     expected = {
-        "root": ("0", "root", "itest"), "west": ("1", "server", "root"), "east": ("1", "server", "root"),
-        "edge-en": ("2", "edge", "west"), "edge-fr": ("2", "edge", "west"), "edge-de": ("2", "edge", "east"),
+        "root": ("0", "root", "itest"),
+        "west": ("1", "server", "root"),
+        "east": ("1", "server", "root"),
+        "edge-en": ("2", "edge", "west"),
+        "edge-fr": ("2", "edge", "west"),
+        "edge-de": ("2", "edge", "east"),
     }
     assert set(runs) == set(expected) | {"itest"}  # one run per server node, none for clients
     for name, (level, role, parent_name) in expected.items():

@@ -36,31 +36,44 @@ def server(evaluated_runs):
     root, tree, _ = evaluated_runs
     port = _free_port()
     env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
-    cmd = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", tree["tracking_uri"],
-           "--host", "127.0.0.1", "--port", str(port), "--workers", "1"]
-    log = open(root / "mlflow-server.log", "wb")
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 90
-        while True:
-            try:
-                with urllib.request.urlopen(f"{base}/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except (urllib.error.URLError, ConnectionError, OSError):
-                pass
-            if proc.poll() is not None or time.time() > deadline:
-                raise RuntimeError(f"mlflow server did not start: {(root / 'mlflow-server.log').read_text()[-2000:]}")
-            time.sleep(0.3)
-        yield base, tree
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)  # the server and the uvicorn worker it started
+    cmd = [
+        sys.executable,
+        "-m",
+        "mlflow",
+        "server",
+        "--backend-store-uri",
+        tree["tracking_uri"],
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--workers",
+        "1",
+    ]
+    with open(root / "mlflow-server.log", "wb") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        base = f"http://127.0.0.1:{port}"
         try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-        log.close()
+            deadline = time.time() + 90
+            while True:
+                try:
+                    with urllib.request.urlopen(f"{base}/health", timeout=2) as r:
+                        if r.status == 200:
+                            break
+                except (urllib.error.URLError, ConnectionError, OSError):
+                    pass
+                if proc.poll() is not None or time.time() > deadline:
+                    raise RuntimeError(
+                        f"mlflow server did not start: {(root / 'mlflow-server.log').read_text()[-2000:]}"
+                    )
+                time.sleep(0.3)
+            yield base, tree
+        finally:
+            os.killpg(proc.pid, signal.SIGTERM)  # the server and the uvicorn worker it started
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
 
 
 def _get(url: str) -> bytes:
@@ -85,15 +98,23 @@ def test_nested_runs_metrics_and_artifacts_are_served(server):
     tags = {name: {t["key"]: t["value"] for t in r["data"].get("tags", [])} for name, r in by_name.items()}
     parent_id = tree["run_id"]
     # the tree through nesting: parent -> root -> servers -> edge servers
-    expected_parent = {"root": "itest-report", "west": "root", "east": "root",
-                       "edge-en": "west", "edge-fr": "west", "edge-de": "east"}
+    expected_parent = {
+        "root": "itest-report",
+        "west": "root",
+        "east": "root",
+        "edge-en": "west",
+        "edge-fr": "west",
+        "edge-de": "east",
+    }
     for node, parent in expected_parent.items():
         assert tags[node]["mlflow.parentRunId"] == by_name[parent]["info"]["run_id"], node
     assert by_name["itest-report"]["info"]["run_id"] == parent_id
     assert by_name["itest-report"]["info"]["status"] == "FINISHED"
     assert tags["itest-report"]["bhfl.task"] == "classification"
     parent_metrics = {m["key"]: m["value"] for m in by_name["itest-report"]["data"]["metrics"]}
-    assert parent_metrics["proximity/share_clients_rank"] == pytest.approx(tree["headline"]["proximity/share_clients_rank"])
+    assert parent_metrics["proximity/share_clients_rank"] == pytest.approx(
+        tree["headline"]["proximity/share_clients_rank"]
+    )
 
     # per-round curves with step = round, as the UI's chart view asks for them (ajax-api)
     root_id = by_name["root"]["info"]["run_id"]

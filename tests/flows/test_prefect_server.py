@@ -33,7 +33,7 @@ from flows.services.store_templates import (
 
 pytestmark = pytest.mark.integration
 
-FLOW = '''
+FLOW = """
 from prefect import flow, task
 from prefect.settings import temporary_settings
 
@@ -51,7 +51,7 @@ def parent() -> int:
 
 with temporary_settings(updates={"flows.heartbeat_frequency": None}):
     assert parent() == 42
-'''
+"""
 
 
 @pytest.fixture
@@ -65,8 +65,9 @@ def templates(tmp_path, monkeypatch) -> Path:
 
 
 def _api(url: str, body: dict | None = None):
-    request = urllib.request.Request(url, data=json.dumps(body or {}).encode(), method="POST",
-                                     headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        url, data=json.dumps(body or {}).encode(), method="POST", headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(request, timeout=10) as response:
         return json.loads(response.read())
 
@@ -95,7 +96,9 @@ def test_server_on_a_copied_template_runs_a_flow(templates, tmp_path, monkeypatc
         # block registration is skipped on a copy: the template brought the block types along
         assert any(b["slug"] == "local-file-system" for b in _api(f"{server.api_url}/block_types/filter"))
         env = {**os.environ, "PREFECT_API_URL": server.api_url, "PREFECT_LOGGING_LEVEL": "WARNING"}
-        done = subprocess.run([sys.executable, "-c", FLOW], env=env, capture_output=True, text=True, timeout=180, check=False)
+        done = subprocess.run(
+            [sys.executable, "-c", FLOW], env=env, capture_output=True, text=True, timeout=180, check=False
+        )
         assert done.returncode == 0, done.stderr[-3000:]
 
         runs = {r["name"]: r for r in _api(f"{server.api_url}/flow_runs/filter")}
@@ -108,7 +111,7 @@ def test_server_on_a_copied_template_runs_a_flow(templates, tmp_path, monkeypatc
         while True:
             tasks = _api(f"{server.api_url}/task_runs/filter")
             doubles = [t for t in tasks if t["task_key"].startswith("double")]
-            if doubles and doubles[0]["state_type"] == "COMPLETED" or time.monotonic() > deadline:
+            if (doubles and doubles[0]["state_type"] == "COMPLETED") or time.monotonic() > deadline:
                 break
             time.sleep(0.5)
         assert [t["flow_run_id"] for t in doubles] == [by_flow["child-flow"]["id"]]
@@ -141,7 +144,17 @@ def _store(path: Path, rows: int = 0) -> Path:
         conn.execute("INSERT INTO alembic_version VALUES ('head')")
         conn.execute("CREATE TABLE block_type (name TEXT)")
         conn.execute("INSERT INTO block_type VALUES ('local-file-system')")
-        for table in ("flow", "flow_run", "task_run", "deployment", "automation", "variable", "artifact", "log", "events"):
+        for table in (
+            "flow",
+            "flow_run",
+            "task_run",
+            "deployment",
+            "automation",
+            "variable",
+            "artifact",
+            "log",
+            "events",
+        ):
             conn.execute(f"CREATE TABLE {table} (id TEXT)")
         conn.executemany("INSERT INTO flow_run VALUES (?)", [(str(i),) for i in range(rows)])
     conn.close()
@@ -237,7 +250,9 @@ def test_mlflow_store_from_template_writes_and_reads_runs(templates, tmp_path, m
         run = client.create_run(experiment, run_name="parent")
         client.log_metric(run.info.run_id, "eval/union/accuracy", 0.5, step=2)
         client.set_terminated(run.info.run_id)
-        assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "eval/union/accuracy")] == [(2, 0.5)]
+        assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "eval/union/accuracy")] == [
+            (2, 0.5)
+        ]
         default = client.get_experiment("0")  # made for this store, not copied from the template's creator
         assert default.name == "Default" and default.artifact_location.startswith(str(tmp_path / "mlruns"))
         assert [r.info.run_name for r in client.search_runs([experiment])] == ["parent"]

@@ -40,16 +40,32 @@ def test_report_artifacts_on_the_parent_run(evaluated_runs, tmp_path):
     top = {a.path for a in client.list_artifacts(tree["run_id"])}
     assert {"report.md", "eval", "config.yaml"} <= top
     files = {a.path for a in client.list_artifacts(tree["run_id"], "eval")}
-    for name in ("matrix.csv", "distribution.csv", "clients.csv", "proximity.csv", "proximity_clients.csv",
-                 "communication.csv", "communication_levels.csv", "heatmap.png", "proximity.png"):
+    for name in (
+        "matrix.csv",
+        "distribution.csv",
+        "clients.csv",
+        "proximity.csv",
+        "proximity_clients.csv",
+        "communication.csv",
+        "communication_levels.csv",
+        "heatmap.png",
+        "proximity.png",
+    ):
         assert f"eval/{name}" in files, name
     for png in ("eval/heatmap.png", "eval/proximity.png"):
         data = _artifact(client, tree["run_id"], png, tmp_path).read_bytes()
         assert data.startswith(PNG) and len(data) > 10_000
         assert data == (Path(tree["run_path"]) / "report" / png).read_bytes()  # the run folder holds the same
     report = _artifact(client, tree["run_id"], "report.md", tmp_path).read_text()
-    for section in ("# itest-report: evaluation report", "## Proximity", "## Communication", "## Cost",
-                    "![heatmap](eval/heatmap.png)", "local-only model", "locally adapted model"):
+    for section in (
+        "# itest-report: evaluation report",
+        "## Proximity",
+        "## Communication",
+        "## Cost",
+        "![heatmap](eval/heatmap.png)",
+        "local-only model",
+        "locally adapted model",
+    ):
         assert section in report, section
 
 
@@ -78,7 +94,9 @@ def test_baselines_are_reproducible(evaluated_runs, tmp_path):
     again = WorkerRuntime("test", worker_device("cpu")).evaluate(tree["run_path"], ["local:en-00", "adapt:fr-01"])
     for model, split in (("local:en-00", "en-00"), ("adapt:fr-01", "proxy")):
         confusion = again[model][split]
-        assert float(confusion.diag().sum() / confusion.sum()) == pytest.approx(value[(model, split, "accuracy")], abs=1e-6)
+        assert float(confusion.diag().sum() / confusion.sum()) == pytest.approx(
+            value[(model, split, "accuracy")], abs=1e-6
+        )
     assert parse_model("adapt:fr-01").node == "fr-01"
 
 
@@ -88,7 +106,12 @@ def test_per_round_curves_for_every_node(evaluated_runs):
     runs = _runs(client, tree["experiment_id"])
     for node in ("root", "west", "east", "edge-en", "edge-fr", "edge-de"):
         run_id = runs[node].info.run_id
-        for key in ("dist/subtree/accuracy_mean", "dist/all/accuracy_worst10", "eval/union/accuracy", "eval/subtree:west/accuracy"):
+        for key in (
+            "dist/subtree/accuracy_mean",
+            "dist/all/accuracy_worst10",
+            "eval/union/accuracy",
+            "eval/subtree:west/accuracy",
+        ):
             assert sorted(m.step for m in client.get_metric_history(run_id, key)) == [1, 2], (node, key)
     parent = tree["run_id"]
     assert sorted(m.step for m in client.get_metric_history(parent, "time/eval_s")) == [1, 2]
@@ -96,7 +119,9 @@ def test_per_round_curves_for_every_node(evaluated_runs):
     # the subtree distribution of edge-de is its 3 German clients' accuracies
     _, value = _matrix(client, parent, Path(tree["run_path"]) / "dl")
     de = [value[("edge-de", c, "accuracy")] for c in CLIENTS if c.startswith("de")]
-    final = {m.step: m.value for m in client.get_metric_history(runs["edge-de"].info.run_id, "dist/subtree/accuracy_mean")}
+    final = {
+        m.step: m.value for m in client.get_metric_history(runs["edge-de"].info.run_id, "dist/subtree/accuracy_mean")
+    }
     assert final[2] == pytest.approx(sum(de) / 3, abs=1e-5)
 
 
@@ -105,7 +130,9 @@ def test_communication_from_persisted_histories(evaluated_runs, tmp_path):
     client = MlflowClient(tree["tracking_uri"])
     text = _artifact(client, tree["run_id"], "eval/communication.csv", tmp_path).read_text()
     rows = list(csv.DictReader(io.StringIO(text)))
-    down = {lvl: sum(float(r["models"]) for r in rows if r["level"] == lvl and r["direction"] == "down") for lvl in "012"}
+    down = {
+        lvl: sum(float(r["models"]) for r in rows if r["level"] == lvl and r["direction"] == "down") for lvl in "012"
+    }
     # 2 root rounds: root -> {west, east}; west -> 2 edges, east -> 1; each edge round samples 2 clients
     assert down == {"0": 2 * 2, "1": 2 * (2 + 1), "2": 2 * 3 * 2}
     assert sum(float(r["models"]) for r in rows if r["direction"] == "up") == 22
@@ -131,9 +158,17 @@ def test_parent_run_is_sortable_and_described(evaluated_runs):
     _, tree, _ = evaluated_runs
     client = MlflowClient(tree["tracking_uri"])
     parent = client.get_run(tree["run_id"])
-    for key in ("client_on_own_clients/accuracy_mean", "edge_on_own_clients/accuracy_worst10", "root/union/accuracy",
-                "local_only_on_own_clients/accuracy_mean", "gain_vs_local/edge/accuracy_mean",
-                "proximity/share_clients_rank", "proximity/union_rho_depth", "comm/total_bytes", "time/eval_share"):
+    for key in (
+        "client_on_own_clients/accuracy_mean",
+        "edge_on_own_clients/accuracy_worst10",
+        "root/union/accuracy",
+        "local_only_on_own_clients/accuracy_mean",
+        "gain_vs_local/edge/accuracy_mean",
+        "proximity/share_clients_rank",
+        "proximity/union_rho_depth",
+        "comm/total_bytes",
+        "time/eval_share",
+    ):
         assert key in parent.data.metrics, key
     assert 0 <= parent.data.metrics["proximity/share_clients_rank"] <= 1
     assert parent.data.metrics["time/eval_share"] > 0
@@ -147,7 +182,9 @@ def test_parent_run_is_sortable_and_described(evaluated_runs):
 def test_compare_prints_markdown_and_writes_csv(evaluated_runs, tmp_path):
     root, tree, flat = evaluated_runs
     out = tmp_path / "cmp.csv"
-    result = CliRunner().invoke(app, ["compare", "itest-report", flat["run_id"], "--run-dir", str(root), "--csv", str(out)])
+    result = CliRunner().invoke(
+        app, ["compare", "itest-report", flat["run_id"], "--run-dir", str(root), "--csv", str(out)]
+    )
     assert result.exit_code == 0, result.output
     assert "| experiment | run | metric | own model: mean" in result.stdout
     rows = list(csv.DictReader(io.StringIO(out.read_text())))
@@ -162,14 +199,17 @@ def test_compare_prints_markdown_and_writes_csv(evaluated_runs, tmp_path):
     assert float(rows[0]["comm_model_equivalents"]) == 44
     # flat FedAvg: the parent server of every client is the root
     assert float(rows[1]["parent_mean"]) == pytest.approx(
-        client.get_run(flat["run_id"]).data.metrics["root_on_own_clients/accuracy_mean"])
+        client.get_run(flat["run_id"]).data.metrics["root_on_own_clients/accuracy_mean"]
+    )
     assert not math.isnan(float(rows[1]["closer_is_better_share"]))
 
 
 def test_compare_rejects_unknown_and_node_runs(evaluated_runs, tmp_path):
     root, tree, _ = evaluated_runs
     runner = CliRunner()
-    result = runner.invoke(app, ["compare", "no-such-experiment", "--run-dir", str(root), "--csv", str(tmp_path / "x.csv")])
+    result = runner.invoke(
+        app, ["compare", "no-such-experiment", "--run-dir", str(root), "--csv", str(tmp_path / "x.csv")]
+    )
     assert result.exit_code == 2 and "'no-such-experiment' is neither a run id nor an experiment name" in result.output
     assert not (tmp_path / "x.csv").exists()
     node_run = _runs(MlflowClient(tree["tracking_uri"]), tree["experiment_id"])["edge-fr"].info.run_id

@@ -50,7 +50,7 @@ def _cli(*args: str, faults: str | None, run_dir: Path) -> subprocess.CompletedP
     if faults:
         env["BHFL_FAULTS"] = faults
     cmd = [sys.executable, "-m", "flows.cli.app", *args, "--run-dir", str(run_dir)]
-    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600, check=False)
 
 
 def _leftovers(run_path: Path, grace_s: float = 15.0) -> list[int]:

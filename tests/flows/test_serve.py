@@ -27,8 +27,9 @@ pytestmark = pytest.mark.integration
 
 def _api(url: str, body: dict | None = None) -> dict | list:
     data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"},
-                                     method="GET" if body is None else "POST")
+    request = urllib.request.Request(
+        url, data=data, headers={"Content-Type": "application/json"}, method="GET" if body is None else "POST"
+    )
     with urllib.request.urlopen(request, timeout=10) as response:
         return json.loads(response.read())
 
@@ -49,40 +50,68 @@ def _wait(what: str, check, timeout_s: float, proc: subprocess.Popen):
 
 def test_serve_registers_cron_deployment_and_runs_it(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
-    env.update({"HF_HUB_OFFLINE": "1", "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "3",
-                "PREFECT_RUNNER_POLL_FREQUENCY": "2"})
+    env.update(
+        {
+            "HF_HUB_OFFLINE": "1",
+            "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "3",
+            "PREFECT_RUNNER_POLL_FREQUENCY": "2",
+        }
+    )
     sets = [arg for s in [*SMALL, "tree.root.rounds=1", "eval.every=0"] for arg in ("--set", s)]
-    log = open(tmp_path / "serve.log", "w+")
-    proc = subprocess.Popen([sys.executable, "-m", "flows.cli.app", "serve", "configs/embedded.yaml", "--cron", "0 2 * * *",
-                             "--name", "nightly", *sets, "--run-dir", str(tmp_path / "runs")],
-                            cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        def ui_url():
-            log.seek(0)
-            match = re.search(r"Prefect UI\s+(http://127\.0\.0\.1:\d+)", log.read())
-            return match and match.group(1)
+    with open(tmp_path / "serve.log", "w+") as log:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "flows.cli.app",
+                "serve",
+                "configs/embedded.yaml",
+                "--cron",
+                "0 2 * * *",
+                "--name",
+                "nightly",
+                *sets,
+                "--run-dir",
+                str(tmp_path / "runs"),
+            ],
+            cwd=REPO,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        try:
 
-        api = _wait("the Prefect server", ui_url, 240, proc) + "/api"
-        deployment = _wait("the deployment", lambda: _api(f"{api}/deployments/name/bhfl-experiment/nightly"), 120, proc)
-        assert [s["schedule"]["cron"] for s in deployment["schedules"]] == ["0 2 * * *"]
-        assert deployment["parameters"]["config"]["name"] == "itest"  # the resolved config, pinned
-        assert deployment["parameters"]["config"]["tree"]["root"]["rounds"] == 1
+            def ui_url():
+                log.seek(0)
+                match = re.search(r"Prefect UI\s+(http://127\.0\.0\.1:\d+)", log.read())
+                return match and match.group(1)
 
-        by_deployment = {"deployments": {"id": {"any_": [deployment["id"]]}}}
-        scheduled = _wait("scheduled runs", lambda: _api(f"{api}/flow_runs/filter", by_deployment), 120, proc)
-        assert all(r["state_type"] == "SCHEDULED" and "T02:00:00" in r["expected_start_time"] for r in scheduled)
+            api = _wait("the Prefect server", ui_url, 240, proc) + "/api"
+            deployment = _wait(
+                "the deployment", lambda: _api(f"{api}/deployments/name/bhfl-experiment/nightly"), 120, proc
+            )
+            assert [s["schedule"]["cron"] for s in deployment["schedules"]] == ["0 2 * * *"]
+            assert deployment["parameters"]["config"]["name"] == "itest"  # the resolved config, pinned
+            assert deployment["parameters"]["config"]["tree"]["root"]["rounds"] == 1
 
-        run = _api(f"{api}/deployments/{deployment['id']}/create_flow_run", {})  # the UI's "Quick run"
+            by_deployment = {"deployments": {"id": {"any_": [deployment["id"]]}}}
+            scheduled = _wait("scheduled runs", lambda: _api(f"{api}/flow_runs/filter", by_deployment), 120, proc)
+            assert all(r["state_type"] == "SCHEDULED" and "T02:00:00" in r["expected_start_time"] for r in scheduled)
 
-        def finished():
-            state = _api(f"{api}/flow_runs/{run['id']}")["state_type"]
-            assert state not in ("FAILED", "CRASHED"), f"flow run {state}; serve log:\n{open(log.name).read()[-4000:]}"
-            return state == "COMPLETED"
+            run = _api(f"{api}/deployments/{deployment['id']}/create_flow_run", {})  # the UI's "Quick run"
 
-        _wait("the triggered run", finished, 420, proc)
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=60)
+            def finished():
+                state = _api(f"{api}/flow_runs/{run['id']}")["state_type"]
+                assert state not in ("FAILED", "CRASHED"), (
+                    f"flow run {state}; serve log:\n{(tmp_path / 'serve.log').read_text()[-4000:]}"
+                )
+                return state == "COMPLETED"
+
+            _wait("the triggered run", finished, 420, proc)
+        finally:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=60)
 
     client = MlflowClient(f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")
     experiment = client.get_experiment_by_name("itest")
