@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import time
-from typing import Any
 
-from bhfl_core.analysis.evaluation import Evaluation
+from bhfl_core.analysis.evaluation import Evaluation, ModelRef
 from bhfl_core.learning.metrics import task_metrics
 from bhfl_core.placement import Job, place
 from flows import progress
@@ -13,6 +12,7 @@ from flows.node_runtime import NodeRuntime
 from flows.records.run_record import RunRecord
 from tasks import faults
 from tasks.evaluation import baseline_models, evaluate_models, node_models
+from tasks.scoring import Stats
 
 
 def evaluate_all(rt: NodeRuntime, step: int, final: bool = False) -> Evaluation:
@@ -22,20 +22,21 @@ def evaluate_all(rt: NodeRuntime, step: int, final: bool = False) -> Evaluation:
     first), each phase spread over the workers; both phases' wall times go to MLflow.
     """
     ctx = rt.ctx
-    stats: dict[str, Any] = {}
+    stats: Stats = {}
     seconds: dict[str, float] = {}
     nodes = node_models(ctx)
-    phases = [("time/eval_s", nodes, [1.0] * len(nodes))]
+    phases: list[tuple[str, list[ModelRef], list[float]]] = [("time/eval_s", nodes, [1.0] * len(nodes))]
     if final:
         phases.append(("time/baselines_s", *baseline_models(ctx)))
-    for timer, names, loads in phases:
-        if not names:
+    for timer, models, loads in phases:
+        if not models:
             continue
         started = time.time()
-        jobs = [Job(name, max(1, round(load))) for name, load in zip(names, loads)]
+        by_name = {m.name: m for m in models}
+        jobs = [Job(m.name, max(1, round(load))) for m, load in zip(models, loads)]
         plan = place(jobs, rt.executor.slots(), "lpt")
-        batches = [(a.slot, list(a.jobs)) for a in plan]
-        name = f"evaluate {len(names)} models on " + ", ".join(a.slot.name for a in plan)
+        batches = [(a.slot, [by_name[j] for j in a.jobs]) for a in plan]
+        name = f"evaluate {len(models)} models on " + ", ".join(a.slot.name for a in plan)
         stats.update(rt.orchestration.call_task(rt, evaluate_models, name, batches, rt.run_path))
         seconds[timer] = time.time() - started
     evaluation = Evaluation.from_stats(ctx.tree, task_metrics(ctx.manifest.task), stats)

@@ -11,28 +11,28 @@ from collections.abc import Sequence
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from bhfl_core.analysis.evaluation import ADAPTED, LOCAL_ONLY
+from bhfl_core.analysis.evaluation import ModelRef
 from bhfl_core.placement import Slot
 from tasks.context import RunContext
 from tasks.executor import Executor, gather
 from tasks.scoring import Stats, local_only_rounds
 
 
-def node_models(ctx: RunContext) -> list[str]:
+def node_models(ctx: RunContext) -> list[ModelRef]:
     """Every server model and (``eval.client_models``) every persistent client model that exists."""
-    nodes = [n.id for n in ctx.tree.servers()]
+    nodes = [ModelRef.of_node(n.id) for n in ctx.tree.servers()]
     if ctx.config.eval.client_models:
-        nodes += [n.id for n in ctx.tree.clients() if n.settings.persistent and ctx.store.has(n.id)]
+        nodes += [ModelRef.of_node(n.id) for n in ctx.tree.clients() if n.settings.persistent and ctx.store.has(n.id)]
     return nodes
 
 
-def baseline_models(ctx: RunContext) -> tuple[list[str], list[float]]:
+def baseline_models(ctx: RunContext) -> tuple[list[ModelRef], list[float]]:
     """The per-client baselines the config asks for, with a relative cost for placement.
 
     Cost ~ rows trained (x3: a training step costs about three inference passes) plus
     the evaluation pass every model pays.
     """
-    names: list[str] = []
+    models: list[ModelRef] = []
     loads: list[float] = []
     ev = ctx.config.eval
     test_rows = sum(c.test.size for c in ctx.manifest.clients) + ctx.manifest.proxy_test.size
@@ -41,16 +41,16 @@ def baseline_models(ctx: RunContext) -> tuple[list[str], list[float]]:
         assert train is not None
         rows = ctx.clients[client.id].train.size * train.epochs
         if ev.local_adaptation is not None:
-            names.append(f"{ADAPTED}{client.id}")
+            models.append(ModelRef.adapted(client.id))
             loads.append(test_rows + 3.0 * rows * ev.local_adaptation.rounds)
         if ev.local_only is not None:
-            names.append(f"{LOCAL_ONLY}{client.id}")
+            models.append(ModelRef.local_only(client.id))
             loads.append(test_rows + 3.0 * rows * local_only_rounds(ctx, client.id))
-    return names, loads
+    return models, loads
 
 
 @task(name="evaluate-models", cache_policy=NO_CACHE, persist_result=False)
-def evaluate_models(executor: Executor, batches: Sequence[tuple[Slot, list[str]]], run_path: str) -> Stats:
+def evaluate_models(executor: Executor, batches: Sequence[tuple[Slot, list[ModelRef]]], run_path: str) -> Stats:
     """``{model: {client id or 'proxy': statistics}}``, each batch scored on its slot (tasks/scoring.py)."""
     stats: Stats = {}
     for part in gather([executor.submit(slot, "evaluate", run_path, models) for slot, models in batches]):

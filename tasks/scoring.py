@@ -18,15 +18,17 @@ and independent of the federated draws.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from bhfl_core.algorithm.node_state import Caller, RoundKey
-from bhfl_core.analysis.evaluation import PROXY, parse_model
+from bhfl_core.analysis.evaluation import PROXY, ModelRef
 from bhfl_core.learning.params import get_flat, set_flat
 from tasks.client_training import LocalTrainer
 from tasks.context import RunContext
 
-Stats = dict[str, dict[str, torch.Tensor]]
+Stats = dict[ModelRef, dict[str, torch.Tensor]]
 
 
 def local_only_rounds(ctx: RunContext, client_id: str) -> int:
@@ -50,39 +52,48 @@ class _Baselines:
             self._initial = get_flat(self.ctx.build_model(cfg.seed + cfg.model.init_seed_offset))
         return self._initial
 
-    def build(self, kind: str, client_id: str) -> torch.Tensor | None:
+    def local_only(self, client_id: str) -> torch.Tensor:
+        """Trained from the initial model on the client's own train split only."""
+        return self._train(client_id, self.initial(), local_only_rounds(self.ctx, client_id), "local-only")
+
+    def adapted(self, client_id: str) -> torch.Tensor | None:
+        """The final parent (or root) model fine-tuned on the client's train split; None if it is not saved."""
         ctx = self.ctx
-        node = ctx.tree[client_id]
-        if kind == "local_only":
-            theta, rounds, tag = self.initial(), local_only_rounds(ctx, client_id), "local-only"
-        else:
-            setting = ctx.config.eval.local_adaptation
-            assert setting is not None and node.parent is not None
-            source = node.parent if setting.source == "parent" else ctx.tree.root_id
-            start = ctx.store.load_model(source)
-            if start is None:
-                return None
-            theta, rounds, tag = start, setting.rounds, "adapt"
+        setting = ctx.config.eval.local_adaptation
+        parent = ctx.tree[client_id].parent
+        assert setting is not None and parent is not None
+        start = ctx.store.load_model(parent if setting.source == "parent" else ctx.tree.root_id)
+        if start is None:
+            return None
+        return self._train(client_id, start, setting.rounds, "adapt")
+
+    def _train(self, client_id: str, theta: torch.Tensor, rounds: int, tag: str) -> torch.Tensor:
+        node = self.ctx.tree[client_id]
         for r in range(rounds):
             theta, _ = self.trainer.train(node, theta, RoundKey(client_id, r, Caller(tag)))
         return theta
 
 
-def score_models(ctx: RunContext, trainer: LocalTrainer, models: list[str]) -> Stats:
+def score_models(ctx: RunContext, trainer: LocalTrainer, models: Sequence[ModelRef]) -> Stats:
     """``{model: {client id or 'proxy': statistics}}`` for every client test split and the proxy test split.
 
-    ``models`` are node ids (their saved models; missing ones are skipped) and
-    ``local:<client>`` / ``adapt:<client>`` baselines (trained here first).
+    ``models`` are node models (their saved models; missing ones are skipped) and the
+    local-only / adapted baselines of clients (trained here first).
     """
     names, data, groups = ctx.test_sets(PROXY)
     score, facts, batch_size = ctx.task_kind.score, ctx.task_facts, ctx.config.eval.batch_size
     baselines = _Baselines(ctx, trainer)
     out: Stats = {}
-    for name in models:
-        ref = parse_model(name)
-        theta = ctx.store.load_model(name) if ref.kind == "node" else baselines.build(ref.kind, ref.node)
+    for ref in models:
+        theta: torch.Tensor | None
+        if ref.kind == "node":
+            theta = ctx.store.load_model(ref.node)
+        elif ref.kind == "local_only":
+            theta = baselines.local_only(ref.node)
+        else:
+            theta = baselines.adapted(ref.node)
         if theta is None:
             continue
         set_flat(trainer.model, theta)
-        out[name] = dict(zip(names, score(trainer.model, data, groups, len(names), batch_size, trainer.device, facts)))
+        out[ref] = dict(zip(names, score(trainer.model, data, groups, len(names), batch_size, trainer.device, facts)))
     return out

@@ -30,6 +30,7 @@ from distributed import WorkerPlugin, get_worker
 from torch import nn
 
 from bhfl_core.algorithm.node_state import Caller, RoundKey
+from bhfl_core.analysis.evaluation import ModelRef
 from bhfl_core.learning.params import get_flat
 from bhfl_core.store.node_store import StateStore
 from tasks.client_training import LocalTrainer, WorkerReport, train_clients
@@ -122,7 +123,7 @@ class WorkerRuntime:
             theta, metrics = self._trainer(ctx).train(ctx.tree[node_id], StateStore.read_message(theta_path), key)
             return ctx.store.write_message(f"{node_id}.proxy-out", theta), metrics
 
-    def evaluate(self, run_path: str, models: list[str]) -> Stats:
+    def evaluate(self, run_path: str, models: list[ModelRef]) -> Stats:
         with self._call(run_path) as ctx:
             return score_models(ctx, self._trainer(ctx), models)
 

@@ -33,6 +33,7 @@ class TrainParams:
     batch_size: int = 32
     optimizer: str = "adamw"
     weight_decay: float = 0.0
+    mu: float = 0.0  # FedProx: + (mu/2)·||theta - theta_start||² on the trainable parameters; 0 = off
 
 
 @dataclass(frozen=True)

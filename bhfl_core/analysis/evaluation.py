@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -34,9 +35,9 @@ from bhfl_core.store.tables import table_csv
 UNION = "union"
 PROXY = "proxy"
 SUBTREE = "subtree:"
-LOCAL_ONLY = "local:"
-ADAPTED = "adapt:"
-_KINDS = {LOCAL_ONLY: "local_only", ADAPTED: "adapted"}
+
+ModelKind = Literal["node", "local_only", "adapted"]
+_PREFIX: dict[ModelKind, str] = {"node": "", "local_only": "local:", "adapted": "adapt:"}
 
 
 def subtree_set(node_id: str) -> str:
@@ -45,21 +46,36 @@ def subtree_set(node_id: str) -> str:
 
 @dataclass(frozen=True)
 class ModelRef:
-    """A model in the matrix: ``name`` as written there, the tree node it belongs to, its kind.
+    """A model in the matrix: the tree node it belongs to and its kind.
 
-    ``kind`` is ``node`` (a node's own model), ``local_only`` or ``adapted``.
+    ``kind`` is ``node`` (a node's own model), ``local_only`` or ``adapted`` (the
+    per-client baselines of client ``node``). ``name`` is how the model is written in
+    the matrix, MLflow metrics and reports: the node id, ``local:<client>`` or
+    ``adapt:<client>``.
     """
 
-    name: str
     node: str
-    kind: str
+    kind: ModelKind
 
+    def __post_init__(self) -> None:
+        if self.kind not in _PREFIX:
+            raise ValueError(f"unknown model kind {self.kind!r}")
 
-def parse_model(name: str) -> ModelRef:
-    for prefix, kind in _KINDS.items():
-        if name.startswith(prefix):
-            return ModelRef(name, name[len(prefix) :], kind)
-    return ModelRef(name, name, "node")
+    @classmethod
+    def of_node(cls, node_id: str) -> ModelRef:
+        return cls(node_id, "node")
+
+    @classmethod
+    def local_only(cls, client_id: str) -> ModelRef:
+        return cls(client_id, "local_only")
+
+    @classmethod
+    def adapted(cls, client_id: str) -> ModelRef:
+        return cls(client_id, "adapted")
+
+    @property
+    def name(self) -> str:
+        return f"{_PREFIX[self.kind]}{self.node}"
 
 
 def dfs_order(tree: Tree) -> list[str]:
@@ -117,22 +133,28 @@ class EvalRow:
     value: float
 
 
-Stats = Mapping[str, Mapping[str, torch.Tensor]]  # model name -> client id / proxy -> statistics
+Stats = Mapping[ModelRef, Mapping[str, torch.Tensor]]  # model -> client id / proxy -> statistics
+
+_KIND_RANK: dict[ModelKind, int] = {"node": 0, "adapted": 1, "local_only": 2}
+
+
+def model_order(tree: Tree, models: Iterable[ModelRef]) -> list[ModelRef]:
+    """Node models in tree order, then the adapted baselines, then the local-only ones (each in tree order)."""
+    position = {n: i for i, n in enumerate(dfs_order(tree))}
+    return sorted(models, key=lambda m: (_KIND_RANK[m.kind], position[m.node]))
 
 
 def eval_rows(tree: Tree, stats: Stats, task: TaskMetrics) -> list[EvalRow]:
     """Long-format rows of every model on every test set (models in tree order, baselines last)."""
     rows: list[EvalRow] = []
     sets = EvalSets(tree)
-    position = {n: i for i, n in enumerate(dfs_order(tree))}
-    kind_rank = {"node": 0, "adapted": 1, "local_only": 2}
-    for model in sorted(stats, key=lambda m: (kind_rank[parse_model(m).kind], position[parse_model(m).node])):
-        level = tree[parse_model(model).node].depth
+    for model in model_order(tree, stats):
+        level = tree[model.node].depth
         values = task.batch(sets.stack(stats[model]))
         columns = [values[metric].tolist() for metric in task.names]
         for i, test_set in enumerate(sets.names):
             for metric, column in zip(task.names, columns):
-                rows.append(EvalRow(model, level, test_set, metric, column[i]))
+                rows.append(EvalRow(model.name, level, test_set, metric, column[i]))
     return rows
 
 
@@ -198,27 +220,33 @@ def distribution(values: Sequence[float], higher_is_better: bool) -> Distributio
 
 
 class Evaluation:
-    """Rows plus the tree and the task's metrics: lookups and per-client views of the matrix."""
+    """Rows plus the tree and the task's metrics: lookups and per-client views of the matrix.
 
-    def __init__(self, tree: Tree, task: TaskMetrics, rows: Sequence[EvalRow]) -> None:
+    ``refs`` are the models the rows are of; everywhere else a model is its ``name``
+    (the rows' ``node`` column), and ``models`` lists those names in row order.
+    """
+
+    def __init__(self, tree: Tree, task: TaskMetrics, rows: Sequence[EvalRow], refs: Iterable[ModelRef]) -> None:
         self.tree, self.task, self.rows = tree, task, list(rows)
         self._value = {(r.node, r.test_set, r.metric): r.value for r in self.rows}
+        self.refs = {ref.name: ref for ref in refs}
         self.models = list(dict.fromkeys(r.node for r in self.rows))
+        assert set(self.models) <= set(self.refs), "rows of a model with no ModelRef"
         self.clients = client_order(tree)
 
     @classmethod
     def from_stats(cls, tree: Tree, task: TaskMetrics, stats: Stats) -> Evaluation:
-        return cls(tree, task, eval_rows(tree, stats, task))
+        return cls(tree, task, eval_rows(tree, stats, task), stats)
 
     def value(self, model: str, test_set: str, metric: str | None = None) -> float | None:
         return self._value.get((model, test_set, metric or self.task.primary))
 
     def node_models(self) -> list[str]:
-        return [m for m in self.models if parse_model(m).kind == "node"]
+        return [m for m in self.models if self.refs[m].kind == "node"]
 
     def population(self, model: str) -> list[str]:
         """The clients of a model's subtree (a client's models: the client itself)."""
-        return self.tree.leaves_under(parse_model(model).node)
+        return self.tree.leaves_under(self.refs[model].node)
 
     def per_client(self, model: str, clients: Iterable[str], metric: str | None = None) -> list[float]:
         out = [self.value(model, c, metric) for c in clients]
@@ -227,7 +255,7 @@ class Evaluation:
     def distribution_rows(self) -> list[DistRow]:
         rows: list[DistRow] = []
         for model in self.models:
-            level = self.tree[parse_model(model).node].depth
+            level = self.tree[self.refs[model].node].depth
             for population, clients in (("subtree", self.population(model)), ("all", self.clients)):
                 for metric in self.task.names:
                     d = distribution(self.per_client(model, clients, metric), self.task.better(metric))
@@ -247,7 +275,7 @@ class Evaluation:
         """``(relation, model)`` of the models that belong to a client, by relation to it.
 
         ``client`` (its own persistent model), ``edge`` (its parent server, whatever its
-        level), ``server`` (intermediate ancestors; ``server@<depth>`` if several),
+        level), ``server`` (intermediate ancestors; ``server-d<depth>`` if several),
         ``root``, and the baselines ``adapted`` and ``local_only``. Only models that
         were evaluated appear.
         """
@@ -257,8 +285,12 @@ class Evaluation:
         servers = [a for a in ancestors[1:] if a != tree.root_id]
         if ancestors:
             chain.append(("edge", ancestors[0]))
-        chain += [("server" if len(servers) == 1 else f"server@{tree[a].depth}", a) for a in servers]
-        chain += [("root", tree.root_id), ("adapted", f"{ADAPTED}{client}"), ("local_only", f"{LOCAL_ONLY}{client}")]
+        chain += [("server" if len(servers) == 1 else f"server-d{tree[a].depth}", a) for a in servers]
+        chain += [
+            ("root", tree.root_id),
+            ("adapted", ModelRef.adapted(client).name),
+            ("local_only", ModelRef.local_only(client).name),
+        ]
         return [(rel, m) for rel, m in chain if (m, client, self.task.primary) in self._value]
 
     def gain(self, value: float, baseline: float, metric: str) -> float:
@@ -272,7 +304,7 @@ class Evaluation:
             for relation, model in self.relatives(client):
                 for metric in self.task.names:
                     value = self.value(model, client, metric)
-                    local = self.value(f"{LOCAL_ONLY}{client}", client, metric)
+                    local = self.value(ModelRef.local_only(client).name, client, metric)
                     assert value is not None
                     gain = float("nan") if local is None else self.gain(value, local, metric)
                     rows.append(ClientRow(client, self.tree[client].group or "", relation, model, metric, value, gain))
@@ -298,7 +330,7 @@ class Evaluation:
         per_relation: dict[str, list[float]] = {}
         gains: dict[str, list[float]] = {}
         for client in self.clients:
-            local = self.value(f"{LOCAL_ONLY}{client}", client, metric)
+            local = self.value(ModelRef.local_only(client).name, client, metric)
             for relation, model in self.relatives(client):
                 value = self.value(model, client, metric)
                 assert value is not None

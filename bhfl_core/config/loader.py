@@ -34,19 +34,35 @@ def apply_override(data: dict[str, Any], assignment: str) -> dict[str, Any]:
         raise ConfigError(f"--set {path}: value {raw!r} is not valid YAML ({exc})") from None
     out = copy.deepcopy(data)
     cursor = out
-    for i, key in enumerate(keys[:-1]):
+    for i, name in enumerate(keys[:-1]):
+        key = _existing_key(cursor, name)
         nxt = cursor.setdefault(key, {})
         if nxt is None:
             nxt = cursor[key] = {}
         if not isinstance(nxt, dict):
             raise ConfigError(f"--set {path}: {'.'.join(keys[: i + 1])} is a value, not a section")
         cursor = nxt
-    cursor[keys[-1]] = value
+    cursor[_existing_key(cursor, keys[-1])] = value
     return out
+
+
+def _existing_key(mapping: dict[Any, Any], name: str) -> Any:
+    """``name``, or the integer key YAML read for it (``tree.levels.2`` -> the key ``2`` of ``levels: {2: ...}``)."""
+    if name not in mapping and name.lstrip("-").isdigit() and int(name) in mapping:
+        return int(name)
+    return name
 
 
 # discriminated unions: pydantic puts the chosen ``kind`` in the error location; users never wrote it
 _UNIONS = {"source": {"embedded", "xglue", "prepared"}, "clustering": {"language", "kmeans"}}
+
+
+def _names_its_key(msg: str, loc: str) -> bool:
+    """Whether ``msg`` already starts with a key path at or below ``loc`` (``tree.groups.europe: ...``)."""
+    head = msg.split(": ", 1)[0] if ": " in msg else ""
+    if not head or " " in head or not head[0].isalpha():
+        return False
+    return not loc or head == loc or head.startswith((f"{loc}.", f"{loc}["))
 
 
 def format_validation_error(exc: ValidationError) -> str:
@@ -56,13 +72,17 @@ def format_validation_error(exc: ValidationError) -> str:
             p
             for i, p in enumerate(err["loc"])
             if not str(p).startswith(("function-", "constrained-"))
+            and p != "[key]"  # a mapping's key: its path
             and not (i and str(err["loc"][i - 1]) in _UNIONS and p in _UNIONS[str(err["loc"][i - 1])])
         ]
         loc = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in parts).lstrip(".") or "(top level)"
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
             msg = "unknown key (check the spelling; docs/config.md lists every key)"
-        lines.append(f"{loc}: {msg}")
+        if _names_its_key(msg, "" if not parts else loc):  # a validator's message that starts with its key path
+            lines.append(msg)
+        else:
+            lines.append(f"{loc}: {msg}")
     return "\n".join(dict.fromkeys(lines))
 
 

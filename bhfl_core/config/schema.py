@@ -2,12 +2,14 @@
 
 Every model forbids unknown keys, so a typo is an error that names the key. Level
 settings (``tree.root``, ``tree.server``, ``tree.edge``, ``tree.client``) give the
-defaults of each level; ``tree.nodes`` overrides them for single nodes by id. See
+defaults of each level; ``tree.levels`` overrides ``tree.server`` for the intermediate
+servers of one depth; ``tree.nodes`` overrides them for single nodes by id. See
 docs/config.md for every key with an example.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -76,6 +78,7 @@ class TrainSettings(Strict):
     batch_size: Annotated[int, Field(ge=1)] = 32
     optimizer: Literal["adamw", "sgd"] = "adamw"
     weight_decay: Annotated[float, Field(ge=0)] = 0.0
+    mu: Annotated[float, Field(ge=0)] = 0.0  # FedProx proximal coefficient (0: plain TRAIN)
 
 
 class LevelSettings(Strict):
@@ -152,22 +155,112 @@ class ResidualsConfig(Strict):
     down: list[DownResidual] = []
 
 
-class TreeConfig(Strict):
-    """root -> intermediate servers (``groups``) -> one edge server per language -> clients.
+@dataclass(frozen=True)
+class GroupSpec:
+    """One intermediate server of ``tree.groups``, flattened out of the nesting.
 
-    ``groups`` maps each intermediate server to the languages (edge servers) under it;
-    leave it empty for root -> edges directly. ``flat: true`` puts every client
-    directly under the root (classic one-server FL: FedAvg / FedOPT baselines).
+    ``key``: where it is written (``tree.groups.europe.west``); ``depth``: its depth in
+    the tree (root = 0, so a top-level group is 1); ``parent``: ``root`` or the
+    enclosing group; ``members``: the languages / clusters whose edge servers it holds
+    (``leaf``), or its sub-groups' names.
+    """
+
+    name: str
+    key: str
+    depth: int
+    parent: str
+    members: tuple[str, ...]
+    leaf: bool
+
+
+def _walk_groups(groups: dict[str, Any], key: str, depth: int, parent: str, out: list[GroupSpec]) -> None:
+    for name, value in groups.items():
+        here = f"{key}.{name}"
+        if isinstance(value, dict):
+            out.append(GroupSpec(name, here, depth, parent, tuple(value), leaf=False))
+            _walk_groups(value, here, depth + 1, name, out)
+        else:
+            out.append(GroupSpec(name, here, depth, parent, tuple(value), leaf=True))
+
+
+class TreeConfig(Strict):
+    """root -> intermediate servers (``groups``, nested to any depth) -> edge servers -> clients.
+
+    ``groups`` maps each intermediate server either to the languages (edge servers)
+    under it or to a mapping of sub-groups (intermediate servers one level deeper),
+    e.g. ``{europe: {west: [en, fr], east: [de]}, asia: [zh]}``; siblings may differ
+    (a leaf group's edge servers are one level below it, wherever it is). Leave it
+    empty for root -> edges directly. ``flat: true`` puts every client directly under
+    the root (classic one-server FL: FedAvg / FedOPT baselines).
+
+    Settings of a node: its level's block (``root``, ``server``, ``edge``, ``client``),
+    then for intermediate servers ``levels.<depth>`` (root = 0), then ``nodes.<id>``.
     """
 
     flat: bool = False
-    groups: dict[str, list[str]] = {}
+    groups: dict[str, Any] = {}  # name -> list of languages/clusters, or name -> {sub-group: ...}
     root: LevelSettings = LevelSettings(rounds=4, proxy_train=True)
     server: LevelSettings = LevelSettings()
+    levels: dict[int, NodeOverride] = {}  # depth -> overrides of ``server`` for intermediate servers there
     edge: LevelSettings = LevelSettings(rounds=2)
     client: LevelSettings = LevelSettings()
     nodes: dict[str, NodeOverride] = {}
     residuals: ResidualsConfig = ResidualsConfig()
+
+    @field_validator("groups")
+    @classmethod
+    def _group_shape(cls, groups: dict[str, Any]) -> dict[str, Any]:
+        """Each group: a non-empty list of names, or a non-empty mapping of sub-groups; names unique."""
+        seen: dict[str, str] = {}
+
+        def check(mapping: dict[Any, Any], key: str) -> None:
+            for name, value in mapping.items():
+                here = f"{key}.{name}"
+                if not isinstance(name, str):
+                    raise ValueError(f"{here}: a group name must be a string, got {name!r}")
+                if name == "root":
+                    raise ValueError(f"{here}: a group cannot be called 'root' (the root server's id)")
+                if name in seen:
+                    raise ValueError(f"{here}: group name {name!r} is already used at {seen[name]}")
+                seen[name] = here
+                if isinstance(value, dict):
+                    if not value:
+                        raise ValueError(f"{here}: an intermediate server needs at least one language below it")
+                    check(value, here)
+                elif isinstance(value, list):
+                    if not value:
+                        raise ValueError(f"{here}: an intermediate server needs at least one language")
+                    bad = [v for v in value if not isinstance(v, str)]
+                    if bad:
+                        raise ValueError(f"{here}: {bad[0]!r} is not a language/cluster name")
+                else:
+                    raise ValueError(
+                        f"{here}: a group holds a list of languages (e.g. [en, fr]) "
+                        f"or a mapping of sub-groups (e.g. {{west: [en, fr]}}), got {value!r}"
+                    )
+
+        check(groups, "tree.groups")
+        return groups
+
+    def group_specs(self) -> list[GroupSpec]:
+        """Every group of ``groups``, in pre-order (a group before its sub-groups, config order)."""
+        out: list[GroupSpec] = []
+        _walk_groups(self.groups, "tree.groups", 1, "root", out)
+        return out
+
+    @model_validator(mode="after")
+    def _levels(self) -> TreeConfig:
+        depths = sorted({g.depth for g in self.group_specs()})
+        for depth in self.levels:
+            if depth == 0:
+                raise ValueError("tree.levels.0: depth 0 is the root; its settings are tree.root")
+            if depth not in depths:
+                where = f"at depths {depths}" if depths else "(tree.groups is empty)"
+                raise ValueError(
+                    f"tree.levels.{depth}: no intermediate server at depth {depth} (root = 0); "
+                    f"tree.groups has intermediate servers {where}"
+                )
+        return self
 
 
 # ---------------------------------------------------------------- runtime / eval
@@ -267,28 +360,23 @@ class ExperimentConfig(Strict):
     @model_validator(mode="after")
     def _groups(self) -> ExperimentConfig:
         languages = self.data.cluster_names()  # languages, or k-means clusters c0..cK-1
-        where = (
-            "data.clustering (k-means clusters)"
-            if isinstance(self.data.clustering, KMeansClustering)
-            else "data.source.languages"
-        )
+        kmeans = isinstance(self.data.clustering, KMeansClustering)
+        where = "data.clustering (k-means clusters)" if kmeans else "data.source.languages"
+        noun = "cluster" if kmeans else "language"
         if self.tree.flat and self.tree.groups:
             raise ValueError("tree.flat: a flat tree (root -> clients) cannot also have tree.groups")
         seen: dict[str, str] = {}
-        for group, langs in self.tree.groups.items():
-            if group in languages or group == "root":
-                raise ValueError(
-                    f"tree.groups.{group}: a group name must differ from 'root' and from language/cluster names"
-                )
-            if not langs:
-                raise ValueError(f"tree.groups.{group}: an intermediate server needs at least one language")
-            for lang in langs:
+        for group in self.tree.group_specs():
+            if group.name in languages:
+                raise ValueError(f"{group.key}: a group name must differ from 'root' and from language/cluster names")
+            if not group.leaf:
+                continue
+            for lang in group.members:
                 if lang not in languages:
-                    noun = "cluster" if where.startswith("data.clustering") else "language"
-                    raise ValueError(f"tree.groups.{group}: {noun} {lang!r} is not in {where} {languages}")
+                    raise ValueError(f"{group.key}: {noun} {lang!r} is not in {where} {languages}")
                 if lang in seen:
-                    raise ValueError(f"tree.groups.{group}: language {lang!r} is already under group {seen[lang]!r}")
-                seen[lang] = group
+                    raise ValueError(f"{group.key}: {noun} {lang!r} is already under group {seen[lang]!r}")
+                seen[lang] = group.name
         if self.tree.groups:
             missing = [lang for lang in languages if lang not in seen]
             if missing:

@@ -1,13 +1,17 @@
 """Build the experiment tree from the config and the data manifest.
 
-root -> intermediate servers (``tree.groups``, optional) -> edge servers -> clients.
-Clients are grouped by the edge server the data manifest assigns them (by default
-one edge per language, ``edge-<lang>``; or several per language, or k-means
-clusters: see ``data.clustering``); ``tree.groups`` maps each intermediate server
-to the languages (or clusters) whose edge servers it holds. Settings are resolved
-per node: the level's settings, then ``tree.nodes.<id>`` overrides. Impossible
-trees (a cohort larger than the children, proxy training without proxy data,
-overrides for unknown nodes) raise ``ConfigError`` naming the key.
+root -> intermediate servers (``tree.groups``, optional, nested to any depth) ->
+edge servers -> clients. Clients are grouped by the edge server the data manifest
+assigns them (by default one edge per language, ``edge-<lang>``; or several per
+language, or k-means clusters: see ``data.clustering``); ``tree.groups`` maps each
+intermediate server to the languages (or clusters) whose edge servers it holds, or
+to its sub-groups. Settings are resolved per node: the level's settings, for an
+intermediate server then ``tree.levels.<depth>``, then ``tree.nodes.<id>``
+overrides. Impossible trees (a cohort larger than the children, proxy training
+without proxy data, overrides for unknown nodes) raise ``ConfigError`` naming the key.
+
+Selectors (residual rules' ``from`` / ``to``, ``data.proxy.servers``) name a node id,
+a level (``root``, ``server``, ``edge``, ``client``) or a depth (``depth:2``, root = 0).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from bhfl_core.config.schema import ExperimentConfig, LevelSettings, NodeOverrid
 
 ROOT_ID = "root"
 _LEVEL_KEY = {Role.ROOT: "root", Role.SERVER: "server", Role.EDGE: "edge", Role.CLIENT: "client"}
+DEPTH_SELECTOR = "depth:"  # ``depth:2``: every node at depth 2 (root = 0)
 
 
 @dataclass(frozen=True)
@@ -92,22 +97,35 @@ def placeholder_clients(config: ExperimentConfig) -> list[ClientInfo]:
     return out
 
 
-def _holds_proxy(config: ExperimentConfig, node_id: str, role: Role) -> bool:
+def _selects(selector: str, node_id: str, role: Role, depth: int) -> bool:
+    """Whether a selector (node id, level name, or ``depth:N``) names this node."""
+    return (
+        node_id == selector
+        or _LEVEL_KEY[role] == selector
+        or (selector.startswith(DEPTH_SELECTOR) and selector[len(DEPTH_SELECTOR) :] == str(depth))
+    )
+
+
+def _holds_proxy(config: ExperimentConfig, node_id: str, role: Role, depth: int) -> bool:
     proxy = config.data.proxy
-    return proxy.train_per_language > 0 and (node_id in proxy.servers or _LEVEL_KEY[role] in proxy.servers)
+    return proxy.train_per_language > 0 and any(_selects(s, node_id, role, depth) for s in proxy.servers)
 
 
-def _resolve(config: ExperimentConfig, node_id: str, role: Role, num_children: int) -> NodeSettings:
+def _resolve(config: ExperimentConfig, node_id: str, role: Role, depth: int, num_children: int) -> NodeSettings:
+    """A node's settings: its level block, then ``tree.levels.<depth>`` (intermediate servers), ``tree.nodes``."""
     level_key = f"tree.{_LEVEL_KEY[role]}"
     level: LevelSettings = getattr(config.tree, _LEVEL_KEY[role])
-    override = config.tree.nodes.get(node_id, NodeOverride())
     values = {key: getattr(level, key) for key in LevelSettings.model_fields}
     origin = {key: f"{level_key}.{key}" for key in values}
-    for key in override.model_fields_set:  # keys written in YAML; `cohort: null` means "all children"
-        if getattr(override, key) is None and key != "cohort":
-            continue
-        values[key] = getattr(override, key)
-        origin[key] = f"tree.nodes.{node_id}.{key}"
+    layers = [(f"tree.nodes.{node_id}", config.tree.nodes.get(node_id, NodeOverride()))]
+    if role is Role.SERVER and depth in config.tree.levels:
+        layers.insert(0, (f"tree.levels.{depth}", config.tree.levels[depth]))
+    for where, override in layers:
+        for key in override.model_fields_set:  # keys written in YAML; `cohort: null` means "all children"
+            if getattr(override, key) is None and key != "cohort":
+                continue
+            values[key] = getattr(override, key)
+            origin[key] = f"{where}.{key}"
 
     cohort = values["cohort"]
     if role is Role.CLIENT:
@@ -121,7 +139,7 @@ def _resolve(config: ExperimentConfig, node_id: str, role: Role, num_children: i
 
     train: TrainParams | None = None
     if role is Role.CLIENT or values["proxy_train"]:
-        if role is not Role.CLIENT and not _holds_proxy(config, node_id, role):
+        if role is not Role.CLIENT and not _holds_proxy(config, node_id, role, depth):
             raise ConfigError(
                 f"{origin['proxy_train']}: node {node_id!r} has no proxy split to train on "
                 f"(data.proxy.servers is {config.data.proxy.servers}, "
@@ -135,6 +153,7 @@ def _resolve(config: ExperimentConfig, node_id: str, role: Role, num_children: i
             batch_size=t.batch_size,
             optimizer=t.optimizer,
             weight_decay=t.weight_decay,
+            mu=t.mu,
         )
 
     def opt(direction: str) -> NodeOptParams:
@@ -185,15 +204,14 @@ def build_tree(config: ExperimentConfig, clients: Sequence[ClientInfo]) -> Tree:
         )
     order = sorted(edges, key=lambda e: clusters.index(edges[e][0]))  # stable: first appearance within a cluster
 
-    groups = config.tree.groups or {}
-    edge_parent = {lang: group for group, langs in groups.items() for lang in langs}
+    specs = {g.name: g for g in config.tree.group_specs()}  # pre-order: a group before its sub-groups
+    edge_parent = {lang: g.name for g in specs.values() if g.leaf for lang in g.members}
     nodes: dict[str, Node] = {}
-    depth_edge = 2 if groups else 1
 
     def add(
         node_id: str, role: Role, depth: int, parent: str | None, children: list[str], weight: float, group: str | None
     ) -> None:
-        settings = _resolve(config, node_id, role, len(children))
+        settings = _resolve(config, node_id, role, depth, len(children))
         nodes[node_id] = Node(node_id, role, depth, parent, tuple(children), settings, float(weight), group)
 
     if config.tree.flat:
@@ -205,21 +223,26 @@ def build_tree(config: ExperimentConfig, clients: Sequence[ClientInfo]) -> Tree:
 
     for edge in order:
         cluster, members = edges[edge]
+        parent = edge_parent.get(cluster, ROOT_ID)
+        depth_edge = specs[parent].depth + 1 if parent in specs else 1
         for c in members:
             add(c.id, Role.CLIENT, depth_edge + 1, edge, [], c.num_train, c.language)
-        add(
-            edge,
-            Role.EDGE,
-            depth_edge,
-            edge_parent.get(cluster, ROOT_ID),
-            [c.id for c in members],
-            sum(c.num_train for c in members),
-            cluster,
-        )
-    for group, langs in groups.items():
-        children = [e for lang in langs for e in order if edges[e][0] == lang]
-        add(group, Role.SERVER, 1, ROOT_ID, children, sum(nodes[e].weight for e in children), group)
-    top = list(groups) if groups else order
+        add(edge, Role.EDGE, depth_edge, parent, [c.id for c in members], sum(c.num_train for c in members), cluster)
+
+    def add_group(name: str) -> None:  # sub-groups first: a node's weight sums its children's
+        group = specs[name]
+        if group.leaf:
+            children = [e for lang in group.members for e in order if edges[e][0] == lang]
+        else:
+            for sub in group.members:
+                add_group(sub)
+            children = list(group.members)
+        add(name, Role.SERVER, group.depth, group.parent, children, sum(nodes[c].weight for c in children), name)
+
+    top = [g.name for g in specs.values() if g.depth == 1]
+    for name in top:
+        add_group(name)
+    top = top or order
     add(ROOT_ID, Role.ROOT, 0, None, top, sum(nodes[c].weight for c in top), None)
     return _finish(config, nodes)
 
@@ -243,21 +266,28 @@ def _check_names(config: ExperimentConfig, nodes: dict[str, Node]) -> None:
     for i, name in enumerate(config.data.proxy.servers):
         if name in ("root", "server", "edge"):
             continue
+        if name.startswith(DEPTH_SELECTOR):
+            if not any(_matches(name, n) for n in nodes.values() if not n.is_leaf):
+                depths = sorted({n.depth for n in nodes.values() if not n.is_leaf})
+                raise ConfigError(f"data.proxy.servers[{i}]: {name!r}: no server at that depth (servers: {depths})")
+            continue
         if name not in nodes or nodes[name].is_leaf:
             raise ConfigError(
-                f"data.proxy.servers[{i}]: {name!r} is not a server or a level (root, server, edge); "
-                f"{_servers_hint(nodes)}"
+                f"data.proxy.servers[{i}]: {name!r} is not a server, a level (root, server, edge) "
+                f"or a depth (depth:N); {_servers_hint(nodes)}"
             )
 
 
 def _matches(selector: str, node: Node) -> bool:
-    return node.id == selector or _LEVEL_KEY[node.role] == selector
+    return _selects(selector, node.id, node.role, node.depth)
 
 
 def _lookup(tree: Tree, selector: str, key: str) -> list[Node]:
     found = [n for n in tree if _matches(selector, n)]
     if not found:
-        raise ConfigError(f"{key}: {selector!r} matches no node (a level: root, server, edge, client; or a node id)")
+        raise ConfigError(
+            f"{key}: {selector!r} matches no node (a level: root, server, edge, client; a depth: depth:N; or a node id)"
+        )
     return found
 
 

@@ -4,6 +4,17 @@ The model instance is reused across clients (the caller loads a flat vector into
 first); the optimiser is created per call, i.e. local optimiser state is not kept
 between rounds (as in FedAvg/FedOPT). Batches are trimmed to their longest sequence,
 so padding to ``max_length`` at tokenisation time costs little compute.
+
+FedProx (``TrainParams.mu > 0``): TRAIN minimises ``loss + (mu/2)·||theta − theta0||²``
+where ``theta0`` is the model the call started from (a client: the parent's model it
+received, after down-aggregation; a server's proxy TRAIN: its aggregated model). The
+term is applied through the gradient, not the loss: after ``backward()`` each trainable
+parameter's ``.grad`` gets ``mu·(p − p0)``, exactly the term's gradient, before
+``optimizer.step()`` (so AdamW's moments and SGD's weight decay see loss + proximal
+gradient, as they would with the term in the loss). That is one fused update per step
+instead of a second autograd graph over every parameter, and the reported loss stays the
+task loss (comparable across ``mu``; what the ``loss`` residual selector ranks). ``mu = 0``
+takes none of this path: no anchor copy, no extra op.
 """
 
 from __future__ import annotations
@@ -48,6 +59,32 @@ def planned_steps(examples: int, params: TrainParams) -> int:
     return min(steps, params.max_steps) if params.max_steps is not None else steps
 
 
+class _Proximal:
+    """FedProx's ``(mu/2)·||theta − theta0||²`` over the trainable parameters, added to their gradients.
+
+    Only trainable parameters (those that are federated, as ``get_flat`` sees them; a tied
+    parameter once) are anchored; buffers (BERT's ``position_ids``, a norm's running
+    statistics) are not parameters of the objective and evolve as they would without
+    the term. A trainable parameter that got no gradient from the batch (unused in the
+    forward pass) still gets the proximal one, ``mu·(p − p0)`` (zero until it moves), as
+    if the term were in the loss.
+    """
+
+    def __init__(self, model: nn.Module, mu: float) -> None:
+        self.mu = mu
+        self.params: list[torch.Tensor] = list(trainable_parameters(model))
+        self.anchor = [p.detach().clone() for p in self.params]  # once per TRAIN call
+
+    @torch.no_grad()
+    def add_gradient(self) -> None:
+        grads: list[torch.Tensor] = []
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            grads.append(p.grad)
+        torch._foreach_add_(grads, torch._foreach_sub(self.params, self.anchor), alpha=self.mu)
+
+
 @dataclass(frozen=True)
 class TrainResult:
     loss: float
@@ -63,13 +100,18 @@ def train_model(
     device: torch.device,
     transform: BatchTransform | None = None,
 ) -> TrainResult:
-    """Train in place for ``params.epochs`` epochs (or ``max_steps``); data order from ``seed``."""
+    """Train in place for ``params.epochs`` epochs (or ``max_steps``); data order from ``seed``.
+
+    With ``params.mu > 0`` the proximal term anchors the model to its parameters at the
+    start of this call (module docstring); the returned loss is the task loss alone.
+    """
     n = len(next(iter(data.values())))
     if n == 0:
         return TrainResult(loss=float("nan"), steps=0, examples=0)
     generator = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)  # dropout, if the model has any
     optimizer = _optimizer(model, params)
+    proximal = _Proximal(model, params.mu) if params.mu > 0 else None
     model.train()
     steps, seen, loss_sum = 0, 0, 0.0
     for _ in range(params.epochs):
@@ -77,6 +119,8 @@ def train_model(
             batch = transform(raw, generator) if transform is not None else raw
             out = model(**{k: v.to(device) for k, v in batch.items()})
             out.loss.backward()
+            if proximal is not None:
+                proximal.add_gradient()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             size = len(batch["labels"])

@@ -58,6 +58,18 @@ RELATION_NAMES = {
 }
 
 
+def _relation_names(ev: Evaluation) -> dict[str, str]:
+    """RELATION_NAMES, with ``server-d<depth>`` after ``server`` where clients have several intermediate servers."""
+    deep = {rel for c in ev.clients for rel, _ in ev.relatives(c) if rel.startswith("server-d")}
+    out: dict[str, str] = {}
+    for relation, name in RELATION_NAMES.items():
+        out[relation] = name
+        if relation == "server":
+            for depth in sorted(int(r.removeprefix("server-d")) for r in deep):
+                out[f"server-d{depth}"] = f"its intermediate server at depth {depth}"
+    return out
+
+
 def _num(value: float | None) -> float:
     return math.nan if value is None else value
 
@@ -230,7 +242,7 @@ def render_markdown(
         "",
     ]
     rows = []
-    for relation, relation_name in RELATION_NAMES.items():
+    for relation, relation_name in _relation_names(ev).items():
         scored = [ev.value(m, c) for c in ev.clients for rel, m in ev.relatives(c) if rel == relation]
         values = [v for v in scored if v is not None]
         if values:

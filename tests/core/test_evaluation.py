@@ -11,9 +11,9 @@ from bhfl_core.analysis import communication as comm
 from bhfl_core.analysis.evaluation import (
     EvalSets,
     Evaluation,
+    ModelRef,
     all_test_sets,
     distribution,
-    parse_model,
 )
 from bhfl_core.analysis.proximity import analyse, average_ranks, spearman
 from bhfl_core.config.schema import EvalConfig
@@ -22,6 +22,7 @@ from tests.core.fake_tree import settings, two_edge_tree
 
 CLS = task_metrics("classification")
 MLM = task_metrics("mlm")
+N, LOCAL = ModelRef.of_node, ModelRef.local_only
 
 
 def tree():
@@ -34,7 +35,7 @@ def conf(right: int, wrong: int) -> torch.Tensor:
     return torch.tensor([[right, wrong], [0, 0]])
 
 
-def accuracy_eval(acc: dict[str, dict[str, float]], task=CLS) -> Evaluation:
+def accuracy_eval(acc: dict[ModelRef, dict[str, float]], task=CLS) -> Evaluation:
     """An evaluation whose per-client accuracies are exactly ``acc[model][client]`` (10 test rows each)."""
     t = tree()
     stats = {}
@@ -56,7 +57,7 @@ def test_test_sets_and_unions_are_sums_of_client_blocks():
     assert torch.equal(full["subtree:A"], conf(4, 4).double())
     assert torch.equal(full["union"], conf(6, 6).double()) and torch.equal(full["b2"], conf(0, 2).double())
     assert torch.equal(full["proxy"], conf(9, 1).double())
-    ev = Evaluation.from_stats(t, CLS, {"root": blocks})
+    ev = Evaluation.from_stats(t, CLS, {N("root"): blocks})
     assert ev.value("root", "subtree:A") == pytest.approx(4 / 8)
     assert ev.value("root", "subtree:B") == pytest.approx(2 / 4)
     assert ev.value("root", "union") == pytest.approx(6 / 12)  # not the mean of client accuracies (0.5 here too)
@@ -79,7 +80,7 @@ def test_lm_metrics_by_hand_and_unions_of_lm_stats():
         "b2": torch.tensor([0.0, 2.0]),
         "proxy": torch.tensor([3.0, 1.0]),
     }
-    ev = Evaluation.from_stats(t, MLM, {"A": blocks})
+    ev = Evaluation.from_stats(t, MLM, {N("A"): blocks})
     assert ev.value("A", "subtree:A", "loss") == pytest.approx(7 / 4)  # (6 + 1) / (3 + 1)
     assert ev.value("A", "union", "perplexity") == pytest.approx(math.exp(9 / 10))
     assert ev.task.primary == "perplexity" and not ev.task.better("loss")
@@ -103,15 +104,15 @@ def test_distribution_statistics_and_direction():
 def test_relatives_headline_and_gain_over_local_only():
     ev = accuracy_eval(
         {
-            "root": {"a1": 0.5, "a2": 0.5, "b1": 0.5, "b2": 0.5},
-            "A": {"a1": 0.7, "a2": 0.6},
-            "B": {"b1": 0.8, "b2": 0.4},
-            "a1": {"a1": 0.9},
-            "b1": {"b1": 0.6},  # a2, b2 have no persistent model
-            "local:a1": {"a1": 0.8},
-            "local:a2": {"a2": 0.6},
-            "local:b1": {"b1": 0.7},
-            "local:b2": {"b2": 0.5},
+            N("root"): {"a1": 0.5, "a2": 0.5, "b1": 0.5, "b2": 0.5},
+            N("A"): {"a1": 0.7, "a2": 0.6},
+            N("B"): {"b1": 0.8, "b2": 0.4},
+            N("a1"): {"a1": 0.9},
+            N("b1"): {"b1": 0.6},  # a2, b2 have no persistent model
+            LOCAL("a1"): {"a1": 0.8},
+            LOCAL("a2"): {"a2": 0.6},
+            LOCAL("b1"): {"b1": 0.7},
+            LOCAL("b2"): {"b2": 0.5},
         }
     )
     assert ev.relatives("a1") == [("client", "a1"), ("edge", "A"), ("root", "root"), ("local_only", "local:a1")]
@@ -127,11 +128,24 @@ def test_relatives_headline_and_gain_over_local_only():
     assert h["gain_vs_local/client/accuracy_mean"] == pytest.approx((0.1 - 0.1) / 2)
     rows = {(r.client, r.relation): r for r in ev.client_rows() if r.metric == "accuracy"}
     assert rows[("b1", "edge")].gain_vs_local == pytest.approx(0.1)
-    assert math.isnan(accuracy_eval({"A": {"a1": 0.5}}).client_rows()[0].gain_vs_local)  # no baseline ran
+    assert math.isnan(accuracy_eval({N("A"): {"a1": 0.5}}).client_rows()[0].gain_vs_local)  # no baseline ran
     dist = {(r.model, r.population): r.dist for r in ev.distribution_rows() if r.metric == "accuracy"}
     assert dist[("A", "subtree")].n == 2 and dist[("A", "subtree")].mean == pytest.approx(0.65)
     assert dist[("A", "all")].n == 4  # A scored on every client: b1, b2 at 0
-    assert parse_model("local:a1").kind == "local_only" and parse_model("adapt:b2").node == "b2"
+    assert ev.node_models() == ["root", "A", "a1", "B", "b1"]  # tree order; baselines after them
+    assert ev.models[-4:] == ["local:a1", "local:a2", "local:b1", "local:b2"]
+    assert ev.population("local:a1") == ["a1"] and ev.population("A") == ["a1", "a2"]
+
+
+def test_model_names_are_the_matrix_strings():
+    assert [m.name for m in (N("edge-de"), LOCAL("en-00"), ModelRef.adapted("en-00"))] == [
+        "edge-de",
+        "local:en-00",
+        "adapt:en-00",
+    ]
+    assert ModelRef.adapted("b2") == ModelRef("b2", "adapted") != LOCAL("b2")
+    with pytest.raises(ValueError):
+        ModelRef("b2", "global")  # type: ignore[arg-type]
 
 
 def test_gain_is_positive_when_lower_perplexity():
@@ -140,8 +154,8 @@ def test_gain_is_positive_when_lower_perplexity():
         t,
         MLM,
         {
-            "A": {c: torch.tensor([2.0, 1.0]) for c in ("a1", "a2", "b1", "b2", "proxy")},
-            "local:a1": {c: torch.tensor([3.0, 1.0]) for c in ("a1", "a2", "b1", "b2", "proxy")},
+            N("A"): {c: torch.tensor([2.0, 1.0]) for c in ("a1", "a2", "b1", "b2", "proxy")},
+            LOCAL("a1"): {c: torch.tensor([3.0, 1.0]) for c in ("a1", "a2", "b1", "b2", "proxy")},
         },
     )
     h = ev.headline()
@@ -162,11 +176,11 @@ def test_proximity_distances_and_hypothesis_shares():
     #     (d0 0.6, d1 0.8, d2 0.5, d3 A 0.1) -> rho(distance, quality) = -0.4 < 0: holds by rank.
     ev = accuracy_eval(
         {
-            "root": {"a1": 0.5, "a2": 0.5, "b1": 0.5, "b2": 0.5},
-            "A": {"a1": 0.7, "a2": 0.6, "b1": 0.1, "b2": 0.1},
-            "B": {"a1": 0.3, "a2": 0.3, "b1": 0.8, "b2": 0.4},
-            "a1": {"a1": 0.9},
-            "b1": {"b1": 0.6},
+            N("root"): {"a1": 0.5, "a2": 0.5, "b1": 0.5, "b2": 0.5},
+            N("A"): {"a1": 0.7, "a2": 0.6, "b1": 0.1, "b2": 0.1},
+            N("B"): {"a1": 0.3, "a2": 0.3, "b1": 0.8, "b2": 0.4},
+            N("a1"): {"a1": 0.9},
+            N("b1"): {"b1": 0.6},
         }
     )
     p = analyse(ev)
@@ -198,9 +212,9 @@ def test_proximity_flips_sign_for_perplexity():
     t = tree()
     low, high = torch.tensor([0.0, 1.0]), torch.tensor([2.0, 1.0])  # perplexity 1 (good) and e^2 (bad)
     stats = {
-        "A": {c: (low if c.startswith("a") else high) for c in ("a1", "a2", "b1", "b2")},
-        "B": {c: high for c in ("a1", "a2", "b1", "b2")},
-        "root": {c: high for c in ("a1", "a2", "b1", "b2")},
+        N("A"): {c: (low if c.startswith("a") else high) for c in ("a1", "a2", "b1", "b2")},
+        N("B"): {c: high for c in ("a1", "a2", "b1", "b2")},
+        N("root"): {c: high for c in ("a1", "a2", "b1", "b2")},
     }
     for s in stats.values():
         s["proxy"] = low

@@ -9,7 +9,7 @@ import pytest
 from mlflow import MlflowClient
 from typer.testing import CliRunner
 
-from bhfl_core.analysis.evaluation import parse_model
+from bhfl_core.analysis.evaluation import ModelRef
 from flows.cli.app import app
 from flows.tracking.tracker import Tracker
 from tasks.context import open_run
@@ -91,13 +91,14 @@ def test_baselines_are_reproducible(evaluated_runs, tmp_path):
     client = MlflowClient(tree["tracking_uri"])
     _, value = _matrix(client, tree["run_id"], tmp_path)
     # the baselines rebuilt by a fresh worker runtime in this process (not the run's workers)
-    again = WorkerRuntime("test", worker_device("cpu")).evaluate(tree["run_path"], ["local:en-00", "adapt:fr-01"])
-    for model, split in (("local:en-00", "en-00"), ("adapt:fr-01", "proxy")):
+    models = [ModelRef.local_only("en-00"), ModelRef.adapted("fr-01")]
+    again = WorkerRuntime("test", worker_device("cpu")).evaluate(tree["run_path"], models)
+    for model, (name, split) in zip(models, (("local:en-00", "en-00"), ("adapt:fr-01", "proxy"))):
+        assert model.name == name
         confusion = again[model][split]
         assert float(confusion.diag().sum() / confusion.sum()) == pytest.approx(
-            value[(model, split, "accuracy")], abs=1e-6
+            value[(name, split, "accuracy")], abs=1e-6
         )
-    assert parse_model("adapt:fr-01").node == "fr-01"
 
 
 def test_per_round_curves_for_every_node(evaluated_runs):
