@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -31,11 +32,13 @@ from bhfl_core.algorithm.engine import execute_node
 from bhfl_core.algorithm.node_state import Caller, RoundKey
 from bhfl_core.algorithm.node_step import ChildrenReport
 from bhfl_core.algorithm.residuals import Candidate, needs
-from bhfl_core.algorithm.tree import Node
+from bhfl_core.algorithm.tempo import epochs_for, omega, read_schedule, record_round, schedule_path, tempo_epochs
+from bhfl_core.algorithm.tree import Node, TrainParams
 from bhfl_core.config.schema import ExperimentConfig
 from bhfl_core.learning.local_train import planned_steps
 from bhfl_core.placement import Job, place
 from bhfl_core.store.node_store import StateStore
+from bhfl_core.store.run_layout import STATE_DIR
 from data_prep.prepare import PreparedData, prepare_data
 from flows import progress
 from flows.creation_gate import run_gated, signal_running
@@ -70,6 +73,58 @@ class FlowHooks:
     def __init__(self, rt: NodeRuntime) -> None:
         self.rt = rt
         self.round_started: dict[int, float] = {}
+        self.sent_up: dict[int, dict[str, torch.Tensor]] = {}  # Tempo, at the root: round -> edge -> model sent up
+
+    # ------------------------------------------------------------ Tempo (seeds/001, bhfl_core/algorithm/tempo.py)
+
+    def _tempo_file(self) -> Path:
+        return schedule_path(self.rt.ctx.run_path / STATE_DIR)
+
+    def _tempo_root(self, node: Node) -> bool:
+        return self.rt.ctx.config.tree.tempo and node.parent is None
+
+    def _client_epochs(self, node: Node, key: RoundKey) -> int | None:
+        """Tempo: the epochs of an edge's clients in the root round that called the edge (None: their own).
+
+        Root round 0 and an edge without entry in the schedule: ``tree.client.train.epochs`` (c).
+        """
+        ctx, caller = self.rt.ctx, key.caller
+        if not ctx.config.tree.tempo or caller.round is None or node.parent != caller.node_id:
+            return None
+        if ctx.tree[caller.node_id].parent is not None:
+            return None
+        c = ctx.config.tree.client.train.epochs
+        return epochs_for(self._tempo_file(), caller.round, node.id, c) if caller.round else None
+
+    def _tempo_record(self, node: Node, done_round: int, models: dict[str, torch.Tensor], theta: torch.Tensor) -> None:
+        """Eq. 9 after root round ``done_round``: store the epochs of round ``done_round + 1``, log omegas and epochs.
+
+        ``theta`` is the root's model at the end of the round (after its proxy TRAIN, if any);
+        ``models`` the edges' models as sent up in that round.
+        """
+        path, c = self._tempo_file(), self.rt.ctx.config.tree.client.train.epochs
+        omegas = {m: omega(models[m], theta) for m in sorted(models)}
+        record_round(path, done_round + 1, omegas, tempo_epochs(omegas, c))
+        used = {m: c if not done_round else epochs_for(path, done_round, m, c) for m in omegas}
+        values = {f"tempo/omega/{m}": w for m, w in omegas.items()}
+        values.update({f"tempo/epochs/{m}": float(e) for m, e in used.items()})
+        self.rt.tracker.log_node(node.id, values, step=done_round + 1)
+
+    def _tempo_catch_up(self, node: Node, key: RoundKey, theta: torch.Tensor) -> None:
+        """A run resumed between the commit of root round t-1 and its schedule entry: recompute it from the store.
+
+        The edges' saved models are those they sent up in round t-1, and ``theta`` (the
+        root's model at the start of round t) is its model at the end of round t-1.
+        """
+        if not key.round or key.round in read_schedule(self._tempo_file()):
+            return
+        store, previous = self.rt.ctx.store, Caller(node.id, key.round - 1).key
+        models = {
+            c.id: store.load(c.id).theta
+            for c in self.rt.ctx.tree.children(node.id)
+            if store.load_info(c.id).get("exec_caller") == previous
+        }
+        self._tempo_record(node, key.round - 1, models, theta)
 
     # ------------------------------------------------------------ children
 
@@ -94,7 +149,12 @@ class FlowHooks:
     ) -> list[WorkerReport]:
         runtime = self.rt.ctx.config.runtime
         keep, select = needs(node.settings.res_up)
-        jobs = [Job(c.id, planned_steps(int(c.weight), c.settings.train)) for c in leaves if c.settings.train]
+        epochs = self._client_epochs(node, key)
+
+        def params(train: TrainParams) -> TrainParams:
+            return train if epochs is None else replace(train, epochs=epochs)
+
+        jobs = [Job(c.id, planned_steps(int(c.weight), params(c.settings.train))) for c in leaves if c.settings.train]
         model = load_time_model(self.rt.ctx.run_path) if runtime.placement == "learned" else None
         plan = place(jobs, self.rt.executor.slots(), runtime.placement, model)
         name = f"{node.id} round {key.round + 1}: " + ", ".join(f"{len(a.jobs)} on {a.slot.name}" for a in plan)
@@ -108,6 +168,7 @@ class FlowHooks:
             phi_path,
             keep,
             select,
+            epochs,
         )
         if runtime.placement == "learned":
             record_timings(
@@ -118,6 +179,9 @@ class FlowHooks:
     def run_children(self, node: Node, cohort: list[Node], theta: torch.Tensor, key: RoundKey) -> ChildrenReport:
         self.round_started[key.round] = time.time()
         ctx = self.rt.ctx
+        tempo = self._tempo_root(node)
+        if tempo:
+            self._tempo_catch_up(node, key, theta)
         phi_path = ctx.store.write_message(f"{node.id}.down", theta)
         caller = key.as_caller()
         report = ChildrenReport()
@@ -127,6 +191,8 @@ class FlowHooks:
         for child, up_path in zip(servers, self._run_servers(servers, phi_path, caller)):
             theta_child = StateStore.read_message(up_path)
             report.aggregate.add(theta_child, child.weight)
+            if tempo:
+                self.sent_up.setdefault(key.round, {})[child.id] = theta_child
             if node.settings.res_up:
                 report.candidates.append(Candidate(child.id, theta_child, child.weight))
             last = ctx.store.load_info(child.id).get("metrics", {})  # the child's last round, saved with it
@@ -179,6 +245,8 @@ class FlowHooks:
         is_root = node.parent is None
         if is_root:
             metrics = {**metrics, **worker_utilisation(rt, self.round_started.get(key.round, time.time()), time.time())}
+        if self._tempo_root(node) and key.round in self.sent_up:  # before evaluation and the round's fault point
+            self._tempo_record(node, key.round, self.sent_up.pop(key.round), theta)
         rt.tracker.log_node(node.id, metrics, step=key.round + 1)
         progress.node_round(node.id, node.depth, key.round, metrics)
         every = rt.ctx.config.eval.every

@@ -16,7 +16,7 @@ from __future__ import annotations
 import errno
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -59,6 +59,7 @@ class LocalTrainer:
     def __init__(self, ctx: RunContext, model: torch.nn.Module, device: torch.device) -> None:
         self.ctx, self.model, self.device = ctx, model, device
         self.trained = 0  # TRAIN calls made (a client loaded from its checkpoint makes none)
+        self.epochs: int | None = None  # Tempo: clients' local epochs for the current call (None: their own)
 
     def run_children(self, node: Node, cohort: list[Node], theta: torch.Tensor, key: RoundKey) -> ChildrenReport:
         raise RuntimeError(f"node {node.id!r} has children; servers run in the orchestrator, not inside a worker")
@@ -74,7 +75,10 @@ class LocalTrainer:
         set_flat(self.model, theta)
         seed = derive_seed(self.ctx.config.seed, "train", *key.parts())
         transform = self.ctx.task_kind.batch_transform(self.ctx.task_facts)  # mlm: masks drawn from `seed`
-        result = train_model(self.model, data, node.settings.train, seed, self.device, transform)
+        params = node.settings.train
+        if node.is_leaf and self.epochs is not None:
+            params = replace(params, epochs=self.epochs)
+        result = train_model(self.model, data, params, seed, self.device, transform)
         self.trained += 1
         prefix = "train" if node.is_leaf else "proxy_train"
         metrics = {f"{prefix}/loss": result.loss, f"{prefix}/steps": float(result.steps)}
@@ -94,12 +98,30 @@ def train_clients(
     phi: torch.Tensor,
     keep: int = 0,
     select: str | None = None,
+    epochs: int | None = None,
 ) -> WorkerReport:
     """Execute ``client_ids`` from the parent model ``phi``; return their weighted sum and statistics.
 
     With ``keep > 0`` the worker also returns its ``keep`` best residual candidates by
     ``select``, held as a running top-K so memory stays at K models per worker.
+    ``epochs`` (Tempo) replaces the clients' ``train.epochs`` for this call.
     """
+    trainer.epochs = epochs
+    try:
+        return _train_batch(ctx, trainer, caller, client_ids, phi, keep, select)
+    finally:
+        trainer.epochs = None
+
+
+def _train_batch(
+    ctx: RunContext,
+    trainer: LocalTrainer,
+    caller: Caller,
+    client_ids: list[str],
+    phi: torch.Tensor,
+    keep: int,
+    select: str | None,
+) -> WorkerReport:
     report = WorkerReport(started=time.time())
     for client_id in client_ids:
         node = ctx.tree[client_id]

@@ -52,10 +52,17 @@ def train_clients(
     phi_path: str,
     keep: int = 0,
     select: str | None = None,
+    epochs: int | None = None,
 ) -> list[WorkerReport]:
-    """Execute each batch of clients on its slot from the parent model at ``phi_path``; one report per batch."""
+    """Execute each batch of clients on its slot from the parent model at ``phi_path``; one report per batch.
+
+    ``epochs`` (Tempo): the clients' local epochs for this call instead of their ``train.epochs``.
+    """
     return gather(
-        [executor.submit(slot, "train_clients", run_path, caller, ids, phi_path, keep, select) for slot, ids in batches]
+        [
+            executor.submit(slot, "train_clients", run_path, caller, ids, phi_path, keep, select, epochs)
+            for slot, ids in batches
+        ]
     )
 
 

@@ -108,12 +108,18 @@ class WorkerRuntime:
                     fh.write(f"{started:.6f} {time.time():.6f}\n")
 
     def train_clients(
-        self, run_path: str, caller: Caller, client_ids: list[str], phi_path: str, keep: int, select: str | None
+        self,
+        run_path: str,
+        caller: Caller,
+        client_ids: list[str],
+        phi_path: str,
+        keep: int,
+        select: str | None,
+        epochs: int | None = None,
     ) -> WorkerReport:
         with self._call(run_path) as ctx:
-            report = train_clients(
-                ctx, self._trainer(ctx), caller, client_ids, StateStore.read_message(phi_path), keep, select
-            )
+            phi = StateStore.read_message(phi_path)
+            report = train_clients(ctx, self._trainer(ctx), caller, client_ids, phi, keep, select, epochs)
         report.worker, report.device_kind = self.name, self.kind
         return report
 

@@ -195,6 +195,10 @@ class TreeConfig(Strict):
 
     Settings of a node: its level's block (``root``, ``server``, ``edge``, ``client``),
     then for intermediate servers ``levels.<depth>`` (root = 0), then ``nodes.<id>``.
+
+    ``tempo: true`` (seeds/001): after every root round the root retunes the client
+    epochs of each edge server (institution) for the next round with Eq. 9
+    (``bhfl_core/algorithm/tempo.py``); only for root -> edge servers -> clients.
     """
 
     flat: bool = False
@@ -206,6 +210,7 @@ class TreeConfig(Strict):
     client: LevelSettings = LevelSettings()
     nodes: dict[str, NodeOverride] = {}
     residuals: ResidualsConfig = ResidualsConfig()
+    tempo: bool = False  # Tempo: the root retunes each edge's client epochs per root round (Eq. 9)
 
     @field_validator("groups")
     @classmethod
@@ -247,6 +252,16 @@ class TreeConfig(Strict):
         out: list[GroupSpec] = []
         _walk_groups(self.groups, "tree.groups", 1, "root", out)
         return out
+
+    @model_validator(mode="after")
+    def _tempo(self) -> TreeConfig:
+        if self.tempo and (self.flat or self.groups):
+            shape = "tree.flat is true (root -> clients)" if self.flat else "tree.groups puts servers between them"
+            raise ValueError(
+                f"tree.tempo: Tempo needs the root's children to be edge servers (root -> edge servers -> "
+                f"clients, tree.groups: {{}}), but {shape}"
+            )
+        return self
 
     @model_validator(mode="after")
     def _levels(self) -> TreeConfig:
