@@ -32,13 +32,14 @@ from bhfl_core.algorithm.engine import execute_node
 from bhfl_core.algorithm.node_state import Caller, RoundKey
 from bhfl_core.algorithm.node_step import ChildrenReport
 from bhfl_core.algorithm.residuals import Candidate, needs
-from bhfl_core.algorithm.tempo import epochs_for, omega, read_schedule, record_round, schedule_path, tempo_epochs
+from bhfl_core.algorithm.tempo import omega, tempo_epochs
 from bhfl_core.algorithm.tree import Node, TrainParams
 from bhfl_core.config.schema import ExperimentConfig
 from bhfl_core.learning.local_train import planned_steps
 from bhfl_core.placement import Job, place
 from bhfl_core.store.node_store import StateStore
 from bhfl_core.store.run_layout import STATE_DIR
+from bhfl_core.store.tempo_schedule import epochs_for, read_schedule, record_round, schedule_path
 from data_prep.prepare import PreparedData, prepare_data
 from flows import progress
 from flows.creation_gate import run_gated, signal_running

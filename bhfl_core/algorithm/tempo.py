@@ -38,18 +38,13 @@ reads what the first attempt wrote (or recomputes the same numbers).
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping
-from pathlib import Path
 
 import torch
 
-from bhfl_core.store.atomic import write_text_atomic
-
 OMEGA_FLOOR = 1e-12
 EQUAL_LOG_TOL = 1e-9
-SCHEDULE_FILE = "tempo.json"
 
 
 def omega(edge_theta: torch.Tensor, root_theta: torch.Tensor) -> float:
@@ -92,34 +87,3 @@ def eq9_direct(omegas: Mapping[str, float], c: int) -> dict[str, float]:
     logs = {m: math.log(w) for m, w in omegas.items()}
     lo, hi = min(logs.values()), max(logs.values())
     return {m: (c / 2) / (lo - hi) * (3 * log_w + lo - 4 * hi) for m, log_w in logs.items()}
-
-
-# ---------------------------------------------------------------- the schedule file
-
-
-def schedule_path(state_dir: Path) -> Path:
-    return state_dir / SCHEDULE_FILE
-
-
-def read_schedule(path: Path) -> dict[int, dict[str, dict[str, float]]]:
-    """Root round (0-based, the round the epochs are used in) -> {"epochs": ..., "omega": ...}."""
-    if not path.exists():
-        return {}
-    raw = json.loads(path.read_text())
-    return {int(k): v for k, v in raw.items()}
-
-
-def epochs_for(path: Path, root_round: int | None, edge_id: str, c: int) -> int:
-    """The epochs of ``edge_id``'s clients in root round ``root_round``; ``c`` for round 0 or no entry."""
-    if not root_round:
-        return c
-    entry = read_schedule(path).get(root_round, {})
-    return int(entry.get("epochs", {}).get(edge_id, c))
-
-
-def record_round(path: Path, root_round: int, omegas: Mapping[str, float], epochs: Mapping[str, int]) -> None:
-    """Store the epochs (and the omegas they came from) used in root round ``root_round``, atomically."""
-    schedule = read_schedule(path)
-    schedule[root_round] = {"epochs": dict(epochs), "omega": dict(omegas)}
-    ordered = {str(k): schedule[k] for k in sorted(schedule)}
-    write_text_atomic(path, json.dumps(ordered, indent=1, sort_keys=False) + "\n")

@@ -6,15 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from bhfl_core.algorithm.tempo import (
-    OMEGA_FLOOR,
-    epochs_for,
-    eq9_direct,
-    omega,
-    read_schedule,
-    record_round,
-    tempo_epochs,
-)
+from bhfl_core.algorithm.tempo import OMEGA_FLOOR, eq9_direct, omega, tempo_epochs
+from bhfl_core.store.tempo_schedule import epochs_for, read_schedule, record_round
 
 E = math.e
 

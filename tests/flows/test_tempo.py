@@ -6,8 +6,9 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from bhfl_core.algorithm.tempo import omega, read_schedule, tempo_epochs
+from bhfl_core.algorithm.tempo import omega, tempo_epochs
 from bhfl_core.store.node_store import StateStore
+from bhfl_core.store.tempo_schedule import read_schedule
 from flows.experiment import PLAIN_CALLS, run_experiment
 from tasks.context import open_run
 from tests.small import small_config
