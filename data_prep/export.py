@@ -23,6 +23,7 @@ from typing import Annotated
 
 from datasets import Dataset
 
+from bhfl_core.store.atomic import atomic_path
 from data_prep.embedded import generate_pool
 
 
@@ -33,9 +34,8 @@ def write_splits(folder: Path, config: str, splits: Mapping[str, Dataset]) -> li
     written = []
     for split, data in splits.items():
         path = target / f"{split}.parquet"
-        tmp = path.with_name(path.name + ".tmp")
-        data.to_parquet(str(tmp))
-        tmp.replace(path)
+        with atomic_path(path) as tmp:  # hidden temp sibling, removed if the write fails
+            data.to_parquet(str(tmp))
         written.append(path)
     return written
 
