@@ -120,7 +120,8 @@ def load_tensors(path: Path, names: list[str] | None = None) -> tuple[dict[str, 
     try:
         with safe_open(str(path), framework="pt") as fh:
             info = json.loads((fh.metadata() or {}).get(_INFO, "{}"))
-            keys = list(fh.keys()) if names is None else [n for n in names if n in set(fh.keys())]
+            stored = list(fh.keys())
+            keys = stored if names is None else [n for n in names if n in stored]
             tensors = {k: fh.get_tensor(k) for k in keys}
     except (SafetensorError, OSError, ValueError) as exc:
         raise _damaged(path, f"unreadable: {exc}") from None
