@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -51,7 +52,7 @@ from tasks.client_training import WorkerReport
 from tasks.context import mark_once
 from tasks.executor import gather
 from tasks.time_model import load_time_model, record_timings
-from tasks.training import proxy_train, train_clients, with_retries
+from tasks.training import proxy_train, score_candidates, train_clients, with_retries
 
 TASK_THREADS = 64  # threads that wait on worker calls (cheap; the work is on the workers)
 
@@ -240,6 +241,22 @@ class FlowHooks:
             theta_path,
         )
         return StateStore.read_message(out_path), metrics
+
+    def score(self, node: Node, candidates: Sequence[torch.Tensor]) -> list[float]:
+        """A tuned NODEOPT's candidates scored on the server's held-out proxy rows, on a worker."""
+        ctx = self.rt.ctx
+        paths = [ctx.store.write_message(f"{node.id}.candidate-{i}", c) for i, c in enumerate(candidates)]
+        slot = self.rt.executor.slots()[0]
+        name = f"{node.id}: score {len(paths)} candidates on {slot.name}"
+        losses: list[float] = self.rt.orchestration.call_task(
+            self.rt, score_candidates, name, slot, self.rt.run_path, node.id, paths
+        )
+        return losses
+
+    def train_personal(
+        self, node: Node, personal: torch.Tensor, anchor: torch.Tensor, key: RoundKey
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        raise RuntimeError(f"{node.id} is a server; only clients keep a personal (Ditto) model")
 
     def round_done(self, node: Node, key: RoundKey, theta: torch.Tensor, metrics: dict[str, float]) -> None:
         rt = self.rt

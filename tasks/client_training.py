@@ -16,6 +16,7 @@ from __future__ import annotations
 import errno
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -25,8 +26,8 @@ from bhfl_core.algorithm.engine import NodeResult, execute_node
 from bhfl_core.algorithm.node_state import Caller, RoundKey
 from bhfl_core.algorithm.node_step import ChildrenReport
 from bhfl_core.algorithm.residuals import Candidate, keep_top
-from bhfl_core.algorithm.tree import Node
-from bhfl_core.learning.local_train import train_model
+from bhfl_core.algorithm.tree import Node, TrainParams
+from bhfl_core.learning.local_train import TrainResult, held_out_loss, split_holdout, train_model
 from bhfl_core.learning.params import get_flat, set_flat
 from bhfl_core.rng import derive_seed
 from bhfl_core.store.node_store import CheckpointError
@@ -34,6 +35,7 @@ from tasks import faults
 from tasks.context import RunContext, mark_once
 
 log = logging.getLogger("bhfl.worker")
+Table = dict[str, torch.Tensor]
 
 
 @dataclass
@@ -64,27 +66,65 @@ class LocalTrainer:
     def run_children(self, node: Node, cohort: list[Node], theta: torch.Tensor, key: RoundKey) -> ChildrenReport:
         raise RuntimeError(f"node {node.id!r} has children; servers run in the orchestrator, not inside a worker")
 
+    def _data(self, node: Node) -> tuple[Table, Table]:
+        """The node's training rows (private split for clients, proxy train split for servers): (TRAIN, held out).
+
+        The held-out share (``settings.holdout``, for tuned NODEOPTs) is drawn once from
+        (seed, node): the same rows every round, never trained on.
+        """
+        ctx = self.ctx
+        data = ctx.shard(ctx.clients[node.id].train.path) if node.is_leaf else ctx.proxy("train", node.id)
+        if not node.settings.holdout:
+            return data, {}
+        return split_holdout(data, node.settings.holdout, derive_seed(ctx.config.seed, "holdout", node.id))
+
+    def _fit(
+        self, node: Node, theta: torch.Tensor, params: TrainParams, seed: int, anchor: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, TrainResult]:
+        set_flat(self.model, theta)
+        transform = self.ctx.task_kind.batch_transform(self.ctx.task_facts)  # mlm: masks drawn from `seed`
+        result = train_model(self.model, self._data(node)[0], params, seed, self.device, transform, anchor)
+        return get_flat(self.model), result
+
     def train(self, node: Node, theta: torch.Tensor, key: RoundKey) -> tuple[torch.Tensor, dict[str, float]]:
         assert node.settings.train is not None
         if node.is_leaf:
             faults.hit("client", node.id)
             mark_once(self.ctx.run_path, "first_training")
-        data = (
-            self.ctx.shard(self.ctx.clients[node.id].train.path) if node.is_leaf else self.ctx.proxy("train", node.id)
-        )
-        set_flat(self.model, theta)
-        seed = derive_seed(self.ctx.config.seed, "train", *key.parts())
-        transform = self.ctx.task_kind.batch_transform(self.ctx.task_facts)  # mlm: masks drawn from `seed`
         params = node.settings.train
         if node.is_leaf and self.epochs is not None:
             params = replace(params, epochs=self.epochs)
-        result = train_model(self.model, data, params, seed, self.device, transform)
+        trained, result = self._fit(node, theta, params, derive_seed(self.ctx.config.seed, "train", *key.parts()))
         self.trained += 1
         prefix = "train" if node.is_leaf else "proxy_train"
         metrics = {f"{prefix}/loss": result.loss, f"{prefix}/steps": float(result.steps)}
         if node.is_leaf:  # saved with the client's state: a re-run after a crash reports the same
             metrics["train/examples"] = float(result.examples)
-        return get_flat(self.model), metrics
+        return trained, metrics
+
+    def train_personal(
+        self, node: Node, personal: torch.Tensor, anchor: torch.Tensor, key: RoundKey
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """Ditto: the personal model trained on the client's data with ``(lambda/2)·||v - anchor||²``."""
+        params = node.settings.personal
+        assert params is not None
+        seed = derive_seed(self.ctx.config.seed, "personal", *key.parts())
+        trained, result = self._fit(node, personal, params, seed, anchor)
+        return trained, {"personal/loss": result.loss, "personal/steps": float(result.steps)}
+
+    def score(self, node: Node, candidates: Sequence[torch.Tensor]) -> list[float]:
+        """Each candidate's loss on the node's held-out rows (same masks for all, for masked LM)."""
+        ctx = self.ctx
+        held = self._data(node)[1]
+        if not held:
+            return [float("nan")] * len(candidates)
+        transform = ctx.task_kind.batch_transform(ctx.task_facts)
+        seed = derive_seed(ctx.config.seed, "holdout-score", node.id)
+        losses = []
+        for theta in candidates:
+            set_flat(self.model, theta)
+            losses.append(held_out_loss(self.model, held, ctx.config.eval.batch_size, self.device, seed, transform))
+        return losses
 
     def round_done(self, node: Node, key: RoundKey, theta: torch.Tensor, metrics: dict[str, float]) -> None:
         return None

@@ -19,10 +19,12 @@ from tasks.scoring import Stats, local_only_rounds
 
 
 def node_models(ctx: RunContext) -> list[ModelRef]:
-    """Every server model and (``eval.client_models``) every persistent client model that exists."""
+    """Every server model and (``eval.client_models``) every persistent client model and Ditto personal model."""
     nodes = [ModelRef.of_node(n.id) for n in ctx.tree.servers()]
     if ctx.config.eval.client_models:
-        nodes += [ModelRef.of_node(n.id) for n in ctx.tree.clients() if n.settings.persistent and ctx.store.has(n.id)]
+        clients = [n for n in ctx.tree.clients() if ctx.store.has(n.id)]
+        nodes += [ModelRef.of_node(n.id) for n in clients if n.settings.persistent]
+        nodes += [ModelRef.personal(n.id) for n in clients if n.settings.personal is not None]
     return nodes
 
 

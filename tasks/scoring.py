@@ -77,8 +77,8 @@ class _Baselines:
 def score_models(ctx: RunContext, trainer: LocalTrainer, models: Sequence[ModelRef]) -> Stats:
     """``{model: {client id or 'proxy': statistics}}`` for every client test split and the proxy test split.
 
-    ``models`` are node models (their saved models; missing ones are skipped) and the
-    local-only / adapted baselines of clients (trained here first).
+    ``models`` are node models and Ditto personal models (their saved models; missing
+    ones are skipped) and the local-only / adapted baselines of clients (trained here first).
     """
     names, data, groups = ctx.test_sets(PROXY)
     score, facts, batch_size = ctx.task_kind.score, ctx.task_facts, ctx.config.eval.batch_size
@@ -86,8 +86,8 @@ def score_models(ctx: RunContext, trainer: LocalTrainer, models: Sequence[ModelR
     out: Stats = {}
     for ref in models:
         theta: torch.Tensor | None
-        if ref.kind == "node":
-            theta = ctx.store.load_model(ref.node)
+        if ref.kind in ("node", "personal"):
+            theta = ctx.store.load_model(ref.node, personal=ref.kind == "personal")
         elif ref.kind == "local_only":
             theta = baselines.local_only(ref.node)
         else:

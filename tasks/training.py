@@ -72,3 +72,9 @@ def proxy_train(
 ) -> tuple[str, dict[str, float]]:
     """TRAIN a server's model (message at ``theta_path``) on its proxy split; returns the result's message."""
     return executor.submit(slot, "proxy_train", run_path, node_id, key, theta_path).result()
+
+
+@task(name="score-candidates", cache_policy=NO_CACHE, persist_result=False)
+def score_candidates(executor: Executor, slot: Slot, run_path: str, node_id: str, paths: list[str]) -> list[float]:
+    """A server's candidate models (message files) scored on its held-out proxy rows; one loss each."""
+    return list(executor.submit(slot, "held_out_losses", run_path, node_id, paths).result())

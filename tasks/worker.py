@@ -129,6 +129,12 @@ class WorkerRuntime:
             theta, metrics = self._trainer(ctx).train(ctx.tree[node_id], StateStore.read_message(theta_path), key)
             return ctx.store.write_message(f"{node_id}.proxy-out", theta), metrics
 
+    def held_out_losses(self, run_path: str, node_id: str, candidate_paths: list[str]) -> list[float]:
+        """Losses of candidate models (message files) on a server's held-out proxy rows (NODEOPT ``interp``)."""
+        with self._call(run_path) as ctx:
+            candidates = [StateStore.read_message(p) for p in candidate_paths]
+            return self._trainer(ctx).score(ctx.tree[node_id], candidates)
+
     def evaluate(self, run_path: str, models: list[ModelRef]) -> Stats:
         with self._call(run_path) as ctx:
             return score_models(ctx, self._trainer(ctx), models)

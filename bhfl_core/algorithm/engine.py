@@ -12,6 +12,10 @@
         theta_t+1 = TRAIN(theta', Omega_q)                     (no-op without data)
     W_q = theta_T;  return theta_T
 
+Ditto clients (``settings.personal``) also train their personal model each round,
+``v = TRAIN(v, Omega_q) with (lambda/2)·||v - theta'||²``, before the TRAIN of the
+model they send up (both start from theta': Li et al. 2021, Algorithm 1).
+
 ``execute_node`` is that loop; the maths is in the pure steps of ``node_step.py``.
 *Where* children run (Prefect subflows, worker tasks, or plain recursion in tests)
 and *how* TRAIN is done are injected through ``EngineHooks``, so the same function
@@ -31,12 +35,14 @@ uninterrupted run bit for bit.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import torch
 
-from bhfl_core.algorithm.node_state import ROOT_CALLER, Caller, RoundKey
+from bhfl_core.algorithm.node_state import ROOT_CALLER, Caller, NodeState, RoundKey
 from bhfl_core.algorithm.node_step import ChildrenReport, ResidualPost, down_posts, node_down, node_up
 from bhfl_core.algorithm.tree import Node, Tree
 from bhfl_core.rng import sample_cohort
@@ -64,6 +70,16 @@ class EngineHooks(Protocol):
         """Called after each node round is committed (logging, progress, evaluation)."""
         ...
 
+    def score(self, node: Node, candidates: Sequence[torch.Tensor]) -> list[float]:
+        """Losses of candidate models on the node's held-out data (tuned NODEOPTs such as ``interp``)."""
+        ...
+
+    def train_personal(
+        self, node: Node, personal: torch.Tensor, anchor: torch.Tensor, key: RoundKey
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """Ditto: TRAIN a client's personal model with ``(mu/2)·||v - anchor||²`` (``settings.personal``)."""
+        ...
+
 
 def execute_node(
     tree: Tree,
@@ -80,19 +96,26 @@ def execute_node(
     done = state.rounds_done_for(caller)
     if done >= settings.rounds:  # finished before a crash: hand back the saved result
         return NodeResult(state.theta, state.metrics)
+    scorer = functools.partial(hooks.score, node) if settings.tunes else None
     if not done:
-        state = node_down(state, phi, store.inbox(node.id, "down", state.res_seen), settings, caller)
-    # Receivers of residuals keep their bookkeeping even when not persistent.
-    persist = settings.persistent or not node.is_leaf or bool(settings.res_in)
+        state = node_down(state, phi, store.inbox(node.id, "down", state.res_seen), settings, caller, scorer)
+    # Receivers of residuals keep their bookkeeping, and Ditto clients their personal model, even when not persistent.
+    persist = settings.persistent or not node.is_leaf or bool(settings.res_in) or settings.personal is not None
     children = tree.children(node.id)
     for _ in range(done, settings.rounds):
         key = RoundKey(node.id, state.rounds_done, caller)
         store.post(node.id, key.round, down_posts(state.theta, settings))
         cohort = sample_cohort(children, settings.cohort, seed, node.id, key.round)
         report = hooks.run_children(node, cohort, state.theta, key) if cohort else None
-        state, posts = node_up(state, report, store.inbox(node.id, "up", state.res_seen), settings)
+        state, posts = node_up(state, report, store.inbox(node.id, "up", state.res_seen), settings, scorer)
         store.post(node.id, key.round, posts)
         metrics = round_metrics(node, cohort, report, posts)
+        metrics.update(tuned_metrics(state))
+        if settings.personal is not None:  # Ditto: v_k from its last value (first: theta) towards theta
+            start = state.personal if state.personal is not None else state.theta
+            personal, personal_metrics = hooks.train_personal(node, start, state.theta, key)
+            state = replace(state, personal=personal)
+            metrics.update(personal_metrics)
         if settings.train is not None:
             trained, train_metrics = hooks.train(node, state.theta, key)
             state = replace(state, model=trained)
@@ -101,6 +124,12 @@ def execute_node(
         store.commit(node.id, state, persist)
         hooks.round_done(node, key, state.theta, metrics)
     return NodeResult(state.theta, state.metrics)
+
+
+def tuned_metrics(state: NodeState) -> dict[str, float]:
+    """The ``alpha`` each tuned NODEOPT (``interp``) last chose: ``opt/alpha_up``, ``_down``, ``_<residual kind>``."""
+    opts = {"up": state.opt_up, "down": state.opt_down, **state.opt_res}
+    return {f"opt/alpha_{name}": float(opt["alpha"]) for name, opt in opts.items() if "alpha" in opt}
 
 
 def round_metrics(

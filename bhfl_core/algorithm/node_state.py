@@ -67,6 +67,9 @@ class RoundKey:
 class NodeState:
     """A node's persistent model ``W_q``, its optimiser states and its place in the run.
 
+    ``personal`` is a Ditto client's personal model, trained next to ``W_q`` and
+    evaluated, never aggregated.
+
     ``exec_caller``/``exec_start`` record the execution the state belongs to (its
     caller's key and ``rounds_done`` when it began): the resume rule reads them.
     ``res_seen`` maps ``"<kind>/<sender>"`` to the last sender round consumed from that
@@ -83,6 +86,7 @@ class NodeState:
     exec_start: int = 0
     metrics: dict[str, float] = field(default_factory=dict)  # the last round's metrics
     res_seen: dict[str, int] = field(default_factory=dict)
+    personal: torch.Tensor | None = None  # Ditto: the client's personal model v_k (never sent anywhere)
 
     @property
     def theta(self) -> torch.Tensor:

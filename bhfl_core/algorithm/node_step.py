@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from bhfl_core.algorithm.aggregation import WeightedSum
-from bhfl_core.algorithm.node_opt import OptState, node_opt_step
+from bhfl_core.algorithm.node_opt import OptState, Scorer, node_opt_step
 from bhfl_core.algorithm.node_state import Caller, NodeState
 from bhfl_core.algorithm.residuals import Candidate, contribution, select_residuals
 from bhfl_core.algorithm.tree import NodeSettings
@@ -78,14 +78,25 @@ class ResidualPost:
 
 
 def node_down(
-    stored: NodeState, phi: torch.Tensor | None, inbox: Inbox, settings: NodeSettings, caller: Caller
+    stored: NodeState,
+    phi: torch.Tensor | None,
+    inbox: Inbox,
+    settings: NodeSettings,
+    caller: Caller,
+    scorer: Scorer | None = None,
 ) -> NodeState:
     """Begin the execution ``caller`` triggered: theta_0 = NODEOPT_down(q, W_q, [phi], R_down[q]).
 
     Without ``phi`` (the root) the node starts from its own model. ``inbox`` holds the
     node's waiting down-residuals; they are folded in only when ``phi`` is given.
+    ``scorer``: held-out losses for tuned NODEOPTs (``interp``). A Ditto personal model
+    is the client's own: kept even when the node is not persistent.
     """
-    state = stored if settings.persistent else NodeState(rounds_done=stored.rounds_done, res_seen=stored.res_seen)
+    state = (
+        stored
+        if settings.persistent
+        else NodeState(rounds_done=stored.rounds_done, res_seen=stored.res_seen, personal=stored.personal)
+    )
     state = replace(state, exec_caller=caller.key, exec_start=state.rounds_done)
     if phi is None:
         if state.model is None:
@@ -95,8 +106,8 @@ def node_down(
         base, opt_down, theta = phi, state.opt_down, phi.clone()
     else:
         base = state.model
-        opt_down, theta = node_opt_step(state.opt_down, state.model, phi, settings.opt_down)
-    theta, opt_res, seen = fold_residuals(inbox, base, theta, state.opt_res, state.res_seen, settings)
+        opt_down, theta = node_opt_step(state.opt_down, state.model, phi, settings.opt_down, scorer)
+    theta, opt_res, seen = fold_residuals(inbox, base, theta, state.opt_res, state.res_seen, settings, scorer)
     return replace(state, model=theta, opt_down=opt_down, opt_res=opt_res, res_seen=seen)
 
 
@@ -111,12 +122,17 @@ def down_posts(theta: torch.Tensor, settings: NodeSettings) -> list[ResidualPost
 
 
 def node_up(
-    state: NodeState, report: ChildrenReport | None, inbox: Inbox, settings: NodeSettings
+    state: NodeState,
+    report: ChildrenReport | None,
+    inbox: Inbox,
+    settings: NodeSettings,
+    scorer: Scorer | None = None,
 ) -> tuple[NodeState, list[ResidualPost]]:
     """Aggregate a round's children: residuals for the ancestors, then NODEOPT_up with R_up[q].
 
     Returns the state with theta' (the model before the node's own TRAIN) and the
-    up-residual posts. ``inbox`` holds the node's waiting up-residuals.
+    up-residual posts. ``inbox`` holds the node's waiting up-residuals; ``scorer``
+    scores candidates for tuned NODEOPTs (``interp``).
     """
     if report is None or report.aggregate.empty:  # a leaf, or every child failed and was dropped
         return state, []
@@ -129,8 +145,8 @@ def node_up(
         if chosen:
             models = 1 if link.combine == "mean" else len(chosen)
             posts.append(ResidualPost(link.target, link.key, contribution(chosen, link.combine), models))
-    opt_up, stepped = node_opt_step(state.opt_up, theta, mean_input, settings.opt_up)
-    theta, opt_res, seen = fold_residuals(inbox, theta, stepped, state.opt_res, state.res_seen, settings)
+    opt_up, stepped = node_opt_step(state.opt_up, theta, mean_input, settings.opt_up, scorer)
+    theta, opt_res, seen = fold_residuals(inbox, theta, stepped, state.opt_res, state.res_seen, settings, scorer)
     return replace(state, model=theta, opt_up=opt_up, opt_res=opt_res, res_seen=seen), posts
 
 
@@ -141,6 +157,7 @@ def fold_residuals(
     opt_res: Mapping[str, OptState],
     seen: Mapping[str, int],
     settings: NodeSettings,
+    scorer: Scorer | None = None,
 ) -> tuple[torch.Tensor, dict[str, OptState], dict[str, int]]:
     """Add each waiting kind's NODEOPT step (taken from ``base``) to ``stepped``.
 
@@ -151,7 +168,7 @@ def fold_residuals(
     for kind in sorted(inbox):
         pending = inbox[kind]
         new_opt_res[kind], moved = node_opt_step(
-            new_opt_res.get(kind, {}), base, pending.total.mean(), settings.residual_opt(kind)
+            new_opt_res.get(kind, {}), base, pending.total.mean(), settings.residual_opt(kind), scorer
         )
         theta = theta + (moved - base)
         new_seen.update(pending.read)

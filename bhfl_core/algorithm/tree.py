@@ -12,7 +12,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 
-from bhfl_core.algorithm.node_opt import NodeOptParams
+from bhfl_core.algorithm.node_opt import NodeOptParams, is_tuned
 from bhfl_core.algorithm.residuals import DownLink, UpLink
 
 
@@ -49,6 +49,13 @@ class NodeSettings:
     res_up: tuple[UpLink, ...] = ()  # residuals this node sends to ancestors
     res_down: tuple[DownLink, ...] = ()  # residuals this node sends to descendants
     res_in: tuple[tuple[str, NodeOptParams], ...] = ()  # residual kinds it receives -> their optimiser
+    holdout: float = 0.0  # share of the node's training data kept out of TRAIN to tune NODEOPT interp's alpha
+    personal: TrainParams | None = None  # Ditto (clients): a personal model trained towards theta with mu = lambda
+
+    @property
+    def tunes(self) -> bool:
+        """Whether a NODEOPT of this node tunes on held-out data (``interp``): then it needs ``holdout`` rows."""
+        return any(is_tuned(p.kind) for p in (self.opt_up, self.opt_down, *(p for _, p in self.res_in)))
 
     def residual_opt(self, key: str) -> NodeOptParams:
         for k, params in self.res_in:

@@ -1,9 +1,10 @@
 """The evaluation matrix: every model on every test set, and the per-client views of it.
 
-Models are the tree's node models (servers and persistent clients, named by node id)
-and, where run, two per-client baselines: ``local:<client>`` (trained from the
-initial model on the client's own data only) and ``adapt:<client>`` (a final model
-fine-tuned on the client's data: local adaptation). Test sets are:
+Models are the tree's node models (servers and persistent clients, named by node id),
+Ditto clients' personal models (``personal:<client>``) and, where run, two per-client
+baselines: ``local:<client>`` (trained from the initial model on the client's own data
+only) and ``adapt:<client>`` (a final model fine-tuned on the client's data: local
+adaptation). Test sets are:
 
 - ``<client id>``: that client's test split;
 - ``subtree:<server>``: the union of the client test splits under a (non-root) server;
@@ -36,8 +37,8 @@ UNION = "union"
 PROXY = "proxy"
 SUBTREE = "subtree:"
 
-ModelKind = Literal["node", "local_only", "adapted"]
-_PREFIX: dict[ModelKind, str] = {"node": "", "local_only": "local:", "adapted": "adapt:"}
+ModelKind = Literal["node", "personal", "local_only", "adapted"]
+_PREFIX: dict[ModelKind, str] = {"node": "", "personal": "personal:", "local_only": "local:", "adapted": "adapt:"}
 
 
 def subtree_set(node_id: str) -> str:
@@ -48,10 +49,10 @@ def subtree_set(node_id: str) -> str:
 class ModelRef:
     """A model in the matrix: the tree node it belongs to and its kind.
 
-    ``kind`` is ``node`` (a node's own model), ``local_only`` or ``adapted`` (the
-    per-client baselines of client ``node``). ``name`` is how the model is written in
-    the matrix, MLflow metrics and reports: the node id, ``local:<client>`` or
-    ``adapt:<client>``.
+    ``kind`` is ``node`` (a node's own model), ``personal`` (a Ditto client's personal
+    model), ``local_only`` or ``adapted`` (the per-client baselines of client ``node``).
+    ``name`` is how the model is written in the matrix, MLflow metrics and reports: the
+    node id, ``personal:<client>``, ``local:<client>`` or ``adapt:<client>``.
     """
 
     node: str
@@ -64,6 +65,10 @@ class ModelRef:
     @classmethod
     def of_node(cls, node_id: str) -> ModelRef:
         return cls(node_id, "node")
+
+    @classmethod
+    def personal(cls, client_id: str) -> ModelRef:
+        return cls(client_id, "personal")
 
     @classmethod
     def local_only(cls, client_id: str) -> ModelRef:
@@ -135,11 +140,11 @@ class EvalRow:
 
 Stats = Mapping[ModelRef, Mapping[str, torch.Tensor]]  # model -> client id / proxy -> statistics
 
-_KIND_RANK: dict[ModelKind, int] = {"node": 0, "adapted": 1, "local_only": 2}
+_KIND_RANK: dict[ModelKind, int] = {"node": 0, "personal": 1, "adapted": 2, "local_only": 3}
 
 
 def model_order(tree: Tree, models: Iterable[ModelRef]) -> list[ModelRef]:
-    """Node models in tree order, then the adapted baselines, then the local-only ones (each in tree order)."""
+    """Node models in tree order, then personal models, adapted baselines, local-only ones (each in tree order)."""
     position = {n: i for i, n in enumerate(dfs_order(tree))}
     return sorted(models, key=lambda m: (_KIND_RANK[m.kind], position[m.node]))
 
@@ -274,13 +279,13 @@ class Evaluation:
     def relatives(self, client: str) -> list[tuple[str, str]]:
         """``(relation, model)`` of the models that belong to a client, by relation to it.
 
-        ``client`` (its own persistent model), ``edge`` (its parent server, whatever its
-        level), ``server`` (intermediate ancestors; ``server-d<depth>`` if several),
-        ``root``, and the baselines ``adapted`` and ``local_only``. Only models that
-        were evaluated appear.
+        ``client`` (its own persistent model), ``personal`` (its Ditto personal model),
+        ``edge`` (its parent server, whatever its level), ``server`` (intermediate
+        ancestors; ``server-d<depth>`` if several), ``root``, and the baselines
+        ``adapted`` and ``local_only``. Only models that were evaluated appear.
         """
         tree = self.tree
-        chain = [("client", client)]
+        chain = [("client", client), ("personal", ModelRef.personal(client).name)]
         ancestors = tree.ancestors(client)
         servers = [a for a in ancestors[1:] if a != tree.root_id]
         if ancestors:

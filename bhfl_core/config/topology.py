@@ -19,12 +19,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from bhfl_core.algorithm.node_opt import NodeOptParams
+from bhfl_core.algorithm.node_opt import NodeOptParams, is_tuned
 from bhfl_core.algorithm.residuals import DownLink, UpLink
 from bhfl_core.algorithm.tree import Node, NodeSettings, Role, TrainParams, Tree
 from bhfl_core.config.base import ConfigError
 from bhfl_core.config.data import KMeansClustering, LanguageClustering
-from bhfl_core.config.schema import ExperimentConfig, LevelSettings, NodeOverride, OptSettings
+from bhfl_core.config.schema import ExperimentConfig, LevelSettings, NodeOverride, OptSettings, TrainSettings
 
 ROOT_ID = "root"
 _LEVEL_KEY = {Role.ROOT: "root", Role.SERVER: "server", Role.EDGE: "edge", Role.CLIENT: "client"}
@@ -137,28 +137,32 @@ def _resolve(config: ExperimentConfig, node_id: str, role: Role, depth: int, num
             f"{origin['cohort']}: cohort of {cohort} is larger than the {num_children} children of node {node_id!r}"
         )
 
+    has_data = role is Role.CLIENT or _holds_proxy(config, node_id, role, depth)
     train: TrainParams | None = None
     if role is Role.CLIENT or values["proxy_train"]:
-        if role is not Role.CLIENT and not _holds_proxy(config, node_id, role, depth):
+        if not has_data:
             raise ConfigError(
                 f"{origin['proxy_train']}: node {node_id!r} has no proxy split to train on "
                 f"(data.proxy.servers is {config.data.proxy.servers}, "
                 f"data.proxy.train_per_language is {config.data.proxy.train_per_language})"
             )
-        t = values["train"]
-        train = TrainParams(
-            lr=t.lr,
-            epochs=t.epochs,
-            max_steps=t.max_steps,
-            batch_size=t.batch_size,
-            optimizer=t.optimizer,
-            weight_decay=t.weight_decay,
-            mu=t.mu,
-        )
+        train = _train_params(values["train"])
+    personal = values["personal"]
+    if personal is not None and role is not Role.CLIENT:
+        raise ConfigError(f"{origin['personal']}: only clients keep a personal (Ditto) model; {node_id!r} is a server")
 
     def opt(direction: str) -> NodeOptParams:
         o = values[f"opt_{direction}"]
-        return NodeOptParams(kind=o.kind, eta=values[f"eta_{direction}"], beta1=o.beta1, beta2=o.beta2, tau=o.tau)
+        if is_tuned(o.kind):
+            _check_tuned(origin[f"opt_{direction}"], node_id, has_data, values["holdout"], origin["holdout"])
+        return NodeOptParams(
+            kind=o.kind,
+            eta=values[f"eta_{direction}"],
+            beta1=o.beta1,
+            beta2=o.beta2,
+            tau=o.tau,
+            alphas=tuple(o.alphas),
+        )
 
     return NodeSettings(
         rounds=values["rounds"],
@@ -167,7 +171,35 @@ def _resolve(config: ExperimentConfig, node_id: str, role: Role, depth: int, num
         opt_down=opt("down"),
         persistent=values["persistent"],
         train=train,
+        holdout=values["holdout"],
+        personal=_train_params(personal) if personal is not None else None,
     )
+
+
+def _train_params(t: TrainSettings) -> TrainParams:
+    return TrainParams(
+        lr=t.lr,
+        epochs=t.epochs,
+        max_steps=t.max_steps,
+        batch_size=t.batch_size,
+        optimizer=t.optimizer,
+        weight_decay=t.weight_decay,
+        mu=t.mu,
+    )
+
+
+def _check_tuned(key: str, node_id: str, has_data: bool, holdout: float, holdout_key: str) -> None:
+    """A tuned NODEOPT (``interp``) needs held-out rows at its node: its own data and ``holdout > 0``."""
+    if not has_data:
+        raise ConfigError(
+            f"{key}: NODEOPT interp tunes alpha on the node's held-out data, but {node_id!r} has none "
+            "(clients have their private split; servers need a proxy split: data.proxy.servers)"
+        )
+    if holdout <= 0:
+        raise ConfigError(
+            f"{key}: NODEOPT interp tunes alpha on held-out rows of {node_id!r}'s training data; "
+            f"set {holdout_key} (e.g. 0.2, the share of rows kept out of TRAIN)"
+        )
 
 
 def build_tree(config: ExperimentConfig, clients: Sequence[ClientInfo]) -> Tree:
@@ -291,13 +323,23 @@ def _lookup(tree: Tree, selector: str, key: str) -> list[Node]:
     return found
 
 
-def _receiver_opt(node: Node, direction: str, opt: OptSettings | None, eta: float | None) -> NodeOptParams:
+def _receiver_opt(
+    config: ExperimentConfig, node: Node, direction: str, opt: OptSettings | None, eta: float | None, key: str
+) -> NodeOptParams:
     """A residual kind's optimiser at ``node``: the rule's settings over the node's own for that direction."""
     own: NodeOptParams = getattr(node.settings, f"opt_{direction}")
     if opt is None:
         return replace(own, eta=own.eta if eta is None else eta)
+    if is_tuned(opt.kind):
+        has_data = node.is_leaf or _holds_proxy(config, node.id, node.role, node.depth)
+        _check_tuned(key, node.id, has_data, node.settings.holdout, f"tree.nodes.{node.id}.holdout")
     return NodeOptParams(
-        kind=opt.kind, eta=own.eta if eta is None else eta, beta1=opt.beta1, beta2=opt.beta2, tau=opt.tau
+        kind=opt.kind,
+        eta=own.eta if eta is None else eta,
+        beta1=opt.beta1,
+        beta2=opt.beta2,
+        tau=opt.tau,
+        alphas=tuple(opt.alphas),
     )
 
 
@@ -328,7 +370,7 @@ def _wire_residuals(config: ExperimentConfig, tree: Tree) -> Tree:
                 link = UpLink(i, target, rule.k, rule.select, rule.combine)
                 sends_up.setdefault(src.id, []).append(link)
                 receives.setdefault(target, []).append(
-                    (link.key, _receiver_opt(tree[target], "up", rule.opt, rule.eta))
+                    (link.key, _receiver_opt(config, tree[target], "up", rule.opt, rule.eta, f"{key}.opt"))
                 )
 
     for i, down in enumerate(config.tree.residuals.down):
@@ -345,7 +387,7 @@ def _wire_residuals(config: ExperimentConfig, tree: Tree) -> Tree:
                 down_link = DownLink(i, receiver.id)
                 sends_down.setdefault(src.id, []).append(down_link)
                 receives.setdefault(receiver.id, []).append(
-                    (down_link.key, _receiver_opt(receiver, "down", down.opt, down.eta))
+                    (down_link.key, _receiver_opt(config, receiver, "down", down.opt, down.eta, f"{key}.opt"))
                 )
 
     if not (sends_up or sends_down):

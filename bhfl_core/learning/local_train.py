@@ -14,7 +14,13 @@ parameter's ``.grad`` gets ``mu·(p − p0)``, exactly the term's gradient, befo
 gradient, as they would with the term in the loss). That is one fused update per step
 instead of a second autograd graph over every parameter, and the reported loss stays the
 task loss (comparable across ``mu``; what the ``loss`` residual selector ranks). ``mu = 0``
-takes none of this path: no anchor copy, no extra op.
+takes none of this path: no anchor copy, no extra op. Ditto's personal model uses the
+same term with an explicit anchor (the model the client received), ``lambda`` as ``mu``.
+
+Held-out rows (``split_holdout``): a node whose NODEOPT tunes on held-out data
+(``interp``) keeps a fixed share of its training rows out of TRAIN, drawn once from
+(seed, node), so the rows it tunes on are never trained on in any round;
+``held_out_loss`` scores a model on them.
 """
 
 from __future__ import annotations
@@ -70,10 +76,15 @@ class _Proximal:
     if the term were in the loss.
     """
 
-    def __init__(self, model: nn.Module, mu: float) -> None:
+    def __init__(self, model: nn.Module, mu: float, anchor: torch.Tensor | None = None) -> None:
         self.mu = mu
         self.params: list[torch.Tensor] = list(trainable_parameters(model))
-        self.anchor = [p.detach().clone() for p in self.params]  # once per TRAIN call
+        if anchor is None:  # the parameters the call started from, once per TRAIN call
+            self.anchor = [p.detach().clone() for p in self.params]
+        else:  # a flat vector in ``get_flat``'s layout
+            device = self.params[0].device
+            parts = torch.split(anchor.to(device), [p.numel() for p in self.params])
+            self.anchor = [part.view_as(p).to(p.dtype) for part, p in zip(parts, self.params)]
 
     @torch.no_grad()
     def add_gradient(self) -> None:
@@ -99,11 +110,13 @@ def train_model(
     seed: int,
     device: torch.device,
     transform: BatchTransform | None = None,
+    anchor: torch.Tensor | None = None,
 ) -> TrainResult:
     """Train in place for ``params.epochs`` epochs (or ``max_steps``); data order from ``seed``.
 
-    With ``params.mu > 0`` the proximal term anchors the model to its parameters at the
-    start of this call (module docstring); the returned loss is the task loss alone.
+    With ``params.mu > 0`` the proximal term anchors the model to ``anchor`` (a flat
+    vector; default: its parameters at the start of this call, module docstring); the
+    returned loss is the task loss alone.
     """
     n = len(next(iter(data.values())))
     if n == 0:
@@ -111,7 +124,7 @@ def train_model(
     generator = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)  # dropout, if the model has any
     optimizer = _optimizer(model, params)
-    proximal = _Proximal(model, params.mu) if params.mu > 0 else None
+    proximal = _Proximal(model, params.mu, anchor) if params.mu > 0 else None
     model.train()
     steps, seen, loss_sum = 0, 0, 0.0
     for _ in range(params.epochs):
@@ -130,6 +143,50 @@ def train_model(
             if params.max_steps is not None and steps >= params.max_steps:
                 return TrainResult(loss_sum / seen, steps, seen)
     return TrainResult(loss_sum / seen, steps, seen)
+
+
+def split_holdout(
+    data: Mapping[str, torch.Tensor], fraction: float, seed: int
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """``(kept, held)``: ``round(fraction * n)`` rows (at least 1, at most n - 1) held out, drawn from ``seed``.
+
+    ``fraction == 0`` or fewer than two rows hold nothing out. Both parts keep the
+    rows' original order.
+    """
+    n = len(next(iter(data.values())))
+    k = min(max(round(fraction * n), 1), n - 1) if fraction > 0 and n >= 2 else 0
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+    held, kept = order[:k].sort().values, order[k:].sort().values
+    return {name: v[kept] for name, v in data.items()}, {name: v[held] for name, v in data.items()}
+
+
+@torch.no_grad()
+def held_out_loss(
+    model: nn.Module,
+    data: Mapping[str, torch.Tensor],
+    batch_size: int,
+    device: torch.device,
+    seed: int,
+    transform: BatchTransform | None = None,
+) -> float:
+    """The model's mean task loss over ``data`` (row-weighted; NaN for no rows), in eval mode.
+
+    ``transform`` (masked LM) draws from a generator seeded by ``seed``, so candidates
+    scored with the same seed see the same masks.
+    """
+    n = len(next(iter(data.values())))
+    if n == 0:
+        return float("nan")
+    generator = torch.Generator().manual_seed(seed)
+    model.eval()
+    total, seen = 0.0, 0
+    for raw in _batches(data, torch.arange(n), batch_size):
+        batch = transform(raw, generator) if transform is not None else raw
+        out = model(**{k: v.to(device) for k, v in batch.items()})
+        size = len(batch["labels"])
+        total += float(out.loss) * size
+        seen += size
+    return total / seen
 
 
 @torch.no_grad()

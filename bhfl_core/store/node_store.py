@@ -30,6 +30,7 @@ from bhfl_core.algorithm.node_step import Inbox, PendingResidual, ResidualPost
 from bhfl_core.store.atomic import atomic_path
 
 _MODEL = "model"
+_PERSONAL = "personal"
 _INFO = "bhfl"
 
 WriteHook = Callable[[Path], None]
@@ -41,10 +42,12 @@ class CheckpointError(RuntimeError):
 
 
 def state_tensors(state: NodeState) -> dict[str, torch.Tensor]:
-    """A state's tensors under their file names: ``model``, ``up.*``, ``down.*``, ``res.<kind>.*``."""
+    """A state's tensors under their file names: ``model``, ``personal``, ``up.*``, ``down.*``, ``res.<kind>.*``."""
     tensors: dict[str, torch.Tensor] = {}
     if state.model is not None:
         tensors[_MODEL] = state.model
+    if state.personal is not None:
+        tensors[_PERSONAL] = state.personal
     tensors.update({f"up.{k}": v for k, v in state.opt_up.items()})
     tensors.update({f"down.{k}": v for k, v in state.opt_down.items()})
     for kind, opt in state.opt_res.items():
@@ -80,6 +83,7 @@ def state_from_file(tensors: dict[str, torch.Tensor], info: dict[str, Any]) -> N
         exec_start=int(info.get("exec_start", 0)),
         metrics=dict(info.get("metrics", {})),
         res_seen=dict(info.get("res_seen", {})),
+        personal=tensors.get(_PERSONAL),
     )
 
 
@@ -171,11 +175,13 @@ class StateStore:
         """A node's state without its tensors (``model`` is None): cheap progress reads."""
         return state_from_file({}, self.load_info(node_id))
 
-    def load_model(self, node_id: str) -> torch.Tensor | None:
+    def load_model(self, node_id: str, personal: bool = False) -> torch.Tensor | None:
+        """A node's model ``W_q`` (or, ``personal``, a Ditto client's personal model); None if it has none."""
         path = self.node_path(node_id)
         if not path.exists():
             return None
-        return load_tensors(path, [_MODEL])[0].get(_MODEL)
+        name = _PERSONAL if personal else _MODEL
+        return load_tensors(path, [name])[0].get(name)
 
     def save(self, node_id: str, state: NodeState) -> None:
         atomic_save(state_tensors(state), self.node_path(node_id), state_info(state), self.before_replace)

@@ -50,6 +50,7 @@ REPORT_DIR = "report"
 RESULTS_MARK = "\n\n**Results**"
 RELATION_NAMES = {
     "client": "client's own model",
+    "personal": "client's personal model (Ditto)",
     "edge": "its parent server",
     "server": "its intermediate server",
     "root": "root",
@@ -181,7 +182,7 @@ def _describe_runs(
         f"root on union {h.get(f'root/union/{metric}', math.nan):.3f}, "
         f"on proxy {h.get(f'root/proxy/{metric}', math.nan):.3f}"
     ]
-    for relation in ("client", "edge", "root", "adapted", "local_only"):
+    for relation in ("client", "personal", "edge", "root", "adapted", "local_only"):
         key = f"{relation}_on_own_clients/{metric}"
         if f"{key}_mean" in h:
             parts.append(

@@ -38,6 +38,7 @@ def two_edge_tree(client_settings: NodeSettings, root_rounds: int = 1, root_trai
 
 
 STEPS = {"a1": [1.0, 0.0], "a2": [0.0, 2.0], "b1": [2.0, 2.0], "b2": [4.0, 0.0], "root": [0.0, -1.0]}
+TARGETS = {"a1": [1.0, 1.0], "a2": [0.0, 0.0], "b1": [3.0, 0.0], "b2": [0.0, 0.0], "A": [1.0, 1.0], "B": [0.0, 2.0]}
 
 
 class AddVectorHooks:
@@ -59,6 +60,14 @@ class AddVectorHooks:
 
     def train(self, node, theta, key):
         return theta + torch.tensor(STEPS[node.id]), {}
+
+    def score(self, node, candidates):
+        """Held-out loss: squared distance to TARGETS[node] (a known optimum)."""
+        return [float(((c - torch.tensor(TARGETS[node.id])) ** 2).sum()) for c in candidates]
+
+    def train_personal(self, node, personal, anchor, key):
+        """Ditto stand-in: one step towards the anchor plus the node's STEPS (exact, checkable by hand)."""
+        return personal + 0.5 * (anchor - personal) + torch.tensor(STEPS[node.id]), {"personal/loss": 0.0}
 
     def round_done(self, node, key, theta, metrics):
         self.rounds.append((node.id, key.round))
