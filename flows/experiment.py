@@ -45,8 +45,9 @@ from flows.creation_gate import creation_gate
 from flows.evaluation import evaluate_all, evaluate_step
 from flows.node_runtime import NodeRuntime, Orchestration, node_runtime, worker_utilisation
 from flows.records.environment import environment_text, git_commit, package_version, peak_rss_mb
-from flows.records.run_record import RunRecord, default_tracking_uri, new_run_path
+from flows.records.run_record import PipelineLink, RunRecord, default_tracking_uri, new_run_path
 from flows.records.run_state import RunStateError, load_run, resume_config
+from flows.records.warm_source import resolve_init_from, warm_start
 from flows.tracking.tracker import Tracker
 from flows.training import PLAIN_CALLS, PREFECT_RUNS, thread_task_runner
 from tasks import faults
@@ -58,9 +59,15 @@ IMPORTED_AT = time.time()  # the heavy imports above are done: the timeline's "i
 __all__ = ["PLAIN_CALLS", "PREFECT_RUNS", "experiment_flow", "resume_experiment", "run_experiment"]
 
 
-def _run_tags(config: ExperimentConfig, run_path: Path, data_fingerprint: str) -> dict[str, str]:
+def _run_tags(
+    config: ExperimentConfig, run_path: Path, data_fingerprint: str, link: PipelineLink | None
+) -> dict[str, str]:
     resolved = json.dumps(dump(config), sort_keys=True)
+    stage = {"bhfl.pipeline_stage": link.stage, "bhfl.pipeline_path": link.path} if link else {}
+    warm = {"bhfl.init_from": config.model.init_from} if config.model.init_from else {}
     return {
+        **stage,
+        **warm,
         "bhfl.run_path": str(run_path),
         "bhfl.config_hash": hashlib.sha256(resolved.encode()).hexdigest()[:16],
         "bhfl.data_fingerprint": data_fingerprint,
@@ -90,6 +97,7 @@ def experiment_flow(
     run_path: str | None = None,
     resume: bool = False,
     cluster: str | None = None,
+    link: PipelineLink | dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """Run one experiment end to end (or finish an interrupted one); returns where its results are.
 
@@ -98,10 +106,12 @@ def experiment_flow(
     ``cluster``: the address of a local cluster already started for this run (the CLI
     starts it while Prefect starts); None starts one here when ``runtime.executor`` is
     ``local``. ``config`` is validated here only when it comes as plain data (a
-    deployment run); ``bhfl run`` passes the config it validated.
+    deployment run); ``bhfl run`` passes the config it validated. ``link``: the pipeline
+    this run is a stage of (flows/pipeline.py; its MLflow parent run nests under the pipeline's).
     """
     cfg = config if isinstance(config, ExperimentConfig) else ExperimentConfig.model_validate(config)
-    return _experiment(cfg, run_root, tracking_uri, run_path, PREFECT_RUNS, resume=resume, cluster=cluster)
+    stage = link if link is None or isinstance(link, PipelineLink) else PipelineLink.model_validate(link)
+    return _experiment(cfg, run_root, tracking_uri, run_path, PREFECT_RUNS, resume=resume, cluster=cluster, link=stage)
 
 
 def _workers(cfg: ExperimentConfig, address: str | None) -> list[dict[str, str]]:
@@ -117,14 +127,17 @@ def _experiment(
     orchestration: Orchestration,
     resume: bool = False,
     cluster: str | None = None,
+    link: PipelineLink | None = None,
 ) -> dict[str, Any]:
     started = time.time()
     root = Path(run_root).resolve()
+    if not resume:  # a warm start's source is found and checked before anything is written
+        cfg = resolve_init_from(cfg, root)
     path = Path(run_path).resolve() if run_path else new_run_path(root, cfg.name)
     path.mkdir(parents=True, exist_ok=True)
     record = RunRecord.read(path) if resume else None
     if record is None:
-        record = RunRecord(name=cfg.name, tracking_uri=tracking_uri)
+        record = RunRecord(name=cfg.name, tracking_uri=tracking_uri, pipeline=link)
         write_text_atomic(path / CONFIG_FILE, yaml.safe_dump(dump(cfg), sort_keys=False))
     else:
         record = record.model_copy(
@@ -158,8 +171,15 @@ def _experiment(
             if record.parent_run_id:
                 tracker.reopen(record.experiment_id, record.parent_run_id, record.node_runs, record.resumes)
             else:
+                nest = record.pipeline
                 tracker.start(
-                    cfg.name, dump(cfg), ctx.tree, _run_tags(cfg, path, ctx.manifest.fingerprint), _describe(cfg, ctx)
+                    cfg.name,
+                    dump(cfg),
+                    ctx.tree,
+                    _run_tags(cfg, path, ctx.manifest.fingerprint, nest),
+                    _describe(cfg, ctx),
+                    experiment=nest.experiment if nest else None,
+                    parent_run_id=nest.run_id if nest else None,
                 )
                 record.experiment_id, record.parent_run_id, record.node_runs = (
                     tracker.experiment_id,
@@ -178,9 +198,13 @@ def _experiment(
             record.write(path)
             torch.set_num_threads(_orchestrator_threads(cfg, workers))
             rt = stack.enter_context(node_runtime(str(path), orchestration))
-            if not ctx.store.has(ctx.tree.root_id):
-                initial = rt.executor.submit(rt.executor.slots()[0], "initial_model", str(path)).result()
-                ctx.store.save(ctx.tree.root_id, NodeState(model=StateStore.read_message(initial)))
+            if not ctx.store.has(ctx.tree.root_id):  # a resume finds the root saved: nothing is copied again
+                if cfg.model.init_from:
+                    copied = warm_start(ctx)
+                    progress.note(f"warm start from {cfg.model.init_from}: {len(copied)} node model(s) copied")
+                else:
+                    initial = rt.executor.submit(rt.executor.slots()[0], "initial_model", str(path)).result()
+                    ctx.store.save(ctx.tree.root_id, NodeState(model=StateStore.read_message(initial)))
             rounds = ctx.tree.root.settings.rounds
             done = ctx.store.load_header(ctx.tree.root_id).rounds_done
             progress.note(f"{len(workers)} worker(s): " + ", ".join(f"{w['name']} ({w['device']})" for w in workers))
@@ -274,14 +298,18 @@ def _invoke(
     orchestration: Orchestration,
     resume: bool,
     cluster: str | None,
+    link: PipelineLink | None = None,
+    flow_run_name: str | None = None,
 ) -> dict[str, Any]:
     if orchestration is not PREFECT_RUNS:
-        return _experiment(config, str(run_root), uri, path, orchestration, resume=resume, cluster=cluster)
+        return _experiment(config, str(run_root), uri, path, orchestration, resume=resume, cluster=cluster, link=link)
     # Flow heartbeats only detect crashed deployment runs; off, each subflow ends ~1 s sooner.
     with temporary_settings(updates={"flows.heartbeat_frequency": None}):
-        name = f"resume {Path(path).name}" if resume else Path(path).name
-        flow_ = experiment_flow.with_options(flow_run_name=name, task_runner=thread_task_runner())
-        return flow_(config, str(run_root), uri, path, resume, cluster)
+        name = flow_run_name or Path(path).name
+        flow_ = experiment_flow.with_options(
+            flow_run_name=f"resume {name}" if resume else name, task_runner=thread_task_runner()
+        )
+        return flow_(config, str(run_root), uri, path, resume, cluster, link)
 
 
 def run_experiment(
@@ -291,19 +319,34 @@ def run_experiment(
     orchestration: Orchestration = PREFECT_RUNS,
     run_path: Path | None = None,
     cluster: str | None = None,
+    link: PipelineLink | None = None,
+    flow_run_name: str | None = None,
 ) -> dict[str, Any]:
     """Run the experiment flow in this process (Prefect's local server unless PREFECT_API_URL is set).
 
     ``orchestration=PLAIN_CALLS`` runs the same code with no Prefect at all (tests; benchmarks: orchestration share).
     ``run_path`` (default: a new ``<run_root>/<name>/<timestamp>``) is the run folder.
     ``cluster``: a local cluster already started for this run (``runtime.executor: local``).
-    Progress goes to the ``bhfl.progress`` logger (flows/progress.py).
+    ``link``: the pipeline this run is a stage of; ``flow_run_name``: the Prefect flow run's name
+    (default: the run folder's timestamp). A ``model.init_from`` source is checked (ConfigError)
+    before anything is written or started. Progress goes to the ``bhfl.progress`` logger (flows/progress.py).
     """
     run_root = run_root.resolve()
+    config = resolve_init_from(config, run_root)
     run_root.mkdir(parents=True, exist_ok=True)
     uri = tracking_uri or default_tracking_uri(run_root)
     path = run_path or new_run_path(run_root, config.name)
-    return _invoke(config, run_root, uri, str(path), orchestration, resume=False, cluster=cluster)
+    return _invoke(
+        config,
+        run_root,
+        uri,
+        str(path),
+        orchestration,
+        resume=False,
+        cluster=cluster,
+        link=link,
+        flow_run_name=flow_run_name,
+    )
 
 
 def resume_experiment(
@@ -311,6 +354,7 @@ def resume_experiment(
     orchestration: Orchestration = PREFECT_RUNS,
     overrides: Sequence[str] = (),
     cluster: str | None = None,
+    flow_run_name: str | None = None,
 ) -> dict[str, Any]:
     """Continue the run in ``run_path`` after a failure: same config, checkpoints, MLflow runs.
 
@@ -327,5 +371,12 @@ def resume_experiment(
     config = resume_config(run_path, config, overrides)
     # run_root: the folder holding the shared data cache (<run_root>/<name>/<stamp>)
     return _invoke(
-        config, run_path.parents[1], record.tracking_uri, str(run_path), orchestration, resume=True, cluster=cluster
+        config,
+        run_path.parents[1],
+        record.tracking_uri,
+        str(run_path),
+        orchestration,
+        resume=True,
+        cluster=cluster,
+        flow_run_name=flow_run_name,
     )

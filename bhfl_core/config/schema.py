@@ -50,6 +50,9 @@ class ModelConfig(Strict):
     truncation: Literal["longest_first", "only_first", "only_second"] = "longest_first"
     mlm_probability: Annotated[float, Field(gt=0, lt=1)] = 0.15  # masked-LM: share of tokens masked
     init_seed_offset: int = 0
+    # ``RUN[:NODE]``: start from a finished run's node model (docs/config.md, "model.init_from"); a
+    # run folder, stored absolute once resolved (flows/records/warm_source.py), or in a pipeline a stage name
+    init_from: str | None = None
 
 
 # ---------------------------------------------------------------- tree
@@ -58,10 +61,17 @@ OptKind = str
 
 
 class OptSettings(Strict):
+    """A NODEOPT: ``kind`` (fedavg, fedavgm, fedadagrad, fedadam, fedyogi, interp) and its hyperparameters.
+
+    ``alphas``: ``interp``'s grid; each step keeps ``alpha * own + (1 - alpha) * input``
+    for the alpha with the lowest loss on the node's held-out rows (``holdout``).
+    """
+
     kind: OptKind = "fedavg"
     beta1: Annotated[float, Field(ge=0, lt=1)] = 0.9
     beta2: Annotated[float, Field(ge=0, lt=1)] = 0.99
     tau: Annotated[float, Field(gt=0)] = 1e-3
+    alphas: Annotated[list[Annotated[float, Field(ge=0, le=1)]], Field(min_length=1)] = [0.0, 0.25, 0.5, 0.75, 1.0]
 
     @field_validator("kind")
     @classmethod
@@ -86,13 +96,15 @@ class LevelSettings(Strict):
 
     rounds: Annotated[int, Field(ge=1)] = 1
     cohort: Annotated[int, Field(ge=1)] | Annotated[float, Field(gt=0, le=1)] | None = None
-    eta_up: Annotated[float, Field(gt=0)] = 1.0
-    eta_down: Annotated[float, Field(gt=0)] = 1.0
+    eta_up: Annotated[float, Field(ge=0)] = 1.0  # 0 with fedavg: keep the own model
+    eta_down: Annotated[float, Field(ge=0)] = 1.0
     opt_up: OptSettings = OptSettings()
     opt_down: OptSettings = OptSettings()
     persistent: bool = True
     train: TrainSettings = TrainSettings()
     proxy_train: bool = False  # servers: TRAIN on the proxy split after aggregating
+    holdout: Annotated[float, Field(ge=0, le=0.5)] = 0.0  # share of training rows kept out of TRAIN (interp tunes)
+    personal: TrainSettings | None = None  # clients: Ditto's personal model (its mu is Ditto's lambda)
 
 
 class NodeOverride(Strict):
@@ -100,13 +112,15 @@ class NodeOverride(Strict):
 
     rounds: Annotated[int, Field(ge=1)] | None = None
     cohort: Annotated[int, Field(ge=1)] | Annotated[float, Field(gt=0, le=1)] | None = None
-    eta_up: Annotated[float, Field(gt=0)] | None = None
-    eta_down: Annotated[float, Field(gt=0)] | None = None
+    eta_up: Annotated[float, Field(ge=0)] | None = None
+    eta_down: Annotated[float, Field(ge=0)] | None = None
     opt_up: OptSettings | None = None
     opt_down: OptSettings | None = None
     persistent: bool | None = None
     train: TrainSettings | None = None
     proxy_train: bool | None = None
+    holdout: Annotated[float, Field(ge=0, le=0.5)] | None = None
+    personal: TrainSettings | None = None
 
 
 class UpResidual(Strict):

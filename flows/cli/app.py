@@ -7,21 +7,28 @@ settings.
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated
 
 import typer
 from rich.console import Console
 from rich.table import Table
+
+from flows.cli.shell import (
+    console,
+    fail,
+    guarded,
+    load_config,
+    local_cluster,
+    prefect_api,
+    preflight,
+    prepare_environment,
+)
 
 app = typer.Typer(
     help="Bidirectional Hierarchical Federated Learning experiments on Prefect + MLflow.",
@@ -29,11 +36,6 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-console = Console(stderr=True)
-
-if TYPE_CHECKING:
-    from bhfl_core.config.schema import ExperimentConfig
-    from tasks.local_cluster import ClusterStart
 
 DEFAULT_CONFIG = Path("configs/embedded.yaml")
 DEFAULT_RUN_DIR = Path("runs")
@@ -51,67 +53,18 @@ TrackingOption = Annotated[
 ]
 
 
-def _fail(message: str) -> None:
-    console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
-    raise typer.Exit(code=2)
-
-
-def _load_config(path: Path, overrides: list[str]) -> ExperimentConfig:
-    """The validated config, or a one-line error naming the key (exit 2) before anything starts."""
-    from bhfl_core.config.base import ConfigError
-    from bhfl_core.config.loader import load_config
-
-    try:
-        return load_config(path, overrides)
-    except ConfigError as exc:
-        _fail(str(exc))
-        raise  # unreachable: _fail exits
-
-
-def _prepare_environment(run_dir: Path, verbose: bool) -> None:
-    """Defaults for Prefect and HF libraries, set before they are imported; user settings win."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if "PREFECT_API_URL" not in os.environ:
-        os.environ.setdefault("PREFECT_HOME", str((run_dir / ".prefect").resolve()))
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    # a brand-new Prefect database migrates on first start: allow for a slow, loaded machine
-    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
-    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "INFO" if verbose else "WARNING")
-    # Failures reach the user as one paragraph (flows/cli/errors.py); Prefect's console copy of
-    # the traceback is noise then. Its API handler still sends the logs to the Prefect UI.
-    os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "INFO" if verbose else "CRITICAL")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    os.environ.setdefault("GIT_PYTHON_REFRESH", "quiet")
-    _limit_malloc_arenas()
-
-
-def _limit_malloc_arenas(arenas: int = 2) -> None:
-    """Fewer glibc malloc arenas here and in every process started from here.
-
-    Prefect, MLflow and the Dask client run dozens of threads; glibc gives each busy
-    thread its own arena (up to 8 per core), and freed model buffers stay spread over
-    them. Two arenas cut the orchestrator's peak memory by ~20% (measured on the default
-    run) at no measurable cost. Children read ``MALLOC_ARENA_MAX`` at start-up; this
-    process, already running, is told through ``mallopt``. A user's setting wins.
-    """
-    if "MALLOC_ARENA_MAX" in os.environ or not sys.platform.startswith("linux"):
-        return
-    os.environ["MALLOC_ARENA_MAX"] = str(arenas)
-    import ctypes
-
-    m_arena_max = -8  # glibc's malloc.h
-    with contextlib.suppress(OSError, AttributeError):  # not glibc (e.g. musl): nothing to tune
-        ctypes.CDLL(None).mallopt(m_arena_max, arenas)
-
-
 @app.command()
 def run(
-    config: Annotated[Path, typer.Argument(help="Experiment YAML.")] = DEFAULT_CONFIG,
+    config: Annotated[
+        Path, typer.Argument(help="Experiment YAML, or a pipeline YAML (top-level `stages:`, docs/pipelines.md).")
+    ] = DEFAULT_CONFIG,
     set_: Annotated[
         list[str],
-        typer.Option("--set", help="Override a config key by dotted path, e.g. --set tree.root.rounds=2 (repeatable)."),
+        typer.Option(
+            "--set",
+            help="Override a config key by dotted path, e.g. --set tree.root.rounds=2 (repeatable); "
+            "in a pipeline for every stage, or --set stages.<stage>.<key>=... for one.",
+        ),
     ] = [],
     run_dir: RunDirOption = DEFAULT_RUN_DIR,
     tracking_uri: TrackingOption = None,
@@ -120,22 +73,34 @@ def run(
     ] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show Prefect's run logs.")] = False,
 ) -> None:
-    """Run an experiment: prepare data, train the tree, evaluate every node, log to MLflow."""
+    """Run an experiment (prepare data, train the tree, evaluate every node, log to MLflow) or a pipeline of them."""
     if resume_run is not None:
         _resume(resume_run, set_, run_dir, verbose)
         return
-    _prepare_environment(run_dir, verbose)
-    cfg = _load_config(config, set_)
+    from flows.cli.pipeline import is_pipeline_file, run_pipeline_command
+
+    if is_pipeline_file(config):
+        run_pipeline_command(config, set_, run_dir, tracking_uri, verbose)
+        return
+    prepare_environment(run_dir, verbose)
+    cfg = load_config(config, set_)
     from tasks.local_cluster import likely_cpu_workers, start_forkserver
 
     if cfg.runtime.executor == "local" and likely_cpu_workers(cfg.runtime):
         start_forkserver()  # local workers' imports (torch, transformers) start now, beside ours
+    from bhfl_core.config.base import ConfigError
     from flows.records.run_record import new_run_path
+    from flows.records.warm_source import resolve_init_from
+
+    try:  # a warm start's source run: found and checked before anything starts
+        cfg = resolve_init_from(cfg, run_dir.resolve())
+    except ConfigError as exc:
+        fail(str(exc))
 
     run_path = new_run_path(run_dir.resolve(), cfg.name)
     # the Prefect server and the workers boot while the model/data check runs and the pipeline is imported
-    with _prefect_api(run_dir, full=False) as prefect_ready, _local_cluster(cfg, run_path) as cluster:
-        _preflight(cfg, run_dir)
+    with prefect_api(run_dir, full=False) as prefect_ready, local_cluster(cfg, run_path) as cluster:
+        preflight(cfg, run_dir)
         console.print(
             f"[bold]bhfl[/] running [cyan]{cfg.name}[/] from {config} (seed {cfg.seed}); starting workers, "
             "Prefect and MLflow ...",
@@ -152,7 +117,7 @@ def run(
         prefect_ready()
         store.join()
         with RichReporter(console).attached():
-            result = _guarded(
+            result = guarded(
                 lambda: run_experiment(
                     cfg, run_dir, uri, run_path=run_path, cluster=cluster.address() if cluster else None
                 ),
@@ -160,32 +125,6 @@ def run(
                 verbose,
             )
     _print_summary(result, run_dir)
-
-
-@contextmanager
-def _local_cluster(cfg: ExperimentConfig, run_path: Path) -> Iterator[ClusterStart | None]:
-    """The run's local Dask cluster (``runtime.executor: local``), starting in the background; stopped at the end."""
-    if cfg.runtime.executor != "local":
-        yield None
-        return
-    from tasks.local_cluster import ClusterStart
-
-    starting = ClusterStart(cfg.runtime, run_path)
-    try:
-        yield starting
-    finally:
-        starting.close()
-
-
-def _preflight(cfg: object, run_dir: Path) -> None:
-    """Model and (unless cached) data reachable? Checked before Prefect starts: one paragraph, exit 2."""
-    from bhfl_core.config.base import ConfigError
-    from data_prep.prepare import preflight
-
-    try:
-        preflight(cfg, run_dir / "cache")  # type: ignore[arg-type]
-    except ConfigError as exc:
-        _fail(str(exc))
 
 
 @app.command()
@@ -196,9 +135,9 @@ def prepare(
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show Prefect's run logs.")] = False,
 ) -> None:
     """Prepare (or reuse) an experiment's data: load, partition, tokenise, cache; print the partition report."""
-    cfg = _load_config(config, set_)
-    _prepare_environment(run_dir, verbose)
-    _preflight(cfg, run_dir)
+    cfg = load_config(config, set_)
+    prepare_environment(run_dir, verbose)
+    preflight(cfg, run_dir)
     from prefect.settings import temporary_settings
 
     from flows.data import run_prepare
@@ -208,7 +147,7 @@ def prepare(
         with temporary_settings(updates={"flows.heartbeat_frequency": None}), RichReporter(console).attached():
             return {"prepared": run_prepare(cfg, (run_dir / "cache").resolve())}
 
-    prepared = _guarded(work, None, verbose)["prepared"]
+    prepared = guarded(work, None, verbose)["prepared"]
     report = prepared.report_dir / "partition.md"
     print(report.read_text() if report.exists() else "")
     state = "cache hit (no tokenisation)" if prepared.cached else "prepared"
@@ -222,7 +161,8 @@ def prepare(
 @app.command()
 def resume(
     run_spec: Annotated[
-        str, typer.Argument(metavar="RUN", help="Run folder, <name>/<stamp>, `latest`, or MLflow run id.")
+        str,
+        typer.Argument(metavar="RUN", help="Run folder, <name>/<stamp>, `latest`, MLflow run id, or pipeline folder."),
     ],
     set_: Annotated[
         list[str], typer.Option("--set", help="Change runtime.* or eval.batch_size only (they do not change results).")
@@ -235,94 +175,61 @@ def resume(
 
 
 def _resume(run_spec: str, overrides: list[str], run_dir: Path, verbose: bool) -> None:
-    _prepare_environment(run_dir, verbose)  # before anything imports prefect
+    prepare_environment(run_dir, verbose)  # before anything imports prefect
     from bhfl_core.config.base import ConfigError
     from flows.records.listing import resolve_run
+    from flows.records.pipeline_record import find_pipeline
     from flows.records.run_state import RunStateError
+
+    if (pipeline := find_pipeline(run_spec, run_dir)) is not None:
+        from flows.cli.pipeline import resume_pipeline_command
+
+        resume_pipeline_command(pipeline, overrides, run_dir, verbose)
+        return
 
     try:
         run_path = resolve_run(run_spec, run_dir)
     except RunStateError as exc:
-        _fail(str(exc))
+        fail(str(exc))
     console.print(f"[bold]bhfl[/] resuming {run_path} ...", highlight=False)
     from flows.experiment import resume_experiment
     from flows.progress import RichReporter
 
     try:
-        with _prefect_api(run_dir, full=False) as prefect_ready, RichReporter(console).attached():
+        with prefect_api(run_dir, full=False) as prefect_ready, RichReporter(console).attached():
             prefect_ready()
-            result = _guarded(lambda: resume_experiment(run_path, overrides=overrides), run_path, verbose)
+            result = guarded(lambda: resume_experiment(run_path, overrides=overrides), run_path, verbose)
     except ConfigError as exc:
-        _fail(str(exc))
+        fail(str(exc))
     _print_summary(result, run_dir)
-
-
-@contextmanager
-def _prefect_api(run_dir: Path, full: bool) -> Iterator[Callable[[], None]]:
-    """``$PREFECT_API_URL`` if set, else a Prefect server of this command's own that dies with it.
-
-    (Prefect's own temporary server would outlive a killed run and hold its database.)
-    ``full``: ``prefect server start`` with UI and scheduler, for ``bhfl serve``. The
-    server boots in the background: call the function this yields before the first
-    Prefect request (it waits until the server answers).
-    """
-    if "PREFECT_API_URL" in os.environ:
-        yield lambda: None
-        return
-    from flows.services.prefect_server import start_server
-
-    server = start_server(run_dir.resolve() / ".prefect" / "server.log", full=full, port=4200 if full else None)
-    os.environ["PREFECT_API_URL"] = server.api_url
-    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `kill`: stop the server too
-    try:
-        yield server.wait_healthy
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-        if "prefect.logging.handlers" in sys.modules:  # send the last logs while the server still listens
-            from prefect.logging.handlers import APILogHandler
-
-            APILogHandler().flush()
-        server.stop()
-        os.environ.pop("PREFECT_API_URL", None)
-
-
-def _guarded(work: Callable[[], dict], run_path: Path | None, verbose: bool) -> dict:
-    """Run ``work``; known failures become one paragraph (cause, fix, how to resume) and a non-zero exit."""
-    from flows.cli.errors import explain, resume_hint
-
-    try:
-        return work()
-    except KeyboardInterrupt:
-        console.print(f"\n[bold yellow]interrupted.[/] {resume_hint(run_path)}", highlight=False, soft_wrap=True)
-        raise typer.Exit(code=130) from None
-    except Exception as exc:
-        message = explain(exc, run_path)
-        if message is None or verbose:
-            raise
-        from bhfl_core.config.base import ConfigError
-
-        console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
-        raise typer.Exit(code=2 if isinstance(exc, ConfigError) else 1) from None
 
 
 @app.command()
 def runs(
-    run_spec: Annotated[str | None, typer.Argument(metavar="[RUN]", help="Show one run's plan in detail.")] = None,
+    run_spec: Annotated[
+        str | None, typer.Argument(metavar="[RUN]", help="Show one run's plan (or a pipeline's stages) in detail.")
+    ] = None,
     run_dir: RunDirOption = DEFAULT_RUN_DIR,
 ) -> None:
     """List runs with their status (finished, failed at node X round Y, running) and what a resume would redo."""
-    _prepare_environment(run_dir, verbose=False)
+    prepare_environment(run_dir, verbose=False)
     from flows.records.listing import find_runs, progress, resolve_run, summarize
     from flows.records.run_state import RunStateError
 
     out = Console(soft_wrap=True)  # the listing is this command's output: stdout
 
     if run_spec is not None:
+        from flows.cli.pipeline import print_pipelines
+        from flows.records.pipeline_record import find_pipeline
+
+        if (pipeline := find_pipeline(run_spec, run_dir)) is not None:
+            print_pipelines(out, run_dir, only=pipeline)
+            return
         try:
             path = resolve_run(run_spec, run_dir)
             summary, plan = summarize(path), progress(path)
         except RunStateError as exc:
-            _fail(str(exc))
+            fail(str(exc))
         out.print(
             f"[bold]{summary.name}[/] {path}\n  status: {summary.status} {summary.detail}\n"
             f"  a resume would redo: {summary.redo}",
@@ -333,6 +240,9 @@ def runs(
             for line in plan.lines:
                 out.print(f"    {line}", highlight=False)
         return
+    from flows.cli.pipeline import print_pipelines
+
+    print_pipelines(out, run_dir)  # pipelines first, then every run (stages included)
     paths = find_runs(run_dir)
     if not paths:
         out.print(f"no runs under {run_dir}", highlight=False)
@@ -365,14 +275,14 @@ def serve(
     tracking_uri: TrackingOption = None,
 ) -> None:
     """Serve the experiment as a scheduled Prefect deployment (also runnable from the Prefect UI)."""
-    cfg = _load_config(config, set_)
+    cfg = load_config(config, set_)
     try:
         from prefect.client.schemas.schedules import CronSchedule
 
         CronSchedule(cron=cron)
     except ValueError as exc:
-        _fail(f"--cron {cron!r}: not a valid cron expression ({exc})")
-    _prepare_environment(run_dir, verbose=False)
+        fail(f"--cron {cron!r}: not a valid cron expression ({exc})")
+    prepare_environment(run_dir, verbose=False)
     from bhfl_core.config.schema import dump
     from flows.records.run_record import default_tracking_uri
 
@@ -380,7 +290,7 @@ def serve(
     deployment = name or cfg.name
     if "PREFECT_API_URL" not in os.environ:
         console.print("no PREFECT_API_URL: starting a local Prefect server with its UI (schedules need one) ...")
-    with _prefect_api(run_dir, full=True) as prefect_ready:
+    with prefect_api(run_dir, full=True) as prefect_ready:
         from flows.serve import serve_experiment
 
         prefect_ready()
@@ -432,7 +342,7 @@ def ui(
 
     uri = tracking_uri or default_tracking_uri(run_dir)
     if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///") :]).exists():
-        _fail(f"no MLflow store at {uri}; run `bhfl run` first or pass --tracking-uri")
+        fail(f"no MLflow store at {uri}; run `bhfl run` first or pass --tracking-uri")
     console.print(
         f"MLflow UI for {uri} on http://{host}:{port}  (Ctrl-C to stop; open 'Training runs' of your experiment)"
     )
@@ -470,7 +380,7 @@ def compare(
 
     uri = tracking_uri or default_tracking_uri(run_dir)
     if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///") :]).exists():
-        _fail(f"no MLflow store at {uri}; run `bhfl run` first or pass --tracking-uri")
+        fail(f"no MLflow store at {uri}; run `bhfl run` first or pass --tracking-uri")
     from mlflow import MlflowClient
 
     from bhfl_core.store.atomic import write_text_atomic
@@ -480,7 +390,7 @@ def compare(
     try:
         rows = compare_runs(MlflowClient(uri), runs)
     except CompareError as exc:
-        _fail(str(exc))
+        fail(str(exc))
     target = csv_path or run_dir / "compare.csv"
     write_text_atomic(target, to_csv(rows))
     print(to_markdown(rows))

@@ -1,6 +1,9 @@
 """``bhfl compare``: several experiment runs side by side, read from the MLflow store.
 
 A reference is a parent run id, or an experiment name (its latest finished run).
+A pipeline (flows/pipeline.py) is one row by its name or run id: its run holds its
+last stage's headlines, with communication and time summed over the stages; a stage's
+run id gives that stage alone.
 Every number comes from the parent run's metrics that ``flows.tracking.report`` logged at the
 end of the run, so any finished run in any store can be compared, e.g. B-HFL vs
 FedAvg vs HierFAVG on the same data.
@@ -36,7 +39,7 @@ def resolve(client: MlflowClient, ref: str) -> Run:
             run = None
         if run is not None:
             parent = run.data.tags.get(MLFLOW_PARENT_RUN_ID)
-            if parent:
+            if parent and "bhfl.pipeline_stage" not in run.data.tags:  # a stage's run is an experiment run
                 node = run.data.tags.get("bhfl.node", run.info.run_name)
                 raise CompareError(
                     f"{ref}: this is the run of node {node!r}; compare experiment runs, "

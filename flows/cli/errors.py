@@ -19,6 +19,11 @@ from flows.records.run_state import RunStateError
 
 
 def resume_hint(run_path: Path | None) -> str:
+    if run_path is not None and (run_path / "pipeline.json").exists():
+        return (
+            f"Finished stages and everything finished in the interrupted stage are kept; once it is fixed, "
+            f"continue with `bhfl resume {run_path}` (finished stages, nodes and rounds are not run again)."
+        )
     if run_path is None or not (run_path / "config.yaml").exists():
         return "Nothing was trained yet; run the command again once it is fixed."
     return (

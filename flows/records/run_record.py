@@ -30,6 +30,30 @@ def new_run_path(run_root: Path, name: str) -> Path:
     return run_root / name / stamp
 
 
+def process_alive(host: str, pid: int) -> bool:
+    """Whether process ``pid`` on ``host`` still runs (same host only: another host's process counts as gone)."""
+    if host != socket.gethostname():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class PipelineLink(BaseModel):
+    """A stage run's place in its pipeline (flows/pipeline.py): where its MLflow parent run nests."""
+
+    model_config = ConfigDict(frozen=True)
+
+    path: str  # the pipeline folder
+    stage: str
+    experiment: str  # the MLflow experiment (named after the pipeline)
+    run_id: str  # the pipeline's MLflow run, parent of the stage's parent run
+
+
 class RunRecord(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -55,6 +79,7 @@ class RunRecord(BaseModel):
     # imports_done, flow_start, data_ready, tracking_ready, workers_ready,
     # first_training, last_aggregate, finished.
     timeline: dict[str, float] = {}
+    pipeline: PipelineLink | None = None  # a pipeline's stage: its pipeline and MLflow nesting
 
     @classmethod
     def read(cls, run_path: Path) -> RunRecord | None:
@@ -69,15 +94,7 @@ class RunRecord(BaseModel):
 
     def process_alive(self) -> bool:
         """Whether the process that last ran this run is still running (same host only)."""
-        if self.host != socket.gethostname():
-            return False
-        try:
-            os.kill(self.pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
+        return process_alive(self.host, self.pid)
 
     @property
     def effective_status(self) -> str:

@@ -5,6 +5,10 @@ experiment run; under it a run per server node, nested like the tree (root ->
 intermediate servers -> edge servers), tagged ``bhfl.node``, ``bhfl.level`` (depth,
 root = 0) and ``bhfl.role``. Training metrics use ``step = node round``; evaluation
 metrics are ``eval/<test_set>/<metric>`` with ``step = root round``.
+
+A pipeline (flows/pipeline.py) adds a level on top: its run in an experiment named
+after the pipeline, and each stage's parent run in that same experiment, nested under
+it (pipeline -> stage -> root -> servers).
 """
 
 from __future__ import annotations
@@ -63,14 +67,36 @@ class Tracker:
         self.parent_id = ""
         self.node_runs: dict[str, str] = {}
 
-    def start(self, name: str, params: Mapping[str, Any], tree: Tree, tags: Mapping[str, str], description: str) -> str:
+    def _experiment(self, name: str) -> str:
+        """The id of the MLflow experiment ``name``, created (artefacts beside a local store) if new."""
         exp = self.client.get_experiment_by_name(name)
-        self.experiment_id = (
+        return (
             exp.experiment_id
             if exp
             else self.client.create_experiment(name, artifact_location=_artifact_root(self.uri))
         )
-        parent = self.client.create_run(self.experiment_id, run_name=name, tags={**tags, MLFLOW_RUN_NOTE: description})
+
+    def start(
+        self,
+        name: str,
+        params: Mapping[str, Any],
+        tree: Tree,
+        tags: Mapping[str, str],
+        description: str,
+        *,
+        experiment: str | None = None,
+        parent_run_id: str | None = None,
+    ) -> str:
+        """Create the experiment run ``name`` (the parent run) and a nested run per server node.
+
+        ``experiment``: the MLflow experiment to create it in (default: ``name``);
+        ``parent_run_id``: a run to nest it under (a pipeline stage under its pipeline's run).
+        """
+        self.experiment_id = self._experiment(experiment or name)
+        nesting = {MLFLOW_PARENT_RUN_ID: parent_run_id} if parent_run_id else {}
+        parent = self.client.create_run(
+            self.experiment_id, run_name=name, tags={**tags, **nesting, MLFLOW_RUN_NOTE: description}
+        )
         self.parent_id = parent.info.run_id
         flat = flatten(params)
         self._batched(self.parent_id, params=[Param(k[:250], v[:6000]) for k, v in sorted(flat.items())])
@@ -95,6 +121,22 @@ class Tracker:
             self.node_runs[node.id] = run.info.run_id
             order.extend(tree.children(node.id))
         return self.parent_id
+
+    def start_pipeline(self, name: str, params: Mapping[str, Any], tags: Mapping[str, str], description: str) -> str:
+        """Create a pipeline's run in the experiment ``name``: its stages' runs nest under it (``start``)."""
+        self.experiment_id = self._experiment(name)
+        run = self.client.create_run(self.experiment_id, run_name=name, tags={**tags, MLFLOW_RUN_NOTE: description})
+        self.parent_id = run.info.run_id
+        self._batched(self.parent_id, params=[Param(k[:250], v[:6000]) for k, v in sorted(flatten(params).items())])
+        return self.parent_id
+
+    def reopen_run(self, experiment_id: str, run_id: str, resume_number: int) -> None:
+        """Continue a run without node runs (a resumed pipeline's run): running again, tagged."""
+        self.reopen(experiment_id, run_id, {}, resume_number)
+
+    def metrics(self, run_id: str) -> dict[str, float]:
+        """A run's latest metric values."""
+        return dict(self.client.get_run(run_id).data.metrics)
 
     @classmethod
     def attach(cls, tracking_uri: str, experiment_id: str, parent_id: str, node_runs: Mapping[str, str]) -> Tracker:

@@ -1,0 +1,198 @@
+"""``bhfl run PIPELINE.yaml`` and ``bhfl resume PIPELINE_FOLDER``: a chain of experiment runs as one command.
+
+``bhfl run`` hands a file with a top-level ``stages:`` key here (docs/pipelines.md).
+Every stage config and every run-folder ``model.init_from`` is checked before
+anything starts (a one-paragraph error naming the stage and the key, exit 2); the
+stages then run as subflows of one ``bhfl-pipeline`` flow, and the command ends with
+a per-stage summary. ``bhfl runs`` lists pipelines with their stages' status.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import threading
+from collections.abc import Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from flows.cli.shell import console, fail, guarded, prefect_api, preflight, prepare_environment
+from flows.progress import RichReporter
+
+
+class StageReporter(RichReporter):
+    """The progress of a pipeline: a root-round bar per stage, named after it.
+
+    Each stage's run announces its root rounds afresh; flows/pipeline.py's note
+    ``stage <name>: ...`` before it names the bar.
+    """
+
+    stage = ""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        kind, data = getattr(record, "bhfl_event", ("note", {"text": record.getMessage()}))
+        if kind == "note" and str(data.get("text", "")).startswith("stage "):
+            self.stage = str(data["text"])[len("stage ") :].split(":", 1)[0]
+        if kind == "start":
+            self.task = None  # a new bar for this stage's run
+        super().emit(record)
+        if kind == "start" and self.task is not None and self.stage:
+            self.progress.update(self.task, description=f"{self.stage}: root rounds")
+
+
+def is_pipeline_file(path: Path) -> bool:
+    """Whether ``path`` is a pipeline file (unreadable files are left to the experiment loader's error)."""
+    from bhfl_core.config.base import ConfigError
+    from bhfl_core.config.pipeline import is_pipeline, read_pipeline_yaml
+
+    try:
+        return is_pipeline(read_pipeline_yaml(path))
+    except ConfigError:
+        return False
+
+
+def _start_forkserver(configs: Sequence[Any]) -> None:
+    from tasks.local_cluster import likely_cpu_workers, start_forkserver
+
+    if any(c.runtime.executor == "local" and likely_cpu_workers(c.runtime) for c in configs):
+        start_forkserver()  # local workers' imports start now, beside ours
+
+
+def run_pipeline_command(
+    path: Path, overrides: list[str], run_dir: Path, tracking_uri: str | None, verbose: bool
+) -> None:
+    """Check every stage, then run them all; print the per-stage summary."""
+    prepare_environment(run_dir, verbose)
+    from bhfl_core.config.base import ConfigError
+    from bhfl_core.config.pipeline import load_pipeline
+
+    try:
+        pipeline = load_pipeline(path, overrides)
+    except ConfigError as exc:
+        fail(str(exc))
+    _start_forkserver([s.config for s in pipeline])
+    from flows.pipeline import check_sources, run_pipeline
+    from flows.records.run_record import default_tracking_uri, new_run_path
+
+    try:
+        pipeline = check_sources(pipeline, run_dir.resolve())
+    except ConfigError as exc:
+        fail(f"{path}: {exc}")
+    folder = new_run_path(run_dir.resolve(), pipeline.name)
+    with prefect_api(run_dir, full=False) as prefect_ready:
+        for stage in pipeline:
+            preflight(stage.config, run_dir)
+        console.print(
+            f"[bold]bhfl[/] running pipeline [cyan]{pipeline.name}[/] from {path}: stages "
+            + " -> ".join(pipeline.names),
+            highlight=False,
+        )
+        from flows.tracking.tracker import Tracker
+
+        uri = tracking_uri or default_tracking_uri(run_dir.resolve())
+        store = threading.Thread(target=Tracker, args=(uri,), daemon=True)  # MLflow opens its store meanwhile
+        store.start()
+        prefect_ready()
+        store.join()
+        with StageReporter(console).attached():
+            result = guarded(lambda: run_pipeline(pipeline, run_dir, uri, folder=folder), folder, verbose)
+    print_summary(result, run_dir)
+
+
+def resume_pipeline_command(folder: Path, overrides: list[str], run_dir: Path, verbose: bool) -> None:
+    """Finish a pipeline: finished stages are kept, the interrupted stage resumes, the rest run."""
+    from bhfl_core.config.base import ConfigError
+    from flows.records.pipeline_record import read_pipeline_config, resumable
+    from flows.records.run_state import RunStateError
+
+    try:
+        resumable(folder)  # before Prefect or any worker starts
+    except RunStateError as exc:
+        fail(str(exc))
+    _start_forkserver([s.config for s in read_pipeline_config(folder)])
+    console.print(f"[bold]bhfl[/] resuming pipeline {folder} ...", highlight=False)
+    from flows.pipeline import resume_pipeline
+
+    try:
+        with prefect_api(run_dir, full=False) as prefect_ready, StageReporter(console).attached():
+            prefect_ready()
+            result = guarded(lambda: resume_pipeline(folder, overrides=overrides), folder, verbose)
+    except ConfigError as exc:
+        fail(str(exc))
+    print_summary(result, run_dir)
+
+
+def _num(metrics: dict[str, float], key: str, digits: int = 3) -> str:
+    value = metrics.get(key, math.nan)
+    return "-" if math.isnan(value) else f"{value:.{digits}f}"
+
+
+def _pair(metrics: dict[str, float], key: str) -> str:
+    return f"{_num(metrics, key + '_mean')} / {_num(metrics, key + '_worst10')}"
+
+
+def print_summary(result: dict[str, Any], run_dir: Path) -> None:
+    """One row per stage (and the pipeline's totals): per-client accuracy, root, communication, time."""
+    from bhfl_core.learning.metrics import task_metrics
+
+    table = Table(title=f"Pipeline {result['name']} (per-client: mean / worst 10%)", show_header=True)
+    for column in ("stage", "own model", "edge server", "root on union", "root on proxy", "models sent"):
+        table.add_column(column, justify="left" if column == "stage" else "right")
+    table.add_column("time (s)", justify="right")
+    tasks = result["tasks"]
+    rows = [*result["metrics"].items(), ("total", result["totals"])]
+    for name, m in rows:
+        metric = task_metrics(tasks.get(name, list(tasks.values())[-1])).primary
+        table.add_row(
+            name,
+            _pair(m, f"client_on_own_clients/{metric}"),
+            _pair(m, f"edge_on_own_clients/{metric}"),
+            _num(m, f"root/union/{metric}"),
+            _num(m, f"root/proxy/{metric}"),
+            _num(m, "comm/total_model_equivalents", 0),
+            _num(m, "time/total_s", 0),
+        )
+    console.print(table)
+    uri = result["tracking_uri"]
+    ui_cmd = ".venv/bin/bhfl ui" + ("" if str(run_dir) == "runs" else f" --run-dir {run_dir}")
+    if os.environ.get("MLFLOW_TRACKING_URI") or not uri.startswith("sqlite:///"):
+        ui_cmd = f".venv/bin/bhfl ui --tracking-uri {uri}"
+    stage_lines = "\n".join(f"    {name}: {entry['run_path']}" for name, entry in result["stages"].items())
+    console.print(
+        f"\n[bold green]done[/] in {result['wall_time_s']:.0f} s\n"
+        f"  pipeline folder: {result['pipeline_path']}\n  stage runs (each with report/report.md):\n{stage_lines}\n"
+        f"  MLflow store: {uri}\n  MLflow pipeline run id: {result['run_id']}\n"
+        f"  open the UI:  {ui_cmd}   then browse "
+        f"http://127.0.0.1:5000/#/experiments/{result['experiment_id']}/runs/{result['run_id']}",
+        highlight=False,
+    )
+
+
+def print_pipelines(out: Console, run_dir: Path, only: Path | None = None) -> None:
+    """``bhfl runs``: every pipeline under ``run_dir`` (or ``only`` that one) with its stages' status."""
+    from flows.records.pipeline_record import PipelineRecord, find_pipelines
+    from flows.records.run_record import RunRecord
+
+    colour = {"finished": "green", "running": "cyan", "failed": "red", "interrupted": "yellow"}
+    for folder in [only] if only is not None else find_pipelines(run_dir):
+        record = PipelineRecord.read(folder)
+        if record is None:
+            continue
+        status = record.effective_status
+        started = datetime.fromtimestamp(record.started).strftime("%Y-%m-%d %H:%M")
+        out.print(
+            f"[bold]pipeline {record.name}/{folder.name}[/]  [{colour.get(status, 'white')}]{status}[/]  "
+            f"started {started}  MLflow run {record.run_id or '-'}",
+            highlight=False,
+        )
+        for name, entry in record.stages.items():
+            run = RunRecord.read(Path(entry.run_path)) if entry.run_path else None
+            stage_status = run.effective_status if run is not None else entry.status  # the stage's own record wins
+            out.print(f"    {name}: {stage_status}  {entry.run_path or '(not started)'}", highlight=False)
+        if status != "finished":
+            out.print(f"    continue with: bhfl resume {folder}", highlight=False)

@@ -1,0 +1,136 @@
+"""The run a warm start (``model.init_from``) reads from: found, checked, and copied from.
+
+``resolve_init_from`` runs before a new run writes anything: it finds RUN (a folder,
+absolute or relative to the current directory or the run dir, ``<name>/<stamp>``,
+``latest`` or an MLflow run id: ``listing.resolve_run``), checks that it finished,
+that its ``model`` section and ``data.task`` agree with the new config, and that it
+saved NODE, and returns the config with the absolute folder in ``model.init_from``,
+so the new run's ``config.yaml`` (and any resume of it) never depends on the current
+directory. Every problem is a ``ConfigError`` naming ``model.init_from`` and the value.
+
+``warm_start`` copies the models into the new run's state store once its data are
+prepared (bhfl_core/store/warm_start.py plans and copies), after checking that the two
+runs' prepared data give models of one shape.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import yaml
+
+from bhfl_core.config.base import ConfigError
+from bhfl_core.config.schema import ExperimentConfig, dump
+from bhfl_core.config.topology import ROOT_ID
+from bhfl_core.store.node_store import StateStore
+from bhfl_core.store.run_layout import CONFIG_FILE, DATA_POINTER, STATE_DIR
+from bhfl_core.store.warm_start import KEY, InitFrom, config_mismatch, copy_models, copy_plan, parse_init_from
+from data_prep.manifest import Manifest
+from flows.records.listing import resolve_run
+from flows.records.run_record import RunRecord
+from flows.records.run_state import RunStateError
+from tasks.context import RunContext
+
+
+def _error(value: str, why: str) -> ConfigError:
+    return ConfigError(f"{KEY}: {value!r}: {why}")
+
+
+def saved_nodes(store: StateStore) -> list[str]:
+    """Node ids with a state file in ``store`` (sorted)."""
+    folder = store.node_path(ROOT_ID).parent
+    return sorted(p.name.removesuffix(".safetensors") for p in folder.glob("*.safetensors")) if folder.is_dir() else []
+
+
+def _listed(nodes: list[str], limit: int = 12) -> str:
+    shown = ", ".join(nodes[:limit])
+    return shown + (f", ... ({len(nodes)} in all)" if len(nodes) > limit else "") if nodes else "none"
+
+
+def find_source(value: str, run_dir: Path) -> tuple[InitFrom, Path]:
+    """The parsed value and RUN's absolute folder (ConfigError if there is no such run folder)."""
+    spec = parse_init_from(value)
+    try:
+        folder = resolve_run(spec.run, run_dir)
+    except RunStateError:
+        raise _error(
+            value,
+            f"no run folder {spec.run!r} (absolute, relative to the current directory or to the run dir "
+            f"{run_dir}, <name>/<stamp>, `latest`, or an MLflow run id; `bhfl runs --run-dir {run_dir}` lists them)",
+        ) from None
+    return spec, folder
+
+
+def check_source(value: str, spec: InitFrom, folder: Path, config: ExperimentConfig) -> None:
+    """RUN finished, agrees with ``config`` on the model and task, and saved NODE (else ConfigError)."""
+    record = RunRecord.read(folder)
+    if record is None:
+        raise _error(value, f"{folder} has no run.json: it is not a run that started")
+    status = record.effective_status
+    if status != "finished":
+        raise _error(
+            value,
+            f"the run in {folder} is {status}; a warm start needs a finished run (finish it first: "
+            f"`bhfl resume {folder}`)",
+        )
+    try:
+        source = yaml.safe_load((folder / CONFIG_FILE).read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise _error(value, f"its {CONFIG_FILE} is unreadable ({exc})") from None
+    mismatch = config_mismatch(source if isinstance(source, dict) else {}, dump(config))
+    if mismatch is not None:
+        key, theirs, ours = mismatch
+        raise _error(
+            value,
+            f"{key} differs: {theirs!r} in the source run, {ours!r} here (the model and data.task must be "
+            "the same for its saved models to fit this run)",
+        )
+    node = spec.node or ROOT_ID
+    store = StateStore(folder / STATE_DIR)
+    if not store.has(node):
+        what = f"node {node!r}" if spec.node else "a root model (required for a tree-shaped warm start)"
+        raise _error(value, f"the run in {folder} saved no {what}; its saved nodes: {_listed(saved_nodes(store))}")
+
+
+def resolve_init_from(config: ExperimentConfig, run_dir: Path) -> ExperimentConfig:
+    """``config`` with ``model.init_from`` checked and made absolute (unchanged when unset)."""
+    value = config.model.init_from
+    if value is None:
+        return config
+    spec, folder = find_source(value, run_dir)
+    check_source(value, spec, folder, config)
+    absolute = str(InitFrom(str(folder), spec.node))
+    if absolute == value:
+        return config
+    return config.model_copy(update={"model": config.model.model_copy(update={"init_from": absolute})})
+
+
+def warm_start(ctx: RunContext) -> list[str]:
+    """Copy the source models into the run's store (model only); return the nodes written.
+
+    The two runs' prepared data must give models of one shape (same labels and
+    vocabulary size); tiny-bert learns its vocabulary from the data, so a source run on
+    other data fits in shape but not in meaning: that is the user's call.
+    """
+    value = ctx.config.model.init_from
+    assert value is not None
+    spec = parse_init_from(value)
+    folder = Path(spec.run)
+    if not (folder / STATE_DIR).is_dir():
+        raise _error(value, f"the source run folder {folder} (or its {STATE_DIR}/) is gone")
+    try:
+        source_data = Path(json.loads((folder / DATA_POINTER).read_text())["data_root"])
+        theirs = Manifest.read(source_data)
+    except (OSError, ValueError, KeyError) as exc:
+        raise _error(value, f"the source run's prepared data cannot be read ({exc})") from None
+    ours = ctx.manifest
+    for field, a, b in (("labels", theirs.labels, ours.labels), ("vocab_size", theirs.vocab_size, ours.vocab_size)):
+        if a != b:
+            raise _error(
+                value,
+                f"the source run's data give models of another shape: {field} {a!r} there, {b!r} here "
+                "(same data settings for both runs, or at least the same labels and tokenizer)",
+            )
+    plan = copy_plan(spec, [n.id for n in ctx.tree], ctx.tree.root_id)
+    return copy_models(StateStore(folder / STATE_DIR), ctx.store, plan)
