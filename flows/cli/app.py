@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import threading
 from datetime import datetime
 from pathlib import Path
 from typing import Annotated
@@ -28,6 +27,7 @@ from flows.cli.shell import (
     prefect_api,
     preflight,
     prepare_environment,
+    tracking_store_ready,
 )
 
 app = typer.Typer(
@@ -108,14 +108,8 @@ def run(
         )
         from flows.experiment import run_experiment
         from flows.progress import RichReporter
-        from flows.records.run_record import default_tracking_uri
-        from flows.tracking.tracker import Tracker
 
-        uri = tracking_uri or default_tracking_uri(run_dir.resolve())
-        store = threading.Thread(target=Tracker, args=(uri,), daemon=True)  # MLflow opens its store meanwhile
-        store.start()
-        prefect_ready()
-        store.join()
+        uri = tracking_store_ready(run_dir, tracking_uri, prefect_ready)
         with RichReporter(console).attached():
             result = guarded(
                 lambda: run_experiment(

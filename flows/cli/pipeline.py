@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import threading
 from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
@@ -21,7 +20,15 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from flows.cli.shell import console, fail, guarded, prefect_api, preflight, prepare_environment
+from flows.cli.shell import (
+    console,
+    fail,
+    guarded,
+    prefect_api,
+    preflight,
+    prepare_environment,
+    tracking_store_ready,
+)
 from flows.progress import RichReporter
 
 
@@ -77,7 +84,7 @@ def run_pipeline_command(
         fail(str(exc))
     _start_forkserver([s.config for s in pipeline])
     from flows.pipeline import check_sources, run_pipeline
-    from flows.records.run_record import default_tracking_uri, new_run_path
+    from flows.records.run_record import new_run_path
 
     try:
         pipeline = check_sources(pipeline, run_dir.resolve())
@@ -92,13 +99,7 @@ def run_pipeline_command(
             + " -> ".join(pipeline.names),
             highlight=False,
         )
-        from flows.tracking.tracker import Tracker
-
-        uri = tracking_uri or default_tracking_uri(run_dir.resolve())
-        store = threading.Thread(target=Tracker, args=(uri,), daemon=True)  # MLflow opens its store meanwhile
-        store.start()
-        prefect_ready()
-        store.join()
+        uri = tracking_store_ready(run_dir, tracking_uri, prefect_ready)
         with StageReporter(console).attached():
             result = guarded(lambda: run_pipeline(pipeline, run_dir, uri, folder=folder), folder, verbose)
     print_summary(result, run_dir)

@@ -11,8 +11,6 @@ stage's own ``run.json`` stays the truth about that stage.
 from __future__ import annotations
 
 import json
-import os
-import socket
 import time
 from pathlib import Path
 from typing import Literal
@@ -22,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from bhfl_core.config.pipeline import Pipeline, pipeline_from_dict
 from bhfl_core.store.atomic import write_text_atomic
-from flows.records.run_record import Status, process_alive
+from flows.records.run_record import ProcessRecord, process_alive
 from flows.records.run_state import RunStateError
 
 PIPELINE_RECORD = "pipeline.json"
@@ -39,21 +37,9 @@ class StageRecord(BaseModel):
     logged: bool = False  # its headline metrics are on the pipeline's run
 
 
-class PipelineRecord(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    name: str
-    status: Status = "running"
-    pid: int = Field(default_factory=os.getpid)
-    host: str = Field(default_factory=socket.gethostname)
-    started: float = Field(default_factory=time.time)
-    updated: float = Field(default_factory=time.time)
-    tracking_uri: str = ""
-    experiment_id: str = ""
+class PipelineRecord(ProcessRecord):
     run_id: str = ""  # the pipeline's MLflow run
-    resumes: int = 0
-    error: str = ""
-    stages: dict[str, StageRecord] = {}
+    stages: dict[str, StageRecord] = Field(default_factory=dict)
 
     @classmethod
     def read(cls, folder: Path) -> PipelineRecord | None:

@@ -54,7 +54,9 @@ class PipelineLink(BaseModel):
     run_id: str  # the pipeline's MLflow run, parent of the stage's parent run
 
 
-class RunRecord(BaseModel):
+class ProcessRecord(BaseModel):
+    """What a run's and a pipeline's record share: who runs it, its status, its MLflow store, its attempts."""
+
     model_config = ConfigDict(extra="ignore")
 
     name: str
@@ -65,11 +67,14 @@ class RunRecord(BaseModel):
     updated: float = Field(default_factory=time.time)
     tracking_uri: str = ""
     experiment_id: str = ""
+    resumes: int = 0
+    error: str = ""
+
+
+class RunRecord(ProcessRecord):
     parent_run_id: str = ""
     node_runs: dict[str, str] = {}
-    resumes: int = 0
     evaluated_steps: list[int] = []
-    error: str = ""
     # Where the run's worker calls go (so any process can execute any part of the tree):
     # the Dask scheduler's address ("" for runtime.executor: inprocess) and the workers
     # the run places work on (name, device, kind, host, pid), as found when this attempt started.

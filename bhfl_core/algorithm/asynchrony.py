@@ -1,0 +1,89 @@
+"""Buffered asynchronous aggregation (FedBuff, Nguyen et al. 2022; ALGORITHMS.md) as pure maths.
+
+An asynchronous node keeps up to ``concurrency`` children in flight. A child dispatched
+with the node's model of version ``v_i`` returns ``y_i``; its update is
+``Delta_i = y_i - theta_{v_i}`` (relative to the model it *started from*, not to the
+node's current one) and its staleness is ``s_i = v - v_i``, ``v`` being the node's
+version when the result arrives. Every ``buffer`` (K) results the node steps::
+
+    mean_input = theta_v + sum_i p_i w(s_i) Delta_i / sum_i p_i
+    theta_{v+1} = NODEOPT_up(theta_v, mean_input)            (fedavg, eta 1: theta_v + that mean)
+
+``p_i`` is the child's example weight, as in the synchronous step, and ``w`` the
+staleness function. Choice where FedBuff is silent about weights: the normalisation
+uses ``p_i`` only, so staleness shrinks a stale update's step rather than handing its
+share to the fresh ones (with every ``s_i = 0`` this is exactly the synchronous mean
+``sum p_i y_i / sum p_i`` when all children started from ``theta_v``).
+
+Staleness functions (``staleness`` in the config):
+
+    constant   w(s) = 1
+    poly       w(s) = (1 + s) ** -a               (a = 0.5: FedBuff's 1/sqrt(1 + s))
+    hinge      w(s) = 1 if s <= b else 1 / (a (s - b) + 1)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class StalenessParams:
+    kind: str = "poly"
+    a: float = 0.5  # poly: the exponent; hinge: the slope after the hinge
+    b: float = 4.0  # hinge: the staleness up to which updates count fully
+
+
+def _poly(s: int, p: StalenessParams) -> float:
+    return float((1.0 + s) ** -p.a)
+
+
+def _hinge(s: int, p: StalenessParams) -> float:
+    return 1.0 if s <= p.b else 1.0 / (p.a * (s - p.b) + 1.0)
+
+
+STALENESS: dict[str, Callable[[int, StalenessParams], float]] = {
+    "constant": lambda s, p: 1.0,
+    "poly": _poly,
+    "hinge": _hinge,
+}
+
+
+def staleness_weight(staleness: int, params: StalenessParams) -> float:
+    """``w(s)`` for one result; ``staleness`` must be >= 0 (a result cannot predate its dispatch)."""
+    if staleness < 0:
+        raise ValueError(f"staleness must be >= 0, got {staleness}")
+    try:
+        fn = STALENESS[params.kind]
+    except KeyError:
+        raise ValueError(f"unknown staleness function {params.kind!r}; choose one of {sorted(STALENESS)}") from None
+    return fn(staleness, params)
+
+
+@dataclass(frozen=True)
+class BufferedResult:
+    """One child result waiting in the buffer: its update, example weight and staleness."""
+
+    child: str
+    delta: torch.Tensor  # y_i - theta_{v_i}
+    weight: float  # p_i (training examples under the child)
+    staleness: int  # v (at arrival) - v_i (at dispatch)
+
+
+def buffered_input(theta: torch.Tensor, buffer: Sequence[BufferedResult], params: StalenessParams) -> torch.Tensor:
+    """The ``mean_input`` NODEOPT_up steps towards: ``theta + sum p_i w(s_i) Delta_i / sum p_i``.
+
+    Summed in float64 in buffer order (the virtual clock's arrival order, the same in
+    every run), rounded once to ``theta``'s dtype.
+    """
+    if not buffer:
+        raise ValueError("an empty buffer has nothing to aggregate")
+    acc = torch.zeros_like(theta, dtype=torch.float64)
+    total = 0.0
+    for entry in buffer:
+        acc.add_(entry.delta.to(torch.float64), alpha=entry.weight * staleness_weight(entry.staleness, params))
+        total += entry.weight
+    return (theta.to(torch.float64) + acc / total).to(theta.dtype)

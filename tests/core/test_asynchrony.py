@@ -1,0 +1,95 @@
+"""FedBuff's buffered, staleness-weighted step and the virtual clock (pure parts of issue 14)."""
+
+import math
+
+import pytest
+import torch
+
+from bhfl_core.algorithm.asynchrony import BufferedResult, StalenessParams, buffered_input, staleness_weight
+from bhfl_core.algorithm.node_opt import NodeOptParams, node_opt_step
+from bhfl_core.algorithm.virtual_clock import ArrivalQueue, ClockParams, call_duration, client_speed
+
+
+@pytest.mark.parametrize(
+    "params, weights",
+    [
+        (StalenessParams("constant"), [1.0, 1.0, 1.0, 1.0]),
+        (StalenessParams("poly", a=0.5), [1.0, 1 / math.sqrt(2), 1 / math.sqrt(3), 0.5]),  # 1/sqrt(1+s)
+        (StalenessParams("poly", a=1.0), [1.0, 0.5, 1 / 3, 0.25]),
+        # hinge a=2, b=1: s <= 1 -> 1; s = 2 -> 1/(2*1+1); s = 3 -> 1/(2*2+1)
+        (StalenessParams("hinge", a=2.0, b=1.0), [1.0, 1.0, 1 / 3, 0.2]),
+    ],
+)
+def test_staleness_functions_by_hand(params, weights):
+    assert [staleness_weight(s, params) for s in range(4)] == pytest.approx(weights, rel=1e-15)
+
+
+def test_staleness_rejects_negative_and_unknown():
+    with pytest.raises(ValueError, match="staleness must be >= 0"):
+        staleness_weight(-1, StalenessParams())
+    with pytest.raises(ValueError, match="unknown staleness function 'linear'"):
+        staleness_weight(0, StalenessParams("linear"))
+
+
+def test_buffered_input_by_hand():
+    # theta = [1, 1]; results: a (weight 1, staleness 0, delta [2, 0]), b (weight 3, staleness 3, delta [0, 4])
+    # poly a=0.5: w(0) = 1, w(3) = 1/2 ->  sum p w Delta = 1*1*[2,0] + 3*0.5*[0,4] = [2, 6];  sum p = 4
+    # mean_input = [1, 1] + [2, 6]/4 = [1.5, 2.5]
+    theta = torch.tensor([1.0, 1.0])
+    buffer = [
+        BufferedResult("a", torch.tensor([2.0, 0.0]), 1.0, 0),
+        BufferedResult("b", torch.tensor([0.0, 4.0]), 3.0, 3),
+    ]
+    mean_input = buffered_input(theta, buffer, StalenessParams("poly", a=0.5))
+    assert mean_input.tolist() == [1.5, 2.5]
+    # NODEOPT_up then steps towards it: fedavg eta 0.5 -> theta + 0.5 (mean_input - theta) = [1.25, 1.75]
+    _, stepped = node_opt_step({}, theta, mean_input, NodeOptParams("fedavg", eta=0.5))
+    assert stepped.tolist() == [1.25, 1.75]
+    with pytest.raises(ValueError, match="empty buffer"):
+        buffered_input(theta, [], StalenessParams())
+
+
+def test_fresh_buffer_equals_the_synchronous_weighted_mean():
+    # every child started from theta (staleness 0): theta + sum p (y - theta) / sum p = sum p y / sum p
+    g = torch.Generator().manual_seed(0)
+    theta = torch.randn(5, generator=g)
+    ys = [torch.randn(5, generator=g) for _ in range(3)]
+    ps = [2.0, 5.0, 1.0]
+    buffer = [BufferedResult(str(i), y - theta, p, 0) for i, (y, p) in enumerate(zip(ys, ps))]
+    want = sum(p * y.double() for p, y in zip(ps, ys)) / sum(ps)
+    got = buffered_input(theta, buffer, StalenessParams("poly"))
+    assert torch.allclose(got.double(), want, atol=1e-6)
+
+
+def test_speeds_are_seeded_by_client_or_group():
+    flat = ClockParams()
+    assert client_speed(0, "en-00", "en", flat) == 1.0
+    spread = ClockParams(sigma=0.8)
+    a, b = client_speed(0, "en-00", "en", spread), client_speed(0, "en-01", "en", spread)
+    assert a != b and a == client_speed(0, "en-00", "en", spread)  # per client, reproducible
+    assert client_speed(1, "en-00", "en", spread) != a  # another seed, another draw
+    grouped = ClockParams(sigma=0.8, per="group")
+    assert client_speed(0, "en-00", "en", grouped) == client_speed(0, "en-05", "en", grouped)
+    speeds = [client_speed(0, f"c{i}", None, spread) for i in range(2000)]
+    median = sorted(speeds)[1000]
+    assert 0.9 < median < 1.1  # log-normal with median 1
+    assert 0.7 < math.log(sorted(speeds)[1682]) < 0.9  # ~84th percentile at exp(sigma)
+
+
+def test_call_duration_counts_compute_stragglers_and_two_transfers():
+    params = ClockParams(comm_s=0.5)
+    assert call_duration(12, 4.0, params, 0, "en-00", 3) == 12 / 4.0 + 1.0
+    always = ClockParams(comm_s=0.5, straggler_p=1.0, straggler_factor=10.0)
+    assert call_duration(12, 4.0, always, 0, "en-00", 3) == 30.0 + 1.0
+    sometimes = ClockParams(straggler_p=0.3)
+    draws = [call_duration(1, 1.0, sometimes, 0, "en-00", d) for d in range(1000)]
+    assert draws == [call_duration(1, 1.0, sometimes, 0, "en-00", d) for d in range(1000)]  # seeded
+    assert 0.25 < sum(d > 1 for d in draws) / 1000 < 0.35
+
+
+def test_arrival_queue_pops_in_virtual_time_then_dispatch_order():
+    queue: ArrivalQueue[str] = ArrivalQueue()
+    for finish, dispatch, name in [(3.0, 0, "slow"), (1.0, 2, "fast-late"), (1.0, 1, "fast-early"), (2.0, 3, "mid")]:
+        queue.push(finish, dispatch, name)
+    assert len(queue) == 4
+    assert [queue.pop()[1] for _ in range(4)] == ["fast-early", "fast-late", "mid", "slow"]
