@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -29,12 +30,14 @@ from prefect import Task, flow
 from prefect.task_runners import ThreadPoolTaskRunner
 from prefect.utilities.annotations import quote
 
-from bhfl_core.algorithm.engine import execute_node
+from bhfl_core.algorithm.async_engine import ChildCall, execute_async_node
+from bhfl_core.algorithm.engine import NodeResult, execute_node
 from bhfl_core.algorithm.node_state import Caller, RoundKey
 from bhfl_core.algorithm.node_step import ChildrenReport
 from bhfl_core.algorithm.residuals import Candidate, needs
 from bhfl_core.algorithm.tempo import omega, tempo_epochs
 from bhfl_core.algorithm.tree import Node, TrainParams
+from bhfl_core.algorithm.virtual_clock import ClockParams, call_duration, client_speed
 from bhfl_core.config.schema import ExperimentConfig
 from bhfl_core.learning.local_train import planned_steps
 from bhfl_core.placement import Job, place
@@ -50,7 +53,7 @@ from flows.node_runtime import NodeRuntime, Orchestration, node_runtime, worker_
 from tasks import faults
 from tasks.client_training import WorkerReport
 from tasks.context import mark_once
-from tasks.executor import gather
+from tasks.executor import PendingCall, gather
 from tasks.time_model import load_time_model, record_timings
 from tasks.training import proxy_train, score_candidates, train_clients, with_retries
 
@@ -76,6 +79,7 @@ class FlowHooks:
         self.rt = rt
         self.round_started: dict[int, float] = {}
         self.sent_up: dict[int, dict[str, torch.Tensor]] = {}  # Tempo, at the root: round -> edge -> model sent up
+        self._sent: dict[str, tuple[torch.Tensor, str]] = {}  # async: node -> (latest model sent, its message)
 
     # ------------------------------------------------------------ Tempo (seeds/001, bhfl_core/algorithm/tempo.py)
 
@@ -221,6 +225,33 @@ class FlowHooks:
             report.metrics["train/examples"] = float(seen)
         return report
 
+    # ------------------------------------------------ asynchronous nodes (bhfl_core/algorithm/async_engine.py)
+
+    def start_child(self, node: Node, child: Node, theta: torch.Tensor, caller: Caller) -> ChildCall:
+        """Begin one child execution from ``theta`` (a client: a one-client batch on a worker; a server: a thread)."""
+        rt = self.rt
+        cached = self._sent.get(node.id)
+        if cached is None or cached[0] is not theta:  # one message per model version, not per dispatch
+            cached = (theta, rt.ctx.store.write_message(f"{node.id}.down-{caller.round}", theta))
+            self._sent[node.id] = cached
+        phi_path = cached[1]
+        if not child.is_leaf:
+            return _ServerCall(run_gated(functools.partial(self._run_child, child, phi_path, caller)))
+        slots = rt.executor.slots()
+        slot = slots[(caller.round or 0) % len(slots)]
+        pending = rt.executor.submit(slot, "train_clients", rt.run_path, caller, [child.id], phi_path, 0, None, None)
+        return _ClientCall(child.id, pending)
+
+    def call_duration(self, node: Node, child: Node, caller: Caller) -> float | None:
+        """A client call's virtual duration (its planned steps over its speed, plus transfers); servers: None."""
+        if not child.is_leaf or child.settings.train is None:
+            return None
+        cfg = self.rt.ctx.config
+        clock = ClockParams(**cfg.tree.clock.model_dump())
+        steps = planned_steps(int(child.weight), child.settings.train)
+        speed = client_speed(cfg.seed, child.id, child.group, clock)
+        return call_duration(steps, speed, clock, cfg.seed, child.id, caller.round or 0)
+
     # ------------------------------------------------------------ the node's own steps
 
     def train(self, node: Node, theta: torch.Tensor, key: RoundKey) -> tuple[torch.Tensor, dict[str, float]]:
@@ -283,9 +314,38 @@ def execute_tree_node(
     """EXECUTENODE for one internal node, from and to message files; returns the path of theta_T."""
     with node_runtime(run_path, orchestration) as rt:
         ctx = rt.ctx
+        node = ctx.tree[node_id]
         phi = StateStore.read_message(phi_path) if phi_path else None
-        result = execute_node(ctx.tree, ctx.tree[node_id], phi, ctx.store, FlowHooks(rt), ctx.config.seed, caller)
+        run = execute_async_node if node.settings.asynchronous is not None else execute_node
+        result = run(ctx.tree, node, phi, ctx.store, FlowHooks(rt), ctx.config.seed, caller)
         return ctx.store.write_message(f"{node_id}.up", result.theta)
+
+
+class _ClientCall:
+    """A one-client worker batch started by an asynchronous node; ``result`` waits for it."""
+
+    def __init__(self, client_id: str, pending: PendingCall) -> None:
+        self.client_id, self.pending = client_id, pending
+
+    def result(self) -> NodeResult:
+        report: WorkerReport = self.pending.result()
+        if report.aggregate.empty:
+            raise RuntimeError(
+                f"client {self.client_id} was dropped (runtime.on_client_failure: drop), "
+                "which asynchronous nodes do not handle yet"
+            )
+        loss, _ = report.losses[self.client_id]
+        return NodeResult(report.aggregate.mean(), {"train/loss": loss})
+
+
+class _ServerCall:
+    """A child server's execution started by an asynchronous node (its virtual duration: not tracked yet, 0)."""
+
+    def __init__(self, future: Future[str]) -> None:
+        self.future = future
+
+    def result(self) -> NodeResult:
+        return NodeResult(StateStore.read_message(self.future.result()))
 
 
 @flow(name="node", validate_parameters=False)

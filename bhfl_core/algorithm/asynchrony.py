@@ -25,7 +25,7 @@ Staleness functions (``staleness`` in the config):
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -61,6 +61,15 @@ def staleness_weight(staleness: int, params: StalenessParams) -> float:
     except KeyError:
         raise ValueError(f"unknown staleness function {params.kind!r}; choose one of {sorted(STALENESS)}") from None
     return fn(staleness, params)
+
+
+@dataclass(frozen=True)
+class AsyncParams:
+    """An asynchronous node's settings: children in flight, results per flush, staleness function."""
+
+    concurrency: int = 4
+    buffer: int = 2
+    staleness: StalenessParams = field(default_factory=StalenessParams)
 
 
 @dataclass(frozen=True)

@@ -51,10 +51,15 @@ from bhfl_core.store.node_store import StateStore
 
 @dataclass(frozen=True)
 class NodeResult:
-    """What an execution returns to its parent: theta_T and its last round's metrics."""
+    """What an execution returns to its parent: theta_T, its last round's metrics, its virtual duration.
+
+    ``virtual_s``: seconds the execution took on the virtual clock (asynchronous
+    execution, ``async_engine.py``); 0 where no clock runs.
+    """
 
     theta: torch.Tensor
     metrics: dict[str, float] = field(default_factory=dict)
+    virtual_s: float = 0.0
 
 
 class EngineHooks(Protocol):

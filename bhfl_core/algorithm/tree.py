@@ -12,6 +12,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 
+from bhfl_core.algorithm.asynchrony import AsyncParams
 from bhfl_core.algorithm.node_opt import NodeOptParams, is_tuned
 from bhfl_core.algorithm.residuals import DownLink, UpLink
 
@@ -51,6 +52,7 @@ class NodeSettings:
     res_in: tuple[tuple[str, NodeOptParams], ...] = ()  # residual kinds it receives -> their optimiser
     holdout: float = 0.0  # share of the node's training data kept out of TRAIN to tune NODEOPT interp's alpha
     personal: TrainParams | None = None  # Ditto (clients): a personal model trained towards theta with mu = lambda
+    asynchronous: AsyncParams | None = None  # FedBuff at this server (async_engine.py); None = synchronous rounds
 
     @property
     def tunes(self) -> bool:

@@ -91,6 +91,14 @@ class TrainSettings(Strict):
     mu: Annotated[float, Field(ge=0)] = 0.0  # FedProx proximal coefficient (0: plain TRAIN)
 
 
+class StalenessSettings(Strict):
+    """FedBuff's staleness weight ``w(s)`` (``bhfl_core/algorithm/asynchrony.py``)."""
+
+    kind: Literal["constant", "poly", "hinge"] = "poly"
+    a: Annotated[float, Field(gt=0)] = 0.5  # poly: exponent (0.5: 1/sqrt(1+s)); hinge: slope
+    b: Annotated[float, Field(ge=0)] = 4.0  # hinge: staleness counted fully up to b
+
+
 class LevelSettings(Strict):
     """Settings of one level of the tree (all optional in YAML: defaults below)."""
 
@@ -105,6 +113,10 @@ class LevelSettings(Strict):
     proxy_train: bool = False  # servers: TRAIN on the proxy split after aggregating
     holdout: Annotated[float, Field(ge=0, le=0.5)] = 0.0  # share of training rows kept out of TRAIN (interp tunes)
     personal: TrainSettings | None = None  # clients: Ditto's personal model (its mu is Ditto's lambda)
+    mode: Literal["sync", "async"] = "sync"  # servers: async = FedBuff (rounds count buffer flushes)
+    concurrency: Annotated[int, Field(ge=1)] = 4  # async: children in flight
+    buffer: Annotated[int, Field(ge=1)] = 2  # async: results per NODEOPT_up step (FedBuff's K)
+    staleness: StalenessSettings = StalenessSettings()
 
 
 class NodeOverride(Strict):
@@ -121,6 +133,10 @@ class NodeOverride(Strict):
     proxy_train: bool | None = None
     holdout: Annotated[float, Field(ge=0, le=0.5)] | None = None
     personal: TrainSettings | None = None
+    mode: Literal["sync", "async"] | None = None
+    concurrency: Annotated[int, Field(ge=1)] | None = None
+    buffer: Annotated[int, Field(ge=1)] | None = None
+    staleness: StalenessSettings | None = None
 
 
 class UpResidual(Strict):
@@ -197,6 +213,22 @@ def _walk_groups(groups: dict[str, Any], key: str, depth: int, parent: str, out:
             out.append(GroupSpec(name, here, depth, parent, tuple(value), leaf=True))
 
 
+class ClockSettings(Strict):
+    """The virtual clock of asynchronous nodes (``bhfl_core/algorithm/virtual_clock.py``).
+
+    Client speeds (optimizer steps per virtual second) are log-normal with median 1 and
+    spread ``sigma``, one per client or per ``group`` (language / cluster); a call
+    lasts its steps over the speed (``straggler_factor`` times longer with probability
+    ``straggler_p``) plus ``comm_s`` per model moved (two per call).
+    """
+
+    sigma: Annotated[float, Field(ge=0)] = 0.0
+    per: Literal["client", "group"] = "client"
+    comm_s: Annotated[float, Field(ge=0)] = 0.0
+    straggler_p: Annotated[float, Field(ge=0, le=1)] = 0.0
+    straggler_factor: Annotated[float, Field(ge=1)] = 10.0
+
+
 class TreeConfig(Strict):
     """root -> intermediate servers (``groups``, nested to any depth) -> edge servers -> clients.
 
@@ -225,6 +257,7 @@ class TreeConfig(Strict):
     nodes: dict[str, NodeOverride] = {}
     residuals: ResidualsConfig = ResidualsConfig()
     tempo: bool = False  # Tempo: the root retunes each edge's client epochs per root round (Eq. 9)
+    clock: ClockSettings = ClockSettings()  # virtual clock of asynchronous nodes
 
     @field_validator("groups")
     @classmethod
@@ -269,6 +302,8 @@ class TreeConfig(Strict):
 
     @model_validator(mode="after")
     def _tempo(self) -> TreeConfig:
+        if self.tempo and self.root.mode == "async":
+            raise ValueError("tree.tempo: Tempo retunes epochs per synchronous root round; tree.root.mode is async")
         if self.tempo and (self.flat or self.groups):
             shape = "tree.flat is true (root -> clients)" if self.flat else "tree.groups puts servers between them"
             raise ValueError(

@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from bhfl_core.algorithm.asynchrony import AsyncParams, StalenessParams
 from bhfl_core.algorithm.node_opt import NodeOptParams, is_tuned
 from bhfl_core.algorithm.residuals import DownLink, UpLink
 from bhfl_core.algorithm.tree import Node, NodeSettings, Role, TrainParams, Tree
@@ -147,6 +148,12 @@ def _resolve(config: ExperimentConfig, node_id: str, role: Role, depth: int, num
                 f"data.proxy.train_per_language is {config.data.proxy.train_per_language})"
             )
         train = _train_params(values["train"])
+    asynchronous = None
+    if values["mode"] == "async":
+        if role is Role.CLIENT:
+            raise ConfigError(f"{origin['mode']}: a client has no children; only servers run asynchronously")
+        st = values["staleness"]
+        asynchronous = AsyncParams(values["concurrency"], values["buffer"], StalenessParams(st.kind, st.a, st.b))
     personal = values["personal"]
     if personal is not None and role is not Role.CLIENT:
         raise ConfigError(f"{origin['personal']}: only clients keep a personal (Ditto) model; {node_id!r} is a server")
@@ -173,6 +180,7 @@ def _resolve(config: ExperimentConfig, node_id: str, role: Role, depth: int, num
         train=train,
         holdout=values["holdout"],
         personal=_train_params(personal) if personal is not None else None,
+        asynchronous=asynchronous,
     )
 
 

@@ -1,0 +1,146 @@
+"""The asynchronous node loop (FedBuff at a node) against hand-computed flushes, with fake children."""
+
+import math
+import random
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+
+import pytest
+import torch
+
+from bhfl_core.algorithm.async_engine import InFlight, execute_async_node, next_arrival, pick_idle
+from bhfl_core.algorithm.asynchrony import AsyncParams, StalenessParams
+from bhfl_core.algorithm.engine import NodeResult
+from bhfl_core.algorithm.node_state import NodeState
+from bhfl_core.algorithm.tree import Node, Role, Tree
+from bhfl_core.store.node_store import StateStore
+from tests.core.fake_tree import STEPS, settings
+
+WEIGHTS = {"a1": 1.0, "a2": 3.0, "b1": 2.0}
+DURATIONS = {"a1": 1.0, "a2": 3.0, "b1": 2.0}
+POLY = AsyncParams(concurrency=3, buffer=2, staleness=StalenessParams("poly", a=0.5))
+
+
+def star(rounds: int, params: AsyncParams) -> Tree:
+    """root (async) -> clients a1 (1 example), a2 (3), b1 (2)."""
+    nodes = {c: Node(c, Role.CLIENT, 1, "root", (), settings(train=True), w) for c, w in WEIGHTS.items()}
+    root = replace(settings(rounds=rounds), asynchronous=params)
+    nodes["root"] = Node("root", Role.ROOT, 0, None, tuple(WEIGHTS), root, 6.0)
+    return Tree(nodes=nodes, root_id="root")
+
+
+class Done:
+    def __init__(self, result: NodeResult) -> None:
+        self._result = result
+
+    def result(self) -> NodeResult:
+        return self._result
+
+
+class FakeChildren:
+    """A child's execution returns theta + STEPS[child]; its virtual duration is DURATIONS[child]."""
+
+    def __init__(self, pool: ThreadPoolExecutor | None = None) -> None:
+        self.pool = pool
+        self.started: list[tuple[str, int, torch.Tensor]] = []
+        self.rounds: list[dict[str, float]] = []
+        self.lock = threading.Lock()
+
+    def start_child(self, node, child, theta, caller):
+        with self.lock:
+            self.started.append((child.id, caller.round, theta.clone()))
+        result = NodeResult(theta + torch.tensor(STEPS[child.id]), {"train/loss": 0.0})
+        if self.pool is None:
+            return Done(result)
+
+        def late():  # real completion order scrambled on purpose
+            time.sleep(random.random() * 0.02)
+            return result
+
+        return self.pool.submit(late)
+
+    def call_duration(self, node, child, caller):
+        return DURATIONS[child.id]
+
+    def train(self, node, theta, key):
+        raise AssertionError("no TRAIN at this node")
+
+    def round_done(self, node, key, theta, metrics):
+        self.rounds.append(dict(metrics))
+
+    def run_children(self, node, cohort, theta, key):
+        raise AssertionError("an asynchronous node does not run synchronous rounds")
+
+    def score(self, node, candidates):
+        raise AssertionError
+
+    def train_personal(self, node, personal, anchor, key):
+        raise AssertionError
+
+
+def run(tmp_path, hooks, rounds=2, params=POLY, seed=0):
+    tree = star(rounds, params)
+    store = StateStore(tmp_path)
+    store.save("root", NodeState(model=torch.zeros(2)))
+    return execute_async_node(tree, tree.root, None, store, hooks, seed), store
+
+
+def test_two_flushes_by_hand(tmp_path):
+    # t=0: dispatches 0-2 send theta0 = [0, 0] (version 0) to all three clients: a1 @1, b1 @2, a2 @3.
+    # t=1: a1 arrives (p 1, s 0, Delta [1, 0]); a1 is idle again: dispatch 3 sends it theta0 (v0), @2.
+    # t=2: b1 (dispatch < 3) and a1 (dispatch 3) tie: b1 arrives (p 2, s 0, Delta [2, 2]) -> flush 1:
+    #   theta1 = 0 + (1*[1,0] + 2*[2,2]) / 3 = [5/3, 4/3]          (fedavg, eta 1)
+    #   b1 is idle: dispatch 4 sends it theta1 (v1), @4. Then a1 arrives (s 1, w 1/sqrt2, Delta [1, 0]);
+    #   dispatch 5 sends a1 theta1 (v1), @3.
+    # t=3: a2 (dispatch < 5) and a1 tie: a2 arrives (p 3, s 1, w 1/sqrt2, Delta [0, 2]) -> flush 2:
+    #   theta2 = theta1 + (1/sqrt2 [1, 0] + 3/sqrt2 [0, 2]) / 4;  b1 and a1 (in flight) are dropped.
+    hooks = FakeChildren()
+    result, store = run(tmp_path, hooks)
+    r2 = math.sqrt(2)
+    want = torch.tensor([5 / 3 + 1 / (4 * r2), 4 / 3 + 6 / (4 * r2)], dtype=torch.float64)
+    assert torch.allclose(result.theta.double(), want, atol=1e-6)
+    assert torch.equal(store.load("root").theta, result.theta)
+    assert result.virtual_s == 3.0
+    assert result.metrics["async/dropped_results"] == 2.0
+    first, second = hooks.rounds
+    assert (first["time/virtual_s"], second["time/virtual_s"]) == (2.0, 3.0)
+    assert (first["async/staleness_max"], second["async/staleness_mean"]) == (0.0, 1.0)
+    assert (first["comm/down_models"], second["comm/down_models"]) == (4.0, 2.0)
+    # each dispatch sent the model of its moment: theta0 up to dispatch 3, theta1 after flush 1
+    sent = {d: (c, theta) for c, d, theta in hooks.started}
+    assert sent[3][0] == "a1" and torch.equal(sent[3][1], torch.zeros(2))
+    assert [sent[4][0], sent[5][0]] == ["b1", "a1"]
+    theta1 = torch.tensor([5 / 3, 4 / 3], dtype=torch.float64)
+    assert all(torch.allclose(sent[d][1].double(), theta1) for d in (4, 5))
+
+
+def test_constant_staleness_weights_every_result_fully(tmp_path):
+    # the same arrivals as above with w = 1: theta2 = theta1 + ([1, 0] + 3 [0, 2]) / 4
+    params = AsyncParams(concurrency=3, buffer=2, staleness=StalenessParams("constant"))
+    result, _ = run(tmp_path, FakeChildren(), params=params)
+    want = torch.tensor([5 / 3 + 1 / 4, 4 / 3 + 6 / 4], dtype=torch.float64)
+    assert torch.allclose(result.theta.double(), want, atol=1e-6)
+
+
+def test_the_result_follows_the_virtual_clock_not_real_completion_order(tmp_path):
+    reference, _ = run(tmp_path / "a", FakeChildren(), rounds=4, params=AsyncParams(concurrency=2, buffer=1))
+    with ThreadPoolExecutor(4) as pool:
+        for i in range(3):
+            scrambled, _ = run(tmp_path / f"b{i}", FakeChildren(pool), rounds=4, params=AsyncParams(2, 1))
+            assert torch.equal(scrambled.theta, reference.theta)
+    other_seed, _ = run(tmp_path / "c", FakeChildren(), rounds=4, params=AsyncParams(2, 1), seed=1)
+    assert not torch.equal(other_seed.theta, reference.theta)  # another seed, other dispatch draws
+
+
+def test_pick_idle_and_next_arrival():
+    kids = [Node(c, Role.CLIENT, 1, "root", (), settings(), 1.0) for c in ("x", "y", "z")]
+    assert pick_idle(kids, {"x", "y", "z"}, 0, "root", 0) is None
+    assert pick_idle(kids, {"x", "z"}, 0, "root", 5).id == "y"
+    picks = {pick_idle(kids, set(), 0, "root", d).id for d in range(50)}
+    assert picks == {"x", "y", "z"}
+    flights = [InFlight("x", 3, 0, 0.0, 2.0), InFlight("y", 1, 0, 0.0, 2.0), InFlight("z", 0, 0, 0.0, 5.0)]
+    assert next_arrival(flights).child == "y"
+    with pytest.raises(ValueError, match="finish time"):
+        next_arrival([InFlight("x", 0, 0, 0.0, None)])
