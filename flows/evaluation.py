@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+from bhfl_core.algorithm.engine import VIRTUAL_TIME
 from bhfl_core.analysis.evaluation import Evaluation, ModelRef
 from bhfl_core.learning.metrics import task_metrics
 from bhfl_core.placement import Job, place
@@ -40,6 +41,10 @@ def evaluate_all(rt: NodeRuntime, step: int, final: bool = False) -> Evaluation:
         stats.update(rt.orchestration.call_task(rt, evaluate_models, name, batches, rt.run_path))
         seconds[timer] = time.time() - started
     evaluation = Evaluation.from_stats(ctx.tree, task_metrics(ctx.manifest.task), stats)
+    # the root's virtual clock at this evaluation: the x axis of time-to-accuracy (report, `bhfl compare`)
+    root_metrics = ctx.store.load_info(ctx.tree.root_id).get("metrics", {})
+    if VIRTUAL_TIME in root_metrics:
+        seconds[VIRTUAL_TIME] = float(root_metrics[VIRTUAL_TIME])
     from flows.tracking.report import log_evaluation  # matplotlib and the report code: not needed at start-up
 
     log_evaluation(rt.tracker, evaluation, step, seconds)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import replace
 from pathlib import Path
@@ -31,7 +31,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from prefect.utilities.annotations import quote
 
 from bhfl_core.algorithm.async_engine import ChildCall, execute_async_node
-from bhfl_core.algorithm.engine import NodeResult, execute_node
+from bhfl_core.algorithm.engine import VIRTUAL_TIME, NodeResult, execute_node
 from bhfl_core.algorithm.node_state import Caller, RoundKey
 from bhfl_core.algorithm.node_step import ChildrenReport
 from bhfl_core.algorithm.residuals import Candidate, needs
@@ -196,6 +196,7 @@ class FlowHooks:
         leaves = [c for c in cohort if c.is_leaf]
         for child, up_path in zip(servers, self._run_servers(servers, phi_path, caller)):
             theta_child = StateStore.read_message(up_path)
+            report.virtual_s = max(report.virtual_s, self._server_seconds(child))
             report.aggregate.add(theta_child, child.weight)
             if tempo:
                 self.sent_up.setdefault(key.round, {})[child.id] = theta_child
@@ -207,6 +208,7 @@ class FlowHooks:
         if leaves:
             order = {c.id: i for i, c in enumerate(cohort)}
             workers = self._run_clients(node, leaves, phi_path, caller, key)
+            report.virtual_s = max(report.virtual_s, self._slowest_client(node, leaves, key))
             for worker in workers:
                 report.aggregate.merge(worker.aggregate)
                 report.candidates.extend(worker.candidates)
@@ -236,7 +238,8 @@ class FlowHooks:
             self._sent[node.id] = cached
         phi_path = cached[1]
         if not child.is_leaf:
-            return _ServerCall(run_gated(functools.partial(self._run_child, child, phi_path, caller)))
+            future = run_gated(functools.partial(self._run_child, child, phi_path, caller))
+            return _ServerCall(future, functools.partial(self._server_seconds, child))
         slots = rt.executor.slots()
         slot = slots[(caller.round or 0) % len(slots)]
         pending = rt.executor.submit(slot, "train_clients", rt.run_path, caller, [child.id], phi_path, 0, None, None)
@@ -246,11 +249,30 @@ class FlowHooks:
         """A client call's virtual duration (its planned steps over its speed, plus transfers); servers: None."""
         if not child.is_leaf or child.settings.train is None:
             return None
+        return self._client_seconds(child, child.settings.train, caller)
+
+    def _client_seconds(self, child: Node, train: TrainParams, caller: Caller) -> float:
         cfg = self.rt.ctx.config
         clock = ClockParams(**cfg.tree.clock.model_dump())
-        steps = planned_steps(int(child.weight), child.settings.train)
         speed = client_speed(cfg.seed, child.id, child.group, clock)
+        steps = planned_steps(int(child.weight), train)
         return call_duration(steps, speed, clock, cfg.seed, child.id, caller.round or 0)
+
+    def _slowest_client(self, node: Node, leaves: list[Node], key: RoundKey) -> float:
+        """A synchronous round waits for its slowest client call (with Tempo's epochs where they apply)."""
+        epochs = self._client_epochs(node, key)
+        seconds = [
+            self._client_seconds(
+                c, c.settings.train if epochs is None else replace(c.settings.train, epochs=epochs), key.as_caller()
+            )
+            for c in leaves
+            if c.settings.train is not None
+        ]
+        return max(seconds, default=0.0)
+
+    def _server_seconds(self, child: Node) -> float:
+        """A child server's last execution on the virtual clock (saved with its state)."""
+        return float(self.rt.ctx.store.load_info(child.id).get("metrics", {}).get(VIRTUAL_TIME, 0.0))
 
     # ------------------------------------------------------------ the node's own steps
 
@@ -339,13 +361,14 @@ class _ClientCall:
 
 
 class _ServerCall:
-    """A child server's execution started by an asynchronous node (its virtual duration: not tracked yet, 0)."""
+    """A child server's execution started by an asynchronous node, with its virtual duration once done."""
 
-    def __init__(self, future: Future[str]) -> None:
-        self.future = future
+    def __init__(self, future: Future[str], seconds: Callable[[], float]) -> None:
+        self.future, self.seconds = future, seconds
 
     def result(self) -> NodeResult:
-        return NodeResult(StateStore.read_message(self.future.result()))
+        theta = StateStore.read_message(self.future.result())
+        return NodeResult(theta, virtual_s=self.seconds())
 
 
 @flow(name="node", validate_parameters=False)

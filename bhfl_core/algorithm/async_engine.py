@@ -37,7 +37,7 @@ from typing import Protocol
 import torch
 
 from bhfl_core.algorithm.asynchrony import AsyncParams, BufferedResult, buffered_input
-from bhfl_core.algorithm.engine import EngineHooks, NodeResult, tuned_metrics
+from bhfl_core.algorithm.engine import VIRTUAL_TIME, EngineHooks, NodeResult, tuned_metrics
 from bhfl_core.algorithm.node_state import ROOT_CALLER, Caller, RoundKey
 from bhfl_core.algorithm.node_step import ChildrenReport, down_posts, node_down, node_up
 from bhfl_core.algorithm.residuals import Candidate
@@ -157,6 +157,8 @@ def execute_async_node(
             trained, train_metrics = hooks.train(node, state.theta, key)
             state = replace(state, model=trained)
             metrics.update(train_metrics)
+            run.now += train_metrics.get("proxy_train/steps", 0.0)  # speed 1, as in engine.round_virtual_s
+            metrics[VIRTUAL_TIME] = run.now
         run.buffer, run.candidates, run.staleness, run.sent = [], [], [], 0
         state = replace(state, rounds_done=key.round + 1, metrics=metrics)
         run.models[state.rounds_done] = state.theta
@@ -217,7 +219,7 @@ def _flush_metrics(run: _Execution, posts: Sequence[object]) -> dict[str, float]
         "async/staleness_mean": sum(staleness) / len(staleness),
         "async/staleness_max": float(max(staleness)),
         "async/in_flight": float(len(run.in_flight)),
-        "time/virtual_s": run.now,
+        VIRTUAL_TIME: run.now,
         "comm/down_models": float(run.sent),
         "comm/up_models": float(len(run.buffer)),
         "comm/res_up_models": float(sum(getattr(p, "models", 0) for p in posts)),

@@ -36,7 +36,7 @@ uninterrupted run bit for bit.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
@@ -107,6 +107,7 @@ def execute_node(
     # Receivers of residuals keep their bookkeeping, and Ditto clients their personal model, even when not persistent.
     persist = settings.persistent or not node.is_leaf or bool(settings.res_in) or settings.personal is not None
     children = tree.children(node.id)
+    elapsed = state.metrics.get(VIRTUAL_TIME, 0.0) if done else 0.0  # virtual seconds since the execution began
     for _ in range(done, settings.rounds):
         key = RoundKey(node.id, state.rounds_done, caller)
         store.post(node.id, key.round, down_posts(state.theta, settings))
@@ -125,10 +126,26 @@ def execute_node(
             trained, train_metrics = hooks.train(node, state.theta, key)
             state = replace(state, model=trained)
             metrics.update(train_metrics)
+        elapsed += round_virtual_s(report, metrics)
+        metrics[VIRTUAL_TIME] = elapsed
         state = replace(state, rounds_done=key.round + 1, metrics=metrics)
         store.commit(node.id, state, persist)
         hooks.round_done(node, key, state.theta, metrics)
-    return NodeResult(state.theta, state.metrics)
+    return NodeResult(state.theta, state.metrics, virtual_s=state.metrics.get(VIRTUAL_TIME, 0.0))
+
+
+VIRTUAL_TIME = "time/virtual_s"
+"""Metric and state entry: virtual seconds since the node's execution began (the root's: since the run began)."""
+
+
+def round_virtual_s(report: ChildrenReport | None, metrics: Mapping[str, float]) -> float:
+    """A synchronous round on the virtual clock: its slowest child, then the node's own TRAIN.
+
+    The node's own TRAIN (proxy training at a server) runs at speed 1: one optimizer
+    step per virtual second, the median client speed (``virtual_clock.py``).
+    """
+    children = report.virtual_s if report is not None else 0.0
+    return children + metrics.get("proxy_train/steps", 0.0)
 
 
 def tuned_metrics(state: NodeState) -> dict[str, float]:

@@ -49,6 +49,7 @@ class ChildrenReport:
     metrics: dict[str, float] = field(default_factory=dict)
     candidates: list[Candidate] = field(default_factory=list)
     dropped: list[str] = field(default_factory=list)  # children that failed and were left out
+    virtual_s: float = 0.0  # the round's duration on the virtual clock: its slowest child
 
 
 @dataclass(frozen=True)

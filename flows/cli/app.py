@@ -368,6 +368,10 @@ def compare(
     csv_path: Annotated[
         Path | None, typer.Option("--csv", help="Write the table as CSV here [default: RUN_DIR/compare.csv].")
     ] = None,
+    target: Annotated[
+        float | None,
+        typer.Option("--target", help="Also show the virtual time at which the root first reached this on the union."),
+    ] = None,
 ) -> None:
     """Compare runs side by side (markdown on stdout, CSV on disk): per-client, root and communication numbers."""
     from flows.records.run_record import default_tracking_uri
@@ -382,13 +386,13 @@ def compare(
     from flows.cli.compare import compare as compare_runs
 
     try:
-        rows = compare_runs(MlflowClient(uri), runs)
+        rows = compare_runs(MlflowClient(uri), runs, target)
     except CompareError as exc:
         fail(str(exc))
-    target = csv_path or run_dir / "compare.csv"
-    write_text_atomic(target, to_csv(rows))
-    print(to_markdown(rows))
-    console.print(f"\n{len(rows)} run(s) compared; CSV written to {target}", highlight=False)
+    out = csv_path or run_dir / "compare.csv"
+    write_text_atomic(out, to_csv(rows, target))
+    print(to_markdown(rows, target))
+    console.print(f"\n{len(rows)} run(s) compared; CSV written to {out}", highlight=False)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,8 @@ from mlflow.entities import Run
 from mlflow.exceptions import MlflowException
 from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 
+from bhfl_core.algorithm.engine import VIRTUAL_TIME
+from bhfl_core.analysis import time_to_accuracy as tta
 from bhfl_core.learning.metrics import task_metrics
 from bhfl_core.store.tables import table_csv
 
@@ -75,6 +77,7 @@ COLUMNS = (
     "comm_model_equivalents",
     "comm_mb",
     "root_rounds",
+    "virtual_s",
     "wall_s",
 )
 HEADERS = {
@@ -91,17 +94,24 @@ HEADERS = {
     "comm_model_equivalents": "communication (models)",
     "comm_mb": "communication (MB)",
     "root_rounds": "root rounds",
+    "virtual_s": "virtual time (s)",
+    "time_to_target": "virtual s to target (root on union)",
     "wall_s": "wall time (s)",
 }
 
 
-def row(client: MlflowClient, run: Run) -> dict[str, object]:
-    """One table row: the run's headline metrics in the task's primary metric."""
+def row(client: MlflowClient, run: Run, target: float | None = None) -> dict[str, object]:
+    """One table row: the run's headline metrics in the task's primary metric.
+
+    ``target``: also the virtual time at which the root first reached ``target`` on the
+    union of the clients' tests (NaN if it never did; evaluations every ``eval.every`` rounds).
+    """
     m = run.data.metrics
-    metric = task_metrics(run.data.tags.get("bhfl.task", "classification")).primary
+    task = task_metrics(run.data.tags.get("bhfl.task", "classification"))
+    metric = task.primary
     nan = math.nan
     comm_bytes = m.get("comm/total_bytes", nan)
-    return {
+    out: dict[str, object] = {
         "experiment": client.get_experiment(run.info.experiment_id).name,
         "run_id": run.info.run_id,
         "metric": metric,
@@ -115,19 +125,33 @@ def row(client: MlflowClient, run: Run) -> dict[str, object]:
         "comm_model_equivalents": m.get("comm/total_model_equivalents", nan),
         "comm_mb": comm_bytes / 1e6,
         "root_rounds": run.data.params.get("tree.root.rounds", ""),
+        "virtual_s": m.get(VIRTUAL_TIME, nan),
         "wall_s": m.get("time/total_s", nan),
     }
+    if target is not None:
+        points = tta.curve(_history(client, run, VIRTUAL_TIME), _history(client, run, f"root/union/{metric}"))
+        reached = tta.time_to_target(points, target, task.better(metric))
+        out["time_to_target"] = nan if reached is None else reached
+    return out
 
 
-def compare(client: MlflowClient, refs: Sequence[str]) -> list[dict[str, object]]:
-    return [row(client, resolve(client, ref)) for ref in refs]
+def _history(client: MlflowClient, run: Run, key: str) -> dict[int, float]:
+    return {m.step: m.value for m in sorted(client.get_metric_history(run.info.run_id, key), key=lambda m: m.timestamp)}
+
+
+def columns(target: float | None) -> tuple[str, ...]:
+    return COLUMNS if target is None else (*COLUMNS[:-1], "time_to_target", COLUMNS[-1])
+
+
+def compare(client: MlflowClient, refs: Sequence[str], target: float | None = None) -> list[dict[str, object]]:
+    return [row(client, resolve(client, ref), target) for ref in refs]
 
 
 def _cell(value: object, column: str) -> str:
     if isinstance(value, float):
         if math.isnan(value):
             return "–"
-        if column in ("comm_model_equivalents", "wall_s"):
+        if column in ("comm_model_equivalents", "wall_s", "virtual_s", "time_to_target"):
             return f"{value:.0f}"
         return f"{value:.2f}" if column == "comm_mb" else f"{value:.4f}"
     if column == "run_id":
@@ -135,12 +159,14 @@ def _cell(value: object, column: str) -> str:
     return str(value)
 
 
-def to_markdown(rows: Sequence[dict[str, object]]) -> str:
-    lines = ["| " + " | ".join(HEADERS[c] for c in COLUMNS) + " |", "|" + "|".join("---" for _ in COLUMNS) + "|"]
-    lines += ["| " + " | ".join(_cell(r[c], c) for c in COLUMNS) + " |" for r in rows]
+def to_markdown(rows: Sequence[dict[str, object]], target: float | None = None) -> str:
+    cols = columns(target)
+    lines = ["| " + " | ".join(HEADERS[c] for c in cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
+    lines += ["| " + " | ".join(_cell(r[c], c) for c in cols) + " |" for r in rows]
     return "\n".join(lines)
 
 
-def to_csv(rows: Sequence[dict[str, object]]) -> str:
+def to_csv(rows: Sequence[dict[str, object]], target: float | None = None) -> str:
     """Full-precision CSV (NaN where a run lacks a number), one row per run."""
-    return table_csv(COLUMNS, ([r.get(c) for c in COLUMNS] for r in rows))
+    cols = columns(target)
+    return table_csv(cols, ([r.get(c) for c in cols] for r in rows))

@@ -1,4 +1,4 @@
-"""Report figures: the evaluation heatmap (models x test sets) and the proximity plot.
+"""Report figures: the evaluation heatmap (models x test sets), the proximity plot, time to accuracy.
 
 matplotlib's object-oriented API (``Figure`` objects, no pyplot state: safe in worker
 threads, nothing to close); the functions return figures and the report writer saves
@@ -8,11 +8,14 @@ picture.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
 import numpy as np
 from matplotlib.figure import Figure
 
 from bhfl_core.analysis.evaluation import Evaluation, all_test_sets, client_order
 from bhfl_core.analysis.proximity import Proximity
+from bhfl_core.analysis.time_to_accuracy import CurvePoint
 
 MAX_LABELS = 150  # beyond this many rows / columns, client tick labels are left out
 ROLE_COLOURS = {"client": "#9e9e9e", "edge": "#1f77b4", "server": "#2ca02c", "root": "#d62728"}
@@ -97,4 +100,16 @@ def proximity_plot(ev: Evaluation, prox: Proximity) -> Figure:
     right.set_title("union of clients' tests and proxy test: better towards the root?", fontsize=10)
     right.set_xticks(range(max((d for g in prox.globals.values() for d, _, _ in g.by_depth), default=0) + 1))
     right.legend(fontsize=7, loc="best")
+    return fig
+
+
+def time_to_accuracy_plot(curves: Mapping[str, Sequence[CurvePoint]], metric: str) -> Figure:
+    """Quality at each evaluation against the root's virtual time, one line per population."""
+    fig = Figure(figsize=(6.5, 4.2))
+    ax = fig.subplots()
+    for label, points in curves.items():
+        ax.plot([p.virtual_s for p in points], [p.value for p in points], "-o", markersize=3, label=label)
+    ax.set_xlabel("virtual time (s): client steps / speed, rounds wait for their slowest child")
+    ax.set_ylabel(metric)
+    ax.legend(fontsize=8, loc="best")
     return fig

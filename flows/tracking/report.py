@@ -30,8 +30,10 @@ from pathlib import Path
 
 from matplotlib.figure import Figure
 
+from bhfl_core.algorithm.engine import VIRTUAL_TIME
 from bhfl_core.analysis import communication as comm
 from bhfl_core.analysis import proximity
+from bhfl_core.analysis import time_to_accuracy as tta
 from bhfl_core.analysis.evaluation import (
     PROXY,
     UNION,
@@ -42,6 +44,7 @@ from bhfl_core.analysis.evaluation import (
     matrix_csv,
 )
 from bhfl_core.store.atomic import atomic_path, write_text_atomic
+from bhfl_core.store.tables import table_csv
 from flows.tracking import plots
 from flows.tracking.tracker import Tracker
 from tasks.context import RunContext
@@ -133,6 +136,25 @@ def _cost(tracker: Tracker, timings: Mapping[str, float], final_step: int) -> di
     return out
 
 
+def _time_curves(tracker: Tracker, ev: Evaluation) -> dict[str, list[tta.CurvePoint]]:
+    """Root on the union, and clients' own models (mean), at every evaluation against virtual time."""
+    metric = ev.task.primary
+    virtual = tracker.history(tracker.parent_id, VIRTUAL_TIME)
+    keys = {
+        "root on union": f"root/union/{metric}",
+        "client's own model (mean)": f"client_on_own_clients/{metric}_mean",
+    }
+    curves = {label: tta.curve(virtual, tracker.history(tracker.parent_id, key)) for label, key in keys.items()}
+    return {label: points for label, points in curves.items() if points}
+
+
+def _curves_csv(curves: Mapping[str, Sequence[tta.CurvePoint]]) -> str:
+    return table_csv(
+        ["population", "step", "virtual_s", "value"],
+        ([label, p.step, f"{p.virtual_s:.6f}", f"{p.value:.6f}"] for label, points in curves.items() for p in points),
+    )
+
+
 def write_report(tracker: Tracker, ctx: RunContext, ev: Evaluation, timings: Mapping[str, float]) -> dict[str, float]:
     """Write the run's report files, log them and the summary metrics to the parent run; return headlines."""
     folder = ctx.run_path / REPORT_DIR
@@ -156,6 +178,10 @@ def write_report(tracker: Tracker, ctx: RunContext, ev: Evaluation, timings: Map
         write_text_atomic(folder / name, text)
     save_figure(plots.heatmap(ev), folder / "eval" / "heatmap.png")
     save_figure(plots.proximity_plot(ev, prox), folder / "eval" / "proximity.png")
+    curves = _time_curves(tracker, ev)
+    if curves:
+        write_text_atomic(folder / "eval" / "time_to_accuracy.csv", _curves_csv(curves))
+        save_figure(plots.time_to_accuracy_plot(curves, ev.task.primary), folder / "eval" / "time_to_accuracy.png")
     headline = {
         **ev.headline(),
         **{k: v for k, v in proximity.headline(prox).items() if "share_clients" in k},
@@ -403,6 +429,26 @@ def render_markdown(
         "",
     ]
 
+    curves = _time_curves(tracker, ev)
+    if curves:
+        populations = list(curves)
+        evaluated = sorted({p.step for points in curves.values() for p in points})
+        at = {label: {p.step: p for p in points} for label, points in curves.items()}
+        time_rows = [
+            [step, f"{next(at[lb][step].virtual_s for lb in populations if step in at[lb]):.1f}"]
+            + [f"{at[lb][step].value:.3f}" if step in at[lb] else "" for lb in populations]
+            for step in evaluated
+        ]
+        out += [
+            f"## Quality against virtual time ({metric})",
+            "",
+            "At every evaluation (`eval.every`), against the root's virtual clock (client steps over their "
+            "speed, `tree.clock`; a synchronous round waits for its slowest child). `eval/time_to_accuracy.csv`, "
+            "`eval/time_to_accuracy.png`; `bhfl compare --target X` gives the time to reach X.",
+            "",
+            markdown_table(["root round", "virtual s", *populations], time_rows),
+            "",
+        ]
     out += [
         "## Cost",
         "",

@@ -144,3 +144,34 @@ def test_pick_idle_and_next_arrival():
     assert next_arrival(flights).child == "y"
     with pytest.raises(ValueError, match="finish time"):
         next_arrival([InFlight("x", 0, 0, 0.0, None)])
+
+
+def test_synchronous_rounds_take_their_slowest_child_plus_the_own_train_on_the_virtual_clock(tmp_path):
+    from bhfl_core.algorithm.engine import VIRTUAL_TIME, execute_node
+    from tests.core.fake_tree import AddVectorHooks, two_edge_tree
+
+    seconds = {"a1": 1.0, "a2": 3.0, "b1": 2.0, "b2": 4.0}
+
+    class Clocked(AddVectorHooks):
+        def run_children(self, node, cohort, theta, key):
+            report = super().run_children(node, cohort, theta, key)
+            # clients: their call durations; servers: their execution's saved virtual time
+            report.virtual_s = max(
+                seconds[c.id] if c.is_leaf else self.store.load_info(c.id)["metrics"][VIRTUAL_TIME] for c in cohort
+            )
+            return report
+
+        def train(self, node, theta, key):
+            theta, _ = super().train(node, theta, key)
+            return theta, {"proxy_train/steps": 5.0} if not node.is_leaf else {}
+
+    tree = two_edge_tree(settings(train=True), root_rounds=2)
+    store = StateStore(tmp_path)
+    store.save("root", NodeState(model=torch.zeros(2)))
+    hooks = Clocked(tree, store)
+    result = execute_node(tree, tree.root, None, store, hooks, seed=0)
+    # edge A: max(1, 3) = 3; edge B: max(2, 4) = 4; a root round: max(3, 4) + 5 proxy steps = 9
+    assert [hooks.metrics[("root", r)][VIRTUAL_TIME] for r in (0, 1)] == [9.0, 18.0]
+    assert result.virtual_s == 18.0
+    # an edge's clock counts from the start of each of its executions
+    assert [hooks.metrics[("A", r)][VIRTUAL_TIME] for r in (0, 1)] == [3.0, 3.0]

@@ -236,7 +236,7 @@ def test_communication_counts_per_round(tmp_path):
     )
     _, hooks = run(tree, tmp_path)
     # root: 2 children down and up, one down-residual to A; A: cohort of 1, so only 1 residual model up
-    assert hooks.metrics[("root", 0)] == {
+    assert {k: v for k, v in hooks.metrics[("root", 0)].items() if k.startswith("comm/")} == {
         "comm/down_models": 2.0,
         "comm/up_models": 2.0,
         "comm/res_down_models": 1.0,

@@ -71,3 +71,8 @@ def test_async_edges_under_a_synchronous_root(tmp_path):
         # 2 root rounds x 2 flushes of one result each
         assert _metric(result, edge, "async/buffered") == [1.0] * 4
     assert len(_metric(result, "root", "proxy_train/loss")) == 2  # the synchronous root ran its two rounds
+    # the synchronous root's virtual clock: each round waits for its slowest (asynchronous) subtree
+    root_time = _metric(result, "root", "time/virtual_s")
+    assert len(root_time) == 2 and 0 < root_time[0] < root_time[1]
+    slowest_edge = max(_metric(result, e, "time/virtual_s")[1] for e in ("edge-en", "edge-fr", "edge-de"))
+    assert root_time[0] > slowest_edge  # edges' clocks restart with each execution; the root's does not

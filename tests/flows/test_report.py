@@ -218,3 +218,34 @@ def test_compare_rejects_unknown_and_node_runs(evaluated_runs, tmp_path):
     assert result.exit_code == 2 and "this is the run of node 'edge-fr'" in result.output
     result = runner.invoke(app, ["compare", "x", "--run-dir", str(tmp_path / "empty")])
     assert result.exit_code == 2 and "no MLflow store" in result.output
+
+
+def test_time_to_accuracy_in_report_and_compare(evaluated_runs, tmp_path):
+    root, tree, _ = evaluated_runs  # the tree run evaluates after every root round (eval.every = 1)
+    client = MlflowClient(tree["tracking_uri"])
+
+    def history(key):
+        return {m.step: m.value for m in client.get_metric_history(tree["run_id"], key)}
+
+    virtual, accuracy = history("time/virtual_s"), history("root/union/accuracy")
+    assert sorted(virtual) == sorted(accuracy) == [1, 2]
+    assert 0 < virtual[1] < virtual[2]  # the root's virtual clock at each evaluation
+    folder = Path(tree["run_path"]) / "report"
+    rows = list(csv.DictReader(io.StringIO((folder / "eval" / "time_to_accuracy.csv").read_text())))
+    root_rows = [r for r in rows if r["population"] == "root on union"]
+    assert [(int(r["step"]), float(r["virtual_s"])) for r in root_rows] == [(1, virtual[1]), (2, virtual[2])]
+    assert (folder / "eval" / "time_to_accuracy.png").stat().st_size > 0
+    assert "## Quality against virtual time (accuracy)" in (folder / "report.md").read_text()
+
+    target = min(accuracy.values())
+    first = min(step for step, value in accuracy.items() if value >= target)
+    out = tmp_path / "cmp.csv"
+    for goal, want in ((target, virtual[first]), (1.5, math.nan)):
+        result = CliRunner().invoke(
+            app, ["compare", tree["run_id"], "--target", str(goal), "--run-dir", str(root), "--csv", str(out)]
+        )
+        assert result.exit_code == 0, result.output
+        assert "virtual s to target (root on union)" in result.stdout
+        (row,) = csv.DictReader(io.StringIO(out.read_text()))
+        got = float(row["time_to_target"])
+        assert got == pytest.approx(want) if not math.isnan(want) else math.isnan(got)
