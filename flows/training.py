@@ -349,13 +349,11 @@ class _ClientCall:
     def __init__(self, client_id: str, pending: PendingCall) -> None:
         self.client_id, self.pending = client_id, pending
 
-    def result(self) -> NodeResult:
+    def result(self) -> NodeResult | None:
         report: WorkerReport = self.pending.result()
-        if report.aggregate.empty:
-            raise RuntimeError(
-                f"client {self.client_id} was dropped (runtime.on_client_failure: drop), "
-                "which asynchronous nodes do not handle yet"
-            )
+        if report.aggregate.empty:  # failed and dropped (runtime.on_client_failure: drop)
+            progress.note(f"client {self.client_id} failed and was dropped")
+            return None
         loss, _ = report.losses[self.client_id]
         return NodeResult(report.aggregate.mean(), {"train/loss": loss})
 

@@ -30,6 +30,7 @@ Choices where FedBuff is silent (docs/algorithm.md):
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol
@@ -58,8 +59,11 @@ class InFlight:
 
 
 class ChildCall(Protocol):
-    def result(self) -> NodeResult:
-        """Wait for the child's execution (it runs from the moment it was started)."""
+    def result(self) -> NodeResult | None:
+        """Wait for the child's execution (it runs from the moment it was started).
+
+        None: the child failed and was dropped (``runtime.on_client_failure: drop``).
+        """
         ...
 
 
@@ -102,6 +106,8 @@ class _Execution:
     models: dict[int, torch.Tensor] = field(default_factory=dict)  # versions in-flight children were sent
     staleness: list[int] = field(default_factory=list)  # of the results buffered since the last flush
     sent: int = 0  # models sent to children since the last flush
+    dropped: int = 0  # failed children left out since the last flush
+    drops_in_a_row: int = 0
 
 
 def execute_async_node(
@@ -124,7 +130,8 @@ def execute_async_node(
         return NodeResult(state.theta, state.metrics)
     if done:
         raise NotImplementedError("resuming an interrupted asynchronous execution: in-flight work is not saved yet")
-    state = node_down(state, phi, store.inbox(node.id, "down", state.res_seen), settings, caller)
+    scorer = functools.partial(hooks.score, node) if settings.tunes else None
+    state = node_down(state, phi, store.inbox(node.id, "down", state.res_seen), settings, caller, scorer)
     children = {c.id: c for c in tree.children(node.id)}
     run = _Execution(models={state.rounds_done: state.theta})
     dropped_total = 0
@@ -138,6 +145,13 @@ def execute_async_node(
             run.in_flight.remove(arrival)
             run.now = max(run.now, arrival.finish or 0.0)
             child = children[arrival.child]
+            if result is None:  # dropped: its slot frees up, nothing is buffered
+                run.dropped += 1
+                run.drops_in_a_row += 1
+                if run.drops_in_a_row >= len(children):
+                    raise RuntimeError(f"{node.id}: {run.drops_in_a_row} child results in a row were dropped (failed)")
+                continue
+            run.drops_in_a_row = 0
             staleness = state.rounds_done - arrival.version
             run.buffer.append(
                 BufferedResult(child.id, result.theta - run.models[arrival.version], child.weight, staleness)
@@ -149,7 +163,7 @@ def execute_async_node(
             _forget_unused_versions(run, state.rounds_done)
         report = ChildrenReport(candidates=run.candidates)
         report.aggregate.add(buffered_input(state.theta, run.buffer, params.staleness), 1.0)
-        state, posts = node_up(state, report, store.inbox(node.id, "up", state.res_seen), settings)
+        state, posts = node_up(state, report, store.inbox(node.id, "up", state.res_seen), settings, scorer)
         store.post(node.id, key.round, posts)
         metrics = _flush_metrics(run, posts)
         metrics.update(tuned_metrics(state))
@@ -159,7 +173,7 @@ def execute_async_node(
             metrics.update(train_metrics)
             run.now += train_metrics.get("proxy_train/steps", 0.0)  # speed 1, as in engine.round_virtual_s
             metrics[VIRTUAL_TIME] = run.now
-        run.buffer, run.candidates, run.staleness, run.sent = [], [], [], 0
+        run.buffer, run.candidates, run.staleness, run.sent, run.dropped = [], [], [], 0, 0
         state = replace(state, rounds_done=key.round + 1, metrics=metrics)
         run.models[state.rounds_done] = state.theta
         store.commit(node.id, state)
@@ -201,7 +215,8 @@ def _await_next(run: _Execution, node: Node, children: Mapping[str, Node], hooks
     """The next arrival, after learning the durations of server children (their results carry them)."""
     for i, flight in enumerate(run.in_flight):
         if flight.finish is None:
-            duration = run.calls[flight.dispatch].result().virtual_s
+            result = run.calls[flight.dispatch].result()
+            duration = result.virtual_s if result is not None else 0.0
             run.in_flight[i] = replace(flight, finish=flight.start + duration)
     return next_arrival(run.in_flight)
 
@@ -221,6 +236,7 @@ def _flush_metrics(run: _Execution, posts: Sequence[object]) -> dict[str, float]
         "async/in_flight": float(len(run.in_flight)),
         VIRTUAL_TIME: run.now,
         "comm/down_models": float(run.sent),
+        "train/dropped_clients": float(run.dropped),
         "comm/up_models": float(len(run.buffer)),
         "comm/res_up_models": float(sum(getattr(p, "models", 0) for p in posts)),
     }

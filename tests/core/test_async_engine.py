@@ -175,3 +175,33 @@ def test_synchronous_rounds_take_their_slowest_child_plus_the_own_train_on_the_v
     assert result.virtual_s == 18.0
     # an edge's clock counts from the start of each of its executions
     assert [hooks.metrics[("A", r)][VIRTUAL_TIME] for r in (0, 1)] == [3.0, 3.0]
+
+
+class Flaky(FakeChildren):
+    """b1's first call fails and is dropped (its result is None); every other call succeeds."""
+
+    def start_child(self, node, child, theta, caller):
+        call = super().start_child(node, child, theta, caller)
+        first_b1 = child.id == "b1" and [c for c, _, _ in self.started].count("b1") == 1
+        return Done(None) if first_b1 else call
+
+
+def test_a_dropped_child_frees_its_slot_and_is_not_buffered(tmp_path):
+    # t=1: a1 arrives (s 0, Delta [1, 0]) and is sent theta0 again (@2); t=2: b1 (earlier dispatch) arrives
+    # dropped: nothing buffered, b1 is sent theta0 again (@4); then a1's second result (s 0, Delta [1, 0]):
+    # flush 1 = 0 + (1*[1,0] + 1*[1,0]) / 2 = [1, 0]
+    hooks = Flaky()
+    result, _ = run(tmp_path, hooks, rounds=1)
+    assert result.theta.tolist() == [1.0, 0.0]
+    assert hooks.rounds[0]["train/dropped_clients"] == 1.0
+    assert [c for c, _, _ in hooks.started].count("b1") == 2  # its slot was refilled
+
+
+def test_every_child_failing_in_a_row_is_an_error(tmp_path):
+    class AllFail(FakeChildren):
+        def start_child(self, node, child, theta, caller):
+            super().start_child(node, child, theta, caller)
+            return Done(None)
+
+    with pytest.raises(RuntimeError, match="in a row were dropped"):
+        run(tmp_path, AllFail())
