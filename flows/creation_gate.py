@@ -54,6 +54,18 @@ def _run(future: Future[T], call: Callable[[], T]) -> None:
         future.set_exception(exc)
 
 
+def run_in_thread(call: Callable[[], T]) -> Future[T]:
+    """Run ``call()`` in a new thread, on a copy of this context, at once.
+
+    For work that creates its Prefect runs through ``run_gated`` itself (holding the
+    gate around it would deadlock).
+    """
+    future: Future[T] = Future()
+    context = contextvars.copy_context()
+    threading.Thread(target=context.run, args=(_run, future, call), name="bhfl-work", daemon=True).start()
+    return future
+
+
 def run_gated(call: Callable[[], T]) -> Future[T]:
     """Run ``call()`` in a new thread (on a copy of this context); return at once if no gate is open,
     else once the run it creates is Running (or ``call`` has already returned or failed)."""

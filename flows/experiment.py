@@ -369,14 +369,6 @@ def resume_experiment(
     if record.effective_status == "running":
         raise RunStateError(f"run {run_path} is still running (process {record.pid}); wait for it or stop it first")
     config = resume_config(run_path, config, overrides)
-    tree = config.tree
-    overrides_ = [*tree.levels.values(), *tree.nodes.values()]
-    modes = [tree.root.mode, tree.server.mode, tree.edge.mode, *(o.mode for o in overrides_)]
-    if "async" in modes:
-        raise RunStateError(
-            f"run {run_path} has asynchronous nodes (mode: async), whose in-flight work is not checkpointed yet: "
-            "it cannot be resumed; start it again"
-        )
     # run_root: the folder holding the shared data cache (<run_root>/<name>/<stamp>)
     return _invoke(
         config,

@@ -30,9 +30,9 @@ from prefect import Task, flow
 from prefect.task_runners import ThreadPoolTaskRunner
 from prefect.utilities.annotations import quote
 
-from bhfl_core.algorithm.async_engine import ChildCall, execute_async_node
-from bhfl_core.algorithm.engine import VIRTUAL_TIME, NodeResult, execute_node
-from bhfl_core.algorithm.node_state import Caller, RoundKey
+from bhfl_core.algorithm.async_engine import execute_async_node
+from bhfl_core.algorithm.engine import PROXY_STEPS, VIRTUAL_TIME, PendingResult, execute_node
+from bhfl_core.algorithm.node_state import Caller, NodeResult, RoundKey
 from bhfl_core.algorithm.node_step import ChildrenReport
 from bhfl_core.algorithm.residuals import Candidate, needs
 from bhfl_core.algorithm.tempo import omega, tempo_epochs
@@ -46,7 +46,7 @@ from bhfl_core.store.run_layout import STATE_DIR
 from bhfl_core.store.tempo_schedule import epochs_for, read_schedule, record_round, schedule_path
 from data_prep.prepare import PreparedData, prepare_data
 from flows import progress
-from flows.creation_gate import run_gated, signal_running
+from flows.creation_gate import run_gated, run_in_thread, signal_running
 from flows.data import run_prepare
 from flows.evaluation import evaluate_step
 from flows.node_runtime import NodeRuntime, Orchestration, node_runtime, worker_utilisation
@@ -229,7 +229,7 @@ class FlowHooks:
 
     # ------------------------------------------------ asynchronous nodes (bhfl_core/algorithm/async_engine.py)
 
-    def start_child(self, node: Node, child: Node, theta: torch.Tensor, caller: Caller) -> ChildCall:
+    def start_child(self, node: Node, child: Node, theta: torch.Tensor, caller: Caller) -> PendingResult:
         """Begin one child execution from ``theta`` (a client: a one-client batch on a worker; a server: a thread)."""
         rt = self.rt
         cached = self._sent.get(node.id)
@@ -295,6 +295,14 @@ class FlowHooks:
         )
         return StateStore.read_message(out_path), metrics
 
+    def start_train(self, node: Node, theta: torch.Tensor, key: RoundKey) -> PendingResult:
+        """Proxy TRAIN alongside the node's children (``proxy_train: async``): the same task, in its own thread.
+
+        One at a time per node (the engines wait for it before starting the next), so its
+        message files are the node's usual ``proxy-in``/``proxy-out``.
+        """
+        return _TrainCall(run_in_thread(functools.partial(self.train, node, theta, key)))
+
     def score(self, node: Node, candidates: Sequence[torch.Tensor]) -> list[float]:
         """A tuned NODEOPT's candidates scored on the server's held-out proxy rows, on a worker."""
         ctx = self.rt.ctx
@@ -356,6 +364,17 @@ class _ClientCall:
             return None
         loss, _ = report.losses[self.client_id]
         return NodeResult(report.aggregate.mean(), {"train/loss": loss})
+
+
+class _TrainCall:
+    """A proxy TRAIN started alongside the node's children; its virtual duration is its steps (speed 1)."""
+
+    def __init__(self, future: Future[tuple[torch.Tensor, dict[str, float]]]) -> None:
+        self.future = future
+
+    def result(self) -> NodeResult:
+        theta, metrics = self.future.result()
+        return NodeResult(theta, metrics, virtual_s=metrics.get(PROXY_STEPS, 0.0))
 
 
 class _ServerCall:

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from bhfl_core.algorithm.aggregation import WeightedSum
-from bhfl_core.algorithm.engine import NodeResult, execute_node
-from bhfl_core.algorithm.node_state import Caller, RoundKey
+from bhfl_core.algorithm.engine import PendingResult, execute_node
+from bhfl_core.algorithm.node_state import Caller, NodeResult, RoundKey
 from bhfl_core.algorithm.node_step import ChildrenReport
 from bhfl_core.algorithm.residuals import Candidate, keep_top
 from bhfl_core.algorithm.tree import Node, TrainParams
@@ -66,6 +66,12 @@ class LocalTrainer:
     def run_children(self, node: Node, cohort: list[Node], theta: torch.Tensor, key: RoundKey) -> ChildrenReport:
         raise RuntimeError(f"node {node.id!r} has children; servers run in the orchestrator, not inside a worker")
 
+    def start_train(self, node: Node, theta: torch.Tensor, key: RoundKey) -> PendingResult:
+        raise RuntimeError(f"node {node.id!r}: asynchronous proxy TRAIN is a server's; clients train in order")
+
+    def call_duration(self, node: Node, child: Node, caller: Caller) -> float | None:
+        raise RuntimeError(f"node {node.id!r} has children; servers run in the orchestrator, not inside a worker")
+
     def _data(self, node: Node) -> tuple[Table, Table]:
         """The node's training rows (private split for clients, proxy train split for servers): (TRAIN, held out).
 
@@ -97,9 +103,13 @@ class LocalTrainer:
         trained, result = self._fit(node, theta, params, derive_seed(self.ctx.config.seed, "train", *key.parts()))
         self.trained += 1
         prefix = "train" if node.is_leaf else "proxy_train"
-        metrics = {f"{prefix}/loss": result.loss, f"{prefix}/steps": float(result.steps)}
-        if node.is_leaf:  # saved with the client's state: a re-run after a crash reports the same
-            metrics["train/examples"] = float(result.examples)
+        # examples: saved with a client's state (a re-run after a crash reports the same); a proxy TRAIN's
+        # weight when it is merged like a child result (``proxy_train: async``)
+        metrics = {
+            f"{prefix}/loss": result.loss,
+            f"{prefix}/steps": float(result.steps),
+            f"{prefix}/examples": float(result.examples),
+        }
         return trained, metrics
 
     def train_personal(

@@ -25,7 +25,21 @@ Choices where FedBuff is silent (docs/algorithm.md):
 - a result is buffered with the child's example weight ``p_i`` (``asynchrony.py``);
 - at the end of an execution (T_q flushes) the children still in flight are awaited
   and their results dropped (``async/dropped_results``): an execution hands its parent
-  a model, not pending work; the next execution starts with an empty buffer.
+  a model, not pending work; the next execution starts with an empty buffer;
+- a client call that drops out (``tree.clock.dropout_p``) is never started; it holds its
+  slot until it would have ended and buffers nothing, and is no failure (a streak of
+  failures stops the run; dropouts do not);
+- dispatch numbers count on across executions (``AsyncProgress.dispatched``), so no two
+  dispatches of a node ever give a child the same caller.
+
+Resume: each flush commits, with the node's state, the children in flight, the model
+versions they were sent, the clock and the dispatch counter (``AsyncProgress``). Every
+result used between flushes is saved first (``StateStore.save_result``), before its
+child can be dispatched again. A re-run after a crash restarts the in-flight children
+with their callers (a child's own resume rule finishes or repeats its execution) and
+replays the arrivals since the last flush from the saved results, so it reaches the
+same flushes bit for bit. The last flush commits only after the children still in
+flight have finished, so a persistent child's state never runs ahead of its parent's.
 """
 
 from __future__ import annotations
@@ -38,42 +52,27 @@ from typing import Protocol
 import torch
 
 from bhfl_core.algorithm.asynchrony import AsyncParams, BufferedResult, buffered_input
-from bhfl_core.algorithm.engine import VIRTUAL_TIME, EngineHooks, NodeResult, tuned_metrics
-from bhfl_core.algorithm.node_state import ROOT_CALLER, Caller, RoundKey
+from bhfl_core.algorithm.engine import (
+    PROXY_STEPS,
+    VIRTUAL_TIME,
+    EngineHooks,
+    PendingResult,
+    proxy_weight,
+    saved_result,
+    tuned_metrics,
+)
+from bhfl_core.algorithm.node_state import ROOT_CALLER, AsyncProgress, Caller, InFlight, NodeResult, RoundKey
 from bhfl_core.algorithm.node_step import ChildrenReport, down_posts, node_down, node_up
 from bhfl_core.algorithm.residuals import Candidate
 from bhfl_core.algorithm.tree import Node, Tree
+from bhfl_core.algorithm.virtual_clock import drops_out
 from bhfl_core.rng import generator
 from bhfl_core.store.node_store import StateStore
 
 
-@dataclass(frozen=True)
-class InFlight:
-    """A child execution the node has sent out and not yet used."""
-
-    child: str
-    dispatch: int  # the node's running dispatch number: the child's caller is Caller(node, dispatch)
-    version: int  # the node's model version the child was sent
-    start: float  # virtual time it was sent (seconds since the node's execution began)
-    finish: float | None  # virtual time its result arrives; None until a server child's duration is known
-
-
-class ChildCall(Protocol):
-    def result(self) -> NodeResult | None:
-        """Wait for the child's execution (it runs from the moment it was started).
-
-        None: the child failed and was dropped (``runtime.on_client_failure: drop``).
-        """
-        ...
-
-
 class AsyncHooks(EngineHooks, Protocol):
-    def start_child(self, node: Node, child: Node, theta: torch.Tensor, caller: Caller) -> ChildCall:
+    def start_child(self, node: Node, child: Node, theta: torch.Tensor, caller: Caller) -> PendingResult:
         """Begin executing ``child`` from ``theta`` without waiting for it."""
-        ...
-
-    def call_duration(self, node: Node, child: Node, caller: Caller) -> float | None:
-        """The child call's virtual duration when known before it runs (clients), else None (servers)."""
         ...
 
 
@@ -95,12 +94,12 @@ def next_arrival(in_flight: Sequence[InFlight]) -> InFlight:
 
 @dataclass
 class _Execution:
-    """The mutable bookkeeping of one asynchronous execution (not yet checkpointed: see module docstring)."""
+    """The mutable bookkeeping of one asynchronous execution; its part that outlives a flush is ``AsyncProgress``."""
 
     now: float = 0.0
     dispatched: int = 0
     in_flight: list[InFlight] = field(default_factory=list)
-    calls: dict[int, ChildCall] = field(default_factory=dict)
+    calls: dict[int, PendingResult] = field(default_factory=dict)
     buffer: list[BufferedResult] = field(default_factory=list)
     candidates: list[Candidate] = field(default_factory=list)
     models: dict[int, torch.Tensor] = field(default_factory=dict)  # versions in-flight children were sent
@@ -108,6 +107,7 @@ class _Execution:
     sent: int = 0  # models sent to children since the last flush
     dropped: int = 0  # failed children left out since the last flush
     drops_in_a_row: int = 0
+    proxy_metrics: dict[str, float] = field(default_factory=dict)  # of the last proxy TRAIN buffered
 
 
 def execute_async_node(
@@ -127,24 +127,35 @@ def execute_async_node(
     state = store.load(node.id)
     done = state.rounds_done_for(caller)
     if done >= settings.rounds:
-        return NodeResult(state.theta, state.metrics)
-    if done:
-        raise NotImplementedError("resuming an interrupted asynchronous execution: in-flight work is not saved yet")
+        return saved_result(state)
     scorer = functools.partial(hooks.score, node) if settings.tunes else None
-    state = node_down(state, phi, store.inbox(node.id, "down", state.res_seen), settings, caller, scorer)
     children = {c.id: c for c in tree.children(node.id)}
-    run = _Execution(models={state.rounds_done: state.theta})
-    dropped_total = 0
+    members = {**children, node.id: node}  # the node itself: its asynchronous proxy TRAIN (``proxy_train: async``)
+    progress = state.pending or AsyncProgress()
+    if done:  # interrupted after a flush: the children in flight then are sent again, with the same callers
+        run = _Execution(progress.now, progress.dispatched, list(progress.in_flight))
+        run.models = {**progress.versions, state.rounds_done: state.theta}
+        for flight in run.in_flight:
+            run.calls[flight.dispatch] = _start(node, members[flight.child], flight, run.models, hooks, store, seed)
+    else:
+        state = node_down(state, phi, store.inbox(node.id, "down", state.res_seen), settings, caller, scorer)
+        run = _Execution(dispatched=progress.dispatched, models={state.rounds_done: state.theta})
     while state.rounds_done - state.exec_start < settings.rounds:
         key = RoundKey(node.id, state.rounds_done, caller)
         store.post(node.id, key.round, down_posts(state.theta, settings))
         while len(run.buffer) < params.buffer:
-            _fill(run, node, list(children.values()), state.rounds_done, state.theta, hooks, seed, params)
-            arrival = _await_next(run, node, children, hooks)
-            result = run.calls.pop(arrival.dispatch).result()
+            _fill(run, node, list(children.values()), state.rounds_done, state.theta, hooks, store, seed, params)
+            arrival = _await_next(run)
+            call = run.calls.pop(arrival.dispatch)
             run.in_flight.remove(arrival)
             run.now = max(run.now, arrival.finish or 0.0)
-            child = children[arrival.child]
+            if call is _DROPPED_OUT:  # its slot frees up; a simulated dropout is no failure
+                run.dropped += 1
+                continue
+            result = call.result()
+            if not isinstance(call, _Saved):  # before the child can be dispatched again
+                store.save_result(node.id, arrival.dispatch, result)
+            member = members[arrival.child]
             if result is None:  # dropped: its slot frees up, nothing is buffered
                 run.dropped += 1
                 run.drops_in_a_row += 1
@@ -153,36 +164,85 @@ def execute_async_node(
                 continue
             run.drops_in_a_row = 0
             staleness = state.rounds_done - arrival.version
-            run.buffer.append(
-                BufferedResult(child.id, result.theta - run.models[arrival.version], child.weight, staleness)
-            )
-            if settings.res_up:
+            own = member.id == node.id  # the node's proxy TRAIN, merged like a child result
+            weight = proxy_weight(node, result) if own else member.weight
+            run.buffer.append(BufferedResult(member.id, result.theta - run.models[arrival.version], weight, staleness))
+            if own:
+                run.proxy_metrics = result.metrics
+            elif settings.res_up:
                 loss = result.metrics.get("train/loss", float("nan"))
-                run.candidates.append(Candidate(child.id, result.theta, child.weight, loss))
+                run.candidates.append(Candidate(member.id, result.theta, member.weight, loss))
             run.staleness.append(staleness)
             _forget_unused_versions(run, state.rounds_done)
         report = ChildrenReport(candidates=run.candidates)
         report.aggregate.add(buffered_input(state.theta, run.buffer, params.staleness), 1.0)
         state, posts = node_up(state, report, store.inbox(node.id, "up", state.res_seen), settings, scorer)
         store.post(node.id, key.round, posts)
-        metrics = _flush_metrics(run, posts)
+        metrics = _flush_metrics(run, node, posts)
         metrics.update(tuned_metrics(state))
-        if settings.train is not None:
+        if settings.train is not None and not settings.proxy_async:
             trained, train_metrics = hooks.train(node, state.theta, key)
             state = replace(state, model=trained)
             metrics.update(train_metrics)
-            run.now += train_metrics.get("proxy_train/steps", 0.0)  # speed 1, as in engine.round_virtual_s
+            run.now += train_metrics.get(PROXY_STEPS, 0.0)  # speed 1, as in engine.round_virtual_s
             metrics[VIRTUAL_TIME] = run.now
-        run.buffer, run.candidates, run.staleness, run.sent, run.dropped = [], [], [], 0, 0
-        state = replace(state, rounds_done=key.round + 1, metrics=metrics)
-        run.models[state.rounds_done] = state.theta
+        run.buffer, run.candidates, run.staleness, run.sent, run.dropped, run.proxy_metrics = [], [], [], 0, 0, {}
+        if key.round + 1 - state.exec_start >= settings.rounds:  # an execution returns a model, not pending work
+            metrics["async/dropped_results"] = float(_await_in_flight(run))
+        run.models[key.round + 1] = state.theta
+        state = replace(state, rounds_done=key.round + 1, metrics=metrics, pending=_progress(run))
         store.commit(node.id, state)
+        store.drop_results(node.id)
         hooks.round_done(node, key, state.theta, metrics)
-    for flight in run.in_flight:  # an execution returns a model, not pending work
+    return saved_result(state)
+
+
+class _Saved:
+    """A child result saved before a crash, handed back instead of running the child again."""
+
+    def __init__(self, result: NodeResult | None) -> None:
+        self._result = result
+
+    def result(self) -> NodeResult | None:
+        return self._result
+
+
+_DROPPED_OUT: PendingResult = _Saved(None)
+"""A client call that drops out (``tree.clock.dropout_p``): never started, its slot held until it would end."""
+
+
+def _start(
+    node: Node,
+    member: Node,
+    flight: InFlight,
+    models: Mapping[int, torch.Tensor],
+    hooks: AsyncHooks,
+    store: StateStore,
+    seed: int,
+) -> PendingResult:
+    """Start ``flight`` (a child's execution, or the node's own proxy TRAIN), or hand back its saved result."""
+    if drops_out(member.settings.dropout, seed, member.id, flight.dispatch):
+        return _DROPPED_OUT
+    if store.has_result(node.id, flight.dispatch):
+        return _Saved(store.load_result(node.id, flight.dispatch))
+    theta, caller = models[flight.version], Caller(node.id, flight.dispatch)
+    if member.id == node.id:
+        return hooks.start_train(node, theta, RoundKey(node.id, flight.version, caller))
+    return hooks.start_child(node, member, theta, caller)
+
+
+def _progress(run: _Execution) -> AsyncProgress:
+    """What of the execution a flush commits: the children in flight and the models they were sent."""
+    versions = {f.version: run.models[f.version] for f in run.in_flight}
+    return AsyncProgress(run.dispatched, run.now, tuple(run.in_flight), versions)
+
+
+def _await_in_flight(run: _Execution) -> int:
+    """Wait for the children still in flight and drop their results; how many there were."""
+    for flight in run.in_flight:
         run.calls.pop(flight.dispatch).result()
-        dropped_total += 1
-    metrics = {**state.metrics, "async/dropped_results": float(dropped_total)}
-    return NodeResult(state.theta, metrics, virtual_s=run.now)
+    dropped, run.in_flight = len(run.in_flight), []
+    return dropped
 
 
 def _fill(
@@ -192,26 +252,42 @@ def _fill(
     version: int,
     theta: torch.Tensor,
     hooks: AsyncHooks,
+    store: StateStore,
     seed: int,
     params: AsyncParams,
 ) -> None:
-    """Send the newest model to idle children until ``concurrency`` are in flight (or none is idle)."""
-    while len(run.in_flight) < params.concurrency:
+    """Send the newest model out: to the node's own proxy TRAIN if it is idle (``proxy_train: async``),
+    then to idle children until ``concurrency`` are in flight (or none is idle)."""
+    run.models.setdefault(version, theta)
+    if node.settings.proxy_async and all(f.child != node.id for f in run.in_flight):
+        _dispatch(run, node, node, version, None, hooks, store, seed)
+    while sum(f.child != node.id for f in run.in_flight) < params.concurrency:
         busy = {f.child for f in run.in_flight}
         child = pick_idle(children, busy, seed, node.id, run.dispatched)
         if child is None:
             return
-        caller = Caller(node.id, run.dispatched)
-        run.calls[run.dispatched] = hooks.start_child(node, child, theta, caller)
-        duration = hooks.call_duration(node, child, caller)
-        finish = None if duration is None else run.now + duration
-        run.in_flight.append(InFlight(child.id, run.dispatched, version, run.now, finish))
-        run.models.setdefault(version, theta)
-        run.dispatched += 1
+        duration = hooks.call_duration(node, child, Caller(node.id, run.dispatched))
+        _dispatch(run, node, child, version, None if duration is None else run.now + duration, hooks, store, seed)
         run.sent += 1
 
 
-def _await_next(run: _Execution, node: Node, children: Mapping[str, Node], hooks: AsyncHooks) -> InFlight:
+def _dispatch(
+    run: _Execution,
+    node: Node,
+    member: Node,
+    version: int,
+    finish: float | None,
+    hooks: AsyncHooks,
+    store: StateStore,
+    seed: int,
+) -> None:
+    flight = InFlight(member.id, run.dispatched, version, run.now, finish)
+    run.calls[flight.dispatch] = _start(node, member, flight, run.models, hooks, store, seed)
+    run.in_flight.append(flight)
+    run.dispatched += 1
+
+
+def _await_next(run: _Execution) -> InFlight:
     """The next arrival, after learning the durations of server children (their results carry them)."""
     for i, flight in enumerate(run.in_flight):
         if flight.finish is None:
@@ -227,7 +303,7 @@ def _forget_unused_versions(run: _Execution, current: int) -> None:
         del run.models[version]
 
 
-def _flush_metrics(run: _Execution, posts: Sequence[object]) -> dict[str, float]:
+def _flush_metrics(run: _Execution, node: Node, posts: Sequence[object]) -> dict[str, float]:
     staleness = run.staleness
     return {
         "async/buffered": float(len(run.buffer)),
@@ -237,6 +313,7 @@ def _flush_metrics(run: _Execution, posts: Sequence[object]) -> dict[str, float]
         VIRTUAL_TIME: run.now,
         "comm/down_models": float(run.sent),
         "train/dropped_clients": float(run.dropped),
-        "comm/up_models": float(len(run.buffer)),
+        "comm/up_models": float(sum(b.child != node.id for b in run.buffer)),
         "comm/res_up_models": float(sum(getattr(p, "models", 0) for p in posts)),
+        **run.proxy_metrics,
     }

@@ -64,6 +64,46 @@ class RoundKey:
 
 
 @dataclass(frozen=True)
+class NodeResult:
+    """What an execution returns to its parent: theta_T, its last round's metrics, its virtual duration.
+
+    ``virtual_s``: seconds the execution took on the virtual clock (``virtual_clock.py``).
+    """
+
+    theta: torch.Tensor
+    metrics: dict[str, float] = field(default_factory=dict)
+    virtual_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class InFlight:
+    """A child execution an asynchronous node has sent out and not yet used."""
+
+    child: str
+    dispatch: int  # the node's running dispatch number: the child's caller is Caller(node, dispatch)
+    version: int  # the node's model version the child was sent
+    start: float  # virtual time it was sent (seconds since the node's execution began)
+    finish: float | None  # virtual time its result arrives; None until a server child's duration is known
+
+
+@dataclass(frozen=True)
+class AsyncProgress:
+    """An asynchronous node's work in flight at its last commit (``async_engine.py``).
+
+    Committed with every flush, so an interrupted execution continues from its last
+    flush with the same children in flight. ``dispatched`` counts on across executions:
+    every dispatch gives its child a caller no earlier dispatch used. ``versions`` are
+    the models in-flight children were sent (the node's older versions they need to
+    compute their updates ``y - theta_v``).
+    """
+
+    dispatched: int = 0
+    now: float = 0.0  # virtual seconds since the execution began
+    in_flight: tuple[InFlight, ...] = ()
+    versions: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class NodeState:
     """A node's persistent model ``W_q``, its optimiser states and its place in the run.
 
@@ -87,6 +127,7 @@ class NodeState:
     metrics: dict[str, float] = field(default_factory=dict)  # the last round's metrics
     res_seen: dict[str, int] = field(default_factory=dict)
     personal: torch.Tensor | None = None  # Ditto: the client's personal model v_k (never sent anywhere)
+    pending: AsyncProgress | None = None  # asynchronous nodes: children in flight and the dispatch counter
 
     @property
     def theta(self) -> torch.Tensor:

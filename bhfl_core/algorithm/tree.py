@@ -47,12 +47,14 @@ class NodeSettings:
     opt_down: NodeOptParams = field(default_factory=NodeOptParams)
     persistent: bool = True
     train: TrainParams | None = None  # None = no local/proxy training at this node
+    proxy_async: bool = False  # servers: proxy TRAIN alongside the children, merged like a child result
     res_up: tuple[UpLink, ...] = ()  # residuals this node sends to ancestors
     res_down: tuple[DownLink, ...] = ()  # residuals this node sends to descendants
     res_in: tuple[tuple[str, NodeOptParams], ...] = ()  # residual kinds it receives -> their optimiser
     holdout: float = 0.0  # share of the node's training data kept out of TRAIN to tune NODEOPT interp's alpha
     personal: TrainParams | None = None  # Ditto (clients): a personal model trained towards theta with mu = lambda
     asynchronous: AsyncParams | None = None  # FedBuff at this server (async_engine.py); None = synchronous rounds
+    dropout: float = 0.0  # clients: chance that a call drops out (tree.clock.dropout_p; virtual_clock.drops_out)
 
     @property
     def tunes(self) -> bool:

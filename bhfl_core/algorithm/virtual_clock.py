@@ -5,6 +5,8 @@ has a *speed* (optimizer steps per virtual second) drawn once from (seed, client
 group), a call's virtual duration is its steps over that speed (times a straggler
 factor, drawn from (seed, client, dispatch)) plus the communication time of the two
 models it moves, and results are consumed in the order of their virtual finish times.
+A call may also drop out (``dropout_p``, drawn from (seed, client, dispatch)): the client
+is not trained and its parent learns of the loss when the call would have finished.
 Real workers still train many clients at once; only the order in which a node *uses*
 their results follows the clock.
 
@@ -15,14 +17,11 @@ hardware), ``per: client`` one each.
 
 from __future__ import annotations
 
-import heapq
 import math
-from dataclasses import dataclass, field
-from typing import Generic, Literal, TypeVar
+from dataclasses import dataclass
+from typing import Literal
 
 from bhfl_core.rng import generator
-
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -32,6 +31,7 @@ class ClockParams:
     comm_s: float = 0.0  # virtual seconds per model sent (a call sends two: down and up)
     straggler_p: float = 0.0  # chance that one call runs ``straggler_factor`` times slower
     straggler_factor: float = 10.0
+    dropout_p: float = 0.0  # chance that a client call drops out: its result never arrives
 
 
 def client_speed(seed: int, client_id: str, group: str | None, params: ClockParams) -> float:
@@ -50,29 +50,6 @@ def call_duration(steps: int, speed: float, params: ClockParams, seed: int, clie
     return compute + 2 * params.comm_s
 
 
-@dataclass(order=True)
-class _Entry(Generic[T]):
-    finish: float
-    seq: int
-    item: T = field(compare=False)
-
-
-class ArrivalQueue(Generic[T]):
-    """Work in flight, popped in virtual finish order; ties go to the lower dispatch number.
-
-    Dispatch numbers are the caller's (a node's running count of dispatches), so a queue
-    rebuilt from a checkpoint pops in the same order as the one that was lost.
-    """
-
-    def __init__(self) -> None:
-        self._heap: list[_Entry[T]] = []
-
-    def push(self, finish: float, dispatch: int, item: T) -> None:
-        heapq.heappush(self._heap, _Entry(finish, dispatch, item))
-
-    def pop(self) -> tuple[float, T]:
-        entry = heapq.heappop(self._heap)
-        return entry.finish, entry.item
-
-    def __len__(self) -> int:
-        return len(self._heap)
+def drops_out(p: float, seed: int, client_id: str, dispatch: int) -> bool:
+    """Whether one client call drops out (its result never arrives): probability ``p``, seeded by the call."""
+    return p > 0 and bool(generator(seed, "dropout", client_id, dispatch).random() < p)

@@ -110,7 +110,9 @@ class LevelSettings(Strict):
     opt_down: OptSettings = OptSettings()
     persistent: bool = True
     train: TrainSettings = TrainSettings()
-    proxy_train: bool = False  # servers: TRAIN on the proxy split after aggregating
+    # servers: TRAIN on the proxy split after aggregating (true), or alongside the children
+    # from the model they were sent, merged like one more child result ("async")
+    proxy_train: bool | Literal["async"] = False
     holdout: Annotated[float, Field(ge=0, le=0.5)] = 0.0  # share of training rows kept out of TRAIN (interp tunes)
     personal: TrainSettings | None = None  # clients: Ditto's personal model (its mu is Ditto's lambda)
     mode: Literal["sync", "async"] = "sync"  # servers: async = FedBuff (rounds count buffer flushes)
@@ -130,7 +132,7 @@ class NodeOverride(Strict):
     opt_down: OptSettings | None = None
     persistent: bool | None = None
     train: TrainSettings | None = None
-    proxy_train: bool | None = None
+    proxy_train: bool | Literal["async"] | None = None
     holdout: Annotated[float, Field(ge=0, le=0.5)] | None = None
     personal: TrainSettings | None = None
     mode: Literal["sync", "async"] | None = None
@@ -219,7 +221,9 @@ class ClockSettings(Strict):
     Client speeds (optimizer steps per virtual second) are log-normal with median 1 and
     spread ``sigma``, one per client or per ``group`` (language / cluster); a call
     lasts its steps over the speed (``straggler_factor`` times longer with probability
-    ``straggler_p``) plus ``comm_s`` per model moved (two per call).
+    ``straggler_p``) plus ``comm_s`` per model moved (two per call). With probability
+    ``dropout_p`` a call drops out: the client does not train, and its parent (sync or
+    async) learns of it when the call would have finished.
     """
 
     sigma: Annotated[float, Field(ge=0)] = 0.0
@@ -227,6 +231,7 @@ class ClockSettings(Strict):
     comm_s: Annotated[float, Field(ge=0)] = 0.0
     straggler_p: Annotated[float, Field(ge=0, le=1)] = 0.0
     straggler_factor: Annotated[float, Field(ge=1)] = 10.0
+    dropout_p: Annotated[float, Field(ge=0, lt=1)] = 0.0  # chance a client call drops out (its result never arrives)
 
 
 class TreeConfig(Strict):

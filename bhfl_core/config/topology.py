@@ -148,6 +148,9 @@ def _resolve(config: ExperimentConfig, node_id: str, role: Role, depth: int, num
                 f"data.proxy.train_per_language is {config.data.proxy.train_per_language})"
             )
         train = _train_params(values["train"])
+    proxy_async = values["proxy_train"] == "async"
+    if proxy_async and role is Role.CLIENT:
+        raise ConfigError(f"{origin['proxy_train']}: 'async' proxy training is for servers; {node_id!r} is a client")
     asynchronous = None
     if values["mode"] == "async":
         if role is Role.CLIENT:
@@ -178,9 +181,11 @@ def _resolve(config: ExperimentConfig, node_id: str, role: Role, depth: int, num
         opt_down=opt("down"),
         persistent=values["persistent"],
         train=train,
+        proxy_async=proxy_async,
         holdout=values["holdout"],
         personal=_train_params(personal) if personal is not None else None,
         asynchronous=asynchronous,
+        dropout=config.tree.clock.dropout_p if role is Role.CLIENT else 0.0,
     )
 
 

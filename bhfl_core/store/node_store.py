@@ -25,12 +25,13 @@ from safetensors.torch import save_file
 
 from bhfl_core.algorithm.aggregation import WeightedSum
 from bhfl_core.algorithm.node_opt import OptState
-from bhfl_core.algorithm.node_state import NodeState
+from bhfl_core.algorithm.node_state import AsyncProgress, InFlight, NodeResult, NodeState
 from bhfl_core.algorithm.node_step import Inbox, PendingResidual, ResidualPost
 from bhfl_core.store.atomic import atomic_path
 
 _MODEL = "model"
 _PERSONAL = "personal"
+_VERSION = "async.v"  # + the version: a model an asynchronous node's in-flight child was sent
 _INFO = "bhfl"
 
 WriteHook = Callable[[Path], None]
@@ -52,6 +53,8 @@ def state_tensors(state: NodeState) -> dict[str, torch.Tensor]:
     tensors.update({f"down.{k}": v for k, v in state.opt_down.items()})
     for kind, opt in state.opt_res.items():
         tensors.update({f"res.{kind}.{k}": v for k, v in opt.items()})
+    if state.pending is not None:
+        tensors.update({f"{_VERSION}{v}": model for v, model in state.pending.versions.items()})
     return tensors
 
 
@@ -63,7 +66,23 @@ def state_info(state: NodeState) -> dict[str, Any]:
         "exec_start": state.exec_start,
         "metrics": state.metrics,
         "res_seen": state.res_seen,
+        **({"async": _progress_info(state.pending)} if state.pending is not None else {}),
     }
+
+
+def _progress_info(progress: AsyncProgress) -> dict[str, Any]:
+    flights = [[f.child, f.dispatch, f.version, f.start, f.finish] for f in progress.in_flight]
+    return {"dispatched": progress.dispatched, "now": progress.now, "in_flight": flights}
+
+
+def _progress_from(info: dict[str, Any] | None, tensors: dict[str, torch.Tensor]) -> AsyncProgress | None:
+    if info is None:
+        return None
+    flights = tuple(
+        InFlight(c, int(d), int(v), float(s), None if f is None else float(f)) for c, d, v, s, f in info["in_flight"]
+    )
+    versions = {int(k[len(_VERSION) :]): t for k, t in tensors.items() if k.startswith(_VERSION)}
+    return AsyncProgress(int(info["dispatched"]), float(info["now"]), flights, versions)
 
 
 def state_from_file(tensors: dict[str, torch.Tensor], info: dict[str, Any]) -> NodeState:
@@ -84,6 +103,7 @@ def state_from_file(tensors: dict[str, torch.Tensor], info: dict[str, Any]) -> N
         metrics=dict(info.get("metrics", {})),
         res_seen=dict(info.get("res_seen", {})),
         personal=tensors.get(_PERSONAL),
+        pending=_progress_from(info.get("async"), tensors),
     )
 
 
@@ -246,6 +266,39 @@ class StateStore:
             sender, round_text = f.name.removesuffix(".safetensors").rsplit(".", 1)
             if int(round_text) <= seen.get(f"{f.parent.name}/{sender}", -1):
                 f.unlink(missing_ok=True)
+
+    # Child results an asynchronous node has used since its last flush, one file per dispatch
+    # (``results/<node>/<dispatch>.safetensors``). A replay after a crash reads them back
+    # instead of re-running the child, whose own state may have moved on since (it is
+    # re-dispatched only after its result is saved here). Deleted by the next commit.
+
+    def result_path(self, node_id: str, dispatch: int) -> Path:
+        return self.root / "results" / node_id / f"{dispatch:08d}.safetensors"
+
+    def save_result(self, node_id: str, dispatch: int, result: NodeResult | None) -> None:
+        """Keep a child's result (None: the child failed and was dropped) until the node's next commit."""
+        info: dict[str, Any]
+        if result is None:
+            tensors, info = {}, {"dropped": True}
+        else:
+            tensors, info = {_MODEL: result.theta}, {"metrics": result.metrics, "virtual_s": result.virtual_s}
+        atomic_save(tensors, self.result_path(node_id, dispatch), info, self.before_replace)
+
+    def has_result(self, node_id: str, dispatch: int) -> bool:
+        return self.result_path(node_id, dispatch).exists()
+
+    def load_result(self, node_id: str, dispatch: int) -> NodeResult | None:
+        """A result saved by ``save_result`` (None: a dropped child)."""
+        tensors, info = load_tensors(self.result_path(node_id, dispatch))
+        if info.get("dropped"):
+            return None
+        return NodeResult(tensors[_MODEL], dict(info["metrics"]), float(info["virtual_s"]))
+
+    def drop_results(self, node_id: str) -> None:
+        """Delete a node's saved child results (after a commit that no longer needs them)."""
+        folder = self.root / "results" / node_id
+        for f in folder.glob("*.safetensors") if folder.is_dir() else ():
+            f.unlink(missing_ok=True)
 
     def message_path(self, name: str) -> Path:
         return self.root / "messages" / f"{name}.safetensors"

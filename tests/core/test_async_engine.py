@@ -10,11 +10,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from bhfl_core.algorithm.async_engine import InFlight, execute_async_node, next_arrival, pick_idle
+from bhfl_core.algorithm.async_engine import execute_async_node, next_arrival, pick_idle
 from bhfl_core.algorithm.asynchrony import AsyncParams, StalenessParams
-from bhfl_core.algorithm.engine import NodeResult
-from bhfl_core.algorithm.node_state import NodeState
-from bhfl_core.algorithm.tree import Node, Role, Tree
+from bhfl_core.algorithm.node_state import InFlight, NodeResult, NodeState
+from bhfl_core.algorithm.tree import Node, Role, TrainParams, Tree
 from bhfl_core.store.node_store import StateStore
 from tests.core.fake_tree import STEPS, settings
 
@@ -205,3 +204,120 @@ def test_every_child_failing_in_a_row_is_an_error(tmp_path):
 
     with pytest.raises(RuntimeError, match="in a row were dropped"):
         run(tmp_path, AllFail())
+
+
+PROXY = {"proxy_train/examples": 2.0, "proxy_train/steps": 2.5, "proxy_train/loss": 0.5}
+
+
+class WithProxy(FakeChildren):
+    """The node's proxy TRAIN adds [0, -1] on 2 rows and takes 2.5 virtual seconds."""
+
+    def __init__(self):
+        super().__init__()
+        self.proxy_starts: list[tuple[int, torch.Tensor]] = []
+
+    def start_train(self, node, theta, key):
+        self.proxy_starts.append((key.round, theta.clone()))
+        return Done(NodeResult(theta + torch.tensor([0.0, -1.0]), dict(PROXY), virtual_s=2.5))
+
+
+def test_asynchronous_proxy_training_is_buffered_like_a_child_result(tmp_path):
+    # t=0: the proxy TRAIN starts from theta0 (v0, arrives @2.5), then all three clients (a1 @1, b1 @2, a2 @3).
+    # t=1: a1 (p 1, s 0, Delta [1, 0]); a1 sent theta0 again (@2).
+    # t=2: b1 (p 2, s 0, Delta [2, 2]) -> flush 1: theta1 = [5/3, 4/3] (the proxy has not arrived yet).
+    #   b1 sent theta1 (@4); a1 arrives (s 1, Delta [1, 0]); a1 sent theta1 (@3).
+    # t=2.5: the proxy (p 2 = its rows, s 1, Delta [0, -1]) -> flush 2:
+    #   theta2 = theta1 + (w [1, 0] + 2 w [0, -1]) / 3, w = 1/sqrt2; no TRAIN after either flush.
+    tree = star(2, POLY)
+    root = tree.nodes["root"]
+    proxy_root = replace(root, settings=replace(root.settings, train=TrainParams(), proxy_async=True))
+    tree = Tree(nodes={**tree.nodes, "root": proxy_root}, root_id="root")
+    store = StateStore(tmp_path)
+    store.save("root", NodeState(model=torch.zeros(2)))
+    hooks = WithProxy()
+    result = execute_async_node(tree, proxy_root, None, store, hooks, seed=0)
+    w = 1 / math.sqrt(2)
+    want = torch.tensor([5 / 3 + w / 3, 4 / 3 - 2 * w / 3], dtype=torch.float64)
+    assert torch.allclose(result.theta.double(), want, atol=1e-6)
+    assert [(v, t.tolist()) for v, t in hooks.proxy_starts] == [(0, [0.0, 0.0])]  # one proxy TRAIN, from theta0
+    first, second = hooks.rounds
+    assert (first["async/buffered"], second["async/buffered"]) == (2.0, 2.0)
+    assert (first["comm/up_models"], second["comm/up_models"]) == (2.0, 1.0)  # the proxy sends nothing up
+    assert second["proxy_train/loss"] == 0.5 and "proxy_train/loss" not in first
+    assert second["time/virtual_s"] == 2.5 and result.metrics["async/dropped_results"] == 3.0
+
+
+def test_synchronous_round_merges_an_asynchronous_proxy_training_like_a_child(tmp_path):
+    from bhfl_core.algorithm.engine import VIRTUAL_TIME, execute_node
+    from tests.core.fake_tree import AddVectorHooks, two_edge_tree
+
+    started: list[torch.Tensor] = []
+
+    class Hooks(AddVectorHooks):
+        def start_train(self, node, theta, key):
+            started.append(theta.clone())
+            return Done(NodeResult(theta + torch.tensor([0.0, -1.0]), dict(PROXY), virtual_s=2.5))
+
+        def train(self, node, theta, key):
+            assert node.is_leaf, "no TRAIN after aggregating at a node whose proxy TRAIN runs alongside"
+            return super().train(node, theta, key)
+
+    tree = two_edge_tree(settings(train=True))
+    root = tree.nodes["root"]
+    root = replace(root, settings=replace(root.settings, proxy_async=True))
+    tree = Tree(nodes={**tree.nodes, "root": root}, root_id="root")
+    store = StateStore(tmp_path)
+    store.save("root", NodeState(model=torch.zeros(2)))
+    hooks = Hooks(tree, store)
+    result = execute_node(tree, root, None, store, hooks, seed=0)
+    # edges: A = [0.25, 1.5] (weight 4), B = [3, 1] (4); the proxy from theta0 = 0: [0, -1] on 2 rows
+    # theta1 = (4 [0.25, 1.5] + 4 [3, 1] + 2 [0, -1]) / 10 = [1.3, 0.8]
+    assert torch.allclose(result.theta, torch.tensor([1.3, 0.8]))
+    assert [t.tolist() for t in started] == [[0.0, 0.0]]
+    metrics = hooks.metrics[("root", 0)]
+    assert metrics["proxy_train/loss"] == 0.5 and metrics[VIRTUAL_TIME] == 2.5  # alongside, not after, the children
+
+
+def test_clients_that_drop_out_are_not_trained_and_hold_their_slot_until_the_call_would_end(tmp_path):
+    from bhfl_core.algorithm.virtual_clock import drops_out
+
+    tree = star(3, AsyncParams(concurrency=2, buffer=1))
+    nodes = {
+        c: replace(n, settings=replace(n.settings, dropout=0.8)) if n.is_leaf else n for c, n in tree.nodes.items()
+    }
+    tree = Tree(nodes=nodes, root_id="root")
+    store = StateStore(tmp_path)
+    store.save("root", NodeState(model=torch.zeros(2)))
+    hooks = FakeChildren()
+    result = execute_async_node(tree, tree.root, None, store, hooks, seed=0)  # no "in a row" error at 80% dropout
+    started = {d for _, d, _ in hooks.started}
+    assert all(not drops_out(0.8, 0, c, d) for c, d, _ in hooks.started)  # only calls that did not drop out ran
+    gaps = set(range(max(started) + 1)) - started
+    dropped = sum(r["train/dropped_clients"] for r in hooks.rounds)
+    assert len(gaps) >= 3 and dropped <= len(gaps)  # dispatches that dropped out; some still in flight at the end
+    assert sum(r["async/buffered"] for r in hooks.rounds) == 3  # three flushes of one trained result each
+    assert result.virtual_s > min(DURATIONS.values())
+
+
+def test_a_synchronous_round_leaves_out_clients_that_drop_out_and_waits_for_them_on_the_clock(tmp_path):
+    from bhfl_core.algorithm.engine import VIRTUAL_TIME, execute_node
+    from bhfl_core.algorithm.virtual_clock import drops_out
+    from tests.core.fake_tree import AddVectorHooks, two_edge_tree
+
+    class Hooks(AddVectorHooks):
+        def call_duration(self, node, child, caller):
+            return 7.0
+
+    # seed 0, p 0.1: in round 0 exactly a2 drops out (its draw is 0.023; the others' 0.38 and more)
+    assert [drops_out(0.1, 0, c, 0) for c in ("a1", "a2", "b1", "b2")] == [False, True, False, False]
+    tree = two_edge_tree(replace(settings(train=True), dropout=0.1), root_train=False)
+    store = StateStore(tmp_path)
+    store.save("root", NodeState(model=torch.zeros(2)))
+    hooks = Hooks(tree, store)
+    result = execute_node(tree, tree.root, None, store, hooks, seed=0)
+    assert ("a2", 0) not in hooks.rounds and ("a1", 0) in hooks.rounds  # a2 never trained
+    # A = a1's update alone ([1, 0]); B = (2 [2, 2] + 2 [4, 0]) / 4 = [3, 1]; root = (4 A + 4 B) / 8
+    assert torch.allclose(result.theta, torch.tensor([2.0, 0.5]))
+    edge_a = hooks.metrics[("A", 0)]
+    assert edge_a["train/dropped_clients"] == 1.0 and edge_a["comm/up_models"] == 1.0
+    assert edge_a[VIRTUAL_TIME] == 7.0 and hooks.metrics[("B", 0)][VIRTUAL_TIME] == 0.0  # A waited for a2's call

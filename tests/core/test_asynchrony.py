@@ -7,7 +7,7 @@ import torch
 
 from bhfl_core.algorithm.asynchrony import BufferedResult, StalenessParams, buffered_input, staleness_weight
 from bhfl_core.algorithm.node_opt import NodeOptParams, node_opt_step
-from bhfl_core.algorithm.virtual_clock import ArrivalQueue, ClockParams, call_duration, client_speed
+from bhfl_core.algorithm.virtual_clock import ClockParams, call_duration, client_speed, drops_out
 
 
 @pytest.mark.parametrize(
@@ -87,9 +87,9 @@ def test_call_duration_counts_compute_stragglers_and_two_transfers():
     assert 0.25 < sum(d > 1 for d in draws) / 1000 < 0.35
 
 
-def test_arrival_queue_pops_in_virtual_time_then_dispatch_order():
-    queue: ArrivalQueue[str] = ArrivalQueue()
-    for finish, dispatch, name in [(3.0, 0, "slow"), (1.0, 2, "fast-late"), (1.0, 1, "fast-early"), (2.0, 3, "mid")]:
-        queue.push(finish, dispatch, name)
-    assert len(queue) == 4
-    assert [queue.pop()[1] for _ in range(4)] == ["fast-early", "fast-late", "mid", "slow"]
+def test_dropout_draws_are_seeded_by_the_call_and_follow_the_probability():
+    draws = [drops_out(0.3, 0, "en-00", d) for d in range(2000)]
+    assert draws == [drops_out(0.3, 0, "en-00", d) for d in range(2000)]
+    assert 0.27 < sum(draws) / 2000 < 0.33
+    assert draws != [drops_out(0.3, 0, "en-01", d) for d in range(2000)]  # each client its own draws
+    assert not any(drops_out(0.0, 0, "en-00", d) for d in range(100))

@@ -72,6 +72,10 @@ def test_embedded_default_is_valid_and_matches_the_issue_shape():
         (["runtime.placement=fastest"], "runtime.placement"),
         (["runtime.workers_per_device=0"], "runtime.workers_per_device"),
         (["data.source={kind: prepared, languages: [en]}"], "data.source.path: Field required"),
+        (["tree.client.proxy_train=async"], "tree.client.proxy_train: 'async' proxy training is for servers"),
+        (["tree.root.proxy_train=later"], "tree.root.proxy_train"),
+        (["tree.client.mode=async"], "tree.client.mode: a client has no children"),
+        (["tree.edge.mode=later"], "tree.edge.mode"),
     ],
 )
 def test_errors_name_the_key(overrides, message):
@@ -129,3 +133,13 @@ def test_language_group_proxy_holders():
     clients = [ClientInfo(f"{lang}-{i}", lang, 10) for lang in cfg.data.source.languages for i in range(6)]
     tree = build_tree(cfg, clients)
     assert tree["europe-west"].settings.train is not None and tree["edge-en"].settings.train is None
+
+
+def test_proxy_training_alongside_the_children_is_a_server_setting():
+    cfg = load_config(REPO / "configs" / "embedded.yaml", ["tree.root.proxy_train=async"])
+    clients = [ClientInfo(f"{lang}-{i}", lang, 10) for lang in cfg.data.source.languages for i in range(6)]
+    tree = build_tree(cfg, clients)
+    assert tree.root.settings.proxy_async and tree.root.settings.train is not None
+    assert not any(n.settings.proxy_async for n in tree if n.id != "root")
+    default = build_tree(load_config(REPO / "configs" / "embedded.yaml"), clients)
+    assert not default.root.settings.proxy_async and default.root.settings.train is not None

@@ -5,8 +5,7 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from flows.experiment import PLAIN_CALLS, resume_experiment, run_experiment
-from flows.records.run_state import RunStateError
+from flows.experiment import PLAIN_CALLS, run_experiment
 from tests.small import small_config
 
 pytestmark = pytest.mark.integration
@@ -18,7 +17,8 @@ FLAT = (
     "tree.root.rounds=3",
     "tree.root.concurrency=4",
     "tree.root.buffer=2",
-    "tree.clock={sigma: 0.8, comm_s: 0.1}",
+    "tree.root.proxy_train=async",  # the root's proxy TRAIN runs alongside the clients, buffered like one
+    "tree.clock={sigma: 0.8, comm_s: 0.1, dropout_p: 0.2}",
     "eval.every=0",
     "model.tiny.dropout=0.1",
 )
@@ -51,9 +51,10 @@ def test_flat_fedbuff_is_identical_across_executors_and_logs_staleness_and_virtu
     staleness = _metric(here, "root", "async/staleness_max")
     assert staleness[0] == 0.0  # nothing can be stale before the first flush
     assert max(staleness) >= 1.0  # with 4 in flight and flushes of 2, later results are stale
-
-    with pytest.raises(RunStateError, match="asynchronous nodes"):
-        resume_experiment(Path(here["run_path"]), orchestration=PLAIN_CALLS)
+    proxy_rows = _metric(here, "root", "proxy_train/examples")
+    assert proxy_rows and set(proxy_rows) == {30.0 * 3}  # buffered with its rows as weight (3 languages x 30)
+    assert sum(_metric(here, "root", "comm/up_models")) <= 6 - len(proxy_rows)  # it took a client's place
+    assert sum(_metric(here, "root", "train/dropped_clients")) > 0  # clients dropped out on the clock
 
 
 def test_async_edges_under_a_synchronous_root(tmp_path):

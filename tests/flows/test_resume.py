@@ -118,3 +118,48 @@ def test_killed_and_resumed_run_is_bit_identical_to_uninterrupted(reference):
         assert sorted(steps) == [1, 2, 3], (key, steps)  # every root round once, none twice
     edge_steps = [m.step for m in client.get_metric_history(record.node_runs["edge-de"], "train/loss")]
     assert sorted(edge_steps) == list(range(1, 7))  # 3 root rounds x 2 edge rounds, each once
+
+
+# Asynchronous edges (FedBuff, 2 in flight, a flush per result) in the same B-HFL example,
+# with the root's proxy TRAIN alongside its subtrees:
+# kills while clients are in flight, while a saved child result or a flush is written, and
+# after a flush. The clients are persistent, so a client that ran ahead of its edge's
+# checkpoint, or was trained twice, would change the final models.
+ASYNC_EXTRA = [
+    *EXTRA,
+    "tree.edge.mode=async",
+    "tree.edge.concurrency=2",
+    "tree.edge.buffer=1",
+    "tree.root.proxy_train=async",
+    "tree.clock={sigma: 0.8, comm_s: 0.1}",
+    "eval.every=0",
+]
+ASYNC_CHAIN = ["client@5", "checkpoint@9", "round@4"]
+
+
+@pytest.mark.timeout(900)
+def test_killed_asynchronous_run_resumes_bit_identically(tmp_path):
+    clean = run_experiment(small_config(*ASYNC_EXTRA, config="bhfl.yaml"), tmp_path / "clean")
+    clean_path = Path(clean["run_path"])
+    run_dir = tmp_path / "killed"
+    sets = [arg for s in [*SMALL, *ASYNC_EXTRA] for arg in ("--set", s)]
+    run_path = None
+    for i, fault in enumerate(ASYNC_CHAIN):
+        if run_path is None:
+            out = _cli("run", "configs/bhfl.yaml", *sets, faults=fault, run_dir=run_dir)
+            run_path = next((run_dir / "itest").iterdir())
+        else:
+            out = _cli("resume", str(run_path), faults=fault, run_dir=run_dir)
+        assert out.returncode == KILLED, f"step {i}: {fault}: rc {out.returncode}\n{out.stderr[-3000:]}"
+        assert _leftovers(run_path) == [], f"step {i}: processes of the run outlived it"
+    finished = _cli("resume", str(run_path), faults=None, run_dir=run_dir)
+    assert finished.returncode == 0, finished.stderr[-3000:]
+
+    want, got = _node_files(clean_path), _node_files(run_path)
+    assert len(want) > 8 and got.keys() == want.keys()
+    assert [name for name in want if got[name] != want[name]] == []
+    assert not list((run_path / "state" / "results").rglob("*.safetensors"))  # saved child results cleared
+    record = RunRecord.read(run_path)
+    client = MlflowClient(record.tracking_uri)
+    flushes = [m.step for m in client.get_metric_history(record.node_runs["edge-de"], "async/buffered")]
+    assert sorted(flushes) == list(range(1, 7))  # 3 root rounds x 2 flushes, each logged once
