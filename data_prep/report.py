@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from data_prep.figures import save_png
 from data_prep.manifest import Manifest
 
 SUMMARY, MARKDOWN, SIZES_PNG, SKEW_PNG = "summary.json", "partition.md", "client_sizes.png", "label_skew.png"
@@ -143,8 +144,7 @@ def plot_sizes(manifest: Manifest, path: Path) -> None:
     ax.set_xlabel("language")
     ax.set_ylabel("client size (train + test)")
     ax.set_title("Client sizes per language")
-    fig.tight_layout()
-    fig.savefig(path)
+    save_png(fig, path, tight=False, tight_layout=True)
 
 
 def plot_label_skew(manifest: Manifest, path: Path) -> None:
@@ -162,8 +162,7 @@ def plot_label_skew(manifest: Manifest, path: Path) -> None:
         ax.set_ylabel(f"{len(clients)} clients")
     fig.colorbar(image, ax=ax, label="share of the client's examples")
     ax.set_title("Label skew: clients x labels")
-    fig.tight_layout()
-    fig.savefig(path)
+    save_png(fig, path, tight=False, tight_layout=True)
 
 
 def write_report(manifest: Manifest, folder: Path) -> list[Path]:

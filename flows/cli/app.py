@@ -153,10 +153,47 @@ def prepare(
 
 
 @app.command()
+def sweep(
+    config: Annotated[
+        Path,
+        typer.Argument(help="Sweep YAML (top-level grid:, seeds: or configs:; docs/sweeps.md), or an experiment YAML."),
+    ] = DEFAULT_CONFIG,
+    grid: Annotated[
+        list[str],
+        typer.Option("--grid", help="Sweep a key over values, e.g. --grid tree.edge.eta_down=1.0,0.5 (repeatable)."),
+    ] = [],
+    seeds: Annotated[str | None, typer.Option("--seeds", help="Run every point once per seed: 0,1,2 or 0-2.")] = None,
+    set_: Annotated[
+        list[str], typer.Option("--set", help="Override a config key of every point by dotted path (repeatable).")
+    ] = [],
+    name: Annotated[str | None, typer.Option("--name", help="The sweep's name (default: the file's).")] = None,
+    parallel: Annotated[
+        int | None,
+        typer.Option("--parallel", help="Experiments at once (default: one per shared worker, else 1)."),
+    ] = None,
+    resume_folder: Annotated[
+        str | None,
+        typer.Option(
+            "--resume", help="Finish this sweep folder instead: finished experiments (same config hash) are kept."
+        ),
+    ] = None,
+    run_dir: RunDirOption = DEFAULT_RUN_DIR,
+    tracking_uri: TrackingOption = None,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show Prefect's run logs.")] = False,
+) -> None:
+    """Run a sweep: every point of a grid x seeds (x named variants) as an experiment, several at once."""
+    from flows.cli.sweep import run_sweep_command
+
+    run_sweep_command(config, set_, grid, seeds, name, parallel, resume_folder, run_dir, tracking_uri, verbose)
+
+
+@app.command()
 def resume(
     run_spec: Annotated[
         str,
-        typer.Argument(metavar="RUN", help="Run folder, <name>/<stamp>, `latest`, MLflow run id, or pipeline folder."),
+        typer.Argument(
+            metavar="RUN", help="Run folder, <name>/<stamp>, `latest`, MLflow run id, pipeline or sweep folder."
+        ),
     ],
     set_: Annotated[
         list[str], typer.Option("--set", help="Change runtime.* or eval.batch_size only (they do not change results).")
@@ -179,6 +216,13 @@ def _resume(run_spec: str, overrides: list[str], run_dir: Path, verbose: bool) -
         from flows.cli.pipeline import resume_pipeline_command
 
         resume_pipeline_command(pipeline, overrides, run_dir, verbose)
+        return
+    from flows.records.sweep_record import find_sweep
+
+    if (sweep_folder := find_sweep(run_spec, run_dir)) is not None:
+        from flows.cli.sweep import resume_sweep_command
+
+        resume_sweep_command(sweep_folder, overrides, run_dir, verbose)
         return
 
     try:
@@ -261,14 +305,20 @@ def runs(
 
 @app.command()
 def serve(
-    config: Annotated[Path, typer.Argument(help="Experiment YAML.")] = DEFAULT_CONFIG,
+    config: Annotated[Path, typer.Argument(help="Experiment YAML, or a sweep YAML (docs/sweeps.md).")] = DEFAULT_CONFIG,
     cron: Annotated[str, typer.Option(help='Cron schedule, e.g. "0 2 * * *" (every day at 02:00).')] = "0 2 * * *",
     name: Annotated[str | None, typer.Option(help="Deployment name [default: the config's name].")] = None,
     set_: Annotated[list[str], typer.Option("--set", help="Override a config key by dotted path (repeatable).")] = [],
     run_dir: RunDirOption = DEFAULT_RUN_DIR,
     tracking_uri: TrackingOption = None,
 ) -> None:
-    """Serve the experiment as a scheduled Prefect deployment (also runnable from the Prefect UI)."""
+    """Serve the experiment (or a sweep file's experiments) as a scheduled Prefect deployment (also runnable
+    from the Prefect UI)."""
+    from flows.cli.sweep import is_sweep_file, serve_sweep_command
+
+    if is_sweep_file(config):
+        serve_sweep_command(config, cron, name, set_, run_dir, tracking_uri)
+        return
     cfg = load_config(config, set_)
     try:
         from prefect.client.schemas.schedules import CronSchedule
@@ -372,8 +422,27 @@ def compare(
         float | None,
         typer.Option("--target", help="Also show the virtual time at which the root first reached this on the union."),
     ] = None,
+    by_config: Annotated[
+        bool,
+        typer.Option(
+            "--by-config",
+            help="One row per config over its seeds: mean ± std and 95% interval per number, n seeds. "
+            "An experiment name then stands for all its finished runs.",
+        ),
+    ] = False,
+    baseline: Annotated[
+        str | None,
+        typer.Option(
+            "--baseline",
+            help="Also paired differences (same seeds) of every config against this one: its label, name or a "
+            "run id (implies --by-config; CSV beside --csv, *_paired.csv).",
+        ),
+    ] = None,
 ) -> None:
-    """Compare runs side by side (markdown on stdout, CSV on disk): per-client, root and communication numbers."""
+    """Compare runs side by side (markdown on stdout, CSV on disk): per-client, root and communication numbers.
+
+    ``--by-config``/``--baseline``: aggregate seeds (flows/cli/compare.py ``compare_by_config``).
+    """
     from flows.records.run_record import default_tracking_uri
 
     uri = tracking_uri or default_tracking_uri(run_dir)
@@ -385,11 +454,31 @@ def compare(
     from flows.cli.compare import CompareError, to_csv, to_markdown
     from flows.cli.compare import compare as compare_runs
 
+    out = csv_path or run_dir / "compare.csv"
+    if by_config or baseline is not None:
+        from flows.cli.compare import by_config_csv, by_config_markdown, compare_by_config, paired_csv
+
+        try:
+            result = compare_by_config(MlflowClient(uri), runs, target, baseline)
+        except CompareError as exc:
+            fail(str(exc))
+        write_text_atomic(out, by_config_csv(result, target))
+        written = [out]
+        if result.baseline is not None:
+            written.append(out.with_name(f"{out.stem}_paired{out.suffix or '.csv'}"))
+            write_text_atomic(written[-1], paired_csv(result, target))
+        print(by_config_markdown(result, target))
+        left_out = f"; older runs of the same config and seed left out: {' '.join(result.superseded)}"
+        console.print(
+            f"\n{len(result.rows)} run(s) in {len(result.groups)} config(s)"
+            f"{left_out if result.superseded else ''}; CSV written to {', '.join(map(str, written))}",
+            highlight=False,
+        )
+        return
     try:
         rows = compare_runs(MlflowClient(uri), runs, target)
     except CompareError as exc:
         fail(str(exc))
-    out = csv_path or run_dir / "compare.csv"
     write_text_atomic(out, to_csv(rows, target))
     print(to_markdown(rows, target))
     console.print(f"\n{len(rows)} run(s) compared; CSV written to {out}", highlight=False)

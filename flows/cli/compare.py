@@ -1,6 +1,10 @@
 """``bhfl compare``: several experiment runs side by side, read from the MLflow store.
 
 A reference is a parent run id, or an experiment name (its latest finished run).
+``--by-config`` aggregates seeds instead (``compare_by_config``): an experiment name
+then stands for all its finished runs, grouped by config without the seed
+(bhfl_core/analysis/seeds.py), one row per config with mean ± std and the 95%
+interval, and ``--baseline`` adds paired differences against one config.
 A pipeline (flows/pipeline.py) is one row by its name or run id: its run holds its
 last stage's headlines, with communication and time summed over the stages; a stage's
 run id gives that stage alone.
@@ -13,7 +17,8 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 from mlflow import MlflowClient
 from mlflow.entities import Run
@@ -21,6 +26,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 
 from bhfl_core.algorithm.engine import VIRTUAL_TIME
+from bhfl_core.analysis import seeds
 from bhfl_core.analysis import time_to_accuracy as tta
 from bhfl_core.learning.metrics import task_metrics
 from bhfl_core.store.tables import table_csv
@@ -170,3 +176,243 @@ def to_csv(rows: Sequence[dict[str, object]], target: float | None = None) -> st
     """Full-precision CSV (NaN where a run lacks a number), one row per run."""
     cols = columns(target)
     return table_csv(cols, ([r.get(c) for c in cols] for r in rows))
+
+
+# ---------------------------------------------------------------- over seeds: --by-config, --baseline
+
+HEADLINE = tuple(c for c in COLUMNS if c not in ("experiment", "run_id", "metric", "root_rounds"))
+_NOT_SETTINGS = "bhfl.kind"  # tag of a pipeline's run (its params are its stages' configs)
+
+
+def headline(target: float | None) -> tuple[str, ...]:
+    """The numeric columns aggregated over seeds (``time_to_target`` with ``--target``)."""
+    return HEADLINE if target is None else (*HEADLINE[:-1], "time_to_target", HEADLINE[-1])
+
+
+@dataclass(frozen=True)
+class ByConfig:
+    """Runs grouped by config without the seed, their statistics, and paired differences against a baseline."""
+
+    rows: list[dict[str, object]]  # one per run kept (the latest run of each config and seed)
+    groups: list[seeds.GroupStats]
+    labels: dict[str, str]  # config id -> readable label
+    metric: dict[str, str]  # config id -> the task's primary metric
+    paired: list[seeds.PairedStats] = field(default_factory=list)
+    baseline: str | None = None  # config id
+    superseded: list[str] = field(default_factory=list)  # run ids of older runs of the same config and seed
+
+
+def _experiment_runs(client: MlflowClient, ref: str) -> list[Run]:
+    """Every finished experiment run a reference names: a run id alone, or all of an experiment's."""
+    if _RUN_ID.match(ref):
+        return [resolve(client, ref)]
+    experiment = client.get_experiment_by_name(ref)
+    if experiment is None:
+        raise CompareError(f"{ref!r} is neither a run id nor an experiment name in this MLflow store")
+    runs = [
+        run
+        for run in client.search_runs([experiment.experiment_id], "attributes.status = 'FINISHED'", max_results=50_000)
+        # experiment runs (they carry a config hash) and pipelines' runs; not node runs, not a pipeline's stages
+        if ("bhfl.config_hash" in run.data.tags or run.data.tags.get(_NOT_SETTINGS) == "pipeline")
+        and "bhfl.node" not in run.data.tags
+        and ("bhfl.pipeline_stage" not in run.data.tags or "bhfl.sweep" in run.data.tags)  # a sweep's points count
+    ]
+    if not runs:
+        raise CompareError(f"experiment {ref!r} has no finished run yet")
+    return runs
+
+
+def run_seed(run: Run) -> int:
+    """The seed a run was made with: its ``bhfl.seed`` tag, else its ``seed`` param (a pipeline: its stages')."""
+    tags, params = run.data.tags, run.data.params
+    found = {tags["bhfl.seed"]} if "bhfl.seed" in tags else {params["seed"]} if "seed" in params else set()
+    if not found:
+        found = {v for k, v in params.items() if k.startswith("stages.") and k.split(".", 2)[2:] == ["seed"]}
+    if len(found) != 1:
+        what = f"stage seeds {sorted(found)} differ" if found else "it has no bhfl.seed tag and no seed param"
+        raise CompareError(f"run {run.info.run_id}: cannot tell its seed ({what}), so it cannot be grouped by config")
+    value = found.pop()
+    try:
+        return int(value)
+    except ValueError:
+        raise CompareError(f"run {run.info.run_id}: seed {value!r} is not an integer") from None
+
+
+def compare_by_config(
+    client: MlflowClient, refs: Sequence[str], target: float | None = None, baseline: str | None = None
+) -> ByConfig:
+    """The runs ``refs`` name, one group per config without the seed: statistics over seeds, paired differences.
+
+    A config is identified by its logged params without seed, name and runtime
+    (``seeds.config_identity``), so runs made from one YAML with ``--set seed=N`` fall
+    into one group wherever they were made. Two runs of one config and seed (a re-run)
+    would count one draw twice: the latest is kept, the others listed in ``superseded``.
+    ``baseline``: a config's label, its name, or a run id of one of its runs.
+    """
+    found: dict[str, Run] = {}
+    for ref in refs:
+        for run in _experiment_runs(client, ref):
+            found[run.info.run_id] = run
+    kept: dict[tuple[str, int], Run] = {}
+    superseded = []
+    names: dict[str, set[str]] = {}  # config id -> the names its runs were made under (one, unless copies)
+    for run in sorted(found.values(), key=lambda r: r.info.start_time or 0, reverse=True):
+        config = seeds.config_identity(run.data.params)
+        key = (config, run_seed(run))
+        if key in kept:
+            superseded.append(run.info.run_id)
+            continue
+        kept[key] = run
+        names.setdefault(config, set()).add(run.data.params.get("name", run.info.run_name or ""))
+    params = {config: dict(run.data.params) for (config, _), run in kept.items()}
+    configs = {config: ("+".join(sorted(names[config])), params[config]) for config in names}
+    rows = []
+    metric: dict[str, str] = {}
+    for (config, seed), run in sorted(kept.items(), key=lambda item: item[1].info.start_time or 0):
+        r = row(client, run, target)
+        rows.append({**r, seeds.CONFIG: config, seeds.SEED: seed})
+        primary = str(r["metric"])
+        if metric.setdefault(config, primary) != primary:
+            raise CompareError(f"config {configs[config][0]!r}: its runs report {metric[config]} and {primary}")
+    labels = seeds.labels(configs)
+    metrics = headline(target)
+    try:
+        groups = seeds.aggregate(rows, metrics)
+        if baseline is None:
+            return ByConfig(rows, groups, labels, metric, superseded=superseded)
+        base = _baseline(client, baseline, labels, names)
+        mismatched = [labels[c] for c in metric if metric[c] != metric[base]]
+        if mismatched:
+            raise CompareError(
+                f"--baseline {baseline}: it reports {metric[base]}, configs {mismatched} do not; "
+                "paired differences need the same metric"
+            )
+        pairs = seeds.paired(rows, metrics, base)
+    except seeds.SeedStatsError as exc:
+        raise CompareError(_labelled(str(exc), labels)) from None
+    return ByConfig(rows, groups, labels, metric, pairs, base, superseded)
+
+
+def _labelled(message: str, labels: Mapping[str, str]) -> str:
+    """An error from the statistics with config ids replaced by their labels."""
+    for config, label in labels.items():
+        message = message.replace(f"'{config}'", repr(label)).replace(config, label)
+    return message
+
+
+def _baseline(client: MlflowClient, ref: str, labels: Mapping[str, str], names: Mapping[str, set[str]]) -> str:
+    """The config id ``--baseline`` names: a label, else a config name held by one config, else one of its runs."""
+    exact = [c for c, label in labels.items() if label == ref]
+    if exact:
+        return exact[0]
+    named = [c for c, held in names.items() if ref in held]
+    if len(named) == 1:
+        return named[0]
+    if len(named) > 1:
+        raise CompareError(
+            f"--baseline {ref}: {len(named)} configs are named {ref!r}; name one by its label: "
+            + ", ".join(repr(labels[c]) for c in named)
+        )
+    if _RUN_ID.match(ref):
+        try:
+            config = seeds.config_identity(client.get_run(ref).data.params)
+        except MlflowException:
+            config = ""
+        if config in labels:
+            return config
+    raise CompareError(
+        f"--baseline {ref}: no config in the table has this label, name or run; configs: "
+        + ", ".join(repr(label) for label in labels.values())
+    )
+
+
+def _stat_cell(s: seeds.Summary, column: str, runs: int, signed: bool = False) -> str:
+    """``mean ± std [lo, hi]``; one value alone (no interval from one run); ``(n=k)`` when runs lack the metric."""
+    if s.n == 0:
+        return "–"
+
+    def num(value: float, sign: bool = signed) -> str:
+        text = _cell(value, column)
+        return f"+{text}" if sign and value >= 0 and not math.isnan(value) else text
+
+    text = num(s.mean)
+    if s.has_interval:
+        text += f" ± {num(s.std, False)} [{num(s.lo)}, {num(s.hi)}]"
+    return text + (f" (n={s.n})" if s.n < runs else "")
+
+
+def _seed_list(values: Sequence[int]) -> str:
+    return ", ".join(str(s) for s in values) + f" ({len(values)})"
+
+
+def by_config_markdown(result: ByConfig, target: float | None = None) -> str:
+    """One row per config (mean ± std [95% interval] per headline metric), then the paired table if any."""
+    metrics = headline(target)
+    cols = ["config", "metric", "seeds (n)", *(HEADERS[c] for c in metrics)]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
+    for g in result.groups:
+        cells = [result.labels[g.config], result.metric[g.config], _seed_list(g.seeds)]
+        cells += [_stat_cell(g.metrics[c], c, len(g.seeds)) for c in metrics]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "mean ± sample std over seeds [95% t-interval of the mean: mean ± t(0.975, n−1)·std/√n]; "
+        "one seed: its value, no interval; (n=k): only k runs have the number.",
+    ]
+    if result.baseline is not None:
+        base = result.labels[result.baseline]
+        cols = ["config", f"vs {base}: seeds paired (n)", *(HEADERS[c] for c in metrics)]
+        lines += ["", "| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
+        for p in result.paired:
+            cells = [result.labels[p.config], _seed_list(p.seeds) if p.seeds else "no seed in common"]
+            cells += [_stat_cell(p.metrics[c], c, len(p.seeds), signed=True) for c in metrics]
+            lines.append("| " + " | ".join(cells) + " |")
+        lines += [
+            "",
+            f"config − {base} on the same seeds: mean difference ± std of the differences [95% t-interval]; "
+            f"{result.metric[result.baseline]}: an interval that excludes 0 is a difference these seeds support.",
+        ]
+    return "\n".join(lines)
+
+
+def _stat_fields(s: seeds.Summary) -> list[object]:
+    return [s.n, s.mean, s.std, s.lo, s.hi]
+
+
+def by_config_csv(result: ByConfig, target: float | None = None) -> str:
+    """One row per config, full precision: per headline metric its n, mean, std and 95% interval (NaN: none)."""
+    metrics = headline(target)
+    header = ["config", "config_id", "metric", "n_runs", "seeds", "run_ids"]
+    header += [f"{c}_{stat}" for c in metrics for stat in ("n", "mean", "std", "lo", "hi")]
+    lines = (
+        [
+            result.labels[g.config],
+            g.config,
+            result.metric[g.config],
+            len(g.seeds),
+            " ".join(map(str, g.seeds)),
+            " ".join(g.run_ids),
+            *(v for c in metrics for v in _stat_fields(g.metrics[c])),
+        ]
+        for g in result.groups
+    )
+    return table_csv(header, lines)
+
+
+def paired_csv(result: ByConfig, target: float | None = None) -> str:
+    """One row per config against the baseline: per headline metric the n, mean, std and interval of the differences."""
+    metrics = headline(target)
+    header = ["config", "config_id", "baseline", "baseline_id", "seeds"]
+    header += [f"{c}_diff_{stat}" for c in metrics for stat in ("n", "mean", "std", "lo", "hi")]
+    lines = (
+        [
+            result.labels[p.config],
+            p.config,
+            result.labels[p.baseline],
+            p.baseline,
+            " ".join(map(str, p.seeds)),
+            *(v for c in metrics for v in _stat_fields(p.metrics[c])),
+        ]
+        for p in result.paired
+    )
+    return table_csv(header, lines)

@@ -43,8 +43,9 @@ from bhfl_core.analysis.evaluation import (
     distribution_csv,
     matrix_csv,
 )
-from bhfl_core.store.atomic import atomic_path, write_text_atomic
+from bhfl_core.store.atomic import write_text_atomic
 from bhfl_core.store.tables import table_csv
+from data_prep.figures import save_png
 from flows.tracking import plots
 from flows.tracking.tracker import Tracker
 from tasks.context import RunContext
@@ -79,9 +80,8 @@ def _num(value: float | None) -> float:
 
 
 def save_figure(fig: Figure, path: Path, dpi: int = 110) -> None:
-    """Write a figure as PNG to a temporary name, then rename."""
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, dpi=dpi, bbox_inches="tight", format="png")
+    """Write a figure as PNG to a temporary name, then rename (drawn under ``data_prep.figures.DRAW_LOCK``)."""
+    save_png(fig, path, dpi)
 
 
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:

@@ -1,0 +1,274 @@
+"""``bhfl sweep`` and ``bhfl resume SWEEP_FOLDER``: many experiments (a grid, seeds, variants) as one command.
+
+``bhfl sweep SPEC`` takes a sweep file (top-level ``grid:``, ``seeds:`` or ``configs:``;
+docs/sweeps.md) or an experiment config swept by ``--grid KEY=V1,V2`` and ``--seeds``.
+Every point's config is checked before anything starts (a one-paragraph error naming
+the point and the key, exit 2); the points then run as subflows of one ``bhfl-sweep``
+flow, several at once, and the command ends with a per-point summary. ``--resume
+FOLDER`` (or ``bhfl resume FOLDER``) finishes a sweep: finished experiments, matched by
+config hash, are not run again.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from flows.cli.pipeline import _start_forkserver
+from flows.cli.shell import console, fail, prefect_api, preflight, prepare_environment, tracking_store_ready
+from flows.progress import RichReporter
+
+if TYPE_CHECKING:
+    from bhfl_core.config.sweep import Sweep
+
+
+class SweepReporter(RichReporter):
+    """The progress of a sweep: one bar of experiments done, and the sweep's own notes.
+
+    The experiments run side by side, so their round-by-round progress would interleave;
+    only the notes of flows/sweep.py (``sweep ...``, ``point <label>: ...``) are shown.
+    """
+
+    def __init__(self, out: Console, total: int) -> None:
+        super().__init__(out)
+        self.total = total
+
+    def emit(self, record: logging.LogRecord) -> None:
+        kind, data = getattr(record, "bhfl_event", ("note", {"text": record.getMessage()}))
+        text = str(data.get("text", "")) if kind == "note" else ""
+        if not text.startswith(("point ", "sweep ")):
+            return
+        if self.task is None:
+            self.progress.start()
+            self.task = self.progress.add_task("experiments", total=self.total, completed=0, detail="")
+        self.progress.console.print(text, highlight=False, soft_wrap=True)
+        if text.endswith((": finished", ": failed")) or "finished before" in text or ": failed (" in text:
+            self.progress.update(self.task, advance=1)
+
+
+def is_sweep_file(path: Path) -> bool:
+    """Whether ``path`` is a sweep file (unreadable files are left to the experiment loader's error)."""
+    from bhfl_core.config.base import ConfigError
+    from bhfl_core.config.pipeline import read_pipeline_yaml
+    from bhfl_core.config.sweep import is_sweep
+
+    try:
+        return is_sweep(read_pipeline_yaml(path))
+    except ConfigError:
+        return False
+
+
+def _guarded(work: Callable[[], dict[str, Any]], folder: Path | None, verbose: bool) -> dict[str, Any]:
+    """Run ``work``; a failed point, an interrupt or a known failure becomes one paragraph and an exit code."""
+    from bhfl_core.config.base import ConfigError
+    from flows.cli.errors import explain
+    from flows.sweep import SweepError
+
+    hint = (
+        f" Finished experiments are kept; continue with `bhfl resume {folder}` (they are not run again)."
+        if folder is not None
+        else ""
+    )
+    try:
+        return work()
+    except KeyboardInterrupt:
+        console.print(f"\n[bold yellow]interrupted.[/]{hint}", highlight=False, soft_wrap=True)
+        raise typer.Exit(code=130) from None
+    except SweepError as exc:
+        console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        raise typer.Exit(code=1) from None
+    except Exception as exc:
+        message = explain(exc, None)
+        if message is None or verbose:
+            raise
+        console.print(f"[bold red]error:[/] {message}{hint}", highlight=False, soft_wrap=True)
+        raise typer.Exit(code=2 if isinstance(exc, ConfigError) else 1) from None
+
+
+def _preflight(sweep: Sweep, run_dir: Path) -> None:
+    """Model and data reachable, once per distinct (data, model) of the points."""
+    from bhfl_core.config.schema import dump
+
+    seen: set[str] = set()
+    for point in sweep:
+        data = dump(point.config)
+        key = repr((data["data"], data["model"]))
+        if key not in seen:
+            seen.add(key)
+            preflight(point.config, run_dir)
+
+
+def run_sweep_command(
+    path: Path,
+    overrides: list[str],
+    grid: list[str],
+    seeds: str | None,
+    name: str | None,
+    parallel: int | None,
+    resume: str | None,
+    run_dir: Path,
+    tracking_uri: str | None,
+    verbose: bool,
+) -> None:
+    """Check every point, then run them all (or finish the sweep folder ``resume``); print the summary."""
+    prepare_environment(run_dir, verbose)
+    from bhfl_core.config.base import ConfigError
+    from bhfl_core.config.sweep import load_sweep, parse_seeds
+    from flows.records.run_state import RunStateError
+    from flows.records.sweep_record import find_sweep, resumable
+
+    if parallel is not None and parallel < 1:
+        fail(f"--parallel {parallel}: give at least 1 (or leave it out: one experiment per shared worker)")
+    try:
+        sweep = load_sweep(path, overrides, grid, parse_seeds(seeds) if seeds is not None else None, name)
+    except ConfigError as exc:
+        fail(str(exc))
+    folder = None
+    if resume is not None:
+        folder = find_sweep(resume, run_dir)
+        if folder is None:
+            fail(f"--resume {resume}: not a sweep folder (no sweep.json and sweep.yaml there or under {run_dir})")
+            return
+        try:
+            resumable(folder)
+        except RunStateError as exc:
+            fail(str(exc))
+    _start_forkserver([p.config for p in sweep])
+    from flows.records.run_record import new_run_path
+    from flows.sweep import run_sweep
+
+    target = folder or new_run_path(run_dir.resolve(), sweep.name)
+    with prefect_api(run_dir, full=False) as prefect_ready:
+        _preflight(sweep, run_dir)
+        console.print(
+            f"[bold]bhfl[/] sweep [cyan]{sweep.name}[/] from {path}: {len(sweep)} experiment(s) "
+            + (f"(resuming {folder})" if folder else f"in {target}"),
+            highlight=False,
+        )
+        uri = tracking_store_ready(run_dir, tracking_uri, prefect_ready)
+
+        def work() -> dict[str, Any]:
+            if folder is not None:
+                return run_sweep(sweep, run_dir, uri, parallel=parallel, resume_from=folder)
+            return run_sweep(sweep, run_dir, uri, folder=target, parallel=parallel)
+
+        try:
+            with SweepReporter(console, len(sweep)).attached():
+                result = _guarded(work, target, verbose)
+        except ConfigError as exc:
+            fail(str(exc))
+    print_summary(result, run_dir)
+
+
+def resume_sweep_command(folder: Path, overrides: list[str], run_dir: Path, verbose: bool) -> None:
+    """Finish a sweep: finished experiments are kept, interrupted ones resume, the rest run."""
+    from bhfl_core.config.base import ConfigError
+    from flows.records.run_state import RunStateError
+    from flows.records.sweep_record import read_sweep_config, resumable
+
+    try:
+        resumable(folder)  # before Prefect or any worker starts
+    except RunStateError as exc:
+        fail(str(exc))
+    sweep = read_sweep_config(folder)
+    _start_forkserver([p.config for p in sweep])
+    console.print(f"[bold]bhfl[/] resuming sweep {folder} ...", highlight=False)
+    from flows.sweep import resume_sweep
+
+    try:
+        with prefect_api(run_dir, full=False) as prefect_ready, SweepReporter(console, len(sweep)).attached():
+            prefect_ready()
+            result = _guarded(lambda: resume_sweep(folder, overrides=overrides), folder, verbose)
+    except ConfigError as exc:
+        fail(str(exc))
+    print_summary(result, run_dir)
+
+
+def _num(metrics: dict[str, float], key: str, digits: int = 3) -> str:
+    value = metrics.get(key, math.nan)
+    return "-" if math.isnan(value) else f"{value:.{digits}f}"
+
+
+def print_summary(result: dict[str, Any], run_dir: Path) -> None:
+    """One row per point: per-client accuracy (own model, edge server), root on the union, time."""
+    from mlflow import MlflowClient
+
+    from bhfl_core.learning.metrics import task_metrics
+
+    client = MlflowClient(result["tracking_uri"])
+    table = Table(title=f"Sweep {result['name']} (per-client: mean / worst 10%)", show_header=True)
+    for column in ("experiment", "status", "own model", "edge server", "root on union", "time (s)"):
+        table.add_column(column, justify="left" if column in ("experiment", "status") else "right")
+    for label, entry in result["points"].items():
+        m: dict[str, float] = client.get_run(entry["run_id"]).data.metrics if entry["run_id"] else {}
+        metric = task_metrics(result["tasks"].get(label, next(iter(result["tasks"].values())))).primary
+        pair = "{} / {}".format
+        table.add_row(
+            label,
+            entry["status"],
+            pair(_num(m, f"client_on_own_clients/{metric}_mean"), _num(m, f"client_on_own_clients/{metric}_worst10")),
+            pair(_num(m, f"edge_on_own_clients/{metric}_mean"), _num(m, f"edge_on_own_clients/{metric}_worst10")),
+            _num(m, f"root/union/{metric}"),
+            _num(m, "time/total_s", 0),
+        )
+    console.print(table)
+    uri = result["tracking_uri"]
+    ui_cmd = ".venv/bin/bhfl ui" + ("" if str(run_dir) == "runs" else f" --run-dir {run_dir}")
+    if os.environ.get("MLFLOW_TRACKING_URI") or not uri.startswith("sqlite:///"):
+        ui_cmd = f".venv/bin/bhfl ui --tracking-uri {uri}"
+    skipped = len(result["points"]) - len(result["ran"])
+    console.print(
+        f"\n[bold green]done[/] in {result['wall_time_s']:.0f} s: {len(result['ran'])} experiment(s) run, "
+        f"{result['parallel']} at a time; {skipped} finished before\n"
+        f"  sweep folder: {result['sweep_path']} (sweep.json: label -> run folder)\n"
+        f"  MLflow store: {uri}\n  MLflow sweep run id: {result['run_id']}\n"
+        f"  open the UI:  {ui_cmd}   then browse "
+        f"http://127.0.0.1:5000/#/experiments/{result['experiment_id']}/runs/{result['run_id']}",
+        highlight=False,
+    )
+
+
+def serve_sweep_command(
+    path: Path, cron: str, name: str | None, overrides: list[str], run_dir: Path, tracking_uri: str | None
+) -> None:
+    """``bhfl serve SWEEP.yaml``: the sweep as the scheduled deployment ``bhfl-sweep/<name>``."""
+    from bhfl_core.config.base import ConfigError
+    from bhfl_core.config.sweep import load_sweep
+
+    try:
+        sweep = load_sweep(path, overrides)
+    except ConfigError as exc:
+        fail(str(exc))
+    try:
+        from prefect.client.schemas.schedules import CronSchedule
+
+        CronSchedule(cron=cron)
+    except ValueError as exc:
+        fail(f"--cron {cron!r}: not a valid cron expression ({exc})")
+    prepare_environment(run_dir, verbose=False)
+    from flows.records.run_record import default_tracking_uri
+
+    uri = tracking_uri or default_tracking_uri(run_dir)
+    deployment = name or sweep.name
+    if "PREFECT_API_URL" not in os.environ:
+        console.print("no PREFECT_API_URL: starting a local Prefect server with its UI (schedules need one) ...")
+    with prefect_api(run_dir, full=True) as prefect_ready:
+        from flows.sweep import serve_sweep
+
+        prefect_ready()
+        ui_url = os.environ["PREFECT_API_URL"].removesuffix("/api")
+        console.print(
+            f"serving [cyan]bhfl-sweep/{deployment}[/] ({len(sweep)} experiments) on cron {cron!r}; Prefect UI "
+            f"{ui_url} (trigger a run there or `prefect deployment run bhfl-sweep/{deployment}`); Ctrl-C stops",
+            highlight=False,
+            soft_wrap=True,
+        )
+        serve_sweep(sweep, cron, deployment, run_dir.resolve(), uri)

@@ -1,0 +1,108 @@
+"""A sweep folder: ``sweep.yaml`` (its resolved point configs) and ``sweep.json`` (its record).
+
+``<run_root>/<sweep name>/<stamp>/`` holds only these two files; each point's run is an
+ordinary run folder ``<run_root>/<experiment name>/<stamp>`` that the record points at,
+so ``bhfl runs``, ``bhfl resume`` and the report work on one point as on any run. The
+record maps each point's label to its config hash, run folder, status and MLflow run,
+and is written atomically at every change (several points run at once, so writes are
+serialised by the sweep flow), so a sweep killed at any moment can be resumed from it;
+a point's own ``run.json`` stays the truth about that point.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field
+
+from bhfl_core.config.sweep import Sweep, sweep_from_dump
+from bhfl_core.store.atomic import write_text_atomic
+from flows.records.run_record import ProcessRecord, RunRecord, process_alive
+from flows.records.run_state import RunStateError
+
+SWEEP_RECORD = "sweep.json"
+SWEEP_CONFIG = "sweep.yaml"
+PointStatus = Literal["pending", "running", "finished", "failed"]
+
+
+class PointRecord(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    config_hash: str  # bhfl_core/config/sweep.py config_hash: how a resumed or re-run sweep finds this run
+    values: dict[str, Any] = Field(default_factory=dict)  # what the point sweeps: key -> value
+    run_path: str = ""  # the point's run folder, fixed when it first starts
+    status: PointStatus = "pending"
+    run_id: str = ""  # the point's MLflow parent run
+    error: str = ""
+
+    def run_finished(self) -> bool:
+        """Whether the point's run folder says its run finished (its ``run.json`` is the truth)."""
+        run = RunRecord.read(Path(self.run_path)) if self.run_path else None
+        return run is not None and run.status == "finished"
+
+
+class SweepRecord(ProcessRecord):
+    run_id: str = ""  # the sweep's MLflow run
+    parallel: int = 0  # experiments run at once in the latest attempt
+    points: dict[str, PointRecord] = Field(default_factory=dict)
+
+    @classmethod
+    def read(cls, folder: Path) -> SweepRecord | None:
+        path = folder / SWEEP_RECORD
+        return cls.model_validate_json(path.read_text()) if path.exists() else None
+
+    def write(self, folder: Path) -> None:
+        self.updated = time.time()
+        write_text_atomic(folder / SWEEP_RECORD, json.dumps(self.model_dump(), indent=2))
+
+    @property
+    def effective_status(self) -> str:
+        """``running`` only while its process lives; a dead ``running`` sweep was interrupted."""
+        if self.status == "running" and not process_alive(self.host, self.pid):
+            return "interrupted"
+        return self.status
+
+    def by_hash(self) -> dict[str, PointRecord]:
+        return {p.config_hash: p for p in self.points.values()}
+
+
+def resumable(folder: Path) -> SweepRecord:
+    """The record of a sweep that can be resumed now (RunStateError: not a sweep, still running)."""
+    record = SweepRecord.read(folder)
+    if record is None:
+        raise RunStateError(f"{folder} is not a sweep folder (no {SWEEP_RECORD})")
+    if record.effective_status == "running":
+        raise RunStateError(f"sweep {folder} is still running (process {record.pid}); wait for it or stop it first")
+    return record
+
+
+def is_sweep_folder(folder: Path) -> bool:
+    return (folder / SWEEP_RECORD).is_file() and (folder / SWEEP_CONFIG).is_file()
+
+
+def write_sweep_config(folder: Path, sweep: Sweep) -> None:
+    write_text_atomic(folder / SWEEP_CONFIG, yaml.safe_dump(sweep.dump(), sort_keys=False))
+
+
+def read_sweep_config(folder: Path) -> Sweep:
+    """The resolved sweep of a sweep folder (every point's full config, validated again)."""
+    path = folder / SWEEP_CONFIG
+    return sweep_from_dump(yaml.safe_load(path.read_text()), source=str(path))
+
+
+def find_sweep(spec: str, run_dir: Path) -> Path | None:
+    """The sweep folder ``spec`` names (a path, or ``<name>/<stamp>`` under ``run_dir``), else None."""
+    for candidate in (Path(spec), run_dir / spec):
+        if is_sweep_folder(candidate):
+            return candidate.resolve()
+    return None
+
+
+def find_sweeps(run_dir: Path) -> list[Path]:
+    """Sweep folders under ``run_dir`` (``<name>/<stamp>/``), oldest first."""
+    found = [p.parent for p in run_dir.glob(f"*/*/{SWEEP_RECORD}") if is_sweep_folder(p.parent)]
+    return sorted(found, key=lambda p: (SweepRecord.read(p) or SweepRecord(name="")).started)
