@@ -27,6 +27,7 @@ from flows.cli.shell import (
     prefect_api,
     preflight,
     prepare_environment,
+    serve_on_schedule,
     tracking_store_ready,
 )
 
@@ -320,32 +321,19 @@ def serve(
         serve_sweep_command(config, cron, name, set_, run_dir, tracking_uri)
         return
     cfg = load_config(config, set_)
-    try:
-        from prefect.client.schemas.schedules import CronSchedule
-
-        CronSchedule(cron=cron)
-    except ValueError as exc:
-        fail(f"--cron {cron!r}: not a valid cron expression ({exc})")
-    prepare_environment(run_dir, verbose=False)
     from bhfl_core.config.schema import dump
     from flows.records.run_record import default_tracking_uri
+    from flows.serve import serve_experiment
 
     uri = tracking_uri or default_tracking_uri(run_dir)
     deployment = name or cfg.name
-    if "PREFECT_API_URL" not in os.environ:
-        console.print("no PREFECT_API_URL: starting a local Prefect server with its UI (schedules need one) ...")
-    with prefect_api(run_dir, full=True) as prefect_ready:
-        from flows.serve import serve_experiment
-
-        prefect_ready()
-        ui_url = os.environ["PREFECT_API_URL"].removesuffix("/api")
-        console.print(
-            f"serving [cyan]bhfl-experiment/{deployment}[/] on cron {cron!r}; Prefect UI {ui_url} "
-            f"(trigger a run there or `prefect deployment run bhfl-experiment/{deployment}`); Ctrl-C stops",
-            highlight=False,
-            soft_wrap=True,
-        )
-        serve_experiment(dump(cfg), cron, deployment, run_dir.resolve(), uri)
+    serve_on_schedule(
+        run_dir,
+        cron,
+        f"bhfl-experiment/{deployment}",
+        "",
+        lambda: serve_experiment(dump(cfg), cron, deployment, run_dir.resolve(), uri),
+    )
 
 
 def _print_summary(result: dict, run_dir: Path) -> None:

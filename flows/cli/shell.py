@@ -144,6 +144,32 @@ def prefect_api(run_dir: Path, full: bool) -> Iterator[Callable[[], None]]:
         os.environ.pop("PREFECT_API_URL", None)
 
 
+def serve_on_schedule(run_dir: Path, cron: str, deployment: str, note: str, serve: Callable[[], None]) -> None:
+    """``bhfl serve``: check the cron, bring up a Prefect API (schedules need a real server), serve until Ctrl-C.
+
+    ``deployment`` is ``<flow>/<name>``; ``note`` says what it runs (shown beside it).
+    """
+    try:
+        from prefect.client.schemas.schedules import CronSchedule
+
+        CronSchedule(cron=cron)
+    except ValueError as exc:
+        fail(f"--cron {cron!r}: not a valid cron expression ({exc})")
+    prepare_environment(run_dir, verbose=False)
+    if "PREFECT_API_URL" not in os.environ:
+        console.print("no PREFECT_API_URL: starting a local Prefect server with its UI (schedules need one) ...")
+    with prefect_api(run_dir, full=True) as prefect_ready:
+        prefect_ready()
+        ui_url = os.environ["PREFECT_API_URL"].removesuffix("/api")
+        console.print(
+            f"serving [cyan]{deployment}[/]{note} on cron {cron!r}; Prefect UI {ui_url} "
+            f"(trigger a run there or `prefect deployment run {deployment}`); Ctrl-C stops",
+            highlight=False,
+            soft_wrap=True,
+        )
+        serve()
+
+
 def tracking_store_ready(run_dir: Path, tracking_uri: str | None, prefect_ready: Callable[[], None]) -> str:
     """Open the MLflow store (``tracking_uri`` or the run dir's) while Prefect finishes starting; its URI.
 

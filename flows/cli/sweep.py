@@ -23,7 +23,15 @@ from rich.console import Console
 from rich.table import Table
 
 from flows.cli.pipeline import _start_forkserver
-from flows.cli.shell import console, fail, prefect_api, preflight, prepare_environment, tracking_store_ready
+from flows.cli.shell import (
+    console,
+    fail,
+    prefect_api,
+    preflight,
+    prepare_environment,
+    serve_on_schedule,
+    tracking_store_ready,
+)
 from flows.progress import RichReporter
 
 if TYPE_CHECKING:
@@ -247,28 +255,15 @@ def serve_sweep_command(
         sweep = load_sweep(path, overrides)
     except ConfigError as exc:
         fail(str(exc))
-    try:
-        from prefect.client.schemas.schedules import CronSchedule
-
-        CronSchedule(cron=cron)
-    except ValueError as exc:
-        fail(f"--cron {cron!r}: not a valid cron expression ({exc})")
-    prepare_environment(run_dir, verbose=False)
     from flows.records.run_record import default_tracking_uri
+    from flows.sweep import serve_sweep
 
     uri = tracking_uri or default_tracking_uri(run_dir)
     deployment = name or sweep.name
-    if "PREFECT_API_URL" not in os.environ:
-        console.print("no PREFECT_API_URL: starting a local Prefect server with its UI (schedules need one) ...")
-    with prefect_api(run_dir, full=True) as prefect_ready:
-        from flows.sweep import serve_sweep
-
-        prefect_ready()
-        ui_url = os.environ["PREFECT_API_URL"].removesuffix("/api")
-        console.print(
-            f"serving [cyan]bhfl-sweep/{deployment}[/] ({len(sweep)} experiments) on cron {cron!r}; Prefect UI "
-            f"{ui_url} (trigger a run there or `prefect deployment run bhfl-sweep/{deployment}`); Ctrl-C stops",
-            highlight=False,
-            soft_wrap=True,
-        )
-        serve_sweep(sweep, cron, deployment, run_dir.resolve(), uri)
+    serve_on_schedule(
+        run_dir,
+        cron,
+        f"bhfl-sweep/{deployment}",
+        f" ({len(sweep)} experiments)",
+        lambda: serve_sweep(sweep, cron, deployment, run_dir.resolve(), uri),
+    )
