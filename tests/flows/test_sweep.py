@@ -84,9 +84,12 @@ def resumed(killed):
         for label, e in before.points.items()
         if e.run_path and (run := RunRecord.read(Path(e.run_path))) is not None and run.status == "finished"
     }
+    started = {  # a point can be killed between getting its folder and writing its run record: never started
+        label for label, e in before.points.items() if e.run_path and RunRecord.read(Path(e.run_path)) is not None
+    }
     sweep = replace(load_sweep(CONFIG, SETS, GRID, SEEDS, name="tsweep"), baseline="eta_down=1.0")
     result = run_sweep(sweep, run_dir, resume_from=folder)
-    return before, finished, result
+    return before, finished, result, started
 
 
 def test_killed_sweep_leaves_a_resumable_record(killed):
@@ -104,14 +107,14 @@ def test_killed_sweep_leaves_a_resumable_record(killed):
     assert any(run is not None and run.effective_status == "interrupted" for run in runs.values())
     # each point's config: the grid value and the seed it stands for
     for label, entry in record.points.items():
-        if entry.run_path:
+        if entry.run_path and runs[label] is not None:
             config = yaml.safe_load((Path(entry.run_path) / "config.yaml").read_text())
             assert config["tree"]["edge"]["eta_down"] == entry.values["tree.edge.eta_down"]
             assert config["seed"] == entry.values["seed"] and config["name"] == "itest", label
 
 
 def test_resume_skips_finished_experiments_and_runs_the_rest(resumed):
-    before, finished, result = resumed
+    before, finished, result, started = resumed
     assert result["resumes"] == 1 and result["run_id"] == before.run_id
     assert {e["status"] for e in result["points"].values()} == {"finished"}
     assert sorted(result["ran"]) == sorted(set(LABELS) - set(finished))
@@ -123,12 +126,14 @@ def test_resume_skips_finished_experiments_and_runs_the_rest(resumed):
         if label in finished:  # not run again: its record is byte for byte what it was
             assert (Path(entry["run_path"]) / "run.json").read_bytes() == finished[label]
             assert run.resumes == 0
-        elif before.points[label].run_path:  # interrupted: continued in its folder
+        elif label in started:  # interrupted: continued in its folder
             assert entry["run_path"] == before.points[label].run_path and run.resumes == 1
+        elif before.points[label].run_path:  # given its folder, killed before its run began: started there
+            assert entry["run_path"] == before.points[label].run_path and run.resumes == 0
 
 
 def test_mlflow_groups_one_run_per_experiment_under_the_sweep(resumed):
-    _, _, result = resumed
+    result = resumed[2]
     client = MlflowClient(result["tracking_uri"])
     sweep_run = client.get_run(result["run_id"])
     experiment = client.get_experiment(sweep_run.info.experiment_id)
@@ -149,7 +154,7 @@ def test_mlflow_groups_one_run_per_experiment_under_the_sweep(resumed):
 
 
 def test_the_sweep_report_aggregates_seeds_and_pairs_against_the_baseline(resumed):
-    _, _, result = resumed
+    result = resumed[2]
     report = Path(result["sweep_path"]) / "report"
     client = MlflowClient(result["tracking_uri"])
     own = {
@@ -176,7 +181,7 @@ def test_the_sweep_report_aggregates_seeds_and_pairs_against_the_baseline(resume
 
 
 def test_prefect_runs_the_experiments_as_subflows_of_the_sweep(resumed):
-    _, _, result = resumed
+    result = resumed[2]
     with get_client(sync_client=True) as client:
         (sweep_run,) = client.read_flow_runs(
             flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[f"resume {Path(result['sweep_path']).name}"]))
