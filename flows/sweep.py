@@ -105,6 +105,24 @@ def default_parallel(runtime: RuntimeConfig | None, cluster: str | None) -> int:
     return len(cluster_workers(cluster or runtime.cluster or "", runtime))
 
 
+def resolve_lazy_imports(sweep: Sweep) -> None:
+    """Resolve, in this thread, every transformers name the points' orchestration imports.
+
+    transformers resolves its top-level names lazily, and two threads resolving one name
+    at once can fail (``ImportError: cannot import name 'PreTrainedTokenizerFast'``: seen
+    when two experiments of a sweep prepared their data side by side). Once resolved, a
+    name is a plain module attribute.
+    """
+    import transformers
+
+    from bhfl_core.learning.task_kinds import get_task_kind
+
+    names = {"AutoConfig", "AutoTokenizer", "BertConfig", "PreTrainedTokenizerBase", "PreTrainedTokenizerFast"}
+    names |= {get_task_kind(p.config.data.task).auto_class for p in sweep}
+    for name in sorted(names):
+        getattr(transformers, name)
+
+
 def _fresh_path(run_root: Path, name: str, taken: set[str]) -> Path:
     """A new run folder for ``name`` that no point of this sweep took (stamps have millisecond resolution)."""
     while True:
@@ -234,6 +252,8 @@ class _Sweeper:
                 f"sweep {self.sweep.name}: {len(todo)} of {len(self.sweep)} experiment(s) to run, {width} at a time"
                 + (" on one shared set of workers" if runtime is not None else "")
             )
+            if width > 1:
+                resolve_lazy_imports(self.sweep)
             self._run_all(todo, width, cluster)
         failed = [label for label, e in record.points.items() if e.status == "failed"]
         finished = sum(e.status == "finished" for e in record.points.values())
