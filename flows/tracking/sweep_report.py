@@ -16,6 +16,7 @@ compare`` reads them), so the report and the command agree by construction.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from mlflow import MlflowClient
@@ -42,6 +43,9 @@ def write_sweep_report(folder: Path, sweep: Sweep, record: SweepRecord) -> Path 
     if sweep.baseline is not None:
         baseline = next((r for r, p in run_of.items() if config_label(p.label) == sweep.baseline), None)
     result = compare_by_config(client, list(run_of), baseline=baseline)
+    # the sweep's own names for its configs (variant and grid values), not labels guessed from the params
+    named = {str(row[seeds.CONFIG]): config_label(run_of[str(row[seeds.RUN])].label) for row in result.rows}
+    result = replace(result, labels={c: named.get(c) or label for c, label in result.labels.items()})
     out = folder / REPORT_DIR
     out.mkdir(parents=True, exist_ok=True)
     write_text_atomic(out / "seeds.csv", by_config_csv(result))

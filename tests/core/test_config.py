@@ -110,7 +110,8 @@ def test_override_and_file_errors(tmp_path):
 
 def test_residual_rules_resolve_to_links_and_receiver_optimisers():
     cfg = load_config(
-        REPO / "configs" / "bhfl.yaml", ["tree.residuals.up=[{from: edge, to: root, k: 2, select: cosine, eta: 0.5}]"]
+        REPO / "configs" / "bhfl-full.yaml",
+        ["tree.residuals.up=[{from: edge, to: root, k: 2, select: cosine, eta: 0.5}]"],
     )
     clients = [ClientInfo(f"{lang}-{i}", lang, 10) for lang in cfg.data.source.languages for i in range(6)]
     tree = build_tree(cfg, clients)

@@ -18,7 +18,7 @@ from bhfl_core.config.base import ConfigError
 from bhfl_core.config.loader import config_from_dict, read_yaml
 
 REPO = Path(__file__).resolve().parents[2]
-CONFIGS = ["embedded.yaml", "bhfl.yaml", "fedavg.yaml", "hierfavg.yaml"]
+CONFIGS = ["embedded.yaml", "bhfl.yaml", "bhfl-full.yaml", "fedavg.yaml", "hierfavg.yaml"]
 
 odd_values = st.one_of(
     st.none(),

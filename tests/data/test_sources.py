@@ -137,7 +137,7 @@ def test_shipped_xglue_configs_load_and_a_new_kind_replaces_the_inherited_source
 
     nc = load_config(REPO / "configs" / "xglue-nc-mbert.yaml")
     assert isinstance(nc.data.source, XglueSource) and nc.data.source.local_dir == "data/xglue"
-    assert nc.model.name == "bert-base-multilingual-cased" and nc.tree.root.opt_up.kind == "fedadam"  # bhfl.yaml system
+    assert nc.model.name == "bert-base-multilingual-cased" and nc.tree.root.opt_up.kind == "fedadam"  # bhfl-full
     assert len(nc.tree.residuals.up) == 1 and nc.data.proxy.source is None  # proxy carved from the pool, at the root
     local = load_config(REPO / "configs" / "xglue-nc-parquet.yaml")
     assert local.model.name == "tiny-bert" and local.data.source.local_dir == "runs/xglue-embedded"

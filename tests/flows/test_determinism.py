@@ -32,7 +32,7 @@ def _node_files(run_path: str) -> dict[str, bytes]:
 
 
 def test_bhfl_example_is_bit_identical_across_workers_executors_and_placements(tmp_path, monkeypatch, dask_cluster):
-    cfg = small_config(*BASE, config="bhfl.yaml")
+    cfg = small_config(*BASE, config="bhfl-full.yaml")
     # a transient failure in a worker: the batch task fails once and Prefect retries it
     # (runtime.retries = 1); clients it had finished are not trained again, and nothing changes
     counter = tmp_path / "fault-counts.txt"
@@ -49,12 +49,12 @@ def test_bhfl_example_is_bit_identical_across_workers_executors_and_placements(t
 
     others = {
         "inline, this process, 1 worker": run_experiment(
-            small_config(*BASE, "runtime.executor=inprocess", config="bhfl.yaml"),
+            small_config(*BASE, "runtime.executor=inprocess", config="bhfl-full.yaml"),
             tmp_path / "b",
             orchestration=PLAIN_CALLS,
         ),
         "inline, local cluster of 4 workers, round robin": run_experiment(
-            small_config(*BASE, "runtime.workers=4", "runtime.placement=round_robin", config="bhfl.yaml"),
+            small_config(*BASE, "runtime.workers=4", "runtime.placement=round_robin", config="bhfl-full.yaml"),
             tmp_path / "c",
             orchestration=PLAIN_CALLS,
         ),
@@ -64,7 +64,7 @@ def test_bhfl_example_is_bit_identical_across_workers_executors_and_placements(t
                 "runtime.executor=cluster",
                 f"runtime.cluster={dask_cluster}",
                 "runtime.placement=learned",
-                config="bhfl.yaml",
+                config="bhfl-full.yaml",
             ),
             tmp_path / "d",
         ),
@@ -83,7 +83,7 @@ def test_bhfl_example_is_bit_identical_across_workers_executors_and_placements(t
 
     # and a different seed changes the result
     other = run_experiment(
-        small_config(*BASE, "seed=1", "runtime.executor=inprocess", config="bhfl.yaml"),
+        small_config(*BASE, "seed=1", "runtime.executor=inprocess", config="bhfl-full.yaml"),
         tmp_path / "e",
         orchestration=PLAIN_CALLS,
     )

@@ -72,7 +72,7 @@ def _node_files(run_path: Path) -> dict[str, bytes]:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("resume")
-    result = run_experiment(small_config(*EXTRA, config="bhfl.yaml"), run_dir)
+    result = run_experiment(small_config(*EXTRA, config="bhfl-full.yaml"), run_dir)
     return run_dir, Path(result["run_path"])
 
 
@@ -83,7 +83,7 @@ def test_killed_and_resumed_run_is_bit_identical_to_uninterrupted(reference):
     run_path = None
     for i, (fault, code, text, what) in enumerate(CHAIN):
         if run_path is None:
-            out = _cli("run", "configs/bhfl.yaml", *sets, faults=fault, run_dir=run_dir)
+            out = _cli("run", "configs/bhfl-full.yaml", *sets, faults=fault, run_dir=run_dir)
             run_path = max((p for p in (run_dir / "itest").iterdir() if p != clean_path), key=lambda p: p.name)
         else:
             if i in LISTED_AFTER:
@@ -139,14 +139,14 @@ ASYNC_CHAIN = ["client@5", "checkpoint@9", "round@4"]
 
 @pytest.mark.timeout(900)
 def test_killed_asynchronous_run_resumes_bit_identically(tmp_path):
-    clean = run_experiment(small_config(*ASYNC_EXTRA, config="bhfl.yaml"), tmp_path / "clean")
+    clean = run_experiment(small_config(*ASYNC_EXTRA, config="bhfl-full.yaml"), tmp_path / "clean")
     clean_path = Path(clean["run_path"])
     run_dir = tmp_path / "killed"
     sets = [arg for s in [*SMALL, *ASYNC_EXTRA] for arg in ("--set", s)]
     run_path = None
     for i, fault in enumerate(ASYNC_CHAIN):
         if run_path is None:
-            out = _cli("run", "configs/bhfl.yaml", *sets, faults=fault, run_dir=run_dir)
+            out = _cli("run", "configs/bhfl-full.yaml", *sets, faults=fault, run_dir=run_dir)
             run_path = next((run_dir / "itest").iterdir())
         else:
             out = _cli("resume", str(run_path), faults=fault, run_dir=run_dir)
