@@ -121,10 +121,10 @@ def test_killed_and_resumed_run_is_bit_identical_to_uninterrupted(reference):
 
 
 # Asynchronous edges (FedBuff, 2 in flight, a flush per result) in the same B-HFL example,
-# with the root's proxy TRAIN alongside its subtrees:
-# kills while clients are in flight, while a saved child result or a flush is written, and
-# after a flush. The clients are persistent, so a client that ran ahead of its edge's
-# checkpoint, or was trained twice, would change the final models.
+# with the root's proxy TRAIN alongside its subtrees: kills while clients are in flight and
+# while a saved child result or a flush is written (every other point: tests/core/test_async_resume.py).
+# The clients are persistent, so a client that ran ahead of its edge's checkpoint, or was
+# trained twice, would change the final models.
 ASYNC_EXTRA = [
     *EXTRA,
     "tree.edge.mode=async",
@@ -134,7 +134,7 @@ ASYNC_EXTRA = [
     "tree.clock={sigma: 0.8, comm_s: 0.1}",
     "eval.every=0",
 ]
-ASYNC_CHAIN = ["client@5", "checkpoint@9", "round@4"]
+ASYNC_CHAIN = ["client@5", "checkpoint@9"]  # in flight; a saved child result or a flush being written
 
 
 @pytest.mark.timeout(900)
