@@ -45,9 +45,10 @@ from flows.creation_gate import creation_gate
 from flows.evaluation import evaluate_all, evaluate_step
 from flows.node_runtime import NodeRuntime, Orchestration, node_runtime, worker_utilisation
 from flows.records.environment import environment_text, git_commit, package_version, peak_rss_mb
-from flows.records.run_record import PipelineLink, RunRecord, default_tracking_uri, new_run_path
+from flows.records.run_record import LOGGED_FILES, PipelineLink, RunRecord, default_tracking_uri, new_run_path
 from flows.records.run_state import RunStateError, load_run, resume_config
 from flows.records.warm_source import resolve_init_from, warm_start
+from flows.tracking.timings import evaluation_cost
 from flows.tracking.tracker import Tracker
 from flows.training import PLAIN_CALLS, PREFECT_RUNS, thread_task_runner
 from tasks import faults
@@ -167,26 +168,8 @@ def _experiment(
             (path / DATA_POINTER).write_text(json.dumps({"data_root": str(data_root)}))
             mark_once(path, "data_ready")
             ctx = open_run(path, cfg)
-            tracker = Tracker(record.tracking_uri)
-            if record.parent_run_id:
-                tracker.reopen(record.experiment_id, record.parent_run_id, record.node_runs, record.resumes)
-            else:
-                nest = record.pipeline
-                tracker.start(
-                    cfg.name,
-                    dump(cfg),
-                    ctx.tree,
-                    _run_tags(cfg, path, ctx.manifest.fingerprint, nest),
-                    _describe(cfg, ctx),
-                    experiment=nest.experiment if nest else None,
-                    parent_run_id=nest.run_id if nest else None,
-                )
-                record.experiment_id, record.parent_run_id, record.node_runs = (
-                    tracker.experiment_id,
-                    tracker.parent_id,
-                    tracker.node_runs,
-                )
-                record.write(path)
+            tracker = _open_tracking(cfg, ctx, path, record)
+            if LOGGED_FILES not in record.logged:  # (again, after a kill while they were logged: idempotent)
                 # the parent run's files do not hold up the first round: logged beside it, awaited at the end
                 logging_files = stack.enter_context(ThreadPoolExecutor(1, thread_name_prefix="bhfl-artefacts"))
                 artefacts = logging_files.submit(_log_run_files, tracker, cfg, data_root)
@@ -235,9 +218,15 @@ def _experiment(
                 "time/final_eval_s": eval_s,
                 "time/total_s": time.time() - started,
             }
-            tracker.log_metrics(tracker.parent_id, {**timings, **peaks, **usage}, step=record.resumes)
+            # step 0 on every path; a resume after this point keeps the values logged here
+            timings.update(evaluation_cost(tracker, timings, rounds, train_started))
+            # run-level figures at step 0 on every path; where a killed attempt logged them, they stay
+            tracker.log_metrics(tracker.parent_id, {**timings, **peaks, **usage}, step=0)
+            if record.resumes:  # ... and the report shows those
+                timings = {**timings, **tracker.values_at(tracker.parent_id, timings, step=0)}
             if artefacts is not None:
                 artefacts.result()
+                _record_logged(path, LOGGED_FILES)
             from flows.tracking.report import write_report  # matplotlib and the report code: not needed at start-up
 
             headline = write_report(tracker, ctx, evaluation, timings)  # report.md, tables, figures
@@ -263,10 +252,52 @@ def _experiment(
     }
 
 
+def _open_tracking(cfg: ExperimentConfig, ctx: RunContext, path: Path, record: RunRecord) -> Tracker:
+    """The run's MLflow runs: reopened (a resume), else created, or adopted where a killed attempt created them.
+
+    The record holds the runs' key (``run_key``) before they are created and their ids
+    right after, so a kill between the two leaves runs a resume finds by that key.
+    """
+    tracker = Tracker(record.tracking_uri, resumed=record.resumes > 0)
+    if record.parent_run_id:
+        tracker.reopen(record.experiment_id, record.parent_run_id, record.node_runs, record.resumes)
+        return tracker
+    nest = record.pipeline
+    tracker.start(
+        cfg.name,
+        dump(cfg),
+        ctx.tree,
+        _run_tags(cfg, path, ctx.manifest.fingerprint, nest),
+        _describe(cfg, ctx),
+        run_key=record.run_key,
+        experiment=nest.experiment if nest else None,
+        parent_run_id=nest.run_id if nest else None,
+    )
+    faults.hit("tracking")  # created, not yet recorded: the resume must adopt these runs
+    if record.resumes:
+        tracker.tag_resume(record.resumes)
+    record.experiment_id, record.parent_run_id, record.node_runs = (
+        tracker.experiment_id,
+        tracker.parent_id,
+        tracker.node_runs,
+    )
+    record.write(path)
+    return tracker
+
+
+def _record_logged(path: Path, phase: str) -> None:
+    """Note in ``run.json`` that an MLflow logging phase finished (re-read: evaluations updated it)."""
+    current = RunRecord.read(path)
+    if current is not None and phase not in current.logged:
+        current.logged.append(phase)
+        current.write(path)
+
+
 def _log_run_files(tracker: Tracker, cfg: ExperimentConfig, data_root: Path) -> None:
     """The parent run's files: the resolved config, the data manifest and report, the package list."""
     tracker.log_text(yaml.safe_dump(dump(cfg), sort_keys=False), "config.yaml")
     tracker.log_data_report(data_root)
+    faults.hit("artefacts")
     tracker.log_text(environment_text(), "environment/packages.txt")
 
 

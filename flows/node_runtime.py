@@ -68,7 +68,9 @@ def node_runtime(run_path: str, orchestration: Orchestration) -> Iterator[NodeRu
     record = RunRecord.read(ctx.run_path)
     if record is None:
         raise RuntimeError(f"{ctx.run_path} has no run record (run.json)")
-    tracker = Tracker.attach(record.tracking_uri, record.experiment_id, record.parent_run_id, record.node_runs)
+    tracker = Tracker.attach(
+        record.tracking_uri, record.experiment_id, record.parent_run_id, record.node_runs, resumed=record.resumes > 0
+    )
     with executor_for(ctx.config.runtime, record.cluster, record.workers) as executor:
         yield NodeRuntime(ctx, record, tracker, executor, orchestration)
 

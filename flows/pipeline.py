@@ -162,7 +162,7 @@ def _pipeline(folder: Path, orchestration: Orchestration, overrides: Sequence[st
     pipeline = read_pipeline_config(folder)
     record = PipelineRecord.read(folder)
     assert record is not None, f"{folder} has no pipeline record"
-    tracker = Tracker(record.tracking_uri)
+    tracker = Tracker(record.tracking_uri, resumed=record.resumes > 0)
     if record.run_id:
         tracker.reopen_run(record.experiment_id, record.run_id, record.resumes)
     else:
@@ -175,10 +175,12 @@ def _pipeline(folder: Path, orchestration: Orchestration, overrides: Sequence[st
         }
         description = f"Pipeline `{pipeline.name}`: stages " + " -> ".join(pipeline.names) + "."
         stages = {s.name: dump(s.config) for s in pipeline}
-        record.run_id = tracker.start_pipeline(pipeline.name, {"stages": stages}, tags, description)
+        record.run_id = tracker.start_pipeline(
+            pipeline.name, {"stages": stages}, tags, description, run_key=record.run_key
+        )
         record.experiment_id = tracker.experiment_id
         record.write(folder)
-        tracker.log_text((folder / PIPELINE_CONFIG).read_text(), PIPELINE_CONFIG)
+    tracker.log_text((folder / PIPELINE_CONFIG).read_text(), PIPELINE_CONFIG)  # every attempt: a kill may have cut it
     run_root = folder.parents[1]
     try:
         for stage in pipeline:

@@ -147,7 +147,7 @@ class _Sweeper:
         self.record = record
         self.lock = threading.Lock()  # record changes: from the points' threads
         self.taken: set[str] = {p.run_path for p in record.points.values() if p.run_path}
-        self.tracker = Tracker(record.tracking_uri)
+        self.tracker = Tracker(record.tracking_uri, resumed=record.resumes > 0)
 
     def _write(self) -> None:
         self.record.write(self.folder)
@@ -157,6 +157,7 @@ class _Sweeper:
         record, tracker = self.record, self.tracker
         if record.run_id:
             tracker.reopen_run(record.experiment_id, record.run_id, record.resumes)
+            tracker.log_text((self.folder / SWEEP_CONFIG).read_text(), SWEEP_CONFIG)  # a kill may have cut it
             return
         keys = sorted({k for p in self.sweep for k in p.values})
         tags = {
@@ -168,7 +169,7 @@ class _Sweeper:
         }
         description = f"Sweep `{self.sweep.name}`: {len(self.sweep)} experiments over " + ", ".join(keys) + "."
         params = {"swept_keys": keys, "points": len(self.sweep)}
-        record.run_id = tracker.start_pipeline(self.sweep.name, params, tags, description)
+        record.run_id = tracker.start_pipeline(self.sweep.name, params, tags, description, run_key=record.run_key)
         record.experiment_id = tracker.experiment_id
         self._write()
         tracker.log_text((self.folder / SWEEP_CONFIG).read_text(), SWEEP_CONFIG)

@@ -17,7 +17,10 @@ the second client trained anywhere:
 Points: ``prepare`` (data preparation, before the manifest is written), ``checkpoint``
 (a node state written to its temporary file, not yet renamed), ``round`` (a server
 round finished and saved), ``client`` (a client about to train), ``eval`` (an
-evaluation task about to score). Unset (the normal case), ``hit`` costs one dict lookup.
+evaluation task about to score), ``tracking`` (the MLflow runs created, their ids not yet
+in ``run.json``), ``artefacts`` (the parent run's files half logged: the data report, not
+the package list), ``report`` (the report's files logged, its summary metrics not).
+Unset (the normal case), ``hit`` costs one dict lookup.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ import torch
 ENV = "BHFL_FAULTS"
 COUNTER_ENV = "BHFL_FAULTS_COUNTER"  # file shared by the run's processes; unset: counted in this process
 KILL_PID_ENV = "BHFL_FAULTS_KILL_PID"  # the orchestrating process, killed with the worker that hits ``kill``
-POINTS = ("prepare", "checkpoint", "round", "client", "eval")
+POINTS = ("prepare", "checkpoint", "round", "client", "eval", "tracking", "artefacts", "report")
 ACTIONS = ("kill", "raise", "oom", "enospc")
 
 _counts: Counter[str] = Counter()

@@ -138,8 +138,11 @@ def read_yaml(path: Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from None
-    if data is None:
-        return {}
+    if data is None:  # an empty file (or only comments) is a mistake, not a wish for the built-in defaults
+        raise ConfigError(
+            f"{path}: the config file is empty; give at least the keys that differ from the defaults, "
+            "e.g. `base: embedded.yaml` and `name: my-run` (docs/config.md)"
+        )
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of keys, got {type(data).__name__}")
     base = data.pop("base", None)

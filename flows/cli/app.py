@@ -230,6 +230,12 @@ def _resume(run_spec: str, overrides: list[str], run_dir: Path, verbose: bool) -
         run_path = resolve_run(run_spec, run_dir)
     except RunStateError as exc:
         fail(str(exc))
+    from flows.records.run_record import RunRecord
+
+    if (record := RunRecord.read(run_path)) is not None and record.status == "finished":
+        # nothing to redo, and nothing of its record (MLflow, run.json) is touched
+        console.print(f"[bold]bhfl[/] {run_path} finished; nothing to resume", highlight=False)
+        return
     console.print(f"[bold]bhfl[/] resuming {run_path} ...", highlight=False)
     from flows.experiment import resume_experiment
     from flows.progress import RichReporter

@@ -108,9 +108,12 @@ def run_pipeline_command(
 def resume_pipeline_command(folder: Path, overrides: list[str], run_dir: Path, verbose: bool) -> None:
     """Finish a pipeline: finished stages are kept, the interrupted stage resumes, the rest run."""
     from bhfl_core.config.base import ConfigError
-    from flows.records.pipeline_record import read_pipeline_config, resumable
+    from flows.records.pipeline_record import PipelineRecord, read_pipeline_config, resumable
     from flows.records.run_state import RunStateError
 
+    if (record := PipelineRecord.read(folder)) is not None and record.status == "finished":
+        console.print(f"[bold]bhfl[/] pipeline {folder} finished; nothing to resume", highlight=False)
+        return
     try:
         resumable(folder)  # before Prefect or any worker starts
     except RunStateError as exc:

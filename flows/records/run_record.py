@@ -12,6 +12,7 @@ import json
 import os
 import socket
 import time
+import uuid
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Literal
@@ -21,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from bhfl_core.store.atomic import write_text_atomic
 
 RECORD_FILE = "run.json"
+LOGGED_FILES = "run_files"  # RunRecord.logged: the parent run's config, data report and package list
 Status = Literal["running", "finished", "failed"]
 
 
@@ -66,6 +68,9 @@ class ProcessRecord(BaseModel):
     started: float = Field(default_factory=time.time)
     updated: float = Field(default_factory=time.time)
     tracking_uri: str = ""
+    # the MLflow tag value (bhfl.run_key) of the runs this record's process creates, written
+    # before it creates them: a resume finds what a killed attempt created but never recorded
+    run_key: str = Field(default_factory=lambda: uuid.uuid4().hex)
     experiment_id: str = ""
     resumes: int = 0
     error: str = ""
@@ -75,6 +80,8 @@ class RunRecord(ProcessRecord):
     parent_run_id: str = ""
     node_runs: dict[str, str] = {}
     evaluated_steps: list[int] = []
+    # MLflow logging phases finished (LOGGED_FILES: the parent run's files): a resume redoes the rest
+    logged: list[str] = []
     # Where the run's worker calls go (so any process can execute any part of the tree):
     # the Dask scheduler's address ("" for runtime.executor: inprocess) and the workers
     # the run places work on (name, device, kind, host, pid), as found when this attempt started.

@@ -48,6 +48,7 @@ from bhfl_core.store.tables import table_csv
 from data_prep.figures import save_png
 from flows.tracking import plots
 from flows.tracking.tracker import Tracker
+from tasks import faults
 from tasks.context import RunContext
 
 REPORT_DIR = "report"
@@ -115,27 +116,6 @@ def _communication(tracker: Tracker, ctx: RunContext) -> tuple[list[comm.CommRow
     return comm.comm_rows(ctx.tree, history, theta.numel()), theta.numel()
 
 
-def _cost(tracker: Tracker, timings: Mapping[str, float], final_step: int) -> dict[str, float]:
-    """Evaluation seconds over training seconds, from the persisted per-evaluation times.
-
-    Intermediate evaluations (``eval.every``) run inside the training phase, so they are
-    taken out of ``time/train_s`` before dividing.
-    """
-    evals = tracker.history(tracker.parent_id, "time/eval_s")
-    intermediate = sum(s for step, s in evals.items() if step != final_step)
-    total = sum(evals.values())
-    training = timings.get("time/train_s", float("nan")) - intermediate
-    out = {
-        "time/eval_total_s": total,
-        "time/training_only_s": training,
-        "time/eval_share": total / training if training > 0 else float("nan"),
-    }
-    baselines = tracker.history(tracker.parent_id, "time/baselines_s")
-    if baselines:
-        out["time/baselines_total_s"] = sum(baselines.values())
-    return out
-
-
 def _time_curves(tracker: Tracker, ev: Evaluation) -> dict[str, list[tta.CurvePoint]]:
     """Root on the union, and clients' own models (mean), at every evaluation against virtual time."""
     metric = ev.task.primary
@@ -163,7 +143,6 @@ def write_report(tracker: Tracker, ctx: RunContext, ev: Evaluation, timings: Map
     comm_rows, num_params = _communication(tracker, ctx)
     levels = comm.summarise(ctx.tree, comm_rows)
     totals = comm.totals(comm_rows)
-    cost = _cost(tracker, timings, final_step)
 
     files = {
         "eval/matrix.csv": matrix_csv(ev.rows),
@@ -188,11 +167,13 @@ def write_report(tracker: Tracker, ctx: RunContext, ev: Evaluation, timings: Map
         "comm/total_model_equivalents": totals["comm/total_model_equivalents"],
     }
     write_text_atomic(
-        folder / "report.md", render_markdown(tracker, ctx, ev, prox, levels, totals, num_params, cost, timings)
+        folder / "report.md", render_markdown(tracker, ctx, ev, prox, levels, totals, num_params, timings)
     )
 
     tracker.log_artifacts(folder)
-    tracker.log_metrics(tracker.parent_id, {**headline, **proximity.headline(prox), **totals, **cost}, final_step)
+    faults.hit("report")
+    # (the evaluation's headlines are at this step already: log_evaluation)
+    tracker.log_metrics(tracker.parent_id, {**proximity.headline(prox), **totals}, final_step)
     tracker.set_tags({"bhfl.task": ev.task.task, "bhfl.model_params": str(num_params), "bhfl.report": "report.md"})
     _describe_runs(tracker, ctx, ev, prox, totals)
     return headline
@@ -249,7 +230,6 @@ def render_markdown(
     levels: Sequence[comm.LevelSummary],
     totals: Mapping[str, float],
     num_params: int,
-    cost: Mapping[str, float],
     timings: Mapping[str, float],
 ) -> str:
     cfg, tree, metric = ctx.config, ctx.tree, ev.task.primary
@@ -452,9 +432,14 @@ def render_markdown(
     out += [
         "## Cost",
         "",
-        f"Training {cost['time/training_only_s']:.1f} s; evaluation of every node on every test set "
-        f"{cost['time/eval_total_s']:.1f} s in all ({cost['time/eval_share']:.1%} of training)"
-        + (f"; per-client baselines {cost['time/baselines_total_s']:.1f} s" if "time/baselines_total_s" in cost else "")
+        f"Training {timings.get('time/training_only_s', math.nan):.1f} s; evaluation of every node on every "
+        f"test set {timings.get('time/eval_total_s', math.nan):.1f} s in all "
+        f"({timings.get('time/eval_share', math.nan):.1%} of training)"
+        + (
+            f"; per-client baselines {timings['time/baselines_total_s']:.1f} s"
+            if "time/baselines_total_s" in timings
+            else ""
+        )
         + f"; total run {timings.get('time/total_s', math.nan):.0f} s.",
         "",
     ]

@@ -9,6 +9,15 @@ metrics are ``eval/<test_set>/<metric>`` with ``step = root round``.
 A pipeline (flows/pipeline.py) adds a level on top: its run in an experiment named
 after the pipeline, and each stage's parent run in that same experiment, nested under
 it (pipeline -> stage -> root -> servers).
+
+Kill-safety (a run SIGKILLed at any moment and resumed leaves the record an
+uninterrupted run leaves): every run this module creates carries the tag
+``bhfl.run_key``, a key the run folder's record holds *before* the runs are created,
+so a resume adopts the runs a killed attempt created but never recorded instead of
+creating a second set; and a tracker of a resumed attempt (``resumed=True``) logs a
+metric batch only if its first point is not in the store yet (a batch is one
+transaction: all of it or none is there), so nothing the killed attempt logged is
+logged twice.
 """
 
 from __future__ import annotations
@@ -23,13 +32,14 @@ from typing import Any
 from urllib.parse import urlparse
 
 from mlflow import MlflowClient
-from mlflow.entities import Metric, Param
+from mlflow.entities import Metric, Param, Run
 from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID, MLFLOW_RUN_NOTE
 
 from bhfl_core.algorithm.tree import Tree
 from flows.services.store_templates import sqlite_from_template
 
 _BATCH = 900  # MLflow accepts at most 1000 entities per log_batch
+RUN_KEY_TAG = "bhfl.run_key"  # on every run a run folder creates: what a resume finds them by
 
 
 def sqlite_file(tracking_uri: str) -> Path | None:
@@ -55,8 +65,10 @@ def flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
 
 
 class Tracker:
-    def __init__(self, tracking_uri: str) -> None:
+    def __init__(self, tracking_uri: str, *, resumed: bool = False) -> None:
+        """``resumed``: this attempt continues a killed or failed one, whose points may be in the store."""
         self.uri = tracking_uri
+        self.resumed = resumed
         db = sqlite_file(tracking_uri)
         if db is None:
             self.client = MlflowClient(tracking_uri)
@@ -84,22 +96,25 @@ class Tracker:
         tags: Mapping[str, str],
         description: str,
         *,
+        run_key: str,
         experiment: str | None = None,
         parent_run_id: str | None = None,
     ) -> str:
         """Create the experiment run ``name`` (the parent run) and a nested run per server node.
 
+        ``run_key``: the key the run folder recorded before this call (``ProcessRecord.run_key``); a
+        resumed tracker first adopts the runs tagged with it (a killed attempt created them
+        and died before recording their ids) and creates only those missing.
         ``experiment``: the MLflow experiment to create it in (default: ``name``);
         ``parent_run_id``: a run to nest it under (a pipeline stage under its pipeline's run).
         """
         self.experiment_id = self._experiment(experiment or name)
         nesting = {MLFLOW_PARENT_RUN_ID: parent_run_id} if parent_run_id else {}
-        parent = self.client.create_run(
-            self.experiment_id, run_name=name, tags={**tags, **nesting, MLFLOW_RUN_NOTE: description}
+        adopted = self._adoptable(run_key)
+        self.parent_id = self._create_or_adopt(
+            adopted.get(""), name, {**tags, **nesting, MLFLOW_RUN_NOTE: description, RUN_KEY_TAG: run_key}
         )
-        self.parent_id = parent.info.run_id
-        flat = flatten(params)
-        self._batched(self.parent_id, params=[Param(k[:250], v[:6000]) for k, v in sorted(flat.items())])
+        self._log_params(params)
         # parents before children: walk the tree top-down
         order = [tree.root]
         while order:
@@ -107,28 +122,62 @@ class Tracker:
             if node.is_leaf:
                 continue
             parent_run = self.parent_id if node.parent is None else self.node_runs[node.parent]
-            run = self.client.create_run(
-                self.experiment_id,
-                run_name=node.id,
-                tags={
+            self.node_runs[node.id] = self._create_or_adopt(
+                adopted.get(node.id),
+                node.id,
+                {
                     MLFLOW_PARENT_RUN_ID: parent_run,
+                    RUN_KEY_TAG: run_key,
                     "bhfl.node": node.id,
                     "bhfl.level": str(node.depth),
                     "bhfl.role": node.role.value,
                     **({"bhfl.group": node.group} if node.group else {}),
                 },
             )
-            self.node_runs[node.id] = run.info.run_id
             order.extend(tree.children(node.id))
         return self.parent_id
 
-    def start_pipeline(self, name: str, params: Mapping[str, Any], tags: Mapping[str, str], description: str) -> str:
-        """Create a pipeline's run in the experiment ``name``: its stages' runs nest under it (``start``)."""
+    def start_pipeline(
+        self, name: str, params: Mapping[str, Any], tags: Mapping[str, str], description: str, *, run_key: str
+    ) -> str:
+        """Create (or adopt, see ``start``) a pipeline's run in the experiment ``name``: stages' runs nest under it."""
         self.experiment_id = self._experiment(name)
-        run = self.client.create_run(self.experiment_id, run_name=name, tags={**tags, MLFLOW_RUN_NOTE: description})
-        self.parent_id = run.info.run_id
-        self._batched(self.parent_id, params=[Param(k[:250], v[:6000]) for k, v in sorted(flatten(params).items())])
+        adopted = self._adoptable(run_key).get("")
+        tags = {**tags, MLFLOW_RUN_NOTE: description, RUN_KEY_TAG: run_key}
+        self.parent_id = self._create_or_adopt(adopted, name, tags)
+        self._log_params(params)
         return self.parent_id
+
+    def _adoptable(self, run_key: str) -> dict[str, Run]:
+        """The runs of this experiment tagged ``run_key`` by a killed attempt, by node ("" = the parent).
+
+        Only a resumed tracker looks (a first attempt cannot have created any); where a kill
+        left two candidates for one place (cannot happen: one attempt creates each once), the
+        older is kept.
+        """
+        if not self.resumed:
+            return {}
+        found = self.client.search_runs(
+            [self.experiment_id],
+            f"tags.`{RUN_KEY_TAG}` = '{run_key}'",
+            max_results=50_000,
+            order_by=["start_time DESC"],
+        )
+        return {run.data.tags.get("bhfl.node", ""): run for run in found}
+
+    def _create_or_adopt(self, run: Run | None, name: str, tags: Mapping[str, str]) -> str:
+        if run is None:
+            return self.client.create_run(self.experiment_id, run_name=name, tags=dict(tags)).info.run_id
+        for key, value in tags.items():  # a kill may have cut the creation short of nothing, but be sure
+            if run.data.tags.get(key) != value:
+                self.client.set_tag(run.info.run_id, key, value)
+        if run.info.status != "RUNNING":
+            self.client.update_run(run.info.run_id, status="RUNNING")
+        return run.info.run_id
+
+    def _log_params(self, params: Mapping[str, Any]) -> None:
+        """The config as parent-run params (logging a param again with its value is a no-op in MLflow)."""
+        self._batched(self.parent_id, params=[Param(k[:250], v[:6000]) for k, v in sorted(flatten(params).items())])
 
     def reopen_run(self, experiment_id: str, run_id: str, resume_number: int) -> None:
         """Continue a run without node runs (a resumed pipeline's run): running again, tagged."""
@@ -139,9 +188,11 @@ class Tracker:
         return dict(self.client.get_run(run_id).data.metrics)
 
     @classmethod
-    def attach(cls, tracking_uri: str, experiment_id: str, parent_id: str, node_runs: Mapping[str, str]) -> Tracker:
+    def attach(
+        cls, tracking_uri: str, experiment_id: str, parent_id: str, node_runs: Mapping[str, str], *, resumed: bool
+    ) -> Tracker:
         """A tracker for runs that exist (a node execution rebuilds it from the run record)."""
-        tracker = cls(tracking_uri)
+        tracker = cls(tracking_uri, resumed=resumed)
         tracker.experiment_id, tracker.parent_id, tracker.node_runs = experiment_id, parent_id, dict(node_runs)
         return tracker
 
@@ -150,19 +201,27 @@ class Tracker:
         self.experiment_id, self.parent_id, self.node_runs = experiment_id, parent_id, dict(node_runs)
         for run_id in [parent_id, *self.node_runs.values()]:
             self.client.update_run(run_id, status="RUNNING")
-        self.client.set_tag(parent_id, "bhfl.resumes", str(resume_number))
+        self.tag_resume(resume_number)
+
+    def tag_resume(self, resume_number: int) -> None:
+        """Tag the parent run with the number of resumes and when this one started."""
+        self.client.set_tag(self.parent_id, "bhfl.resumes", str(resume_number))
         self.client.set_tag(
-            parent_id, f"bhfl.resume.{resume_number}", time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime())
+            self.parent_id, f"bhfl.resume.{resume_number}", time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime())
         )
 
     def _batched(self, run_id: str, metrics: Iterable[Metric] = (), params: Iterable[Param] = ()) -> None:
         metrics, params = list(metrics), list(params)
         for i in range(0, max(len(metrics), 1), _BATCH):
             chunk = metrics[i : i + _BATCH]
-            if chunk:
+            if chunk and not (self.resumed and self._logged(run_id, chunk[0])):
                 self.client.log_batch(run_id, metrics=chunk)
         for i in range(0, len(params), 100):
             self.client.log_batch(run_id, params=params[i : i + 100])
+
+    def _logged(self, run_id: str, point: Metric) -> bool:
+        """Whether ``point``'s metric has a value at its step in the store (a killed attempt logged its batch)."""
+        return any(m.step == point.step for m in self.client.get_metric_history(run_id, point.key))
 
     def log_metrics(self, run_id: str, values: Mapping[str, float], step: int) -> None:
         now = int(time.time() * 1000)
@@ -220,6 +279,15 @@ class Tracker:
         """A metric's values by step; where a step was logged twice (a re-run round), the later write wins."""
         points = sorted(self.client.get_metric_history(run_id, key), key=lambda m: (m.step, m.timestamp))
         return {m.step: m.value for m in points}
+
+    def values_at(self, run_id: str, keys: Iterable[str], step: int) -> dict[str, float]:
+        """The values of ``keys`` logged at ``step`` (those logged there; the earliest write if twice)."""
+        out = {}
+        for key in keys:
+            at_step = [m for m in self.client.get_metric_history(run_id, key) if m.step == step]
+            if at_step:
+                out[key] = min(at_step, key=lambda m: m.timestamp).value
+        return out
 
     def note(self, run_id: str) -> str:
         """A run's description (the note the UI shows at the top of the run page)."""

@@ -106,6 +106,13 @@ def test_override_and_file_errors(tmp_path):
         load_config(bad)
     with pytest.raises(ConfigError, match="top level must be a mapping"):
         config_from_dict([1, 2])
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("# nothing here yet\n")  # not a request for the built-in defaults
+    with pytest.raises(ConfigError, match=r"empty\.yaml: the config file is empty"):
+        load_config(empty)
+    (tmp_path / "child.yaml").write_text("base: empty.yaml\nname: x\n")
+    with pytest.raises(ConfigError, match=r"empty\.yaml: the config file is empty"):
+        load_config(tmp_path / "child.yaml")
 
 
 def test_residual_rules_resolve_to_links_and_receiver_optimisers():
