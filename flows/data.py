@@ -58,6 +58,6 @@ def run_prepare(config: ExperimentConfig, cache_root: Path) -> PreparedData:
 
     Progress goes to the ``bhfl.progress`` logger (flows/progress.py).
     """
-    out = prepare_data_flow(config, str(cache_root))
+    out = prepare_data_flow.with_options(flow_run_name="prepare-data")(config, str(cache_root))
     root = Path(out["root"])
     return PreparedData(root, Manifest.read(root), cached=out["cached"], seconds=out["seconds"])

@@ -17,7 +17,6 @@ without Prefect. The run folder (``run.json``, ``config.yaml``, ``data.json``,
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import platform
@@ -32,11 +31,12 @@ from typing import Any
 import psutil
 import torch
 import yaml
-from prefect import flow
+from prefect import flow, tags
 from prefect.settings import temporary_settings
 
 from bhfl_core.algorithm.node_state import ROOT_CALLER, NodeState
 from bhfl_core.config.schema import ExperimentConfig, dump
+from bhfl_core.config.sweep import config_hash
 from bhfl_core.store.atomic import write_text_atomic
 from bhfl_core.store.node_store import StateStore
 from bhfl_core.store.run_layout import CONFIG_FILE, DATA_POINTER, TIMELINE_DIR
@@ -48,6 +48,7 @@ from flows.records.environment import environment_text, git_commit, package_vers
 from flows.records.run_record import LOGGED_FILES, PipelineLink, RunRecord, default_tracking_uri, new_run_path
 from flows.records.run_state import RunStateError, load_run, resume_config
 from flows.records.warm_source import resolve_init_from, warm_start
+from flows.tracking.prefect_summary import prefect_tags, publish_summary
 from flows.tracking.timings import evaluation_cost
 from flows.tracking.tracker import Tracker
 from flows.training import PLAIN_CALLS, PREFECT_RUNS, thread_task_runner
@@ -63,14 +64,13 @@ __all__ = ["PLAIN_CALLS", "PREFECT_RUNS", "experiment_flow", "resume_experiment"
 def _run_tags(
     config: ExperimentConfig, run_path: Path, data_fingerprint: str, link: PipelineLink | None
 ) -> dict[str, str]:
-    resolved = json.dumps(dump(config), sort_keys=True)
     stage = {"bhfl.pipeline_stage": link.stage, "bhfl.pipeline_path": link.path} if link else {}
     warm = {"bhfl.init_from": config.model.init_from} if config.model.init_from else {}
     return {
         **stage,
         **warm,
         "bhfl.run_path": str(run_path),
-        "bhfl.config_hash": hashlib.sha256(resolved.encode()).hexdigest()[:16],
+        "bhfl.config_hash": config_hash(config),
         "bhfl.data_fingerprint": data_fingerprint,
         "bhfl.seed": str(config.seed),
         "bhfl.git_commit": git_commit(),
@@ -230,6 +230,8 @@ def _experiment(
             from flows.tracking.report import write_report  # matplotlib and the report code: not needed at start-up
 
             headline = write_report(tracker, ctx, evaluation, timings)  # report.md, tables, figures
+            if orchestration is PREFECT_RUNS:  # the headlines and the MLflow link on the flow run's page
+                publish_summary(cfg, path, record.tracking_uri, tracker.experiment_id, tracker.parent_id, headline)
             tracker.finish("FINISHED")
             record = _finish_record(path, record, "finished")
         except BaseException as exc:
@@ -335,8 +337,8 @@ def _invoke(
     if orchestration is not PREFECT_RUNS:
         return _experiment(config, str(run_root), uri, path, orchestration, resume=resume, cluster=cluster, link=link)
     # Flow heartbeats only detect crashed deployment runs; off, each subflow ends ~1 s sooner.
-    with temporary_settings(updates={"flows.heartbeat_frequency": None}):
-        name = flow_run_name or Path(path).name
+    with temporary_settings(updates={"flows.heartbeat_frequency": None}), tags(*prefect_tags(config)):
+        name = flow_run_name or f"{config.name} {time.strftime('%Y-%m-%d %H:%M')}"
         flow_ = experiment_flow.with_options(
             flow_run_name=f"resume {name}" if resume else name, task_runner=thread_task_runner()
         )

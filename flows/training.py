@@ -163,7 +163,8 @@ class FlowHooks:
         jobs = [Job(c.id, planned_steps(int(c.weight), params(c.settings.train))) for c in leaves if c.settings.train]
         model = load_time_model(self.rt.ctx.run_path) if runtime.placement == "learned" else None
         plan = place(jobs, self.rt.executor.slots(), runtime.placement, model)
-        name = f"{node.id} round {key.round + 1}: " + ", ".join(f"{len(a.jobs)} on {a.slot.name}" for a in plan)
+        spread = ", ".join(f"{len(a.jobs)} on {a.slot.name}" for a in plan)
+        name = f"train {node.id} r{key.round + 1} [{len(jobs)} clients: {spread}]"
         reports: list[WorkerReport] = self.rt.orchestration.call_task(
             self.rt,
             train_clients,
@@ -286,7 +287,7 @@ class FlowHooks:
         out_path, metrics = self.rt.orchestration.call_task(
             self.rt,
             proxy_train,
-            f"{node.id} round {key.round + 1}: proxy on {slot.name}",
+            f"proxy-train {node.id} r{key.round + 1} [on {slot.name}]",
             slot,
             self.rt.run_path,
             node.id,

@@ -47,6 +47,7 @@ from bhfl_core.store.atomic import write_text_atomic
 from bhfl_core.store.tables import table_csv
 from data_prep.figures import save_png
 from flows.tracking import plots
+from flows.tracking.report_html import write_report_html
 from flows.tracking.tracker import Tracker
 from tasks import faults
 from tasks.context import RunContext
@@ -169,12 +170,13 @@ def write_report(tracker: Tracker, ctx: RunContext, ev: Evaluation, timings: Map
     write_text_atomic(
         folder / "report.md", render_markdown(tracker, ctx, ev, prox, levels, totals, num_params, timings)
     )
+    write_report_html(folder / "report.md", f"{ctx.config.name}: report")  # the same, figures inline (MLflow UI)
 
     tracker.log_artifacts(folder)
     faults.hit("report")
     # (the evaluation's headlines are at this step already: log_evaluation)
     tracker.log_metrics(tracker.parent_id, {**proximity.headline(prox), **totals}, final_step)
-    tracker.set_tags({"bhfl.task": ev.task.task, "bhfl.model_params": str(num_params), "bhfl.report": "report.md"})
+    tracker.set_tags({"bhfl.task": ev.task.task, "bhfl.model_params": str(num_params), "bhfl.report": "report.html"})
     _describe_runs(tracker, ctx, ev, prox, totals)
     return headline
 

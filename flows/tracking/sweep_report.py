@@ -26,6 +26,7 @@ from bhfl_core.config.sweep import Sweep, config_label
 from bhfl_core.store.atomic import write_text_atomic
 from flows.cli.compare import HEADERS, by_config_csv, by_config_markdown, compare_by_config, paired_csv
 from flows.records.sweep_record import SweepRecord
+from flows.tracking.report_html import write_report_html
 from flows.tracking.seed_plots import save_metric_plots
 
 REPORT_DIR = "report"
@@ -74,6 +75,7 @@ def write_sweep_report(folder: Path, sweep: Sweep, record: SweepRecord) -> Path 
     lines += ["", *(f"![{p.stem}]({p.name})" for p in plots)]
     report = out / "report.md"
     write_text_atomic(report, "\n".join(lines) + "\n")
+    write_report_html(report, f"sweep {sweep.name}: report")
     return report
 
 

@@ -40,6 +40,7 @@ from flows.services.store_templates import sqlite_from_template
 
 _BATCH = 900  # MLflow accepts at most 1000 entities per log_batch
 RUN_KEY_TAG = "bhfl.run_key"  # on every run a run folder creates: what a resume finds them by
+EXPERIMENT_KIND, MODEL_TRAINING = "mlflow.experimentKind", "custom_model_development"  # what the UI reads
 
 
 def sqlite_file(tracking_uri: str) -> Path | None:
@@ -51,6 +52,15 @@ def _artifact_root(tracking_uri: str) -> str | None:
     """A file artefact folder next to a local SQLite store; None lets a server decide."""
     db = sqlite_file(tracking_uri)
     return None if db is None else (db.parent / "mlartifacts").resolve().as_uri()
+
+
+UI_DEFAULT = "http://127.0.0.1:5000"  # where `bhfl ui` serves a local store
+
+
+def run_link(tracking_uri: str, experiment_id: str, run_id: str) -> str:
+    """A run's page in the MLflow UI: on the tracking server itself, or where ``bhfl ui`` serves a local store."""
+    base = tracking_uri.rstrip("/") if urlparse(tracking_uri).scheme in ("http", "https") else UI_DEFAULT
+    return f"{base}/#/experiments/{experiment_id}/runs/{run_id}"
 
 
 def flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
@@ -80,13 +90,19 @@ class Tracker:
         self.node_runs: dict[str, str] = {}
 
     def _experiment(self, name: str) -> str:
-        """The id of the MLflow experiment ``name``, created (artefacts beside a local store) if new."""
+        """The id of the MLflow experiment ``name``, created (artefacts beside a local store) if new.
+
+        Tagged as a model-training experiment (``EXPERIMENT_KIND``): the UI then opens it on
+        its runs and charts, not on the GenAI views it picks for an experiment of unknown kind.
+        """
         exp = self.client.get_experiment_by_name(name)
-        return (
-            exp.experiment_id
-            if exp
-            else self.client.create_experiment(name, artifact_location=_artifact_root(self.uri))
-        )
+        if exp is None:
+            return self.client.create_experiment(
+                name, artifact_location=_artifact_root(self.uri), tags={EXPERIMENT_KIND: MODEL_TRAINING}
+            )
+        if EXPERIMENT_KIND not in exp.tags:
+            self.client.set_experiment_tag(exp.experiment_id, EXPERIMENT_KIND, MODEL_TRAINING)
+        return exp.experiment_id
 
     def start(
         self,

@@ -104,3 +104,43 @@ def test_node_state_files_written(finished):
     store = StateStore(Path(result["run_path"]) / "state")
     for node in ("root", "west", "east", "edge-en", "edge-de", "edge-fr"):
         assert store.load(node).rounds_done == 2 and store.load_model(node) is not None
+
+
+def test_prefect_shows_named_runs_tags_and_the_headline_artifact(finished):
+    """The Prefect UI tells what ran: the experiment's flow run by config and time, tagged; named task
+    runs; a markdown artefact with the headline numbers and the MLflow run."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (
+        ArtifactFilter,
+        ArtifactFilterKey,
+        FlowFilter,
+        FlowFilterName,
+        FlowRunFilter,
+        FlowRunFilterId,
+        FlowRunFilterTags,
+        TaskRunFilter,
+    )
+
+    _, result = finished
+    client_mlflow = MlflowClient(result["tracking_uri"])
+    config_hash = client_mlflow.get_run(result["run_id"]).data.tags["bhfl.config_hash"]
+    with get_client(sync_client=True) as client:
+        tagged = FlowRunFilter(tags=FlowRunFilterTags(all_=["config:itest", f"hash:{config_hash[:8]}"]))
+        (flow_run,) = client.read_flow_runs(
+            flow_filter=FlowFilter(name=FlowFilterName(any_=["bhfl-experiment"])), flow_run_filter=tagged
+        )
+        assert len(client.read_flow_runs(flow_run_filter=tagged)) > 1  # its subflows carry the tags too
+        assert flow_run.name.startswith("itest 20") and "seed:0" in flow_run.tags  # "itest 2026-11-23 19:54"
+        artifacts = client.read_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["bhfl-itest"])),
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run.id])),
+        )
+        assert len(artifacts) == 1, [(a.key, a.flow_run_id, a.type, str(a.data)[:80]) for a in artifacts]
+        (artifact,) = artifacts
+        names = {t.name for t in client.read_task_runs(task_run_filter=TaskRunFilter())}
+        prepare = client.read_flow_runs(flow_run_filter=FlowRunFilter(name={"any_": ["prepare-data"]}))
+    assert result["run_id"] in artifact.data and "#/experiments/" in artifact.data
+    union = client_mlflow.get_run(result["run_id"]).data.metrics["root/union/accuracy"]
+    assert f"| `root/union/accuracy` | {union:.4f} |" in artifact.data
+    assert any(n.startswith("train edge-en r1 [2 clients") for n in names), sorted(names)[:10]
+    assert prepare  # the data preparation subflow has a name that says so

@@ -1,5 +1,6 @@
 """The evaluation report of a finished run, read back from the real MLflow store; `bhfl compare`."""
 
+import base64
 import csv
 import io
 import math
@@ -67,6 +68,12 @@ def test_report_artifacts_on_the_parent_run(evaluated_runs, tmp_path):
         "locally adapted model",
     ):
         assert section in report, section
+    # report.html: the same report, every figure inside the page (the MLflow UI's frame fetches nothing beside it)
+    page = _artifact(client, tree["run_id"], "report.html", tmp_path).read_text()
+    assert "<table>" in page and "<h2>Heatmap</h2>" in page and 'src="eval/' not in page
+    for png in ("eval/heatmap.png", "eval/proximity.png"):
+        inline = base64.b64encode((Path(tree["run_path"]) / "report" / png).read_bytes()).decode()
+        assert f'src="data:image/png;base64,{inline}"' in page, png
 
 
 def test_matrix_has_subtrees_and_baselines_and_unions_add_up(evaluated_runs, tmp_path):
