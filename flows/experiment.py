@@ -199,6 +199,7 @@ def _experiment(
                     f"resuming {path.name}: root round {done + 1 if done < rounds else rounds} of {rounds}; "
                     "finished nodes and rounds are loaded from their checkpoints, not run again"
                 )
+                _log_committed_rounds(ctx, tracker)
                 if 0 < done < rounds and cfg.eval.every and done % cfg.eval.every == 0:
                     evaluate_step(rt, done)  # the interrupted run may have died evaluating this step
             peaks = {"memory/peak_rss_setup_mb": peak_rss_mb(reset=True)}
@@ -285,6 +286,19 @@ def _open_tracking(cfg: ExperimentConfig, ctx: RunContext, path: Path, record: R
     )
     record.write(path)
     return tracker
+
+
+def _log_committed_rounds(ctx: RunContext, tracker: Tracker) -> None:
+    """Log each server's last committed round from its saved state, where a kill came between commit and log.
+
+    A round's metrics are logged right after its state is committed; a kill in between
+    would lose that point. The state holds the round's metrics, so a resume logs them at
+    the round's step (a no-op where they are in the store: resumed trackers skip those).
+    """
+    for node in ctx.tree.servers():
+        state = ctx.store.load_header(node.id)
+        if state.rounds_done and state.metrics:
+            tracker.log_node(node.id, state.metrics, step=state.rounds_done)
 
 
 def _record_logged(path: Path, phase: str) -> None:

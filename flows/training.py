@@ -327,6 +327,8 @@ class FlowHooks:
             metrics = {**metrics, **worker_utilisation(rt, self.round_started.get(key.round, time.time()), time.time())}
         if self._tempo_root(node) and key.round in self.sent_up:  # before evaluation and the round's fault point
             self._tempo_record(node, key.round, self.sent_up.pop(key.round), theta)
+        if not node.is_leaf:  # committed, not yet logged: a resume logs it from the saved state (experiment.py)
+            faults.hit("round", f"{node.id} round {key.round + 1}")
         rt.tracker.log_node(node.id, metrics, step=key.round + 1)
         progress.node_round(node.id, node.depth, key.round, metrics)
         every = rt.ctx.config.eval.every
@@ -335,8 +337,6 @@ class FlowHooks:
             mark_once(rt.ctx.run_path, "last_aggregate")
         if is_root and every and (key.round + 1) % every == 0 and not is_last:
             evaluate_step(rt, key.round + 1)
-        if not node.is_leaf:
-            faults.hit("round", f"{node.id} round {key.round + 1}")
 
 
 def execute_tree_node(

@@ -16,7 +16,7 @@ the second client trained anywhere:
 
 Points: ``prepare`` (data preparation, before the manifest is written), ``checkpoint``
 (a node state written to its temporary file, not yet renamed), ``round`` (a server
-round finished and saved), ``client`` (a client about to train), ``eval`` (an
+round committed, its metrics not yet logged), ``client`` (a client about to train), ``eval`` (an
 evaluation task about to score), ``tracking`` (the MLflow runs created, their ids not yet
 in ``run.json``), ``artefacts`` (the parent run's files half logged: the data report, not
 the package list), ``report`` (the report's files logged, its summary metrics not).

@@ -10,14 +10,12 @@ version and refuses stores that hold user data. Templates live in a per-test fol
 
 from __future__ import annotations
 
-import json
 import os
 import sqlite3
 import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -30,6 +28,7 @@ from flows.services.store_templates import (
     sqlite_from_template,
     template_path,
 )
+from tests.flows.prefect_api import api
 
 pytestmark = pytest.mark.integration
 
@@ -64,14 +63,6 @@ def templates(tmp_path, monkeypatch) -> Path:
     return folder
 
 
-def _api(url: str, body: dict | None = None):
-    request = urllib.request.Request(
-        url, data=json.dumps(body or {}).encode(), method="POST", headers={"Content-Type": "application/json"}
-    )
-    with urllib.request.urlopen(request, timeout=10) as response:
-        return json.loads(response.read())
-
-
 def _start(home: Path, monkeypatch) -> PrefectServer:
     monkeypatch.setenv("PREFECT_HOME", str(home))
     return start_server(home / "server.log", full=False)
@@ -94,22 +85,22 @@ def test_server_on_a_copied_template_runs_a_flow(templates, tmp_path, monkeypatc
         assert (home / "prefect.db").is_file() and server.database is None, "started from the template copy"
         server.wait_healthy(240)
         # block registration is skipped on a copy: the template brought the block types along
-        assert any(b["slug"] == "local-file-system" for b in _api(f"{server.api_url}/block_types/filter"))
+        assert any(b["slug"] == "local-file-system" for b in api(f"{server.api_url}/block_types/filter", {}))
         env = {**os.environ, "PREFECT_API_URL": server.api_url, "PREFECT_LOGGING_LEVEL": "WARNING"}
         done = subprocess.run(
             [sys.executable, "-c", FLOW], env=env, capture_output=True, text=True, timeout=180, check=False
         )
         assert done.returncode == 0, done.stderr[-3000:]
 
-        runs = {r["name"]: r for r in _api(f"{server.api_url}/flow_runs/filter")}
-        flows = {f["id"]: f["name"] for f in _api(f"{server.api_url}/flows/filter")}
+        runs = {r["name"]: r for r in api(f"{server.api_url}/flow_runs/filter", {})}
+        flows = {f["id"]: f["name"] for f in api(f"{server.api_url}/flows/filter", {})}
         by_flow = {flows[r["flow_id"]]: r for r in runs.values()}
         assert set(by_flow) == {"parent-flow", "child-flow"}
         assert all(r["state_type"] == "COMPLETED" for r in by_flow.values())
         assert by_flow["child-flow"]["parent_task_run_id"], "the child is a subflow of the parent"
         deadline = time.monotonic() + 30  # task runs are recorded from events, a moment later
         while True:
-            tasks = _api(f"{server.api_url}/task_runs/filter")
+            tasks = api(f"{server.api_url}/task_runs/filter", {})
             doubles = [t for t in tasks if t["task_key"].startswith("double")]
             if (doubles and doubles[0]["state_type"] == "COMPLETED") or time.monotonic() > deadline:
                 break

@@ -8,14 +8,12 @@ does, waits for it to complete, and finds the experiment in the MLflow store wit
 reproducibility tags. Stopping the command (SIGTERM) stops its server too.
 """
 
-import json
 import os
 import re
 import signal
 import subprocess
 import sys
 import time
-import urllib.request
 
 import pytest
 from mlflow import MlflowClient
@@ -23,15 +21,6 @@ from mlflow import MlflowClient
 from tests.small import REPO, SMALL
 
 pytestmark = pytest.mark.integration
-
-
-def _api(url: str, body: dict | None = None) -> dict | list:
-    data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(
-        url, data=data, headers={"Content-Type": "application/json"}, method="GET" if body is None else "POST"
-    )
-    with urllib.request.urlopen(request, timeout=10) as response:
-        return json.loads(response.read())
 
 
 def _wait(what: str, check, timeout_s: float, proc: subprocess.Popen):
@@ -89,20 +78,20 @@ def test_serve_registers_cron_deployment_and_runs_it(tmp_path):
 
             api = _wait("the Prefect server", ui_url, 240, proc) + "/api"
             deployment = _wait(
-                "the deployment", lambda: _api(f"{api}/deployments/name/bhfl-experiment/nightly"), 120, proc
+                "the deployment", lambda: api(f"{api}/deployments/name/bhfl-experiment/nightly"), 120, proc
             )
             assert [s["schedule"]["cron"] for s in deployment["schedules"]] == ["0 2 * * *"]
             assert deployment["parameters"]["config"]["name"] == "itest"  # the resolved config, pinned
             assert deployment["parameters"]["config"]["tree"]["root"]["rounds"] == 1
 
             by_deployment = {"deployments": {"id": {"any_": [deployment["id"]]}}}
-            scheduled = _wait("scheduled runs", lambda: _api(f"{api}/flow_runs/filter", by_deployment), 120, proc)
+            scheduled = _wait("scheduled runs", lambda: api(f"{api}/flow_runs/filter", by_deployment), 120, proc)
             assert all(r["state_type"] == "SCHEDULED" and "T02:00:00" in r["expected_start_time"] for r in scheduled)
 
-            run = _api(f"{api}/deployments/{deployment['id']}/create_flow_run", {})  # the UI's "Quick run"
+            run = api(f"{api}/deployments/{deployment['id']}/create_flow_run", {})  # the UI's "Quick run"
 
             def finished():
-                state = _api(f"{api}/flow_runs/{run['id']}")["state_type"]
+                state = api(f"{api}/flow_runs/{run['id']}")["state_type"]
                 assert state not in ("FAILED", "CRASHED"), (
                     f"flow run {state}; serve log:\n{(tmp_path / 'serve.log').read_text()[-4000:]}"
                 )
@@ -124,7 +113,7 @@ def test_serve_registers_cron_deployment_and_runs_it(tmp_path):
     artifacts = {a.path for a in client.list_artifacts(parent.info.run_id, "environment")}
     assert artifacts == {"environment/packages.txt"}
     try:
-        _api(f"{api}/health")
+        api(f"{api}/health")
         raise AssertionError("the Prefect server outlived `bhfl serve`")
     except OSError:
         pass
