@@ -82,6 +82,14 @@ def _run_tags(
     }
 
 
+def parent_run_name(config: ExperimentConfig) -> str:
+    """The MLflow parent run's name: the config's name, seed and hash, so runs of different settings differ.
+
+    (``bhfl.config_hash`` has the full hash; a sweep renames its points' runs to their labels.)
+    """
+    return f"{config.name} seed={config.seed} {config_hash(config)[:8]}"
+
+
 def _describe(config: ExperimentConfig, ctx: RunContext) -> str:
     tree = ctx.tree
     return (
@@ -273,6 +281,7 @@ def _open_tracking(cfg: ExperimentConfig, ctx: RunContext, path: Path, record: R
         _run_tags(cfg, path, ctx.manifest.fingerprint, nest),
         _describe(cfg, ctx),
         run_key=record.run_key,
+        run_name=parent_run_name(cfg),
         experiment=nest.experiment if nest else None,
         parent_run_id=nest.run_id if nest else None,
     )

@@ -113,10 +113,11 @@ class Tracker:
         description: str,
         *,
         run_key: str,
+        run_name: str | None = None,
         experiment: str | None = None,
         parent_run_id: str | None = None,
     ) -> str:
-        """Create the experiment run ``name`` (the parent run) and a nested run per server node.
+        """Create the experiment run (the parent run; named ``run_name``, default ``name``) and a run per server.
 
         ``run_key``: the key the run folder recorded before this call (``ProcessRecord.run_key``); a
         resumed tracker first adopts the runs tagged with it (a killed attempt created them
@@ -128,7 +129,7 @@ class Tracker:
         nesting = {MLFLOW_PARENT_RUN_ID: parent_run_id} if parent_run_id else {}
         adopted = self._adoptable(run_key)
         self.parent_id = self._create_or_adopt(
-            adopted.get(""), name, {**tags, **nesting, MLFLOW_RUN_NOTE: description, RUN_KEY_TAG: run_key}
+            adopted.get(""), run_name or name, {**tags, **nesting, MLFLOW_RUN_NOTE: description, RUN_KEY_TAG: run_key}
         )
         self._log_params(params)
         # parents before children: walk the tree top-down

@@ -63,7 +63,9 @@ def test_a_client_that_keeps_failing_is_dropped_and_counted(tmp_path, monkeypatc
     )
     result = run_experiment(cfg, tmp_path)
     client = MlflowClient(result["tracking_uri"])
-    runs = {r.info.run_name: r for r in client.search_runs([result["experiment_id"]])}
+    runs = {
+        r.data.tags.get("bhfl.node") or r.data.params["name"]: r for r in client.search_runs([result["experiment_id"]])
+    }
     assert runs["itest"].info.status == "FINISHED"
     dropped = {
         name: [m.value for m in client.get_metric_history(r.info.run_id, "train/dropped_clients")]

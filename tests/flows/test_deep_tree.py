@@ -42,7 +42,10 @@ def deep(tmp_path_factory):
 def test_every_server_at_every_depth_has_a_nested_run_with_metrics(deep):
     _, result = deep
     client = MlflowClient(result["tracking_uri"])
-    runs = {r.info.run_name: r for r in client.search_runs([result["experiment_id"]], max_results=1000)}
+    runs = {
+        r.data.tags.get("bhfl.node") or r.data.params["name"]: r
+        for r in client.search_runs([result["experiment_id"]], max_results=1000)
+    }
     assert set(runs) == set(SERVERS) | {"itest-deep"}
     for name, (depth, role, parent) in SERVERS.items():
         run = runs[name]

@@ -23,7 +23,10 @@ def finished(tmp_path_factory):
 
 
 def _runs(client, experiment_id):
-    return {r.info.run_name: r for r in client.search_runs([experiment_id], max_results=1000)}
+    return {
+        r.data.tags.get("bhfl.node") or r.data.params["name"]: r
+        for r in client.search_runs([experiment_id], max_results=1000)
+    }
 
 
 def test_nested_node_runs_with_tags(finished):
@@ -34,6 +37,7 @@ def test_nested_node_runs_with_tags(finished):
     runs = _runs(client, exp.experiment_id)
     parent = runs["itest"]
     assert parent.info.status == "FINISHED" and parent.info.run_id == result["run_id"]
+    assert parent.info.run_name == f"itest seed=0 {parent.data.tags['bhfl.config_hash'][:8]}"  # tells settings apart
     expected = {
         "root": ("0", "root", "itest"),
         "west": ("1", "server", "root"),

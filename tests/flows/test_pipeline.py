@@ -119,7 +119,9 @@ def test_mlflow_nests_pipeline_stage_and_node_runs(finished):
     assert pipeline_run.data.tags["bhfl.pipeline_path"] == result["pipeline_path"]
     for stage, entry in result["stages"].items():
         run = client.get_run(entry["run_id"])
-        assert run.info.experiment_id == experiment.experiment_id and run.info.run_name == f"tp-{stage}"
+        assert run.info.experiment_id == experiment.experiment_id and run.info.run_name.startswith(
+            f"tp-{stage} seed=0 "
+        )
         assert run.data.tags["mlflow.parentRunId"] == result["run_id"]
         assert run.data.tags["bhfl.pipeline_stage"] == stage and run.info.status == "FINISHED"
         nodes = RunRecord.read(Path(entry["run_path"])).node_runs

@@ -23,7 +23,10 @@ PNG = b"\x89PNG\r\n\x1a\n"
 
 
 def _runs(client, experiment_id):
-    return {r.info.run_name: r for r in client.search_runs([experiment_id], max_results=1000)}
+    return {
+        r.data.tags.get("bhfl.node") or r.data.params["name"]: r
+        for r in client.search_runs([experiment_id], max_results=1000)
+    }
 
 
 def _artifact(client, run_id, path, dst):

@@ -18,6 +18,7 @@ import time
 import pytest
 from mlflow import MlflowClient
 
+from tests.flows.prefect_api import api
 from tests.small import REPO, SMALL
 
 pytestmark = pytest.mark.integration
@@ -76,22 +77,22 @@ def test_serve_registers_cron_deployment_and_runs_it(tmp_path):
                 match = re.search(r"Prefect UI\s+(http://127\.0\.0\.1:\d+)", log.read())
                 return match and match.group(1)
 
-            api = _wait("the Prefect server", ui_url, 240, proc) + "/api"
+            base = _wait("the Prefect server", ui_url, 240, proc) + "/api"
             deployment = _wait(
-                "the deployment", lambda: api(f"{api}/deployments/name/bhfl-experiment/nightly"), 120, proc
+                "the deployment", lambda: api(f"{base}/deployments/name/bhfl-experiment/nightly"), 120, proc
             )
             assert [s["schedule"]["cron"] for s in deployment["schedules"]] == ["0 2 * * *"]
             assert deployment["parameters"]["config"]["name"] == "itest"  # the resolved config, pinned
             assert deployment["parameters"]["config"]["tree"]["root"]["rounds"] == 1
 
             by_deployment = {"deployments": {"id": {"any_": [deployment["id"]]}}}
-            scheduled = _wait("scheduled runs", lambda: api(f"{api}/flow_runs/filter", by_deployment), 120, proc)
+            scheduled = _wait("scheduled runs", lambda: api(f"{base}/flow_runs/filter", by_deployment), 120, proc)
             assert all(r["state_type"] == "SCHEDULED" and "T02:00:00" in r["expected_start_time"] for r in scheduled)
 
-            run = api(f"{api}/deployments/{deployment['id']}/create_flow_run", {})  # the UI's "Quick run"
+            run = api(f"{base}/deployments/{deployment['id']}/create_flow_run", {})  # the UI's "Quick run"
 
             def finished():
-                state = api(f"{api}/flow_runs/{run['id']}")["state_type"]
+                state = api(f"{base}/flow_runs/{run['id']}")["state_type"]
                 assert state not in ("FAILED", "CRASHED"), (
                     f"flow run {state}; serve log:\n{(tmp_path / 'serve.log').read_text()[-4000:]}"
                 )
@@ -104,7 +105,9 @@ def test_serve_registers_cron_deployment_and_runs_it(tmp_path):
 
     client = MlflowClient(f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")
     experiment = client.get_experiment_by_name("itest")
-    (parent,) = client.search_runs([experiment.experiment_id], filter_string="attributes.run_name = 'itest'")
+    (parent,) = client.search_runs(
+        [experiment.experiment_id], filter_string="attributes.run_name LIKE 'itest seed=0 %'"
+    )
     tags = parent.data.tags
     assert parent.info.status == "FINISHED"
     assert tags["bhfl.seed"] == "0" and tags["bhfl.config_hash"] and tags["bhfl.data_fingerprint"]
@@ -113,7 +116,7 @@ def test_serve_registers_cron_deployment_and_runs_it(tmp_path):
     artifacts = {a.path for a in client.list_artifacts(parent.info.run_id, "environment")}
     assert artifacts == {"environment/packages.txt"}
     try:
-        api(f"{api}/health")
+        api(f"{base}/health")
         raise AssertionError("the Prefect server outlived `bhfl serve`")
     except OSError:
         pass

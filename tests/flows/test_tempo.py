@@ -68,7 +68,10 @@ def test_tempo_schedule_drives_client_epochs(tmp_path):
 
     # the root's MLflow run has omega and the epochs used, per root round
     client = MlflowClient(result["tracking_uri"])
-    runs = {r.info.run_name: r for r in client.search_runs([result["experiment_id"]], max_results=1000)}
+    runs = {
+        r.data.tags.get("bhfl.node") or r.data.params["name"]: r
+        for r in client.search_runs([result["experiment_id"]], max_results=1000)
+    }
     root_id = runs["root"].info.run_id
     for edge in EDGES:
         used = client.get_metric_history(root_id, f"tempo/epochs/{edge}")
