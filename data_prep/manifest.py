@@ -13,6 +13,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, field_validator
 
+from bhfl_core.config.topology import ClientInfo
 from bhfl_core.learning.task_kinds import get_task_kind
 from bhfl_core.store.atomic import write_text_atomic
 
@@ -72,3 +73,7 @@ class Manifest(BaseModel):
     @classmethod
     def read(cls, folder: Path) -> Manifest:
         return cls.model_validate_json((folder / MANIFEST_NAME).read_text())
+
+    def tree_clients(self) -> list[ClientInfo]:
+        """The clients as the tree is built from them (``build_tree``): id, language, size, edge, cluster."""
+        return [ClientInfo(c.id, c.language, c.train.size, c.edge, c.cluster) for c in self.clients]

@@ -26,7 +26,7 @@ from torch import nn
 from bhfl_core.algorithm.tree import Tree
 from bhfl_core.config.base import ConfigError
 from bhfl_core.config.schema import ExperimentConfig
-from bhfl_core.config.topology import ClientInfo, build_tree
+from bhfl_core.config.topology import build_tree
 from bhfl_core.learning.models import build_model
 from bhfl_core.learning.task_kinds import TaskFacts, TaskKind, get_task_kind
 from bhfl_core.store.node_store import StateStore
@@ -56,8 +56,7 @@ class RunContext:
 
     @cached_property
     def tree(self) -> Tree:
-        clients = [ClientInfo(c.id, c.language, c.train.size, c.edge, c.cluster) for c in self.manifest.clients]
-        return build_tree(self.config, clients)
+        return build_tree(self.config, self.manifest.tree_clients())
 
     @cached_property
     def store(self) -> StateStore:

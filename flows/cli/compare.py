@@ -1,10 +1,12 @@
 """``bhfl compare``: several experiment runs side by side, read from the MLflow store.
 
-A reference is a parent run id, or an experiment name (its latest finished run).
-``--by-config`` aggregates seeds instead (``compare_by_config``): an experiment name
-then stands for all its finished runs, grouped by config without the seed
-(bhfl_core/analysis/seeds.py), one row per config with mean ± std and the 95%
-interval, and ``--baseline`` adds paired differences against one config.
+A reference is a parent run id (full, or a unique prefix of at least 8 characters: every
+id printed is the full one), or an experiment name (its latest finished run; with
+``--all`` every finished run of it). ``--by-config`` aggregates seeds instead
+(``compare_by_config``): an experiment name then stands for all its finished runs,
+grouped by config without the seed (bhfl_core/analysis/seeds.py), one row per config
+with mean ± std and the 95% interval, and ``--baseline`` adds paired differences
+against one config. ``--json`` gives the same as JSON (``rows_json``, ``by_config_json``).
 A pipeline (flows/pipeline.py) is one row by its name or run id: its run holds its
 last stage's headlines, with communication and time summed over the stages; a stage's
 run id gives that stage alone.
@@ -32,30 +34,52 @@ from bhfl_core.learning.metrics import task_metrics
 from bhfl_core.store.tables import table_csv
 
 _RUN_ID = re.compile(r"^[0-9a-f]{32}$")
+_ID_PREFIX = re.compile(r"^[0-9a-f]{8,31}$")  # flows/records/listing.py MIN_ID_PREFIX
 
 
 class CompareError(ValueError):
     """A reference that names no run or experiment in the store; the message says which."""
 
 
-def resolve(client: MlflowClient, ref: str) -> Run:
-    """The experiment run a reference names (a run id, or an experiment's latest finished run)."""
+def _checked(run: Run, ref: str) -> Run:
+    """``run`` if it is an experiment (or pipeline) run; a node's run is an error naming where to look."""
+    parent = run.data.tags.get(MLFLOW_PARENT_RUN_ID)
+    if parent and "bhfl.pipeline_stage" not in run.data.tags:  # a stage's run is an experiment run
+        node = run.data.tags.get("bhfl.node", run.info.run_name)
+        raise CompareError(
+            f"{ref}: this is the run of node {node!r}; compare experiment runs, "
+            f"e.g. its top-level run (follow the parent runs up from {parent})"
+        )
+    return run
+
+
+def _by_id(client: MlflowClient, ref: str) -> Run | None:
+    """The run whose id is ``ref``, or the one run whose id starts with ``ref`` (8+ hex digits); else None."""
     if _RUN_ID.match(ref):
         try:
-            run = client.get_run(ref)
+            return _checked(client.get_run(ref), ref)
         except MlflowException:
-            run = None
-        if run is not None:
-            parent = run.data.tags.get(MLFLOW_PARENT_RUN_ID)
-            if parent and "bhfl.pipeline_stage" not in run.data.tags:  # a stage's run is an experiment run
-                node = run.data.tags.get("bhfl.node", run.info.run_name)
-                raise CompareError(
-                    f"{ref}: this is the run of node {node!r}; compare experiment runs, "
-                    f"e.g. its top-level run (follow the parent runs up from {parent})"
-                )
-            return run
+            return None
+    if not _ID_PREFIX.match(ref):
+        return None
+    experiments = [e.experiment_id for e in client.search_experiments(max_results=50_000)]
+    found = client.search_runs(experiments, f"attributes.run_id LIKE '{ref}%'", max_results=11) if experiments else []
+    if len(found) > 1:
+        ids = ", ".join(r.info.run_id for r in found[:10])
+        count = str(len(found)) if len(found) <= 10 else "more than 10"
+        raise CompareError(f"{ref}: the start of {count} run ids ({ids}); give more characters of the one you mean")
+    return _checked(found[0], ref) if found else None
+
+
+def resolve(client: MlflowClient, ref: str) -> Run:
+    """The experiment run a reference names (a run id or a unique prefix of one, or an experiment's latest
+    finished run)."""
+    if _RUN_ID.match(ref) and (run := _by_id(client, ref)) is not None:
+        return run
     experiment = client.get_experiment_by_name(ref)
     if experiment is None:
+        if (run := _by_id(client, ref)) is not None:
+            return run
         raise CompareError(f"{ref!r} is neither a run id nor an experiment name in this MLflow store")
     runs = client.search_runs(
         [experiment.experiment_id],
@@ -112,8 +136,8 @@ def row(client: MlflowClient, run: Run, target: float | None = None) -> dict[str
     ``target``: also the virtual time at which the root first reached ``target`` on the
     union of the clients' tests (NaN if it never did; evaluations every ``eval.every`` rounds).
     """
-    m = run.data.metrics
-    task = task_metrics(run.data.tags.get("bhfl.task", "classification"))
+    m, tags = run.data.metrics, run.data.tags
+    task = task_metrics(tags.get("bhfl.task", "classification"))
     metric = task.primary
     nan = math.nan
     comm_bytes = m.get("comm/total_bytes", nan)
@@ -133,6 +157,9 @@ def row(client: MlflowClient, run: Run, target: float | None = None) -> dict[str
         "root_rounds": run.data.params.get("tree.root.rounds", ""),
         "virtual_s": m.get(VIRTUAL_TIME, nan),
         "wall_s": m.get("time/total_s", nan),
+        # not table columns; in --json: where the run's files are, its MLflow status
+        "run_path": tags.get("bhfl.run_path") or tags.get("bhfl.pipeline_path") or tags.get("bhfl.sweep_path"),
+        "status": run.info.status.lower(),
     }
     if target is not None:
         points = tta.curve(_history(client, run, VIRTUAL_TIME), _history(client, run, f"root/union/{metric}"))
@@ -149,8 +176,36 @@ def columns(target: float | None) -> tuple[str, ...]:
     return COLUMNS if target is None else (*COLUMNS[:-1], "time_to_target", COLUMNS[-1])
 
 
-def compare(client: MlflowClient, refs: Sequence[str], target: float | None = None) -> list[dict[str, object]]:
-    return [row(client, resolve(client, ref), target) for ref in refs]
+def compare(
+    client: MlflowClient, refs: Sequence[str], target: float | None = None, every: bool = False
+) -> list[dict[str, object]]:
+    """One row per reference; ``every``: an experiment name gives all its finished runs, oldest first."""
+    runs: list[Run] = []
+    for ref in refs:
+        if every and client.get_experiment_by_name(ref) is not None:
+            runs += sorted(_experiment_runs(client, ref), key=lambda r: (r.info.start_time or 0, r.info.run_id))
+        else:
+            runs.append(resolve(client, ref))
+    return [row(client, run, target) for run in runs]
+
+
+def _number(value: object) -> object:
+    """A JSON value: NaN (a number the run lacks) is null."""
+    return None if isinstance(value, float) and math.isnan(value) else value
+
+
+JSON_KEYS = ("run_path", "status")
+
+
+def rows_json(rows: Sequence[dict[str, object]], target: float | None = None) -> list[dict[str, object]]:
+    """``bhfl compare --json``: one object per run, the table's columns (full precision, null: none) and
+    ``run_path``, ``status`` (README, "The CLI")."""
+    keys = (*columns(target), *JSON_KEYS)
+    out = [{k: _number(r.get(k)) for k in keys} for r in rows]
+    for r in out:  # a param (text) in MLflow; a number here, null where the run has none
+        rounds = str(r["root_rounds"] or "")
+        r["root_rounds"] = int(rounds) if rounds.isdigit() else None
+    return out
 
 
 def _cell(value: object, column: str) -> str:
@@ -160,9 +215,7 @@ def _cell(value: object, column: str) -> str:
         if column in ("comm_model_equivalents", "wall_s", "virtual_s", "time_to_target"):
             return f"{value:.0f}"
         return f"{value:.2f}" if column == "comm_mb" else f"{value:.4f}"
-    if column == "run_id":
-        return str(value)[:8]
-    return str(value)
+    return str(value)  # run ids in full: any printed id is one `bhfl compare` and `bhfl resume` take
 
 
 def to_markdown(rows: Sequence[dict[str, object]], target: float | None = None) -> str:
@@ -203,11 +256,13 @@ class ByConfig:
 
 
 def _experiment_runs(client: MlflowClient, ref: str) -> list[Run]:
-    """Every finished experiment run a reference names: a run id alone, or all of an experiment's."""
+    """Every finished experiment run a reference names: a run id (or prefix) alone, or all of an experiment's."""
     if _RUN_ID.match(ref):
         return [resolve(client, ref)]
     experiment = client.get_experiment_by_name(ref)
     if experiment is None:
+        if (run := _by_id(client, ref)) is not None:
+            return [run]
         raise CompareError(f"{ref!r} is neither a run id nor an experiment name in this MLflow store")
     runs = [
         run
@@ -313,10 +368,11 @@ def _baseline(client: MlflowClient, ref: str, labels: Mapping[str, str], names: 
             f"--baseline {ref}: {len(named)} configs are named {ref!r}; name one by its label: "
             + ", ".join(repr(labels[c]) for c in named)
         )
-    if _RUN_ID.match(ref):
+    if _RUN_ID.match(ref) or _ID_PREFIX.match(ref):
         try:
-            config = seeds.config_identity(client.get_run(ref).data.params)
-        except MlflowException:
+            run = _by_id(client, ref)
+            config = seeds.config_identity(run.data.params) if run is not None else ""
+        except (MlflowException, CompareError):
             config = ""
         if config in labels:
             return config
@@ -416,3 +472,36 @@ def paired_csv(result: ByConfig, target: float | None = None) -> str:
         for p in result.paired
     )
     return table_csv(header, lines)
+
+
+def _stat_json(s: seeds.Summary) -> dict[str, object]:
+    return {"n": s.n, "mean": _number(s.mean), "std": _number(s.std), "lo": _number(s.lo), "hi": _number(s.hi)}
+
+
+def by_config_json(result: ByConfig, target: float | None = None) -> list[dict[str, object]]:
+    """``bhfl compare --by-config --json``: one object per config (README, "The CLI").
+
+    ``stats``: per headline metric its n, mean, sample std and 95% interval [lo, hi] over
+    seeds (null: none); ``paired`` (with ``--baseline``): the same of the differences
+    against the baseline on the seeds both ran, null for the baseline itself.
+    """
+    metrics = headline(target)
+    paired = {p.config: p for p in result.paired}
+    out: list[dict[str, object]] = []
+    for g in result.groups:
+        pair = paired.get(g.config)
+        out.append(
+            {
+                "config": result.labels[g.config],
+                "config_id": g.config,
+                "metric": result.metric[g.config],
+                "seeds": list(g.seeds),
+                "run_ids": list(g.run_ids),
+                "stats": {c: _stat_json(g.metrics[c]) for c in metrics},
+                "baseline": None if result.baseline is None else result.labels[result.baseline],
+                "paired": None
+                if pair is None
+                else {"seeds": list(pair.seeds), "diff": {c: _stat_json(pair.metrics[c]) for c in metrics}},
+            }
+        )
+    return out

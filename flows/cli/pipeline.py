@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from collections.abc import Sequence
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -24,10 +23,12 @@ from flows.cli.shell import (
     console,
     fail,
     guarded,
+    out,
     prefect_api,
     preflight,
     prepare_environment,
     tracking_store_ready,
+    ui_hint,
 )
 from flows.progress import RichReporter
 
@@ -161,29 +162,69 @@ def print_summary(result: dict[str, Any], run_dir: Path) -> None:
             _num(m, "comm/total_model_equivalents", 0),
             _num(m, "time/total_s", 0),
         )
-    console.print(table)
+    out.print(table, soft_wrap=False)  # the results: stdout
     uri = result["tracking_uri"]
-    ui_cmd = ".venv/bin/bhfl ui" + ("" if str(run_dir) == "runs" else f" --run-dir {run_dir}")
-    if os.environ.get("MLFLOW_TRACKING_URI") or not uri.startswith("sqlite:///"):
-        ui_cmd = f".venv/bin/bhfl ui --tracking-uri {uri}"
     stage_lines = "\n".join(f"    {name}: {entry['run_path']}" for name, entry in result["stages"].items())
-    console.print(
+    out.print(
         f"\n[bold green]done[/] in {result['wall_time_s']:.0f} s\n"
         f"  pipeline folder: {result['pipeline_path']}\n  stage runs (each with report/report.md):\n{stage_lines}\n"
         f"  MLflow store: {uri}\n  MLflow pipeline run id: {result['run_id']}\n"
-        f"  open the UI:  {ui_cmd}   then browse "
+        f"  open the UI:  {ui_hint(uri, run_dir)}   then browse "
         f"http://127.0.0.1:5000/#/experiments/{result['experiment_id']}/runs/{result['run_id']}",
         highlight=False,
     )
 
 
+def _pipeline_folders(run_dir: Path) -> list[Path]:
+    if not any(run_dir.glob("*/*/pipeline.json")):  # none: pipeline_record (and the configs' imports) not needed
+        return []
+    from flows.records.pipeline_record import find_pipelines
+
+    return find_pipelines(run_dir)
+
+
+def pipeline_entry(folder: Path) -> dict[str, Any]:
+    """One pipeline of ``bhfl runs --json`` (README, "The CLI"): its record and its stages' status."""
+    from flows.records.pipeline_record import PipelineRecord
+    from flows.records.run_record import RunRecord
+
+    record = PipelineRecord.read(folder)
+    assert record is not None
+    stages = []
+    for name, entry in record.stages.items():
+        run = RunRecord.read(Path(entry.run_path)) if entry.run_path else None
+        stages.append(
+            {
+                "name": name,
+                "status": run.effective_status if run is not None else entry.status,
+                "path": entry.run_path or None,
+                "mlflow_run_id": entry.run_id or None,
+            }
+        )
+    return {
+        "kind": "pipeline",
+        "name": record.name,
+        "folder": f"{folder.parent.name}/{folder.name}",
+        "path": str(folder.resolve()),
+        "status": record.effective_status,
+        "started": datetime.fromtimestamp(record.started, UTC).isoformat(timespec="seconds"),
+        "mlflow_run_id": record.run_id or None,
+        "stages": stages,
+    }
+
+
+def pipeline_entries(run_dir: Path) -> list[dict[str, Any]]:
+    """Every pipeline under ``run_dir`` as ``bhfl runs --json`` shows it, oldest first."""
+    return [pipeline_entry(folder) for folder in _pipeline_folders(run_dir)]
+
+
 def print_pipelines(out: Console, run_dir: Path, only: Path | None = None) -> None:
     """``bhfl runs``: every pipeline under ``run_dir`` (or ``only`` that one) with its stages' status."""
-    from flows.records.pipeline_record import PipelineRecord, find_pipelines
+    from flows.records.pipeline_record import PipelineRecord
     from flows.records.run_record import RunRecord
 
     colour = {"finished": "green", "running": "cyan", "failed": "red", "interrupted": "yellow"}
-    for folder in [only] if only is not None else find_pipelines(run_dir):
+    for folder in [only] if only is not None else _pipeline_folders(run_dir):
         record = PipelineRecord.read(folder)
         if record is None:
             continue

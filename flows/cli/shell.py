@@ -23,7 +23,28 @@ if TYPE_CHECKING:
     from bhfl_core.config.schema import ExperimentConfig
     from tasks.local_cluster import ClusterStart
 
-console = Console(stderr=True)
+# Progress, notes, warnings and errors go to stderr; a command's results (summary tables, listings,
+# comparisons, JSON) to stdout (``out``), so `bhfl runs > runs.txt` or `bhfl compare ... --json | jq`
+# capture the results alone. soft_wrap: rich never breaks a line itself (a path printed stays
+# copy-pastable; the terminal folds long lines). Both consoles look up sys.stdout/sys.stderr when
+# they print, so test runners that swap the streams see the output.
+console = Console(stderr=True, soft_wrap=True)
+out = Console(soft_wrap=True)
+
+
+def print_json(data: object) -> None:
+    """``data`` as JSON on stdout: plain text (no colour, no wrapping), one document, ending in a newline."""
+    import json
+
+    sys.stdout.write(json.dumps(data, indent=2, allow_nan=False) + "\n")
+    sys.stdout.flush()
+
+
+def ui_hint(uri: str, run_dir: Path) -> str:
+    """The command that opens the MLflow UI on ``uri``, as a user would type it."""
+    if os.environ.get("MLFLOW_TRACKING_URI") or not uri.startswith("sqlite:///"):
+        return f".venv/bin/bhfl ui --tracking-uri {uri}"
+    return ".venv/bin/bhfl ui" + ("" if str(run_dir) == "runs" else f" --run-dir {run_dir}")
 
 
 def fail(message: str) -> None:

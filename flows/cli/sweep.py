@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -26,11 +25,13 @@ from flows.cli.pipeline import _start_forkserver
 from flows.cli.shell import (
     console,
     fail,
+    out,
     prefect_api,
     preflight,
     prepare_environment,
     serve_on_schedule,
     tracking_store_ready,
+    ui_hint,
 )
 from flows.progress import RichReporter
 
@@ -227,18 +228,15 @@ def print_summary(result: dict[str, Any], run_dir: Path) -> None:
             _num(m, f"root/union/{metric}"),
             _num(m, "time/total_s", 0),
         )
-    console.print(table)
+    out.print(table, soft_wrap=False)  # the results: stdout
     uri = result["tracking_uri"]
-    ui_cmd = ".venv/bin/bhfl ui" + ("" if str(run_dir) == "runs" else f" --run-dir {run_dir}")
-    if os.environ.get("MLFLOW_TRACKING_URI") or not uri.startswith("sqlite:///"):
-        ui_cmd = f".venv/bin/bhfl ui --tracking-uri {uri}"
     skipped = len(result["points"]) - len(result["ran"])
-    console.print(
+    out.print(
         f"\n[bold green]done[/] in {result['wall_time_s']:.0f} s: {len(result['ran'])} experiment(s) run, "
         f"{result['parallel']} at a time; {skipped} finished before\n"
         f"  sweep folder: {result['sweep_path']} (sweep.json: label -> run folder)\n"
         f"  MLflow store: {uri}\n  MLflow sweep run id: {result['run_id']}\n"
-        f"  open the UI:  {ui_cmd}   then browse "
+        f"  open the UI:  {ui_hint(uri, run_dir)}   then browse "
         f"http://127.0.0.1:5000/#/experiments/{result['experiment_id']}/runs/{result['run_id']}",
         highlight=False,
     )

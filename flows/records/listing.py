@@ -1,23 +1,40 @@
 """What is in a run folder: status, where it stopped, and what a resume would redo.
 
-Read from the run's ``run.json`` and the headers of its node checkpoints only (no
-model is loaded), so listing many runs stays cheap. The plan walks the tree the way
-EXECUTENODE does: for every node, the execution its parent's current round asked for,
-and how many of its rounds are saved.
+Read from the run's ``run.json``, its config, its data manifest and the headers of its
+node checkpoints only (no model, no data shard is loaded, and neither Prefect, MLflow
+nor the data libraries are imported), so listing many runs stays cheap. The plan walks
+the tree the way EXECUTENODE does: for every node, the execution its parent's current
+round asked for, and how many of its rounds are saved.
+
+A run is named by its folder, ``<name>/<stamp>``, ``latest`` or its MLflow run id,
+full or a unique prefix of at least ``MIN_ID_PREFIX`` characters (``resolve_run``).
 """
 
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from bhfl_core.algorithm.node_state import ROOT_CALLER, Caller
-from bhfl_core.algorithm.tree import Node
+from bhfl_core.algorithm.tree import Node, Tree
 from bhfl_core.config.topology import ROOT_ID as ROOT
+from bhfl_core.config.topology import build_tree
 from bhfl_core.rng import sample_cohort
+from bhfl_core.store.node_store import StateStore
+from bhfl_core.store.run_layout import CONFIG_FILE, DATA_POINTER, STATE_DIR
+from data_prep.manifest import Manifest
 from flows.records.run_record import RECORD_FILE, RunRecord
 from flows.records.run_state import RunStateError, load_run
-from tasks.context import CONFIG_FILE, DATA_POINTER, RunContext
+
+if TYPE_CHECKING:
+    from bhfl_core.config.schema import ExperimentConfig
+
+MIN_ID_PREFIX = 8  # shortest MLflow run-id prefix taken for a run (a prefix of 8 hex digits: 4e9 values)
+_HEX = re.compile(r"^[0-9a-f]+$")
 
 
 @dataclass
@@ -32,7 +49,23 @@ class Progress:
     final_eval_pending: bool = True
 
 
-def _walk(ctx: RunContext, node: Node, caller: Caller, out: Progress) -> str:
+@dataclass(frozen=True)
+class _Run:
+    """What the plan needs of a run: its tree, its checkpoint headers, its seed (no data, no model)."""
+
+    tree: Tree
+    store: StateStore
+    seed: int
+
+
+def _open(run_path: Path, config: ExperimentConfig) -> _Run:
+    # the tree as tasks/context.py RunContext builds it, without importing the data libraries it needs
+    data_root = Path(json.loads((run_path / DATA_POINTER).read_text())["data_root"])
+    tree = build_tree(config, Manifest.read(data_root).tree_clients())
+    return _Run(tree, StateStore(run_path / STATE_DIR), config.seed)
+
+
+def _walk(ctx: _Run, node: Node, caller: Caller, out: Progress) -> str:
     """Status of ``node``'s execution for ``caller`` (done / under way / to do); lines for those under way."""
     settings = node.settings
     state = ctx.store.load_header(node.id)
@@ -43,7 +76,7 @@ def _walk(ctx: RunContext, node: Node, caller: Caller, out: Progress) -> str:
     if node.is_leaf:
         return "under way" if started else "to do"
     round_index = state.rounds_done  # the node's current round (cumulative over the run)
-    cohort = sample_cohort(ctx.tree.children(node.id), settings.cohort, ctx.config.seed, node.id, round_index)
+    cohort = sample_cohort(ctx.tree.children(node.id), settings.cohort, ctx.seed, node.id, round_index)
     at = len(out.lines)
     out.lines.append("")  # this node's line, written once its children are known
     statuses = [_walk(ctx, child, Caller(node.id, round_index), out) for child in cohort]
@@ -60,11 +93,14 @@ def _walk(ctx: RunContext, node: Node, caller: Caller, out: Progress) -> str:
     return "under way"
 
 
-def progress(run_path: Path) -> Progress | None:
-    """The run's progress from its checkpoints; None before its data was prepared."""
+def progress(run_path: Path, config: ExperimentConfig | None = None) -> Progress | None:
+    """The run's progress from its checkpoints; None before its data was prepared.
+
+    ``config``: the run's config, already read by the caller (else read here).
+    """
     if not (run_path / DATA_POINTER).exists():
         return None
-    ctx = RunContext.open(run_path)
+    ctx = _open(run_path, config if config is not None else load_run(run_path)[0])
     root = ctx.tree.root
     done = ctx.store.load_header(root.id).rounds_done
     out = Progress(done, root.settings.rounds)
@@ -100,11 +136,12 @@ class RunSummary:
     detail: str  # where it stopped and why
     redo: str
     mlflow_run_id: str
+    plan: Progress | None = None  # None before its data was prepared
 
 
 def summarize(run_path: Path) -> RunSummary:
     config, record = load_run(run_path)
-    p = progress(run_path)
+    p = progress(run_path, config)
     status = record.effective_status
     where = f" at {p.stopped_at}" if p and p.stopped_at and status != "finished" else ""
     if status == "finished":
@@ -113,7 +150,49 @@ def summarize(run_path: Path) -> RunSummary:
         detail = f"process {record.pid}" + where
     else:
         detail = (where.strip() + (f": {record.error.splitlines()[0]}" if record.error else "")).strip(": ")
-    return RunSummary(run_path, config.name, status, record.started, detail, redo_summary(p), record.parent_run_id)
+    return RunSummary(run_path, config.name, status, record.started, detail, redo_summary(p), record.parent_run_id, p)
+
+
+def _iso(timestamp: float) -> str:
+    return datetime.fromtimestamp(timestamp, UTC).isoformat(timespec="seconds")
+
+
+def run_entry(
+    summary: RunSummary | None, path: Path | None = None, error: str = "", with_plan: bool = False
+) -> dict[str, Any]:
+    """One run of ``bhfl runs --json`` (README, "The CLI"); ``summary`` None: an unreadable run folder."""
+    if summary is None:
+        assert path is not None
+        return {
+            "kind": "run",
+            "name": path.parent.name,
+            "folder": f"{path.parent.name}/{path.name}",
+            "path": str(path.resolve()),
+            "status": "unreadable",
+            "started": None,
+            "detail": error,
+            "redo": None,
+            "mlflow_run_id": None,
+        }
+    entry: dict[str, Any] = {
+        "kind": "run",
+        "name": summary.name,
+        "folder": f"{summary.path.parent.name}/{summary.path.name}",
+        "path": str(summary.path.resolve()),
+        "status": summary.status,
+        "started": _iso(summary.started),
+        "detail": summary.detail,
+        "redo": summary.redo,
+        "mlflow_run_id": summary.mlflow_run_id or None,
+    }
+    if with_plan:
+        plan = summary.plan
+        entry["plan"] = (
+            None
+            if plan is None
+            else {"root_rounds_done": plan.root_done, "root_rounds": plan.root_rounds, "nodes": plan.lines}
+        )
+    return entry
 
 
 def find_runs(run_dir: Path) -> list[Path]:
@@ -122,8 +201,33 @@ def find_runs(run_dir: Path) -> list[Path]:
     return sorted(found, key=lambda p: (RunRecord.read(p) or RunRecord(name="")).started)
 
 
+def is_id_prefix(spec: str) -> bool:
+    """Whether ``spec`` can be (a prefix of) an MLflow run id: 8 to 32 lowercase hex digits."""
+    return MIN_ID_PREFIX <= len(spec) <= 32 and _HEX.match(spec) is not None
+
+
+def _by_run_id(spec: str, ids: dict[Path, str], what: str) -> Path | None:
+    """The one folder whose MLflow run id is ``spec`` or starts with it; RunStateError when several do."""
+    exact = [path for path, run_id in ids.items() if run_id and run_id == spec]
+    if exact:
+        return exact[0].resolve()
+    if not is_id_prefix(spec):
+        return None
+    found = [path for path, run_id in ids.items() if run_id and run_id.startswith(spec)]
+    if len(found) > 1:
+        raise RunStateError(
+            f"{spec!r} is the start of the MLflow run ids of {len(found)} {what}s: "
+            + ", ".join(f"{ids[p]} ({p})" for p in found)
+            + "; give more characters of the id"
+        )
+    return found[0].resolve() if found else None
+
+
 def resolve_run(spec: str, run_dir: Path) -> Path:
-    """A run folder from what a user types: a path, ``<name>/<stamp>``, ``latest``, or an MLflow run id."""
+    """A run folder from what a user types: a path, ``<name>/<stamp>``, ``latest``, or an MLflow run id.
+
+    The run id may be shortened to a unique prefix of at least ``MIN_ID_PREFIX`` characters.
+    """
     for candidate in (Path(spec), run_dir / spec):
         if (candidate / CONFIG_FILE).is_file():
             return candidate.resolve()
@@ -131,10 +235,24 @@ def resolve_run(spec: str, run_dir: Path) -> Path:
     if spec == "latest" and runs:
         return runs[-1].resolve()
     for path in runs:
-        record = RunRecord.read(path)
-        if record is not None and spec in (record.parent_run_id, path.name):
+        if spec == path.name:
             return path.resolve()
+    ids = {path: record.parent_run_id for path in runs if (record := RunRecord.read(path)) is not None}
+    if (found := _by_run_id(spec, ids, "run")) is not None:
+        return found
     raise RunStateError(
         f"no run {spec!r} under {run_dir}: give a run folder, <name>/<stamp>, `latest` or an "
-        f"MLflow run id (`bhfl runs --run-dir {run_dir}` lists them)"
+        f"MLflow run id, full or its first {MIN_ID_PREFIX}+ characters (`bhfl runs --run-dir {run_dir}` lists them)"
     )
+
+
+def resolve_pipeline(spec: str, run_dir: Path) -> Path | None:
+    """The pipeline folder ``spec`` names (a path, ``<name>/<stamp>``, or its MLflow run id or a prefix), else None."""
+    from flows.records.pipeline_record import PipelineRecord, find_pipeline, find_pipelines
+
+    if (folder := find_pipeline(spec, run_dir)) is not None:
+        return folder
+    if not is_id_prefix(spec):
+        return None
+    ids = {folder: record.run_id for folder in find_pipelines(run_dir) if (record := PipelineRecord.read(folder))}
+    return _by_run_id(spec, ids, "pipeline")

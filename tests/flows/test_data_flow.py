@@ -165,4 +165,4 @@ def test_cli_prepare_prints_the_partition_and_missing_files_are_clear(tmp_path):
     )
     assert out.returncode == 0, out.stderr
     assert "| de | 3 | 1 |" in out.stdout and "Held out: test.en, test.de, test.es, test.fr, test.ru." in out.stdout
-    assert "prepared in" in out.stderr and len(list((tmp_path / "cache").glob("*/manifest.json"))) == 1
+    assert "prepared in" in out.stdout and len(list((tmp_path / "cache").glob("*/manifest.json"))) == 1
