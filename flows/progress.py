@@ -26,6 +26,8 @@ from rich.progress import (
 )
 
 LOGGER = logging.getLogger("bhfl.progress")
+# progress is INFO by design: handlers (the CLI's reporter, Prefect's API handler) decide what shows where
+LOGGER.setLevel(logging.INFO)
 _EVENT = "bhfl_event"
 
 

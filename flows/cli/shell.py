@@ -84,6 +84,9 @@ def prepare_environment(run_dir: Path, verbose: bool) -> None:
     # Failures reach the user as one paragraph (flows/cli/errors.py); Prefect's console copy of
     # the traceback is noise then. Its API handler still sends the logs to the Prefect UI.
     os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "INFO" if verbose else "CRITICAL")
+    # the run's progress (root and node rounds, notes) in each flow run's logs in the Prefect UI
+    os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "bhfl.progress")
+    os.environ.setdefault("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", "ignore")  # notes before a flow starts
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")

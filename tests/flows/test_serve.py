@@ -99,6 +99,9 @@ def test_serve_registers_cron_deployment_and_runs_it(tmp_path):
                 return state == "COMPLETED"
 
             _wait("the triggered run", finished, 420, proc)
+            # the run's progress is in its logs in the Prefect UI (bhfl.progress, a Prefect extra logger)
+            logs = api(f"{base}/logs/filter", {"logs": {"flow_run_id": {"any_": [run["id"]]}}})
+            assert any("root rounds" in entry["message"] for entry in logs), [e["message"] for e in logs][:10]
         finally:
             os.killpg(proc.pid, signal.SIGTERM)
             proc.wait(timeout=60)
