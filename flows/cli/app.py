@@ -489,8 +489,8 @@ def _print_summary(result: dict, run_dir: Path) -> None:
         f"  run files (node models, optimiser states): {result['run_path']}\n"
         f"  MLflow store: {uri}\n"
         f"  MLflow run id: {result['run_id']}  (evaluation matrix: artefact eval/matrix.csv)\n"
-        f"  report: {Path(result['run_path']) / 'report' / 'report.md'}  "
-        "(artefact report.md; tables and figures in eval/)\n"
+        f"  report: {Path(result['run_path']) / 'report' / 'report.html'}  "
+        "(artefacts report.html with the figures inline, report.md; tables and figures in eval/)\n"
         f"  open the UI:  {ui_hint(uri, run_dir)}   then browse "
         f"http://127.0.0.1:5000/#/experiments/{result['experiment_id']}/runs/{result['run_id']}",
         highlight=False,
