@@ -94,8 +94,10 @@ def test_nested_runs_metrics_and_artifacts_are_served(server):
     base, tree = server
     exp = _api(base, "experiments/get-by-name?experiment_name=itest-report")["experiment"]
     runs = _api(base, "runs/search", {"experiment_ids": [exp["experiment_id"]], "max_results": 100})["runs"]
-    by_name = {r["info"]["run_name"]: r for r in runs}
-    tags = {name: {t["key"]: t["value"] for t in r["data"].get("tags", [])} for name, r in by_name.items()}
+    tags_of = [{t["key"]: t["value"] for t in r["data"].get("tags", [])} for r in runs]
+    # node runs by their node, the parent run ("<config> seed=<seed> <hash8>") as itest-report
+    by_name = {t.get("bhfl.node", "itest-report"): r for t, r in zip(tags_of, runs)}
+    tags = {t.get("bhfl.node", "itest-report"): t for t in tags_of}
     parent_id = tree["run_id"]
     # the tree through nesting: parent -> root -> servers -> edge servers
     expected_parent = {
@@ -109,6 +111,7 @@ def test_nested_runs_metrics_and_artifacts_are_served(server):
     for node, parent in expected_parent.items():
         assert tags[node]["mlflow.parentRunId"] == by_name[parent]["info"]["run_id"], node
     assert by_name["itest-report"]["info"]["run_id"] == parent_id
+    assert by_name["itest-report"]["info"]["run_name"].startswith("itest-report seed=0 ")
     assert by_name["itest-report"]["info"]["status"] == "FINISHED"
     assert tags["itest-report"]["bhfl.task"] == "classification"
     parent_metrics = {m["key"]: m["value"] for m in by_name["itest-report"]["data"]["metrics"]}
