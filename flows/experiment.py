@@ -48,7 +48,7 @@ from flows.records.environment import environment_text, git_commit, package_vers
 from flows.records.run_record import LOGGED_FILES, PipelineLink, RunRecord, default_tracking_uri, new_run_path
 from flows.records.run_state import RunStateError, load_run, resume_config
 from flows.records.warm_source import resolve_init_from, warm_start
-from flows.tracking.prefect_summary import prefect_tags, publish_summary
+from flows.tracking.prefect_summary import prefect_tags, publish_summary, summary_markdown
 from flows.tracking.timings import evaluation_cost
 from flows.tracking.tracker import Tracker
 from flows.training import PLAIN_CALLS, PREFECT_RUNS, thread_task_runner
@@ -240,7 +240,10 @@ def _experiment(
 
             headline = write_report(tracker, ctx, evaluation, timings)  # report.md, tables, figures
             if orchestration is PREFECT_RUNS:  # the headlines and the MLflow link on the flow run's page
-                publish_summary(cfg, path, record.tracking_uri, tracker.experiment_id, tracker.parent_id, headline)
+                summary = summary_markdown(
+                    cfg, path, record.tracking_uri, tracker.experiment_id, tracker.parent_id, headline
+                )
+                publish_summary(cfg, summary)
             tracker.finish("FINISHED")
             record = _finish_record(path, record, "finished")
         except BaseException as exc:

@@ -45,19 +45,12 @@ def summary_markdown(
     )
 
 
-def publish_summary(
-    config: ExperimentConfig,
-    run_path: Path,
-    tracking_uri: str,
-    experiment_id: str,
-    run_id: str,
-    headline: Mapping[str, float],
-) -> None:
-    """Create the markdown artefact on the current Prefect flow run."""
+def publish_summary(config: ExperimentConfig, markdown: str) -> None:
+    """Create the markdown artefact (``summary_markdown``) on the current Prefect flow run."""
     from prefect.artifacts import create_markdown_artifact
 
     create_markdown_artifact(
-        markdown=summary_markdown(config, run_path, tracking_uri, experiment_id, run_id, headline),
+        markdown=markdown,
         key=artifact_key(config.name),
         description=f"{config.name}: headline metrics and the MLflow run",
     )
