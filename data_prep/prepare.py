@@ -13,7 +13,9 @@ with ``save_to_disk`` (memory-mapped Arrow when read back).
 
 ``prepare_data`` runs its steps through ``step(name, fn, *args)``: plain calls by
 default; the Prefect flow (flows/data.py) passes a runner that makes each step a
-task, so data_prep stays free of Prefect.
+task, so data_prep stays free of Prefect. ``datasets`` (~0.7 s to import) is imported
+where a step or a shard load uses it: a cache hit (``bhfl prepare``, a run's data
+check) reads the manifest only.
 """
 
 from __future__ import annotations
@@ -25,11 +27,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import datasets
 import numpy as np
-from datasets import Dataset, load_from_disk
 from pydantic import ValidationError
 
 from bhfl_core.config.base import ConfigError
@@ -37,6 +37,7 @@ from bhfl_core.config.data import EmbeddedSource, PreparedSource, XglueSource
 from bhfl_core.config.schema import ExperimentConfig, dump
 from bhfl_core.learning.models import TINY
 from bhfl_core.learning.models import check_available as check_model
+from bhfl_core.learning.models import check_hub as check_model_hub
 from bhfl_core.learning.task_kinds import get_task_kind
 from data_prep.clustering import assign_edges
 from data_prep.manifest import MANIFEST_NAME, ClientEntry, Manifest, Shard
@@ -47,6 +48,7 @@ from data_prep.sources import (
     PAIR,
     TEXT,
     TextTable,
+    check_hubs,
     check_sources,
     load_pool,
     load_proxy_source,
@@ -54,6 +56,9 @@ from data_prep.sources import (
     xglue_split,
 )
 from data_prep.tokenizer import hub_tokenizer, train_wordpiece
+
+if TYPE_CHECKING:
+    from datasets import Dataset
 
 FORMAT_VERSION = 3  # 3: sources, task, clusters/edges, special token ids, report; 2: proxy language row ranges
 INPUT_COLUMNS = ("input_ids", "attention_mask", "token_type_ids")
@@ -409,8 +414,21 @@ def cached_data(config: ExperimentConfig, cache_root: Path) -> PreparedData | No
     return None
 
 
+def check_hub(config: ExperimentConfig, cache_root: Path) -> None:
+    """Seconds at most: fail when the model or, on a cache miss, the data comes from a hub that cannot be reached.
+
+    Without ``HF_HUB_OFFLINE`` the hub client retries for ~30 s before it fails; this
+    one quick probe (``bhfl_core/learning/hub.py``) lets the CLI stop before it starts
+    Prefect and the workers, whose start-up it would otherwise wait for.
+    """
+    check_model_hub(config.model)
+    if cached_data(config, cache_root) is None:
+        check_hubs(config)
+
+
 def preflight(config: ExperimentConfig, cache_root: Path) -> None:
     """Fail before any work (and before Prefect starts) when the model or, on a cache miss, the data is unreachable."""
+    check_hub(config, cache_root)
     check_model(config.model)
     if cached_data(config, cache_root) is None:
         check_sources(config)
@@ -428,6 +446,8 @@ def prepare_data(
     fp = fingerprint(config)
     final = cache_root / fp
     log(f"preparing data (fingerprint {fp}) in {final}")
+    import datasets
+
     datasets.disable_progress_bars()
     work = cache_root / f".{fp}.partial"
     shutil.rmtree(work, ignore_errors=True)
@@ -461,4 +481,6 @@ def prepare_data(
 
 def load_shard(path: Path) -> dict:
     """A pre-tokenised shard as a dict of tensors (memory-mapped Arrow underneath)."""
+    from datasets import load_from_disk
+
     return load_from_disk(str(path)).with_format("torch")[:]

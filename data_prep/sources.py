@@ -11,6 +11,9 @@ XGLUE has training text only in English. The rule (``XglueSource``): a language 
 language draws it from ``validation.<lang>``; ``test.<lang>`` is never read (held
 out). Local parquet files are loaded through the same ``load_dataset`` call
 (``"parquet"`` builder) as the hub, with the same split names.
+
+``datasets`` (~0.7 s to import, with pandas and pyarrow) is imported by the loaders
+only: the cache key (``source_signature``) and a cache hit need none of it.
 """
 
 from __future__ import annotations
@@ -18,16 +21,19 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-from datasets import ClassLabel, Dataset, Value, concatenate_datasets, load_dataset
 
 from bhfl_core.config.base import ConfigError
 from bhfl_core.config.data import EmbeddedSource, ProxySource, XglueSource
 from bhfl_core.config.schema import ExperimentConfig
+from bhfl_core.learning.hub import require_hub
 from bhfl_core.rng import derive_seed
-from data_prep.embedded import CATEGORIES, generate_pool
 from data_prep.partition import pool_size_needed
+
+if TYPE_CHECKING:
+    from datasets import Dataset
 
 TEXT, PAIR, LABEL = "text", "text_pair", "label"
 NO_LANGUAGE = "*"  # proxy rows of a corpus without language information
@@ -67,6 +73,10 @@ def load_pool(config: ExperimentConfig) -> TextTable:
 
 
 def _embedded_pool(config: ExperimentConfig, source: EmbeddedSource) -> TextTable:
+    from datasets import concatenate_datasets
+
+    from data_prep.embedded import CATEGORIES, generate_pool
+
     parts = []
     for lang in source.languages:
         need = pool_size_needed(config.data, config.seed, lang)
@@ -89,6 +99,8 @@ def xglue_split(source: XglueSource, language: str) -> str:
 
 
 def _xglue_pool(source: XglueSource) -> TextTable:
+    from datasets import concatenate_datasets
+
     texts, label = source.columns()
     tables = [
         _normalise(_load_xglue_split(source, xglue_split(source, lang)), texts, label, f"data.source ({lang})")
@@ -114,6 +126,8 @@ def local_split_files(folder: Path, config: str, split: str) -> list[Path]:
 
 
 def _load_xglue_split(source: XglueSource, split: str) -> Dataset:
+    from datasets import load_dataset
+
     if source.local_dir is not None:
         folder = Path(source.local_dir).expanduser()
         files = local_split_files(folder, source.config, split)
@@ -167,17 +181,18 @@ def _normalise(ds: Dataset, texts: list[str], label: str | None, key: str) -> Da
     return ds.select_columns(wanted).rename_columns({k: v for k, v in rename.items() if k != v})
 
 
-# The classes of each XGLUE task, for checking labels (with the task's own label column).
-XGLUE_LABELS: dict[str, tuple[str, ...]] = {
-    "nc": CATEGORIES,
-    "xnli": ("entailment", "neutral", "contradiction"),
-    "paws-x": ("0", "1"),
-}
+def _xglue_labels(task: str) -> tuple[str, ...]:
+    """The classes of an XGLUE task, for checking labels (with the task's own label column)."""
+    from data_prep.embedded import CATEGORIES  # XGLUE NC's 10 categories (the embedded corpus uses them too)
+
+    return {"nc": CATEGORIES, "xnli": ("entailment", "neutral", "contradiction"), "paws-x": ("0", "1")}[task]
 
 
 def _check_labels(table: Dataset, source: XglueSource, split: str) -> None:
     """Labels outside the task's label set (or negative ids, the usual mark of unlabelled rows) are data errors."""
-    known = XGLUE_LABELS[source.config] if source.label_column is None else None
+    from datasets import ClassLabel
+
+    known = _xglue_labels(source.config) if source.label_column is None else None
     feature = table.features[LABEL]
     values = table.unique(LABEL)
     if isinstance(feature, ClassLabel) or all(isinstance(v, (int, np.integer)) for v in values):
@@ -200,6 +215,8 @@ def _check_labels(table: Dataset, source: XglueSource, split: str) -> None:
 
 def _common_label_names(tables: list[Dataset], key: str) -> list[str]:
     """Class names shared by every table: a ClassLabel's names, or the sorted values of a string/int column."""
+    from datasets import ClassLabel
+
     features = [t.features[LABEL] for t in tables]
     if all(isinstance(f, ClassLabel) for f in features):
         names = features[0].names
@@ -215,6 +232,8 @@ def _common_label_names(tables: list[Dataset], key: str) -> list[str]:
 
 
 def _encode_labels(ds: Dataset, names: list[str]) -> Dataset:
+    from datasets import ClassLabel, Value
+
     feature = ds.features[LABEL]
     if isinstance(feature, ClassLabel):
         return ds
@@ -234,6 +253,8 @@ def load_proxy_source(
     Labels, when the corpus has them, are encoded with the client pool's class names
     (a proxy label the pool does not know is an error).
     """
+    from datasets import concatenate_datasets
+
     label = spec.label_column
     if spec.per_language:
         parts = [
@@ -271,6 +292,8 @@ def load_proxy_source(
 def _proxy_rows(
     spec: ProxySource, lang: str | None, need: int, seed: int, languages: list[str] | None = None
 ) -> Dataset:
+    from datasets import load_dataset
+
     fill = (lambda v: v.format(lang=lang)) if lang is not None else (lambda v: v)
     split = fill(spec.split)
     what = f"proxy {'files ' + str(spec.data_files) if spec.data_files else repr(spec.repo)} split {split!r}"
@@ -290,6 +313,8 @@ def _take_streamed(
     stream, spec: ProxySource, lang: str | None, need: int, seed: int, languages: list[str] | None
 ) -> Dataset:
     """Read only ``need`` rows per language from a streamed corpus (seeded shuffle buffer)."""
+    from datasets import Dataset
+
     stream = stream.shuffle(
         seed=derive_seed(seed, "proxy", "stream", lang or "") % 2**32, buffer_size=spec.shuffle_buffer
     )
@@ -309,6 +334,21 @@ def _take_streamed(
 
 
 # ---------------------------------------------------------------- reachability (before any work)
+
+
+def check_hubs(config: ExperimentConfig) -> None:
+    """Fail in seconds when a hub dataset of ``config`` is on a hub that cannot be reached (``hub.require_hub``)."""
+    source = config.data.source
+    if isinstance(source, XglueSource) and source.local_dir is None:
+        require_hub(
+            "data.source.repo",
+            source.repo,
+            "data.source.local_dir: <folder of XGLUE parquet files> (docs/data.md shows the layout and how to "
+            "export it).",
+        )
+    proxy = config.data.proxy.source
+    if proxy is not None and proxy.repo is not None:
+        require_hub("data.proxy.source.repo", proxy.repo, "data.proxy.source.data_files: <local parquet files>.")
 
 
 def check_sources(config: ExperimentConfig) -> None:

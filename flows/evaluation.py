@@ -17,15 +17,16 @@ from tasks.scoring import Stats
 
 
 def evaluate_all(rt: NodeRuntime, step: int, final: bool = False) -> Evaluation:
-    """Score every node model (and, when ``final``, the configured per-client baselines) on every test set.
+    """Score the node models (and, when ``final``, the configured per-client baselines) on every test set.
 
-    Node models first, then the baselines (local-only, local adaptation; they train
-    first), each phase spread over the workers; both phases' wall times go to MLflow.
+    Node models first (during training, with ``eval.during: servers``, the servers
+    only), then the baselines (local-only, local adaptation; they train first), each
+    phase spread over the workers; both phases' wall times go to MLflow.
     """
     ctx = rt.ctx
     stats: Stats = {}
     seconds: dict[str, float] = {}
-    nodes = node_models(ctx)
+    nodes = node_models(ctx, servers_only=not final and ctx.config.eval.during == "servers")
     phases: list[tuple[str, list[ModelRef], list[float]]] = [("time/eval_s", nodes, [1.0] * len(nodes))]
     if final:
         phases.append(("time/baselines_s", *baseline_models(ctx)))

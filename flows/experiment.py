@@ -107,6 +107,7 @@ def experiment_flow(
     resume: bool = False,
     cluster: str | None = None,
     link: PipelineLink | dict[str, str] | None = None,
+    force_eval: bool = False,
 ) -> dict[str, Any]:
     """Run one experiment end to end (or finish an interrupted one); returns where its results are.
 
@@ -117,10 +118,13 @@ def experiment_flow(
     ``local``. ``config`` is validated here only when it comes as plain data (a
     deployment run); ``bhfl run`` passes the config it validated. ``link``: the pipeline
     this run is a stage of (flows/pipeline.py; its MLflow parent run nests under the pipeline's).
+    ``force_eval``: evaluate a finished run again (``resume_experiment``).
     """
     cfg = config if isinstance(config, ExperimentConfig) else ExperimentConfig.model_validate(config)
     stage = link if link is None or isinstance(link, PipelineLink) else PipelineLink.model_validate(link)
-    return _experiment(cfg, run_root, tracking_uri, run_path, PREFECT_RUNS, resume=resume, cluster=cluster, link=stage)
+    return _experiment(
+        cfg, run_root, tracking_uri, run_path, PREFECT_RUNS, resume, cluster, stage, force_eval=force_eval
+    )
 
 
 def _workers(cfg: ExperimentConfig, address: str | None) -> list[dict[str, str]]:
@@ -137,6 +141,7 @@ def _experiment(
     resume: bool = False,
     cluster: str | None = None,
     link: PipelineLink | None = None,
+    force_eval: bool = False,
 ) -> dict[str, Any]:
     started = time.time()
     root = Path(run_root).resolve()
@@ -149,9 +154,8 @@ def _experiment(
         record = RunRecord(name=cfg.name, tracking_uri=tracking_uri, pipeline=link)
         write_text_atomic(path / CONFIG_FILE, yaml.safe_dump(dump(cfg), sort_keys=False))
     else:
-        record = record.model_copy(
-            update={"status": "running", "pid": os.getpid(), "error": "", "resumes": record.resumes + 1}
-        )
+        resumes = record.resumes + int(not force_eval)  # a forced re-evaluation is no resume
+        record = record.model_copy(update={"status": "running", "pid": os.getpid(), "error": "", "resumes": resumes})
     shutil.rmtree(path / TIMELINE_DIR, ignore_errors=True)  # the timeline is the latest attempt's
     record.timeline = {
         "process_start": psutil.Process().create_time(),
@@ -176,7 +180,7 @@ def _experiment(
             (path / DATA_POINTER).write_text(json.dumps({"data_root": str(data_root)}))
             mark_once(path, "data_ready")
             ctx = open_run(path, cfg)
-            tracker = _open_tracking(cfg, ctx, path, record)
+            tracker = _open_tracking(cfg, ctx, path, record, force_eval)
             if LOGGED_FILES not in record.logged:  # (again, after a kill while they were logged: idempotent)
                 # the parent run's files do not hold up the first round: logged beside it, awaited at the end
                 logging_files = stack.enter_context(ThreadPoolExecutor(1, thread_name_prefix="bhfl-artefacts"))
@@ -198,9 +202,11 @@ def _experiment(
                     ctx.store.save(ctx.tree.root_id, NodeState(model=StateStore.read_message(initial)))
             rounds = ctx.tree.root.settings.rounds
             done = ctx.store.load_header(ctx.tree.root_id).rounds_done
+            # a forced re-evaluation of a finished run: a step of its own after the last root round
+            eval_step = rounds + record.forced_evaluations + 1 if force_eval else rounds
             progress.note(f"{len(workers)} worker(s): " + ", ".join(f"{w['name']} ({w['device']})" for w in workers))
             progress.run_started(rounds, done)
-            if record.resumes:
+            if record.resumes and not force_eval:
                 if removed := ctx.store.remove_partial_writes():
                     progress.note(f"removed {removed} checkpoint write(s) that the interrupted run left unfinished")
                 progress.note(
@@ -212,13 +218,14 @@ def _experiment(
                     evaluate_step(rt, done)  # the interrupted run may have died evaluating this step
             peaks = {"memory/peak_rss_setup_mb": peak_rss_mb(reset=True)}
             train_started = time.time()
-            orchestration.run_node(str(path), ctx.tree.root_id, None, ROOT_CALLER, subflow=True)
+            if not force_eval:
+                orchestration.run_node(str(path), ctx.tree.root_id, None, ROOT_CALLER, subflow=True)
             train_s = time.time() - train_started
             peaks["memory/peak_rss_train_mb"] = peak_rss_mb(reset=True)
             usage = worker_utilisation(rt, train_started, train_started + train_s)
             eval_started = time.time()
             faults.hit("eval", "final")
-            evaluation = evaluate_all(rt, step=rounds, final=True)
+            evaluation = evaluate_all(rt, step=eval_step, final=True)
             eval_s = time.time() - eval_started
             peaks["memory/peak_rss_eval_mb"] = peak_rss_mb(reset=False)
             timings = {
@@ -230,22 +237,24 @@ def _experiment(
             # step 0 on every path; a resume after this point keeps the values logged here
             timings.update(evaluation_cost(tracker, timings, rounds, train_started))
             # run-level figures at step 0 on every path; where a killed attempt logged them, they stay
-            tracker.log_metrics(tracker.parent_id, {**timings, **peaks, **usage}, step=0)
-            if record.resumes:  # ... and the report shows those
+            # (a forced re-evaluation logs only its time/eval_s, at its step)
+            if not force_eval:
+                tracker.log_metrics(tracker.parent_id, {**timings, **peaks, **usage}, step=0)
+            if record.resumes or force_eval:  # ... and the report shows those
                 timings = {**timings, **tracker.values_at(tracker.parent_id, timings, step=0)}
             if artefacts is not None:
                 artefacts.result()
                 _record_logged(path, LOGGED_FILES)
             from flows.tracking.report import write_report  # matplotlib and the report code: not needed at start-up
 
-            headline = write_report(tracker, ctx, evaluation, timings)  # report.md, tables, figures
+            headline = write_report(tracker, ctx, evaluation, timings, step=eval_step)  # report.md, tables, figures
             if orchestration is PREFECT_RUNS:  # the headlines and the MLflow link on the flow run's page
                 summary = summary_markdown(
                     cfg, path, record.tracking_uri, tracker.experiment_id, tracker.parent_id, headline
                 )
                 publish_summary(cfg, summary)
             tracker.finish("FINISHED")
-            record = _finish_record(path, record, "finished")
+            record = _finish_record(path, record, "finished", forced_evaluation=force_eval)
         except BaseException as exc:
             record = _finish_record(path, record, "failed", f"{type(exc).__name__}: {exc}"[:2000])
             if tracker is not None and tracker.parent_id:
@@ -266,13 +275,15 @@ def _experiment(
     }
 
 
-def _open_tracking(cfg: ExperimentConfig, ctx: RunContext, path: Path, record: RunRecord) -> Tracker:
+def _open_tracking(
+    cfg: ExperimentConfig, ctx: RunContext, path: Path, record: RunRecord, force_eval: bool = False
+) -> Tracker:
     """The run's MLflow runs: reopened (a resume), else created, or adopted where a killed attempt created them.
 
     The record holds the runs' key (``run_key``) before they are created and their ids
     right after, so a kill between the two leaves runs a resume finds by that key.
     """
-    tracker = Tracker(record.tracking_uri, resumed=record.resumes > 0)
+    tracker = Tracker(record.tracking_uri, resumed=record.resumes > 0 or force_eval)
     if record.parent_run_id:
         tracker.reopen(record.experiment_id, record.parent_run_id, record.node_runs, record.resumes)
         return tracker
@@ -329,10 +340,13 @@ def _log_run_files(tracker: Tracker, cfg: ExperimentConfig, data_root: Path) -> 
     tracker.log_text(environment_text(), "environment/packages.txt")
 
 
-def _finish_record(path: Path, record: RunRecord, status: str, error: str = "") -> RunRecord:
+def _finish_record(
+    path: Path, record: RunRecord, status: str, error: str = "", forced_evaluation: bool = False
+) -> RunRecord:
     """Write the attempt's end into ``run.json`` (re-read: evaluations during training updated it)."""
     current = RunRecord.read(path) or record
-    current = current.model_copy(update={"status": status, "error": error})
+    forced = current.forced_evaluations + int(forced_evaluation)
+    current = current.model_copy(update={"status": status, "error": error, "forced_evaluations": forced})
     current.timeline.update({**read_marks(path), "finished": time.time()})
     current.write(path)
     return current
@@ -359,16 +373,16 @@ def _invoke(
     cluster: str | None,
     link: PipelineLink | None = None,
     flow_run_name: str | None = None,
+    force_eval: bool = False,
 ) -> dict[str, Any]:
     if orchestration is not PREFECT_RUNS:
-        return _experiment(config, str(run_root), uri, path, orchestration, resume=resume, cluster=cluster, link=link)
+        return _experiment(config, str(run_root), uri, path, orchestration, resume, cluster, link, force_eval)
     # Flow heartbeats only detect crashed deployment runs; off, each subflow ends ~1 s sooner.
     with temporary_settings(updates={"flows.heartbeat_frequency": None}), tags(*prefect_tags(config)):
         name = flow_run_name or f"{config.name} {time.strftime('%Y-%m-%d %H:%M')}"
-        flow_ = experiment_flow.with_options(
-            flow_run_name=f"resume {name}" if resume else name, task_runner=thread_task_runner()
-        )
-        return flow_(config, str(run_root), uri, path, resume, cluster, link)
+        action = "re-evaluate " if force_eval else "resume " if resume else ""
+        flow_ = experiment_flow.with_options(flow_run_name=action + name, task_runner=thread_task_runner())
+        return flow_(config, str(run_root), uri, path, resume, cluster, link, force_eval)
 
 
 def run_experiment(
@@ -414,6 +428,7 @@ def resume_experiment(
     overrides: Sequence[str] = (),
     cluster: str | None = None,
     flow_run_name: str | None = None,
+    force_eval: bool = False,
 ) -> dict[str, Any]:
     """Continue the run in ``run_path`` after a failure: same config, checkpoints, MLflow runs.
 
@@ -422,11 +437,17 @@ def resume_experiment(
     bit-identical to a run that never stopped. ``overrides`` may change only keys that
     do not change results (``runtime.*``, ``eval.batch_size``), e.g. fewer workers after
     running out of GPU memory.
+
+    ``force_eval``: evaluate a finished run again (after a fix to the evaluation code, say),
+    logged as a new step (root rounds + n for the n-th), never over the points it has;
+    the report files are rewritten from it. Nothing is trained.
     """
     run_path = run_path.resolve()
     config, record = load_run(run_path)
     if record.effective_status == "running":
         raise RunStateError(f"run {run_path} is still running (process {record.pid}); wait for it or stop it first")
+    if force_eval and record.status != "finished":
+        raise RunStateError(f"run {run_path} is not finished: `bhfl resume` finishes it, evaluation included")
     config = resume_config(run_path, config, overrides)
     # run_root: the folder holding the shared data cache (<run_root>/<name>/<stamp>)
     return _invoke(
@@ -438,4 +459,5 @@ def resume_experiment(
         resume=True,
         cluster=cluster,
         flow_run_name=flow_run_name,
+        force_eval=force_eval,
     )

@@ -18,10 +18,11 @@ from tasks.executor import Executor, gather
 from tasks.scoring import Stats, local_only_rounds
 
 
-def node_models(ctx: RunContext) -> list[ModelRef]:
-    """Every server model and (``eval.client_models``) every persistent client model and Ditto personal model."""
+def node_models(ctx: RunContext, servers_only: bool = False) -> list[ModelRef]:
+    """Every server model and (``eval.client_models``, unless ``servers_only``) every persistent
+    client model and Ditto personal model."""
     nodes = [ModelRef.of_node(n.id) for n in ctx.tree.servers()]
-    if ctx.config.eval.client_models:
+    if ctx.config.eval.client_models and not servers_only:
         clients = [n for n in ctx.tree.clients() if ctx.store.has(n.id)]
         nodes += [ModelRef.of_node(n.id) for n in clients if n.settings.persistent]
         nodes += [ModelRef.personal(n.id) for n in clients if n.settings.personal is not None]

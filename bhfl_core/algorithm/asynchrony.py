@@ -26,8 +26,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # imported where used: configs name these settings without loading torch
+    import torch
 
 
 @dataclass(frozen=True)
@@ -88,6 +90,8 @@ def buffered_input(theta: torch.Tensor, buffer: Sequence[BufferedResult], params
     Summed in float64 in buffer order (the virtual clock's arrival order, the same in
     every run), rounded once to ``theta``'s dtype.
     """
+    import torch
+
     if not buffer:
         raise ValueError("an empty buffer has nothing to aggregate")
     acc = torch.zeros_like(theta, dtype=torch.float64)

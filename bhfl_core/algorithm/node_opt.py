@@ -36,10 +36,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # imported by the steps: configs validate NODEOPT names without loading torch
+    import torch
 
-OptState = dict[str, torch.Tensor]
+OptState = dict[str, "torch.Tensor"]
 
 
 @dataclass(frozen=True)
@@ -54,10 +56,12 @@ class NodeOptParams:
     alphas: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)  # interp: the grid alpha is chosen from
 
 
-Scorer = Callable[[Sequence[torch.Tensor]], list[float]]
+Scorer = Callable[[Sequence["torch.Tensor"]], list[float]]
 """Losses of candidate models on the node's held-out data (lower is better), one per candidate."""
 
-StepFn = Callable[[OptState, torch.Tensor, torch.Tensor, NodeOptParams, Scorer | None], tuple[OptState, torch.Tensor]]
+StepFn = Callable[
+    [OptState, "torch.Tensor", "torch.Tensor", NodeOptParams, Scorer | None], tuple[OptState, "torch.Tensor"]
+]
 _REGISTRY: dict[str, StepFn] = {}
 _TUNED: set[str] = set()
 
@@ -111,6 +115,8 @@ def node_opt_step(
 
 
 def _count(state: OptState) -> torch.Tensor:
+    import torch
+
     return state.get("step", torch.zeros((), dtype=torch.int64)) + 1
 
 
@@ -118,6 +124,8 @@ def _count(state: OptState) -> torch.Tensor:
 def fedavg(
     state: OptState, theta: torch.Tensor, mean_input: torch.Tensor, p: NodeOptParams, scorer: Scorer | None
 ) -> tuple[OptState, torch.Tensor]:
+    import torch
+
     # lerp is exact at eta == 1 (returns mean_input bit-for-bit): HierFAVG's "replace".
     return {"step": _count(state)}, torch.lerp(theta, mean_input, p.eta)
 
@@ -135,6 +143,8 @@ def _adaptive(update_v: Callable[[torch.Tensor, torch.Tensor, NodeOptParams], to
     def step(
         state: OptState, theta: torch.Tensor, mean_input: torch.Tensor, p: NodeOptParams, scorer: Scorer | None
     ) -> tuple[OptState, torch.Tensor]:
+        import torch
+
         delta = mean_input - theta
         m = p.beta1 * state.get("m", torch.zeros_like(delta)) + (1 - p.beta1) * delta
         v = update_v(state.get("v", torch.zeros_like(delta)), delta * delta, p)
@@ -145,7 +155,7 @@ def _adaptive(update_v: Callable[[torch.Tensor, torch.Tensor, NodeOptParams], to
 
 register_node_opt("fedadagrad")(_adaptive(lambda v, d2, p: v + d2))
 register_node_opt("fedadam")(_adaptive(lambda v, d2, p: p.beta2 * v + (1 - p.beta2) * d2))
-register_node_opt("fedyogi")(_adaptive(lambda v, d2, p: v - (1 - p.beta2) * d2 * torch.sign(v - d2)))
+register_node_opt("fedyogi")(_adaptive(lambda v, d2, p: v - (1 - p.beta2) * d2 * (v - d2).sign()))
 
 
 @register_node_opt("interp", tuned=True)
@@ -158,6 +168,8 @@ def interp(
     """
     if scorer is None:
         raise ValueError("NODEOPT interp tunes alpha on held-out data, but this node has none to score on")
+    import torch
+
     # lerp(input, theta, a) = input + a (theta - input): exactly the input at a = 0 and theta at a = 1
     candidates = [torch.lerp(mean_input, theta, a) for a in p.alphas]
     losses = [math.inf if math.isnan(x) else x for x in scorer(candidates)]

@@ -20,10 +20,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # imported where used: configs name these settings without loading torch
+    import torch
 
-from bhfl_core.algorithm.aggregation import WeightedSum
+    from bhfl_core.algorithm.aggregation import WeightedSum
 
 SELECTORS = ("l2", "loss", "cosine")
 
@@ -73,7 +75,9 @@ def _score(c: Candidate, theta: torch.Tensor, select: str, mean_update: torch.Te
         return c.loss
     if select == "cosine":
         assert mean_update is not None
-        return -float(torch.nn.functional.cosine_similarity(update, mean_update, dim=0))
+        from torch.nn.functional import cosine_similarity
+
+        return -float(cosine_similarity(update, mean_update, dim=0))
     raise ValueError(f"unknown residual selection {select!r}; choose one of {SELECTORS}")
 
 
@@ -106,6 +110,8 @@ def needs(links: Iterable[UpLink]) -> tuple[int, str | None]:
 
 def contribution(chosen: Sequence[Candidate], combine: str) -> WeightedSum:
     """What one sending round adds to the receiver's accumulator."""
+    from bhfl_core.algorithm.aggregation import WeightedSum
+
     out = WeightedSum()
     if combine == "mean":
         plain = WeightedSum()

@@ -410,7 +410,17 @@ class LocalAdaptation(Strict):
 
 
 class EvalConfig(Strict):
-    every: Annotated[int, Field(ge=0)] = 0  # evaluate every N root rounds (0: only at the end)
+    """When and what is evaluated.
+
+    By default the servers (root, intermediate, edge) are scored after every root round,
+    so each server's MLflow run and the parent's root headlines have a curve (the servers
+    are few: a fraction of the final evaluation's cost, measured in docs/evaluation.md);
+    client and personal models, the many, are scored at the end only unless
+    ``during: all``.
+    """
+
+    every: Annotated[int, Field(ge=0)] = 1  # evaluate every N root rounds (0: only at the end)
+    during: Literal["servers", "all"] = "servers"  # the models those evaluations score (the final one: all)
     batch_size: Annotated[int, Field(ge=1)] = 256
     client_models: bool = True  # also evaluate persistent client models
     local_only: LocalOnlyBaseline | None = None  # final evaluation: the local-only baseline (off: null)

@@ -7,16 +7,22 @@ any other name (a hub id such as ``bert-base-multilingual-cased`` or
 the Auto class and head of the task's kind (``task_kinds``). A model that cannot be
 loaded (no network, hub offline, a typo) is a ``ModelSourceError`` whose message says
 how to point the config at local files.
+
+torch and transformers are imported where a model is built: the checks before a run
+(``check_available``, ``hub_error``) need neither.
 """
 
 from __future__ import annotations
 
-import torch
-from torch import nn
+from typing import TYPE_CHECKING
 
 from bhfl_core.config.base import ConfigError
 from bhfl_core.config.schema import ModelConfig
+from bhfl_core.learning.hub import require_hub
 from bhfl_core.learning.task_kinds import get_task_kind
+
+if TYPE_CHECKING:
+    from torch import nn
 
 TINY = "tiny-bert"
 
@@ -30,10 +36,21 @@ def hub_error(what: str, model: ModelConfig, exc: BaseException) -> ModelSourceE
     return ModelSourceError(
         f"model.name: could not load the {what} {model.name!r} (revision {model.revision or 'default'}): "
         f"{type(exc).__name__}: {detail}. Without hub access (HF_HUB_OFFLINE=1, no network) use a local copy: "
-        f"on a machine with access run `huggingface-cli download {model.name} --local-dir DIR` (or save_pretrained "
+        f"on a machine with access run `hf download {model.name} --local-dir DIR` (or save_pretrained "
         "the model and its tokenizer into DIR), copy DIR here and set model.name: DIR; a model already in the "
         "Hugging Face cache (HF_HOME) also loads offline. model.name: tiny-bert needs no download."
     )
+
+
+def check_hub(model: ModelConfig) -> None:
+    """Fail in seconds when ``model`` is a hub name and the hub cannot be reached (``hub.require_hub``)."""
+    if model.name != TINY:
+        require_hub(
+            "model.name",
+            model.name,
+            f"on a machine with access run `hf download {model.name} --local-dir DIR`, copy DIR here and set "
+            "model.name: DIR (model.name: tiny-bert needs no download).",
+        )
 
 
 def check_available(model: ModelConfig) -> None:
@@ -55,9 +72,10 @@ def build_model(
 
     Weights are initialised from ``seed`` (tiny) or the checkpoint (hub; new heads from ``seed``).
     """
-    kind = get_task_kind(task)
+    import torch
     from transformers import BertConfig
 
+    kind = get_task_kind(task)
     head = kind.head(labels)
     auto = kind.model_class()
     with torch.random.fork_rng(devices=[]):

@@ -8,7 +8,8 @@ CRC-32 is kept in the file's metadata and checked on load, so a truncated or dam
 file is reported with its name instead of silently feeding garbage into a run. Loads
 use safetensors (no unpickling). Memory is bounded by what callers load, not by the
 number of nodes. Messages (a model sent down to children or up to the parent) and
-residual accumulators use the same atomic writer.
+residual accumulators use the same atomic writer. Header-only reads (round counter,
+execution, metrics) go through ``state_header.py``, which needs no torch.
 """
 
 from __future__ import annotations
@@ -24,37 +25,41 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from bhfl_core.algorithm.aggregation import WeightedSum
-from bhfl_core.algorithm.node_opt import OptState
-from bhfl_core.algorithm.node_state import AsyncProgress, InFlight, NodeResult, NodeState
+from bhfl_core.algorithm.node_state import AsyncProgress, NodeResult, NodeState
 from bhfl_core.algorithm.node_step import Inbox, PendingResidual, ResidualPost
 from bhfl_core.store.atomic import atomic_path
+from bhfl_core.store.state_header import (
+    INFO,
+    MODEL,
+    PERSONAL,
+    VERSION,
+    damaged,
+    node_file,
+    read_header,
+    read_info,
+    state_from_file,
+)
 
-_MODEL = "model"
-_PERSONAL = "personal"
-_VERSION = "async.v"  # + the version: a model an asynchronous node's in-flight child was sent
-_INFO = "bhfl"
+# re-exported: the training tasks catch it from here
+from bhfl_core.store.state_header import CheckpointError as CheckpointError  # noqa: PLC0414
 
 WriteHook = Callable[[Path], None]
 """Called with the temporary file after it is written and fsync'ed, before the rename."""
-
-
-class CheckpointError(RuntimeError):
-    """A state file that cannot be trusted (truncated, damaged, unreadable); names the file."""
 
 
 def state_tensors(state: NodeState) -> dict[str, torch.Tensor]:
     """A state's tensors under their file names: ``model``, ``personal``, ``up.*``, ``down.*``, ``res.<kind>.*``."""
     tensors: dict[str, torch.Tensor] = {}
     if state.model is not None:
-        tensors[_MODEL] = state.model
+        tensors[MODEL] = state.model
     if state.personal is not None:
-        tensors[_PERSONAL] = state.personal
+        tensors[PERSONAL] = state.personal
     tensors.update({f"up.{k}": v for k, v in state.opt_up.items()})
     tensors.update({f"down.{k}": v for k, v in state.opt_down.items()})
     for kind, opt in state.opt_res.items():
         tensors.update({f"res.{kind}.{k}": v for k, v in opt.items()})
     if state.pending is not None:
-        tensors.update({f"{_VERSION}{v}": model for v, model in state.pending.versions.items()})
+        tensors.update({f"{VERSION}{v}": model for v, model in state.pending.versions.items()})
     return tensors
 
 
@@ -73,38 +78,6 @@ def state_info(state: NodeState) -> dict[str, Any]:
 def _progress_info(progress: AsyncProgress) -> dict[str, Any]:
     flights = [[f.child, f.dispatch, f.version, f.start, f.finish] for f in progress.in_flight]
     return {"dispatched": progress.dispatched, "now": progress.now, "in_flight": flights}
-
-
-def _progress_from(info: dict[str, Any] | None, tensors: dict[str, torch.Tensor]) -> AsyncProgress | None:
-    if info is None:
-        return None
-    flights = tuple(
-        InFlight(c, int(d), int(v), float(s), None if f is None else float(f)) for c, d, v, s, f in info["in_flight"]
-    )
-    versions = {int(k[len(_VERSION) :]): t for k, t in tensors.items() if k.startswith(_VERSION)}
-    return AsyncProgress(int(info["dispatched"]), float(info["now"]), flights, versions)
-
-
-def state_from_file(tensors: dict[str, torch.Tensor], info: dict[str, Any]) -> NodeState:
-    """The inverse of ``state_tensors`` + ``state_info`` (tensors may be omitted: a header-only state)."""
-    opt_res: dict[str, OptState] = {}
-    for name, value in tensors.items():
-        if name.startswith("res."):
-            kind, k = name[4:].split(".", 1)
-            opt_res.setdefault(kind, {})[k] = value
-    return NodeState(
-        model=tensors.get(_MODEL),
-        opt_up={k[3:]: v for k, v in tensors.items() if k.startswith("up.")},
-        opt_down={k[5:]: v for k, v in tensors.items() if k.startswith("down.")},
-        rounds_done=int(info.get("rounds_done", 0)),
-        opt_res=opt_res,
-        exec_caller=info.get("exec_caller"),
-        exec_start=int(info.get("exec_start", 0)),
-        metrics=dict(info.get("metrics", {})),
-        res_seen=dict(info.get("res_seen", {})),
-        personal=tensors.get(_PERSONAL),
-        pending=_progress_from(info.get("async"), tensors),
-    )
 
 
 def _crc(tensor: torch.Tensor) -> int:
@@ -126,33 +99,25 @@ def atomic_save(
     """
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
     crcs = {k: _crc(v) for k, v in tensors.items()}
-    meta = {_INFO: json.dumps({**(info or {}), "crc32": crcs}, sort_keys=True)}
+    meta = {INFO: json.dumps({**(info or {}), "crc32": crcs}, sort_keys=True)}
     with atomic_path(path, before_replace=before_replace) as tmp:
         save_file(tensors, str(tmp), metadata=meta)
-
-
-def _damaged(path: Path, why: str) -> CheckpointError:
-    return CheckpointError(
-        f"checkpoint {path} is damaged ({why}). It was complete when written (files are written to a "
-        f"temporary name and renamed), so it was truncated or changed afterwards, e.g. by a disk error or "
-        f"an outside copy. Restore it from a backup, or delete the run folder and run the experiment again."
-    )
 
 
 def load_tensors(path: Path, names: list[str] | None = None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Tensors (all, or ``names``) and the info of a file written by ``atomic_save``, checksums verified."""
     try:
         with safe_open(str(path), framework="pt") as fh:
-            info = json.loads((fh.metadata() or {}).get(_INFO, "{}"))
+            info = json.loads((fh.metadata() or {}).get(INFO, "{}"))
             stored = list(fh.keys())
             keys = stored if names is None else [n for n in names if n in stored]
             tensors = {k: fh.get_tensor(k) for k in keys}
     except (SafetensorError, OSError, ValueError) as exc:
-        raise _damaged(path, f"unreadable: {exc}") from None
+        raise damaged(path, f"unreadable: {exc}") from None
     expected = info.pop("crc32", {})
     for name, tensor in tensors.items():
         if name not in expected or expected[name] != _crc(tensor):
-            raise _damaged(path, f"checksum mismatch in tensor {name!r}")
+            raise damaged(path, f"checksum mismatch in tensor {name!r}")
     return tensors, info
 
 
@@ -175,7 +140,7 @@ class StateStore:
         return len(partial)
 
     def node_path(self, node_id: str) -> Path:
-        return self.root / "nodes" / f"{node_id}.safetensors"
+        return node_file(self.root, node_id)
 
     def has(self, node_id: str) -> bool:
         return self.node_path(node_id).exists()
@@ -189,18 +154,18 @@ class StateStore:
     def load_info(self, node_id: str) -> dict[str, Any]:
         """A node's round counter, execution and last metrics, without loading its tensors."""
         path = self.node_path(node_id)
-        return load_tensors(path, [])[1] if path.exists() else {}
+        return read_info(path) if path.exists() else {}
 
     def load_header(self, node_id: str) -> NodeState:
         """A node's state without its tensors (``model`` is None): cheap progress reads."""
-        return state_from_file({}, self.load_info(node_id))
+        return read_header(self.root, node_id)
 
     def load_model(self, node_id: str, personal: bool = False) -> torch.Tensor | None:
         """A node's model ``W_q`` (or, ``personal``, a Ditto client's personal model); None if it has none."""
         path = self.node_path(node_id)
         if not path.exists():
             return None
-        name = _PERSONAL if personal else _MODEL
+        name = PERSONAL if personal else MODEL
         return load_tensors(path, [name])[0].get(name)
 
     def save(self, node_id: str, state: NodeState) -> None:
@@ -281,7 +246,7 @@ class StateStore:
         if result is None:
             tensors, info = {}, {"dropped": True}
         else:
-            tensors, info = {_MODEL: result.theta}, {"metrics": result.metrics, "virtual_s": result.virtual_s}
+            tensors, info = {MODEL: result.theta}, {"metrics": result.metrics, "virtual_s": result.virtual_s}
         atomic_save(tensors, self.result_path(node_id, dispatch), info, self.before_replace)
 
     def has_result(self, node_id: str, dispatch: int) -> bool:
@@ -292,7 +257,7 @@ class StateStore:
         tensors, info = load_tensors(self.result_path(node_id, dispatch))
         if info.get("dropped"):
             return None
-        return NodeResult(tensors[_MODEL], dict(info["metrics"]), float(info["virtual_s"]))
+        return NodeResult(tensors[MODEL], dict(info["metrics"]), float(info["virtual_s"]))
 
     def drop_results(self, node_id: str) -> None:
         """Delete a node's saved child results (after a commit that no longer needs them)."""
@@ -305,9 +270,9 @@ class StateStore:
 
     def write_message(self, name: str, theta: torch.Tensor) -> str:
         path = self.message_path(name)
-        atomic_save({_MODEL: theta}, path)
+        atomic_save({MODEL: theta}, path)
         return str(path)
 
     @staticmethod
     def read_message(path: str | Path) -> torch.Tensor:
-        return load_tensors(Path(path), [_MODEL])[0][_MODEL]
+        return load_tensors(Path(path), [MODEL])[0][MODEL]

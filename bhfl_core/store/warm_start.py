@@ -19,11 +19,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from bhfl_core.algorithm.node_state import NodeState
 from bhfl_core.config.base import ConfigError
-from bhfl_core.store.node_store import StateStore
+
+if TYPE_CHECKING:
+    from bhfl_core.store.node_store import StateStore
 
 KEY = "model.init_from"
 AGREEING_SECTIONS = ("model", "data.task")

@@ -27,6 +27,7 @@ from flows.cli.shell import (
     console,
     fail,
     guarded,
+    hub_check,
     load_config,
     local_cluster,
     out,
@@ -168,19 +169,21 @@ def run(
         fail(str(exc))
 
     run_path = new_run_path(run_dir.resolve(), cfg.name)
+    hub_check(cfg, run_dir)
     # the Prefect server and the workers boot while the model/data check runs and the pipeline is imported
-    with prefect_api(run_dir, full=False) as prefect_ready, local_cluster(cfg, run_path) as cluster:
+    with prefect_api(run_dir, full=False) as api, local_cluster(cfg, run_path) as cluster:
         preflight(cfg, run_dir)
         console.print(
             f"[bold]bhfl[/] running [cyan]{cfg.name}[/] from {config} (seed {cfg.seed}); starting workers, "
             "Prefect and MLflow ...",
             highlight=False,
         )
+        from flows.cli.prefect_link import flow_run_link
         from flows.experiment import run_experiment
         from flows.progress import RichReporter
 
-        uri = tracking_store_ready(run_dir, tracking_uri, prefect_ready)
-        with RichReporter(console).attached():
+        uri = tracking_store_ready(run_dir, tracking_uri, api)
+        with flow_run_link(console, api.own, run_path), RichReporter(console).attached():
             result = guarded(
                 lambda: run_experiment(
                     cfg, run_dir, uri, run_path=run_path, cluster=cluster.address() if cluster else None
@@ -307,28 +310,37 @@ def resume(
     ] = [],
     run_dir: RunDirOption = DEFAULT_RUN_DIR,
     verbose: VerboseOption = False,
+    force_eval: Annotated[
+        bool,
+        typer.Option(
+            "--force-eval",
+            help="Evaluate a finished run again (no training), logged as a new step after the last root round; "
+            "the report is rewritten.",
+        ),
+    ] = False,
 ) -> None:
     """Continue a failed or killed run: finished nodes and rounds are kept, the rest runs, results are identical."""
-    _resume(run_spec, set_, run_dir, verbose)
+    _resume(run_spec, set_, run_dir, verbose, force_eval)
 
 
-def _resume(run_spec: str, overrides: list[str], run_dir: Path, verbose: bool) -> None:
+def _resume(run_spec: str, overrides: list[str], run_dir: Path, verbose: bool, force_eval: bool = False) -> None:
     prepare_environment(run_dir, verbose)  # before anything imports prefect
     from bhfl_core.config.base import ConfigError
     from flows.records.listing import resolve_pipeline, resolve_run
     from flows.records.run_state import RunStateError
+    from flows.records.sweep_record import find_sweep
 
     try:
         pipeline = resolve_pipeline(run_spec, run_dir)
     except RunStateError as exc:
         fail(str(exc))
+    if force_eval and (pipeline is not None or find_sweep(run_spec, run_dir) is not None):
+        fail(f"--force-eval evaluates one run again; {run_spec} is a pipeline or sweep folder: give one of its runs")
     if pipeline is not None:
         from flows.cli.pipeline import resume_pipeline_command
 
         resume_pipeline_command(pipeline, overrides, run_dir, verbose)
         return
-    from flows.records.sweep_record import find_sweep
-
     if (sweep_folder := find_sweep(run_spec, run_dir)) is not None:
         from flows.cli.sweep import resume_sweep_command
 
@@ -341,18 +353,27 @@ def _resume(run_spec: str, overrides: list[str], run_dir: Path, verbose: bool) -
         fail(str(exc))
     from flows.records.run_record import RunRecord
 
-    if (record := RunRecord.read(run_path)) is not None and record.status == "finished":
+    finished = (record := RunRecord.read(run_path)) is not None and record.status == "finished"
+    if finished and not force_eval:
         # nothing to redo, and nothing of its record (MLflow, run.json) is touched
-        console.print(f"[bold]bhfl[/] {run_path} finished; nothing to resume", highlight=False)
+        console.print(
+            f"[bold]bhfl[/] {run_path} finished; nothing to resume (--force-eval evaluates it again)", highlight=False
+        )
         return
-    console.print(f"[bold]bhfl[/] resuming {run_path} ...", highlight=False)
+    if force_eval and not finished:
+        fail(f"{run_path} is not finished: `bhfl resume {run_path}` finishes it, evaluation included")
+    console.print(f"[bold]bhfl[/] {'re-evaluating' if force_eval else 'resuming'} {run_path} ...", highlight=False)
+    from flows.cli.prefect_link import flow_run_link
     from flows.experiment import resume_experiment
     from flows.progress import RichReporter
 
     try:
-        with prefect_api(run_dir, full=False) as prefect_ready, RichReporter(console).attached():
-            prefect_ready()
-            result = guarded(lambda: resume_experiment(run_path, overrides=overrides), run_path, verbose)
+        with prefect_api(run_dir, full=False) as api:
+            api()
+            with flow_run_link(console, api.own, run_path), RichReporter(console).attached():
+                result = guarded(
+                    lambda: resume_experiment(run_path, overrides=overrides, force_eval=force_eval), run_path, verbose
+                )
     except ConfigError as exc:
         fail(str(exc))
     _print_summary(result, run_dir)
@@ -373,9 +394,12 @@ def runs(
 ) -> None:
     """List runs with their status (finished, failed at node X round Y, running) and what a resume would redo."""
     prepare_environment(run_dir, verbose=False)
+    from bhfl_core.store.state_header import CheckpointError
     from flows.cli.pipeline import pipeline_entry, print_pipelines
     from flows.records.listing import find_runs, resolve_pipeline, resolve_run, run_entry, summarize
     from flows.records.run_state import RunStateError
+
+    unreadable = (RunStateError, CheckpointError)  # a run folder's files, or a node checkpoint's header
 
     if run_spec is not None:
         try:
@@ -388,7 +412,7 @@ def runs(
                 return
             path = resolve_run(run_spec, run_dir)
             summary = summarize(path)
-        except RunStateError as exc:
+        except unreadable as exc:
             fail(str(exc))
         if as_json:
             print_json([run_entry(summary, with_plan=True)])
@@ -411,7 +435,7 @@ def runs(
         for path in paths:
             try:
                 entries.append(run_entry(summarize(path)))
-            except RunStateError as exc:
+            except unreadable as exc:
                 entries.append(run_entry(None, path=path, error=str(exc)))
         print_json(entries)
         return
@@ -422,7 +446,7 @@ def runs(
     for path in paths:  # one block per run: long error texts stay readable in a narrow terminal
         try:
             s = summarize(path)
-        except RunStateError as exc:
+        except unreadable as exc:
             out.print(f"{path}  unreadable: {exc}", highlight=False)
             continue
         started = datetime.fromtimestamp(s.started).strftime("%Y-%m-%d %H:%M")

@@ -8,12 +8,11 @@ error not listed here is a bug: the CLI shows its traceback.
 from __future__ import annotations
 
 import errno
+import sys
 from pathlib import Path
 
-import torch
-
 from bhfl_core.config.base import ConfigError
-from bhfl_core.store.node_store import CheckpointError
+from bhfl_core.store.state_header import CheckpointError
 from data_prep.partition import PartitionError
 from flows.records.run_state import RunStateError
 
@@ -42,7 +41,9 @@ def explain(exc: BaseException, run_path: Path | None) -> str | None:
         return f"The data cannot be partitioned as configured: {exc}. {resume_hint(run_path)}"
     if isinstance(exc, CheckpointError):
         return str(exc)
-    if isinstance(exc, torch.OutOfMemoryError):
+    # looked up, not imported: a command that never loaded torch (~1.5 s) cannot have failed in it
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(exc, torch.OutOfMemoryError):
         return (
             f"Out of GPU memory ({str(exc).splitlines()[0]}). Fewer workers per GPU or a smaller evaluation "
             f"batch keep the results unchanged: resume with `--set runtime.workers=1` or `--set eval.batch_size=64`. "

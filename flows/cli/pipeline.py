@@ -23,6 +23,7 @@ from flows.cli.shell import (
     console,
     fail,
     guarded,
+    hub_check,
     out,
     prefect_api,
     preflight,
@@ -92,6 +93,8 @@ def run_pipeline_command(
     except ConfigError as exc:
         fail(f"{path}: {exc}")
     folder = new_run_path(run_dir.resolve(), pipeline.name)
+    for stage in pipeline:
+        hub_check(stage.config, run_dir)
     with prefect_api(run_dir, full=False) as prefect_ready:
         for stage in pipeline:
             preflight(stage.config, run_dir)

@@ -13,6 +13,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -128,28 +129,58 @@ def local_cluster(cfg: ExperimentConfig, run_path: Path) -> Iterator[ClusterStar
         starting.close()
 
 
-def preflight(cfg: object, run_dir: Path) -> None:
+def hub_check(cfg: ExperimentConfig, run_dir: Path) -> None:
+    """A hub model or (uncached) dataset, and the hub unreachable? Seconds; before Prefect and the workers start.
+
+    The full ``preflight`` runs beside their start-up; stopped there, the command would
+    first wait for the workers to come up.
+    """
+    from bhfl_core.config.base import ConfigError
+    from data_prep.prepare import check_hub
+
+    try:
+        check_hub(cfg, run_dir / "cache")
+    except ConfigError as exc:
+        fail(str(exc))
+
+
+def preflight(cfg: ExperimentConfig, run_dir: Path) -> None:
     """Model and (unless cached) data reachable? Checked before Prefect starts: one paragraph, exit 2."""
     from bhfl_core.config.base import ConfigError
     from data_prep.prepare import preflight
 
     try:
-        preflight(cfg, run_dir / "cache")  # type: ignore[arg-type]
+        preflight(cfg, run_dir / "cache")
     except ConfigError as exc:
         fail(str(exc))
 
 
+@dataclass(frozen=True)
+class PrefectApi:
+    """The Prefect API a command talks to; calling it waits until the API answers.
+
+    ``own``: the command's own server (no UI unless ``full``; it stops with the command),
+    else the user's ``$PREFECT_API_URL``.
+    """
+
+    wait: Callable[[], None]
+    own: bool
+
+    def __call__(self) -> None:
+        self.wait()
+
+
 @contextmanager
-def prefect_api(run_dir: Path, full: bool) -> Iterator[Callable[[], None]]:
+def prefect_api(run_dir: Path, full: bool) -> Iterator[PrefectApi]:
     """``$PREFECT_API_URL`` if set, else a Prefect server of this command's own that dies with it.
 
     (Prefect's own temporary server would outlive a killed run and hold its database.)
     ``full``: ``prefect server start`` with UI and scheduler, for ``bhfl serve``. The
-    server boots in the background: call the function this yields before the first
-    Prefect request (it waits until the server answers).
+    server boots in the background: call what this yields before the first Prefect
+    request (it waits until the server answers).
     """
     if "PREFECT_API_URL" in os.environ:
-        yield lambda: None
+        yield PrefectApi(lambda: None, own=False)
         return
     from flows.services.prefect_server import start_server
 
@@ -157,7 +188,7 @@ def prefect_api(run_dir: Path, full: bool) -> Iterator[Callable[[], None]]:
     os.environ["PREFECT_API_URL"] = server.api_url
     previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `kill`: stop the server too
     try:
-        yield server.wait_healthy
+        yield PrefectApi(server.wait_healthy, own=True)
     finally:
         signal.signal(signal.SIGTERM, previous)
         if "prefect.logging.handlers" in sys.modules:  # send the last logs while the server still listens

@@ -25,6 +25,7 @@ from flows.cli.pipeline import _start_forkserver
 from flows.cli.shell import (
     console,
     fail,
+    hub_check,
     out,
     prefect_api,
     preflight,
@@ -36,6 +37,7 @@ from flows.cli.shell import (
 from flows.progress import RichReporter
 
 if TYPE_CHECKING:
+    from bhfl_core.config.schema import ExperimentConfig
     from bhfl_core.config.sweep import Sweep
 
 
@@ -102,8 +104,8 @@ def _guarded(work: Callable[[], dict[str, Any]], folder: Path | None, verbose: b
         raise typer.Exit(code=2 if isinstance(exc, ConfigError) else 1) from None
 
 
-def _preflight(sweep: Sweep, run_dir: Path) -> None:
-    """Model and data reachable, once per distinct (data, model) of the points."""
+def _preflight(sweep: Sweep, run_dir: Path, check: Callable[[ExperimentConfig, Path], None] = preflight) -> None:
+    """Model and data reachable (``check``: ``preflight`` or the quick ``hub_check``), once per (data, model)."""
     from bhfl_core.config.schema import dump
 
     seen: set[str] = set()
@@ -112,7 +114,7 @@ def _preflight(sweep: Sweep, run_dir: Path) -> None:
         key = repr((data["data"], data["model"]))
         if key not in seen:
             seen.add(key)
-            preflight(point.config, run_dir)
+            check(point.config, run_dir)
 
 
 def run_sweep_command(
@@ -155,6 +157,7 @@ def run_sweep_command(
     from flows.sweep import run_sweep
 
     target = folder or new_run_path(run_dir.resolve(), sweep.name)
+    _preflight(sweep, run_dir, hub_check)
     with prefect_api(run_dir, full=False) as prefect_ready:
         _preflight(sweep, run_dir)
         console.print(
@@ -184,9 +187,12 @@ def resume_sweep_command(folder: Path, overrides: list[str], run_dir: Path, verb
     from flows.records.sweep_record import read_sweep_config, resumable
 
     try:
-        resumable(folder)  # before Prefect or any worker starts
+        record = resumable(folder)  # before Prefect or any worker starts
     except RunStateError as exc:
         fail(str(exc))
+    if record.status == "finished":  # nothing to redo, and nothing of its record (MLflow, sweep.json) is touched
+        console.print(f"[bold]bhfl[/] sweep {folder} finished; nothing to resume", highlight=False)
+        return
     sweep = read_sweep_config(folder)
     _start_forkserver([p.config for p in sweep])
     console.print(f"[bold]bhfl[/] resuming sweep {folder} ...", highlight=False)

@@ -1,8 +1,8 @@
 """What is in a run folder: status, where it stopped, and what a resume would redo.
 
 Read from the run's ``run.json``, its config, its data manifest and the headers of its
-node checkpoints only (no model, no data shard is loaded, and neither Prefect, MLflow
-nor the data libraries are imported), so listing many runs stays cheap. The plan walks
+node checkpoints only (no model, no data shard is loaded; this module imports neither
+torch, Prefect, MLflow nor the data libraries), so listing many runs stays cheap. The plan walks
 the tree the way EXECUTENODE does: for every node, the execution its parent's current
 round asked for, and how many of its rounds are saved.
 
@@ -24,8 +24,8 @@ from bhfl_core.algorithm.tree import Node, Tree
 from bhfl_core.config.topology import ROOT_ID as ROOT
 from bhfl_core.config.topology import build_tree
 from bhfl_core.rng import sample_cohort
-from bhfl_core.store.node_store import StateStore
 from bhfl_core.store.run_layout import CONFIG_FILE, DATA_POINTER, STATE_DIR
+from bhfl_core.store.state_header import read_header
 from data_prep.manifest import Manifest
 from flows.records.run_record import RECORD_FILE, RunRecord
 from flows.records.run_state import RunStateError, load_run
@@ -54,7 +54,7 @@ class _Run:
     """What the plan needs of a run: its tree, its checkpoint headers, its seed (no data, no model)."""
 
     tree: Tree
-    store: StateStore
+    state_dir: Path  # the run's node states (their headers are read: ``state_header.py``)
     seed: int
 
 
@@ -62,13 +62,13 @@ def _open(run_path: Path, config: ExperimentConfig) -> _Run:
     # the tree as tasks/context.py RunContext builds it, without importing the data libraries it needs
     data_root = Path(json.loads((run_path / DATA_POINTER).read_text())["data_root"])
     tree = build_tree(config, Manifest.read(data_root).tree_clients())
-    return _Run(tree, StateStore(run_path / STATE_DIR), config.seed)
+    return _Run(tree, run_path / STATE_DIR, config.seed)
 
 
 def _walk(ctx: _Run, node: Node, caller: Caller, out: Progress) -> str:
     """Status of ``node``'s execution for ``caller`` (done / under way / to do); lines for those under way."""
     settings = node.settings
-    state = ctx.store.load_header(node.id)
+    state = read_header(ctx.state_dir, node.id)
     started = state.exec_caller == caller.key
     done = state.rounds_done_for(caller)
     if done >= settings.rounds:
@@ -102,7 +102,7 @@ def progress(run_path: Path, config: ExperimentConfig | None = None) -> Progress
         return None
     ctx = _open(run_path, config if config is not None else load_run(run_path)[0])
     root = ctx.tree.root
-    done = ctx.store.load_header(root.id).rounds_done
+    done = read_header(ctx.state_dir, root.id).rounds_done
     out = Progress(done, root.settings.rounds)
     if done < root.settings.rounds:
         _walk(ctx, root, ROOT_CALLER, out)

@@ -80,6 +80,8 @@ class RunRecord(ProcessRecord):
     parent_run_id: str = ""
     node_runs: dict[str, str] = {}
     evaluated_steps: list[int] = []
+    # finished re-evaluations (`bhfl resume --force-eval`): the n-th is logged at step root rounds + n
+    forced_evaluations: int = 0
     # MLflow logging phases finished (LOGGED_FILES: the parent run's files): a resume redoes the rest
     logged: list[str] = []
     # Where the run's worker calls go (so any process can execute any part of the tree):

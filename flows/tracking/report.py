@@ -136,10 +136,15 @@ def _curves_csv(curves: Mapping[str, Sequence[tta.CurvePoint]]) -> str:
     )
 
 
-def write_report(tracker: Tracker, ctx: RunContext, ev: Evaluation, timings: Mapping[str, float]) -> dict[str, float]:
-    """Write the run's report files, log them and the summary metrics to the parent run; return headlines."""
+def write_report(
+    tracker: Tracker, ctx: RunContext, ev: Evaluation, timings: Mapping[str, float], step: int | None = None
+) -> dict[str, float]:
+    """Write the run's report files, log them and the summary metrics to the parent run; return headlines.
+
+    ``step``: the evaluation's step (default: the last root round; a forced re-evaluation's is later).
+    """
     folder = ctx.run_path / REPORT_DIR
-    final_step = ctx.tree.root.settings.rounds
+    final_step = ctx.tree.root.settings.rounds if step is None else step
     prox = proximity.analyse(ev)
     comm_rows, num_params = _communication(tracker, ctx)
     levels = comm.summarise(ctx.tree, comm_rows)

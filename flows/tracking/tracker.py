@@ -39,6 +39,7 @@ from bhfl_core.algorithm.tree import Tree
 from flows.services.store_templates import sqlite_from_template
 
 _BATCH = 900  # MLflow accepts at most 1000 entities per log_batch
+TRAIN_PREFIX = "train/"  # node runs log these first (log_node)
 RUN_KEY_TAG = "bhfl.run_key"  # on every run a run folder creates: what a resume finds them by
 EXPERIMENT_KIND, MODEL_TRAINING = "mlflow.experimentKind", "custom_model_development"  # what the UI reads
 
@@ -245,8 +246,12 @@ class Tracker:
         self._batched(run_id, [Metric(k, float(v), now, step) for k, v in values.items() if not math.isnan(v)])
 
     def log_node(self, node_id: str, values: Mapping[str, float], step: int) -> None:
+        """``values`` on the node's run, ``train/*`` first: MLflow's run page lays out its chart
+        sections in the order a run's metrics were first logged, and the training loss is
+        what one looks for first."""
         if node_id in self.node_runs:
-            self.log_metrics(self.node_runs[node_id], values, step)
+            first = {k: v for k, v in values.items() if k.startswith(TRAIN_PREFIX)}
+            self.log_metrics(self.node_runs[node_id], {**first, **values}, step)
 
     def log_text(self, text: str, artifact_path: str, run_id: str | None = None) -> None:
         self.client.log_text(run_id or self.parent_id, text, artifact_path)

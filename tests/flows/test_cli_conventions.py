@@ -1,5 +1,6 @@
 """The CLI's habits (issue 17, part 5): results on stdout and the rest on stderr, ``--json``, ``--version``,
-help defaults from typer, full run ids (and unique prefixes) everywhere, ``compare --all``, ``ui`` on a busy port.
+help defaults from typer, full run ids (and unique prefixes) everywhere, ``compare --all``, ``ui`` on a busy port,
+the Prefect flow run's address, and quick commands that stay quick (no torch, Prefect or MLflow imported).
 
 Nothing is trained: run folders are a ``config.yaml`` and a ``run.json`` as a run writes them, and the
 MLflow store is made with ``MlflowClient`` with the tags and parent-run metrics a finished experiment run
@@ -10,13 +11,16 @@ also keeps stdout and stderr apart).
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
 import uuid
+from collections.abc import Sequence
 from importlib.metadata import version
 from pathlib import Path
 
@@ -32,7 +36,8 @@ from flows.records.listing import _by_run_id
 from flows.records.pipeline_record import PipelineRecord, StageRecord
 from flows.records.run_record import RunRecord
 from flows.records.run_state import RunStateError
-from tests.small import small_config
+from tests.flows.prefect_api import api
+from tests.small import SMALL, small_config
 
 pytestmark = pytest.mark.integration
 
@@ -61,12 +66,13 @@ COMPARE_KEYS = {
 }
 
 
-def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+def cli(*args: str, timeout: float = 120, python: Sequence[str] = ()) -> subprocess.CompletedProcess[str]:
+    """``bhfl ARGS`` in a subprocess (``python``: options for the interpreter, e.g. ``-X importtime``)."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "COLUMNS": "200"}
     for own_servers in ("MLFLOW_TRACKING_URI", "PREFECT_API_URL"):  # the commands' defaults, not the user's
         env.pop(own_servers, None)
     return subprocess.run(
-        [sys.executable, "-m", "flows.cli.app", *args],
+        [sys.executable, *python, "-m", "flows.cli.app", *args],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -286,3 +292,119 @@ def test_prepare_on_a_cache_hit_is_quick_and_reports_on_stdout(tmp_path):
     assert "| en |" in out.stdout  # the partition report
     assert f"data cache hit {prepared.root}: reusing pre-tokenised shards" in out.stderr  # the note
     assert not list((tmp_path / ".prefect").glob("*.db"))  # no Prefect server was started for a hit
+
+
+@pytest.fixture(scope="module")
+def prepared_run(tmp_path_factory):
+    """A run dir with a data cache and an interrupted run: its config, record, data pointer, the root's checkpoint."""
+    import torch
+
+    from bhfl_core.algorithm.node_state import NodeState
+    from bhfl_core.store.node_store import StateStore
+    from bhfl_core.store.run_layout import DATA_POINTER, STATE_DIR
+    from data_prep.prepare import prepare_data
+
+    run_dir = tmp_path_factory.mktemp("prepared")
+    cfg = small_config()
+    prepared = prepare_data(cfg, run_dir / "cache", log=lambda _: None)
+    path = run_dir / "itest" / "20260101-000000-001"
+    path.mkdir(parents=True)
+    (path / "config.yaml").write_text(yaml.safe_dump(dump(cfg), sort_keys=False))
+    (path / DATA_POINTER).write_text(json.dumps({"data_root": str(prepared.root)}))
+    # the root finished round 1 of 2 of the run's one execution (caller: the run itself)
+    StateStore(path / STATE_DIR).save("root", NodeState(torch.zeros(8), rounds_done=1, exec_caller=""))
+    RunRecord(name="itest", status="failed", started=1.7e9, error="killed").write(path)
+    return run_dir, path
+
+
+def test_runs_reads_the_plan_from_checkpoint_headers_and_names_a_damaged_one(prepared_run, tmp_path):
+    run_dir, path = prepared_run
+    runner = CliRunner()
+    one = runner.invoke(app, ["runs", str(path), "--run-dir", str(run_dir)])
+    assert one.exit_code == 0, one.output
+    assert "root rounds saved: 1 of 2" in one.stdout and "root: round 2 of 2, 0 of 2 children finished" in one.stdout
+    assert "a resume would redo: root round 2; final evaluation" in one.stdout
+
+    copy = tmp_path / "itest" / path.name
+    shutil.copytree(path, copy)
+    node = copy / "state" / "nodes" / "root.safetensors"
+    node.write_bytes(node.read_bytes()[:-3])  # truncated: the header still parses, the tensors end past the file
+    listed = runner.invoke(app, ["runs", "--run-dir", str(tmp_path)])
+    assert listed.exit_code == 0, listed.output
+    assert f"{copy}  unreadable: checkpoint {node} is damaged (unreadable: the tensors end at byte" in listed.stdout
+
+
+def _imported(*args: str) -> set[str]:
+    """The top-level packages ``bhfl ARGS`` imported, read from ``python -X importtime``."""
+    out = cli(*args, python=["-X", "importtime"])
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = [line for line in out.stderr.splitlines() if line.startswith("import time:")]
+    return {line.rsplit("|", 1)[1].strip().split(".")[0] for line in lines}
+
+
+@pytest.fixture(scope="module")
+def quick_imports(prepared_run) -> dict[str, set[str]]:
+    run_dir, path = prepared_run
+    sets = [arg for assignment in SMALL for arg in ("--set", assignment)]
+    return {
+        "runs": _imported("runs", "--run-dir", str(run_dir)) | _imported("runs", str(path), "--run-dir", str(run_dir)),
+        "prepare (cache hit)": _imported("prepare", *sets, "--run-dir", str(run_dir)),
+    }
+
+
+@pytest.mark.parametrize("library", ["torch", "transformers", "datasets", "prefect", "mlflow"])
+def test_runs_and_a_prepare_cache_hit_import_no_heavy_library(quick_imports, library):
+    """Structural, not timed: each of these costs 0.5-1.5 s to import; without them both commands take ~1 s."""
+    for command, imported in quick_imports.items():
+        assert library not in imported, f"`bhfl {command}` imports {library}"
+
+
+def test_run_prints_the_prefect_ui_and_the_flow_run_on_stderr(tmp_path):
+    """With a Prefect server of the user's: its UI at the start, the experiment's flow run page once it exists."""
+    from prefect.settings import PREFECT_API_URL
+
+    api_url = str(PREFECT_API_URL.value())  # the session's Prefect test server, as a user's server
+    ui = api_url.removesuffix("/api")
+    extra = ("tree.root.rounds=1", "eval.every=0", "runtime.executor=inprocess")
+    sets = [arg for assignment in (*SMALL, *extra) for arg in ("--set", assignment)]
+    env = {**os.environ, "PREFECT_API_URL": api_url, "HF_HUB_OFFLINE": "1", "COLUMNS": "60"}  # narrow: no wrapping
+    env.pop("MLFLOW_TRACKING_URI", None)
+    out = subprocess.run(
+        [sys.executable, "-m", "flows.cli.app", "run", *sets, "--run-dir", str(tmp_path)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"\nPrefect UI: {ui}\n" in out.stderr and "Prefect" not in out.stdout
+    link = rf"^Prefect flow run: {re.escape(ui)}/runs/flow-run/([0-9a-f-]{{36}})$"  # one line, whole
+    (flow_run_id,) = re.findall(link, out.stderr, re.M)
+    run = api(f"{api_url}/flow_runs/{flow_run_id}")
+    assert api(f"{api_url}/flows/{run['flow_id']}")["name"] == "bhfl-experiment" and run["state_type"] == "COMPLETED"
+    assert run["parameters"]["run_path"] == str(next((tmp_path / "itest").iterdir()))
+
+
+def test_the_own_servers_flow_run_is_named_with_how_to_browse_it(tmp_path, monkeypatch):
+    """The command's own server has no UI and stops with it: the line says where its records stay and how to look."""
+    from prefect import flow
+    from rich.console import Console
+
+    from flows.cli.prefect_link import flow_run_link
+
+    @flow(name="bhfl-link-test")
+    def fake(run_path: str) -> None:
+        """Stands in for the experiment flow (a name of its own: other tests count bhfl-experiment runs)."""
+
+    monkeypatch.setenv("PREFECT_HOME", str(tmp_path / ".prefect"))
+    console = Console(file=io.StringIO(), width=60, soft_wrap=True)
+    path = tmp_path / "itest" / "20260101-000000-001"
+    fake(str(path))  # an earlier attempt of the same run: not the one the command starts
+    with flow_run_link(console, own_server=True, run_path=path, flow="bhfl-link-test"):
+        flow_run_id = fake(str(path), return_state=True).state_details.flow_run_id
+    (line,) = console.file.getvalue().splitlines()
+    assert line.startswith(f"Prefect flow run {flow_run_id}: this command's Prefect server stops with it")
+    assert f"`PREFECT_HOME={tmp_path / '.prefect'} .venv/bin/prefect server start`" in line
+    assert line.endswith(f"/runs/flow-run/{flow_run_id}")

@@ -3,6 +3,7 @@
 import json
 import logging
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -131,6 +132,46 @@ def test_cli_hub_model_offline_is_one_clear_paragraph(tmp_path):
     assert "model.name: could not load the model 'bert-base-multilingual-cased'" in out.stderr
     assert "set model.name: DIR" in " ".join(out.stderr.split())
     assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "cache").exists()  # stopped before any work
+
+
+def _closed_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])  # nothing listens there once the socket is closed
+
+
+def test_cli_hub_names_fail_fast_without_hf_hub_offline(tmp_path):
+    """No HF_HUB_OFFLINE and no hub: one quick probe, not the hub client's ~30 s of retries, then one paragraph.
+
+    The hub is a closed local port (HF_ENDPOINT), so the check cannot pass by accident on a machine with network.
+    """
+    env = {**os.environ, "HF_ENDPOINT": f"http://127.0.0.1:{_closed_port()}", "COLUMNS": "200"}
+    for online in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE", "PREFECT_API_URL"):
+        env.pop(online, None)
+
+    def failure(*args: str) -> str:
+        """``bhfl ARGS``'s error paragraph (exit 2, no traceback), whitespace folded."""
+        out = subprocess.run(
+            [sys.executable, "-m", "flows.cli.app", *args, "--run-dir", str(tmp_path)],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=60,  # a retried load takes ~30 s after the imports; the probe fails at once
+            env=env,
+            check=False,
+        )
+        assert out.returncode == 2 and "Traceback" not in out.stderr + out.stdout, out.stderr[-3000:]
+        return " ".join(out.stderr.split())
+
+    hub = env["HF_ENDPOINT"]
+    model = failure("run", "configs/xglue-nc-mbert.yaml")
+    assert f"model.name: 'bert-base-multilingual-cased' is a Hugging Face hub name, but the hub at {hub}" in model
+    assert "set HF_HUB_OFFLINE=1" in model and "set model.name: DIR" in model
+    assert not (tmp_path / ".prefect").exists() and not (tmp_path / "mlflow.db").exists()  # nothing started
+    local_model_hub_data = ("--set", "model.name=tiny-bert", "--set", "data.source.local_dir=null")
+    data = failure("prepare", "configs/xglue-nc-mbert.yaml", *local_model_hub_data)
+    assert f"data.source.repo: 'microsoft/xglue' is a Hugging Face hub name, but the hub at {hub}" in data
+    assert "data.source.local_dir: <folder of XGLUE parquet files>" in data and not (tmp_path / "cache").exists()
 
 
 def test_cli_prepare_prints_the_partition_and_missing_files_are_clear(tmp_path):

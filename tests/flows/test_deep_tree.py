@@ -35,6 +35,7 @@ def deep(tmp_path_factory):
         "data.proxy.servers=[root, 'depth:1']",
         "tree.levels.1.proxy_train=true",  # continents train on their languages' proxy share
         "tree.residuals.up=[{from: edge, to: root}]",  # a residual that skips three levels
+        "eval.during=all",  # the client models after every root round too (default: the servers only)
     )
     return root, run_experiment(config, root)
 
@@ -61,6 +62,8 @@ def test_every_server_at_every_depth_has_a_nested_run_with_metrics(deep):
         assert client.get_metric_history(runs[continent].info.run_id, "proxy_train/loss")
     assert not client.get_metric_history(runs["atlantic"].info.run_id, "proxy_train/loss")
     assert runs["itest-deep"].data.params["tree.groups.west.atlantic"] == '["en", "fr"]'
+    own = client.get_metric_history(result["run_id"], "client_on_own_clients/accuracy_mean")
+    assert sorted(m.step for m in own) == [1, 2]  # eval.during: all
 
 
 def test_evaluation_has_subtree_unions_at_every_depth(deep):

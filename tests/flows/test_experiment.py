@@ -52,6 +52,8 @@ def test_nested_node_runs_with_tags(finished):
         assert tags["bhfl.node"] == name and tags["bhfl.level"] == level and tags["bhfl.role"] == role
         assert tags["mlflow.parentRunId"] == runs[parent_name].info.run_id
         assert runs[name].info.status == "FINISHED"
+        # the store (and the UI's chart sections) keeps the order metrics were first logged: training loss first
+        assert next(iter(client.get_run(runs[name].info.run_id).data.metrics)).startswith("train/"), name
     assert parent.data.params["tree.root.rounds"] == "2"
     assert parent.data.params["tree.groups.west"] == '["en", "fr"]'
     assert parent.data.tags["bhfl.data_fingerprint"] and parent.data.tags["bhfl.config_hash"]

@@ -127,6 +127,13 @@ def test_per_round_curves_for_every_node(evaluated_runs):
     parent = tree["run_id"]
     assert sorted(m.step for m in client.get_metric_history(parent, "time/eval_s")) == [1, 2]
     assert [m.step for m in client.get_metric_history(parent, "time/baselines_s")] == [2]  # final evaluation only
+    # eval.during: servers (the default): the servers' relations have curves, the client models the final point
+    for key, steps in (
+        ("root/union/accuracy", [1, 2]),
+        ("edge_on_own_clients/accuracy_mean", [1, 2]),
+        ("client_on_own_clients/accuracy_mean", [2]),
+    ):
+        assert sorted(m.step for m in client.get_metric_history(parent, key)) == steps, key
     # the subtree distribution of edge-de is its 3 German clients' accuracies
     _, value = _matrix(client, parent, Path(tree["run_path"]) / "dl")
     de = [value[("edge-de", c, "accuracy")] for c in CLIENTS if c.startswith("de")]

@@ -208,3 +208,15 @@ def test_cli_rejects_a_bad_grid_naming_the_key(tmp_path):
     assert out.exit_code == 2
     assert "tree.edge.eta_dwn" in out.output and "unknown key" in out.output
     assert not list(tmp_path.glob("*/*/sweep.json"))  # nothing started
+
+
+def test_resuming_the_finished_sweep_changes_nothing(resumed):
+    result = resumed[2]
+    folder = Path(result["sweep_path"])
+    record, run_dir = (folder / "sweep.json").read_bytes(), folder.parents[1]
+    client = MlflowClient(result["tracking_uri"])
+    end_time = client.get_run(result["run_id"]).info.end_time
+    out = CliRunner().invoke(app, ["resume", str(folder), "--run-dir", str(run_dir)])
+    assert out.exit_code == 0 and "finished; nothing to resume" in " ".join(out.output.split()), out.output
+    assert (folder / "sweep.json").read_bytes() == record  # no attempt recorded
+    assert client.get_run(result["run_id"]).info.end_time == end_time  # its MLflow run not reopened

@@ -1,0 +1,54 @@
+"""Running `bhfl` the way a user does, killing it, and checking what a kill leaves (the kill-chain tests)."""
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+from prefect.settings import PREFECT_API_URL
+
+from tests.small import REPO
+
+KILLED = -9  # returncode of a process killed by SIGKILL
+# the B-HFL example (configs/bhfl-full.yaml) on top of tests/small.py: long enough to be killed at every kind of point
+EXAMPLE = ["tree.root.rounds=3", "tree.edge.rounds=2", "eval.every=1"]
+
+
+def cli(*args: str, faults: str | None, run_dir: Path) -> tuple[subprocess.CompletedProcess, int]:
+    """Run the CLI in a session of its own; returns its result and its session id (its pid)."""
+    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "HF_HUB_OFFLINE": "1"}
+    env.pop("BHFL_FAULTS", None)
+    if faults:
+        env["BHFL_FAULTS"] = faults
+    cmd = [sys.executable, "-m", "flows.cli.app", *args, "--run-dir", str(run_dir)]
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        out, err = proc.communicate(timeout=600)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err), proc.pid
+
+
+def leftovers(session: int, grace_s: float = 15.0) -> list[str]:
+    """Processes of the killed CLI's session (its workers, forkserver, ...) still alive after it died."""
+    deadline = time.time() + grace_s
+    while True:
+        alive = []
+        for proc in psutil.process_iter(["pid", "name", "status"]):
+            try:
+                if os.getsid(proc.pid) == session and proc.info["status"] != psutil.STATUS_ZOMBIE:
+                    alive.append(f"{proc.pid} {proc.info['name']}")
+            except (ProcessLookupError, PermissionError):
+                continue
+        if not alive or time.time() > deadline:
+            return alive
+        time.sleep(0.5)
+
+
+def node_files(run_path: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted((run_path / "state" / "nodes").glob("*.safetensors"))}
