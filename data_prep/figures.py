@@ -20,9 +20,21 @@ from bhfl_core.store.atomic import atomic_path
 DRAW_LOCK = threading.Lock()
 
 
-def save_png(fig: Any, path: Path, dpi: int = 110, tight: bool = True, tight_layout: bool = False) -> None:
-    """Draw ``fig`` (a matplotlib ``Figure``) and write it as PNG to a temporary name, then rename."""
-    with DRAW_LOCK, atomic_path(path) as tmp:
+PNG_DPI = 200  # sharp in a paper or on a high-density screen; the vector copy scales anyway
+MIN_FONT_PT = 8  # the smallest text any figure sets (tick labels), readable at the saved size
+
+
+def save_png(fig: Any, path: Path, dpi: int = PNG_DPI, tight: bool = True, tight_layout: bool = False) -> None:
+    """Draw ``fig`` (a matplotlib ``Figure``) and write it as ``path`` (PNG) and beside it as SVG.
+
+    The PNG is what the reports show; the SVG (same stem) is for papers: vector, text
+    kept as text. Each is written to a temporary name, then renamed.
+    """
+    bbox = "tight" if tight else None
+    with DRAW_LOCK:
         if tight_layout:
             fig.tight_layout()
-        fig.savefig(tmp, dpi=dpi, bbox_inches="tight" if tight else None, format="png")
+        with atomic_path(path) as tmp:
+            fig.savefig(tmp, dpi=dpi, bbox_inches=bbox, format="png")
+        with atomic_path(path.with_suffix(".svg")) as tmp:
+            fig.savefig(tmp, bbox_inches=bbox, format="svg", metadata={"Date": None})  # no date: same bytes each run

@@ -3,8 +3,8 @@
 - ``summary.json``: clients and edge servers per language, client sizes (train +
   test: min / median / max), label skew, proxy sizes, unused pool rows;
 - ``partition.md``: the same as a small markdown table;
-- ``client_sizes.png``: client size distribution per language (log scale);
-- ``label_skew.png``: heatmap clients x labels (each client's label shares).
+- ``client_sizes.png`` (and ``.svg``): client size distribution per language (log scale);
+- ``label_skew.png`` (and ``.svg``): heatmap clients x labels (each client's label shares).
 
 Label skew is summarised as the mean total-variation distance between a client's
 label distribution and (a) its language's (all its language's clients pooled),
@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from data_prep.figures import save_png
+from data_prep.figures import MIN_FONT_PT, save_png
 from data_prep.manifest import Manifest
 
 SUMMARY, MARKDOWN, SIZES_PNG, SKEW_PNG = "summary.json", "partition.md", "client_sizes.png", "label_skew.png"
@@ -154,9 +154,9 @@ def plot_label_skew(manifest: Manifest, path: Path) -> None:
     fig = _figure(2.5 + 0.35 * len(manifest.labels), 1.5 + min(0.16 * len(clients), 14))
     ax = fig.add_subplot()
     image = ax.imshow(shares, aspect="auto", cmap="viridis", vmin=0, vmax=1, interpolation="nearest")
-    ax.set_xticks(range(len(manifest.labels)), manifest.labels, rotation=60, ha="right", fontsize=7)
+    ax.set_xticks(range(len(manifest.labels)), manifest.labels, rotation=60, ha="right", fontsize=MIN_FONT_PT)
     if len(clients) <= 80:
-        ax.set_yticks(range(len(clients)), [c.id for c in clients], fontsize=6)
+        ax.set_yticks(range(len(clients)), [c.id for c in clients], fontsize=MIN_FONT_PT)
     else:
         ax.set_yticks([])
         ax.set_ylabel(f"{len(clients)} clients")
@@ -174,8 +174,8 @@ def write_report(manifest: Manifest, folder: Path) -> list[Path]:
     written = [folder / SUMMARY, folder / MARKDOWN]
     if manifest.clients:
         plot_sizes(manifest, folder / SIZES_PNG)
-        written.append(folder / SIZES_PNG)
+        written += [folder / SIZES_PNG, (folder / SIZES_PNG).with_suffix(".svg")]
         if len(_hist(manifest.clients[0])):
             plot_label_skew(manifest, folder / SKEW_PNG)
-            written.append(folder / SKEW_PNG)
+            written += [folder / SKEW_PNG, (folder / SKEW_PNG).with_suffix(".svg")]
     return written

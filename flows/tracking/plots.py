@@ -16,8 +16,11 @@ from matplotlib.figure import Figure
 from bhfl_core.analysis.evaluation import Evaluation, all_test_sets, client_order
 from bhfl_core.analysis.proximity import Proximity
 from bhfl_core.analysis.time_to_accuracy import CurvePoint
+from data_prep.figures import MIN_FONT_PT
 
 MAX_LABELS = 150  # beyond this many rows / columns, client tick labels are left out
+# legends under the axes, never over the data (the saved figure is cropped to include them)
+BELOW = {"loc": "upper center", "bbox_to_anchor": (0.5, -0.16), "ncols": 2, "frameon": False}
 ROLE_COLOURS = {"client": "#9e9e9e", "edge": "#1f77b4", "server": "#2ca02c", "root": "#d62728"}
 
 
@@ -27,8 +30,8 @@ def heatmap(ev: Evaluation) -> Figure:
     rows = ev.node_models()
     cols = all_test_sets(ev.tree)
     grid = np.array([[np.nan if (v := ev.value(m, t)) is None else v for t in cols] for m in rows], dtype=float)
-    width = min(4 + 0.22 * len(cols), 40)
-    height = min(2.5 + 0.2 * len(rows), 40)
+    width = min(4 + 0.16 * len(cols) * MIN_FONT_PT / 6, 40)  # room for one tick label per column and row
+    height = min(2.5 + 0.15 * len(rows) * MIN_FONT_PT / 6, 40)
     fig = Figure(figsize=(width, height))
     ax = fig.subplots()
     cmap = "viridis" if ev.task.better(metric) else "viridis_r"
@@ -38,8 +41,8 @@ def heatmap(ev: Evaluation) -> Figure:
     client_set = set(clients)
     xs = [i for i, c in enumerate(cols) if len(cols) <= MAX_LABELS or c not in client_set]
     ys = [i for i, m in enumerate(rows) if len(rows) <= MAX_LABELS or not ev.tree[m].is_leaf]
-    ax.set_xticks(xs, [cols[i] for i in xs], rotation=90, fontsize=6)
-    ax.set_yticks(ys, [rows[i] for i in ys], fontsize=6)
+    ax.set_xticks(xs, [cols[i] for i in xs], rotation=90, fontsize=MIN_FONT_PT)
+    ax.set_yticks(ys, [rows[i] for i in ys], fontsize=MIN_FONT_PT)
     for label, i in zip(ax.get_yticklabels(), ys):
         if not ev.tree[rows[i]].is_leaf:
             label.set_fontweight("bold")
@@ -55,7 +58,7 @@ def heatmap(ev: Evaluation) -> Figure:
     fig.colorbar(image, ax=ax, fraction=0.03, pad=0.01).set_label(f"{metric} ({direction})")
     ax.set_xlabel("test set: client test splits | subtree unions, union of all clients, proxy")
     ax.set_ylabel("model (tree order: servers in bold, each followed by its subtree)")
-    ax.set_title(f"{metric} of every node model on every test set")
+    ax.set_title(f"{metric.capitalize()} of each model on each test set")
     return fig
 
 
@@ -75,11 +78,8 @@ def proximity_plot(ev: Evaluation, prox: Proximity) -> Figure:
         left.plot([c.distance for c in curve], [c.mean for c in curve], style, marker="o", linewidth=2, label=label)
     left.set_xlabel("tree distance between the model's node and the client (edges)")
     left.set_ylabel(f"{prox.metric} on the client's test split")
-    left.set_title(
-        f"clients' data: hypothesis holds for {prox.share_rank:.0%} of clients (rank), {prox.share_path:.0%} (path)",
-        fontsize=10,
-    )
-    left.legend(fontsize=7, loc="best")
+    left.set_title("On each client's test split: closer models score better?", fontsize=10)
+    left.legend(fontsize=MIN_FONT_PT, **BELOW)
     max_d = max((p.distance for p in prox.pairs), default=0)
     left.set_xticks(range(max_d + 1))
 
@@ -97,9 +97,9 @@ def proximity_plot(ev: Evaluation, prox: Proximity) -> Figure:
         )
     right.set_xlabel("depth of the model's node (root = 0)")
     right.set_ylabel(prox.metric)
-    right.set_title("union of clients' tests and proxy test: better towards the root?", fontsize=10)
+    right.set_title("On the global test sets: better towards the root?", fontsize=10)
     right.set_xticks(range(max((d for g in prox.globals.values() for d, _, _ in g.by_depth), default=0) + 1))
-    right.legend(fontsize=7, loc="best")
+    right.legend(fontsize=MIN_FONT_PT, **BELOW)
     return fig
 
 
@@ -111,5 +111,5 @@ def time_to_accuracy_plot(curves: Mapping[str, Sequence[CurvePoint]], metric: st
         ax.plot([p.virtual_s for p in points], [p.value for p in points], "-o", markersize=3, label=label)
     ax.set_xlabel("virtual time (s): client steps / speed, rounds wait for their slowest child")
     ax.set_ylabel(metric)
-    ax.legend(fontsize=8, loc="best")
+    ax.legend(fontsize=MIN_FONT_PT, **BELOW)
     return fig

@@ -16,7 +16,7 @@ then to the parent run's artefacts (same layout):
     eval/proximity_clients.csv    per client: Spearman rho(distance, quality), path monotone
     eval/communication.csv        models and bytes per server, round, direction, kind
     eval/communication_levels.csv the same summed per level
-    eval/heatmap.png, eval/proximity.png
+    eval/heatmap.png, eval/proximity.png (and an SVG beside each)
 
 Communication and evaluation time are read back from MLflow metric histories (not
 in-process counters), so a resumed run reports the whole run.
@@ -81,9 +81,9 @@ def _num(value: float | None) -> float:
     return math.nan if value is None else value
 
 
-def save_figure(fig: Figure, path: Path, dpi: int = 110) -> None:
-    """Write a figure as PNG to a temporary name, then rename (drawn under ``data_prep.figures.DRAW_LOCK``)."""
-    save_png(fig, path, dpi)
+def save_figure(fig: Figure, path: Path) -> None:
+    """Write a figure as PNG and SVG beside it (``data_prep.figures.save_png``: atomic, under its draw lock)."""
+    save_png(fig, path)
 
 
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
@@ -373,12 +373,16 @@ def render_markdown(
         "",
         "![proximity](eval/proximity.png)",
         "",
+        "Vector copy for a paper: [eval/proximity.svg](eval/proximity.svg).",
+        "",
         "## Heatmap",
         "",
         "Rows: node models in tree order; columns: client test splits (same order), subtree unions, "
         "the union of all clients, the proxy test.",
         "",
         "![heatmap](eval/heatmap.png)",
+        "",
+        "Vector copy: [eval/heatmap.svg](eval/heatmap.svg).",
         "",
     ]
 

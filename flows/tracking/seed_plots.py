@@ -19,7 +19,7 @@ from pathlib import Path
 from matplotlib.figure import Figure
 
 from bhfl_core.analysis.seeds import GroupStats
-from data_prep.figures import save_png
+from data_prep.figures import MIN_FONT_PT, save_png
 
 Settings = Mapping[str, Mapping[str, str]]  # config id -> swept key -> its value there
 
@@ -76,15 +76,15 @@ def metric_vs_key(
                 label=label or "mean over seeds",
             )
         ax.set_title((titles or {}).get(metric, metric), fontsize=9)
-        ax.set_xlabel(key, fontsize=8)
+        ax.set_xlabel(key, fontsize=9)
         if numbers is None:
-            ax.set_xticks(range(len(values)), values, fontsize=7)
+            ax.set_xticks(range(len(values)), values, fontsize=MIN_FONT_PT)
     for ax in axes[len(metrics) :]:
         ax.set_visible(False)
     handles, names = axes[0].get_legend_handles_labels()
     if len(lines) > 1 and handles:
-        fig.legend(handles, names, loc="outside lower center", fontsize=7, ncols=min(len(lines), 3))
-    fig.suptitle(f"mean over seeds and 95% t-interval against {key}", fontsize=10)
+        fig.legend(handles, names, loc="outside lower center", fontsize=MIN_FONT_PT, ncols=min(len(lines), 3))
+    fig.suptitle(f"Mean over seeds with 95% confidence interval, by {key}", fontsize=10)
     return fig
 
 

@@ -206,5 +206,6 @@ def test_plot_of_each_metric_against_each_swept_key(tmp_path):
     paths = save_metric_plots(groups, settings, keys, ["acc"], tmp_path)
     assert [p.name for p in paths] == ["seeds_tree.edge.eta_down.png", "seeds_tree.root.opt_up.kind.png"]
     assert all(p.read_bytes().startswith(PNG) for p in paths)
+    assert all(p.with_suffix(".svg").read_text().startswith("<?xml") for p in paths)  # vector copies beside them
     with pytest.raises(ValueError, match=r"no config has a value for 'tree.client.mu'"):
         metric_vs_key(groups, settings, "tree.client.mu", ["acc"])

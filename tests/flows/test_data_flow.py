@@ -83,6 +83,8 @@ def test_partition_report_is_logged_to_the_parent_run(mlm_run):
         "data/partition.md",
         "data/client_sizes.png",
         "data/label_skew.png",
+        "data/client_sizes.svg",  # a vector copy beside each figure
+        "data/label_skew.svg",
     } <= files
     png = Path(client.download_artifacts(result["run_id"], "data/label_skew.png", str(root / "dl")))
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

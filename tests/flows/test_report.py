@@ -7,11 +7,17 @@ import math
 from pathlib import Path
 
 import pytest
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
 from mlflow import MlflowClient
+from PIL import Image
 from typer.testing import CliRunner
 
 from bhfl_core.analysis.evaluation import ModelRef
+from bhfl_core.analysis.time_to_accuracy import CurvePoint
+from data_prep.figures import MIN_FONT_PT, PNG_DPI
 from flows.cli.app import app
+from flows.tracking import plots
 from flows.tracking.tracker import Tracker
 from tasks.context import open_run
 from tasks.worker import WorkerRuntime, worker_device
@@ -60,6 +66,9 @@ def test_report_artifacts_on_the_parent_run(evaluated_runs, tmp_path):
         data = _artifact(client, tree["run_id"], png, tmp_path).read_bytes()
         assert data.startswith(PNG) and len(data) > 10_000
         assert data == (Path(tree["run_path"]) / "report" / png).read_bytes()  # the run folder holds the same
+        assert round(Image.open(io.BytesIO(data)).info["dpi"][0]) == PNG_DPI  # sharp enough for a paper
+        svg = _artifact(client, tree["run_id"], png.replace(".png", ".svg"), tmp_path).read_text()
+        assert svg.startswith("<?xml") and "<svg" in svg  # the vector copy beside it, logged too
     report = _artifact(client, tree["run_id"], "report.md", tmp_path).read_text()
     for section in (
         "# itest-report: evaluation report",
@@ -266,3 +275,16 @@ def test_time_to_accuracy_in_report_and_compare(evaluated_runs, tmp_path):
         (row,) = csv.DictReader(io.StringIO(out.read_text()))
         got = float(row["time_to_target"])
         assert got == pytest.approx(want) if not math.isnan(want) else math.isnan(got)
+
+
+def test_figure_legends_sit_outside_the_data_and_text_is_readable():
+    """The legend is laid out under the axes (it never hides a point), every text at least MIN_FONT_PT."""
+    points = [CurvePoint(step=i, virtual_s=10.0 * i, value=0.1 * i) for i in range(1, 6)]
+    fig: Figure = plots.time_to_accuracy_plot({"root on union": points, "client's own model (mean)": points}, "acc")
+    renderer = FigureCanvasAgg(fig).get_renderer()  # (attaches itself to the figure)
+    fig.draw(renderer)  # lays the legend out
+    (ax,) = fig.axes
+    legend, data_area = ax.get_legend().get_window_extent(renderer), ax.get_window_extent(renderer)
+    assert legend.y1 < data_area.y0  # wholly below the axes
+    texts = [*ax.get_xticklabels(), *ax.get_yticklabels(), *ax.get_legend().get_texts()]
+    assert min(t.get_fontsize() for t in texts) >= MIN_FONT_PT
