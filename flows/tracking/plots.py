@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import numpy as np
+from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
 from bhfl_core.analysis.evaluation import Evaluation, all_test_sets, client_order
@@ -19,9 +20,12 @@ from bhfl_core.analysis.time_to_accuracy import CurvePoint
 from data_prep.figures import MIN_FONT_PT
 
 MAX_LABELS = 150  # beyond this many rows / columns, client tick labels are left out
-# legends under the axes, never over the data (the saved figure is cropped to include them)
-BELOW = {"loc": "upper center", "bbox_to_anchor": (0.5, -0.16), "ncols": 2, "frameon": False}
 ROLE_COLOURS = {"client": "#9e9e9e", "edge": "#1f77b4", "server": "#2ca02c", "root": "#d62728"}
+
+
+def _legend_below(ax: Axes) -> None:
+    """The legend under the axes, never over the data (the saved figure is cropped to include it)."""
+    ax.legend(fontsize=MIN_FONT_PT, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncols=2, frameon=False)
 
 
 def heatmap(ev: Evaluation) -> Figure:
@@ -79,7 +83,7 @@ def proximity_plot(ev: Evaluation, prox: Proximity) -> Figure:
     left.set_xlabel("tree distance between the model's node and the client (edges)")
     left.set_ylabel(f"{prox.metric} on the client's test split")
     left.set_title("On each client's test split: closer models score better?", fontsize=10)
-    left.legend(fontsize=MIN_FONT_PT, **BELOW)
+    _legend_below(left)
     max_d = max((p.distance for p in prox.pairs), default=0)
     left.set_xticks(range(max_d + 1))
 
@@ -99,7 +103,7 @@ def proximity_plot(ev: Evaluation, prox: Proximity) -> Figure:
     right.set_ylabel(prox.metric)
     right.set_title("On the global test sets: better towards the root?", fontsize=10)
     right.set_xticks(range(max((d for g in prox.globals.values() for d, _, _ in g.by_depth), default=0) + 1))
-    right.legend(fontsize=MIN_FONT_PT, **BELOW)
+    _legend_below(right)
     return fig
 
 
@@ -111,5 +115,5 @@ def time_to_accuracy_plot(curves: Mapping[str, Sequence[CurvePoint]], metric: st
         ax.plot([p.virtual_s for p in points], [p.value for p in points], "-o", markersize=3, label=label)
     ax.set_xlabel("virtual time (s): client steps / speed, rounds wait for their slowest child")
     ax.set_ylabel(metric)
-    ax.legend(fontsize=MIN_FONT_PT, **BELOW)
+    _legend_below(ax)
     return fig
