@@ -348,7 +348,8 @@ def workload_config(prepared: Path, k: int, rounds: int) -> dict[str, Any]:
                 "train": {"optimizer": "sgd", "lr": LR, "epochs": 1, "batch_size": BATCH},
             },
         },
-        "eval": {"client_models": False},
+        # the spec evaluates once, after the last round: no server curves (eval.every's default is 1)
+        "eval": {"client_models": False, "every": 0},
     }
 
 

@@ -97,7 +97,7 @@ class RichReporter(logging.Handler):
                 )
         elif kind == "node_round":
             metrics = data["metrics"]
-            loss = metrics.get("train/loss", metrics.get("proxy_train/loss"))
+            loss = metrics.get("Training/loss", metrics.get("Training/proxy_loss"))
             detail = f"{'  ' * data['depth']}{data['node']} round {data['round'] + 1}" + (
                 f"  loss {loss:.3f}" if loss is not None else ""
             )

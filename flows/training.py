@@ -204,8 +204,8 @@ class FlowHooks:
             if node.settings.res_up:
                 report.candidates.append(Candidate(child.id, theta_child, child.weight))
             last = ctx.store.load_info(child.id).get("metrics", {})  # the child's last round, saved with it
-            if last.get("train/examples"):
-                losses[child.id] = (last["train/loss"], int(last["train/examples"]))
+            if last.get("Training/examples"):
+                losses[child.id] = (last["Training/loss"], int(last["Training/examples"]))
         if leaves:
             order = {c.id: i for i, c in enumerate(cohort)}
             workers = self._run_clients(node, leaves, phi_path, caller, key)
@@ -220,12 +220,12 @@ class FlowHooks:
             report.dropped.sort(key=order.__getitem__)
             for client_id in report.dropped:
                 progress.note(f"client {client_id} failed and was dropped from {node.id} round {key.round + 1}")
-            report.metrics["train/clients"] = float(len(leaves))
+            report.metrics["Training/clients"] = float(len(leaves))
         if losses:  # example-weighted mean of the children's last-round client loss, in a fixed order
             ordered = [losses[k] for k in sorted(losses)]
             seen = sum(n for _, n in ordered)
-            report.metrics["train/loss"] = sum(loss * n for loss, n in ordered) / max(seen, 1)
-            report.metrics["train/examples"] = float(seen)
+            report.metrics["Training/loss"] = sum(loss * n for loss, n in ordered) / max(seen, 1)
+            report.metrics["Training/examples"] = float(seen)
         return report
 
     # ------------------------------------------------ asynchronous nodes (bhfl_core/algorithm/async_engine.py)
@@ -364,7 +364,7 @@ class _ClientCall:
             progress.note(f"client {self.client_id} failed and was dropped")
             return None
         loss, _ = report.losses[self.client_id]
-        return NodeResult(report.aggregate.mean(), {"train/loss": loss})
+        return NodeResult(report.aggregate.mean(), {"Training/loss": loss})
 
 
 class _TrainCall:

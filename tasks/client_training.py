@@ -102,13 +102,13 @@ class LocalTrainer:
             params = replace(params, epochs=self.epochs)
         trained, result = self._fit(node, theta, params, derive_seed(self.ctx.config.seed, "train", *key.parts()))
         self.trained += 1
-        prefix = "train" if node.is_leaf else "proxy_train"
+        prefix = "Training/" if node.is_leaf else "Training/proxy_"
         # examples: saved with a client's state (a re-run after a crash reports the same); a proxy TRAIN's
         # weight when it is merged like a child result (``proxy_train: async``)
         metrics = {
-            f"{prefix}/loss": result.loss,
-            f"{prefix}/steps": float(result.steps),
-            f"{prefix}/examples": float(result.examples),
+            f"{prefix}loss": result.loss,
+            f"{prefix}steps": float(result.steps),
+            f"{prefix}examples": float(result.examples),
         }
         return trained, metrics
 
@@ -181,10 +181,12 @@ def _train_batch(
             report.dropped.append(client_id)
             continue
         if trainer.trained > before:
-            report.timings.append((client_id, int(result.metrics.get("train/steps", 0)), time.perf_counter() - clock))
+            report.timings.append(
+                (client_id, int(result.metrics.get("Training/steps", 0)), time.perf_counter() - clock)
+            )
         report.aggregate.add(result.theta, node.weight)
-        loss = result.metrics.get("train/loss", float("nan"))
-        report.losses[client_id] = (loss, int(result.metrics.get("train/examples", 0)))
+        loss = result.metrics.get("Training/loss", float("nan"))
+        report.losses[client_id] = (loss, int(result.metrics.get("Training/examples", 0)))
         if keep and select:
             found = Candidate(client_id, result.theta, node.weight, loss)
             report.candidates = keep_top(report.candidates, found, phi, keep, select)

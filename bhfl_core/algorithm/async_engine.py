@@ -170,7 +170,7 @@ def execute_async_node(
             if own:
                 run.proxy_metrics = result.metrics
             elif settings.res_up:
-                loss = result.metrics.get("train/loss", float("nan"))
+                loss = result.metrics.get("Training/loss", float("nan"))
                 run.candidates.append(Candidate(member.id, result.theta, member.weight, loss))
             run.staleness.append(staleness)
             _forget_unused_versions(run, state.rounds_done)
@@ -312,7 +312,7 @@ def _flush_metrics(run: _Execution, node: Node, posts: Sequence[object]) -> dict
         "async/in_flight": float(len(run.in_flight)),
         VIRTUAL_TIME: run.now,
         "comm/down_models": float(run.sent),
-        "train/dropped_clients": float(run.dropped),
+        "Training/dropped_clients": float(run.dropped),
         "comm/up_models": float(sum(b.child != node.id for b in run.buffer)),
         "comm/res_up_models": float(sum(getattr(p, "models", 0) for p in posts)),
         **run.proxy_metrics,

@@ -81,8 +81,8 @@ class EngineHooks(Protocol):
     def start_train(self, node: Node, theta: torch.Tensor, key: RoundKey) -> PendingResult:
         """Begin a server's proxy TRAIN without waiting (``proxy_train: async``).
 
-        Its result carries TRAIN's metrics (with ``proxy_train/examples``, its weight) and
-        its virtual duration (``proxy_train/steps`` at speed 1).
+        Its result carries TRAIN's metrics (with ``Training/proxy_examples``, its weight) and
+        its virtual duration (``Training/proxy_steps`` at speed 1).
         """
         ...
 
@@ -169,8 +169,8 @@ def saved_result(state: NodeState) -> NodeResult:
     return NodeResult(state.theta, state.metrics, virtual_s=state.metrics.get(VIRTUAL_TIME, 0.0))
 
 
-PROXY_STEPS = "proxy_train/steps"
-PROXY_EXAMPLES = "proxy_train/examples"
+PROXY_STEPS = "Training/proxy_steps"
+PROXY_EXAMPLES = "Training/proxy_examples"
 
 
 def round_virtual_s(report: ChildrenReport | None, train_s: float) -> float:
@@ -234,7 +234,7 @@ def round_metrics(
             }
         )
     if dropped:
-        metrics["train/dropped_clients"] = float(dropped)
+        metrics["Training/dropped_clients"] = float(dropped)
     if report is not None:
         metrics.update(report.metrics)
     return metrics

@@ -356,7 +356,7 @@ class RuntimeConfig(Strict):
     training, an evaluation); finished clients of a retried batch are not trained again.
     ``on_client_failure``: a client that still fails after the retries either fails its
     node (``fail``: the run stops and can be resumed) or is left out of that round's
-    aggregate (``drop``: logged and counted as ``train/dropped_clients``). Resource
+    aggregate (``drop``: logged and counted as ``Training/dropped_clients``). Resource
     errors (out of memory, disk full) always fail.
     """
 

@@ -30,6 +30,7 @@ from flows.cli.shell import (
     hub_check,
     load_config,
     local_cluster,
+    open_ui,
     out,
     prefect_api,
     preflight,
@@ -37,7 +38,6 @@ from flows.cli.shell import (
     print_json,
     serve_on_schedule,
     tracking_store_ready,
-    ui_hint,
 )
 
 # flags take no value: metavar="" keeps typer from showing a <bool> value type beside them
@@ -515,8 +515,7 @@ def _print_summary(result: dict, run_dir: Path) -> None:
         f"  MLflow run id: {result['run_id']}  (evaluation matrix: artefact eval/matrix.csv)\n"
         f"  report: {Path(result['run_path']) / 'report' / 'report.html'}  "
         "(artefacts report.html with the figures inline, report.md; tables and figures in eval/)\n"
-        f"  open the UI:  {ui_hint(uri, run_dir)}   then browse "
-        f"http://127.0.0.1:5000/#/experiments/{result['experiment_id']}/runs/{result['run_id']}",
+        + open_ui(uri, run_dir, result["experiment_id"], result["run_id"]),
         highlight=False,
     )
 

@@ -24,12 +24,12 @@ from flows.cli.shell import (
     fail,
     guarded,
     hub_check,
+    open_ui,
     out,
     prefect_api,
     preflight,
     prepare_environment,
     tracking_store_ready,
-    ui_hint,
 )
 from flows.progress import RichReporter
 
@@ -104,7 +104,12 @@ def run_pipeline_command(
             highlight=False,
         )
         uri = tracking_store_ready(run_dir, tracking_uri, prefect_ready)
-        with StageReporter(console).attached():
+        from flows.cli.prefect_link import PIPELINE_FLOW, flow_run_link
+
+        with (
+            flow_run_link(console, prefect_ready.own, folder.resolve(), PIPELINE_FLOW),
+            StageReporter(console).attached(),
+        ):
             result = guarded(lambda: run_pipeline(pipeline, run_dir, uri, folder=folder), folder, verbose)
     print_summary(result, run_dir)
 
@@ -124,12 +129,17 @@ def resume_pipeline_command(folder: Path, overrides: list[str], run_dir: Path, v
         fail(str(exc))
     _start_forkserver([s.config for s in read_pipeline_config(folder)])
     console.print(f"[bold]bhfl[/] resuming pipeline {folder} ...", highlight=False)
+    from flows.cli.prefect_link import PIPELINE_FLOW, flow_run_link
     from flows.pipeline import resume_pipeline
 
     try:
-        with prefect_api(run_dir, full=False) as prefect_ready, StageReporter(console).attached():
+        with prefect_api(run_dir, full=False) as prefect_ready:
             prefect_ready()
-            result = guarded(lambda: resume_pipeline(folder, overrides=overrides), folder, verbose)
+            with (
+                flow_run_link(console, prefect_ready.own, folder.resolve(), PIPELINE_FLOW),
+                StageReporter(console).attached(),
+            ):
+                result = guarded(lambda: resume_pipeline(folder, overrides=overrides), folder, verbose)
     except ConfigError as exc:
         fail(str(exc))
     print_summary(result, run_dir)
@@ -172,8 +182,7 @@ def print_summary(result: dict[str, Any], run_dir: Path) -> None:
         f"\n[bold green]done[/] in {result['wall_time_s']:.0f} s\n"
         f"  pipeline folder: {result['pipeline_path']}\n  stage runs (each with report/report.md):\n{stage_lines}\n"
         f"  MLflow store: {uri}\n  MLflow pipeline run id: {result['run_id']}\n"
-        f"  open the UI:  {ui_hint(uri, run_dir)}   then browse "
-        f"http://127.0.0.1:5000/#/experiments/{result['experiment_id']}/runs/{result['run_id']}",
+        + open_ui(uri, run_dir, result["experiment_id"], result["run_id"]),
         highlight=False,
     )
 

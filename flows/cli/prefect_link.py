@@ -7,9 +7,10 @@ and stops with the command, but its database stays in ``$PREFECT_HOME`` (the run
 folder's ``.prefect/``); at the end the command says how to browse the flow run there
 with ``prefect server start``.
 
-The flow run is found through the API: the newest run of the flow whose ``run_path``
-parameter is this run's folder and which did not exist when the command started (a
-resumed run has earlier ones). Nothing here may fail a command: a lookup that fails
+The flow run is found through the API: the newest run of the flow whose folder
+parameter (``run_path`` of an experiment, ``pipeline_path`` of a pipeline, ``sweep_path``
+of a sweep) is this command's folder and which did not exist when the command started
+(a resumed run has earlier ones). Nothing here may fail a command: a lookup that fails
 prints nothing.
 """
 
@@ -25,15 +26,17 @@ from typing import Any
 
 from rich.console import Console
 
-EXPERIMENT_FLOW = "bhfl-experiment"
+EXPERIMENT_FLOW = ("bhfl-experiment", "run_path")  # a flow's name, and its parameter that names the folder
+PIPELINE_FLOW = ("bhfl-pipeline", "pipeline_path")
+SWEEP_FLOW = ("bhfl-sweep", "sweep_path")
 POLL_S = 1.0
 
 
 class _FlowRuns:
-    """Runs of ``flow`` for ``run_path`` that appear after it was made."""
+    """Runs of ``flow`` whose folder parameter is ``path`` that appear after it was made."""
 
-    def __init__(self, flow: str, run_path: Path) -> None:
-        self.flow, self.run_path = flow, str(run_path)
+    def __init__(self, flow: tuple[str, str], path: Path) -> None:
+        (self.flow, self.parameter), self.path = flow, str(path)
         self.before = {run.id for run in self._matching()}
 
     def _matching(self) -> list[Any]:
@@ -47,7 +50,7 @@ class _FlowRuns:
                 sort=FlowRunSort.EXPECTED_START_TIME_DESC,
                 limit=50,
             )
-        return [run for run in runs if run.parameters.get("run_path") == self.run_path]
+        return [run for run in runs if run.parameters.get(self.parameter) == self.path]
 
     def new(self) -> str | None:
         """The id of the newest run that was not there at the start; None yet."""
@@ -67,11 +70,16 @@ def _flow_run_url(flow_run_id: str) -> str | None:
 
 
 @contextmanager
-def flow_run_link(console: Console, own_server: bool, run_path: Path, flow: str = EXPERIMENT_FLOW) -> Iterator[None]:
-    """Print where the flow run of ``run_path`` can be seen (see the module docstring); the API must be up."""
+def flow_run_link(
+    console: Console, own_server: bool, path: Path, flow: tuple[str, str] = EXPERIMENT_FLOW
+) -> Iterator[None]:
+    """Print where the flow run of the folder ``path`` can be seen (see the module docstring); the API must be up.
+
+    ``flow``: EXPERIMENT_FLOW (``path`` a run folder), PIPELINE_FLOW or SWEEP_FLOW (their folders).
+    """
     runs: _FlowRuns | None = None
     with contextlib.suppress(Exception):  # an API that does not answer as expected: the run itself will say so
-        runs = _FlowRuns(flow, run_path)
+        runs = _FlowRuns(flow, path)
     if runs is None:
         yield
         return

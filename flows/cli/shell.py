@@ -48,6 +48,16 @@ def ui_hint(uri: str, run_dir: Path) -> str:
     return ".venv/bin/bhfl ui" + ("" if str(run_dir) == "runs" else f" --run-dir {run_dir}")
 
 
+def open_ui(uri: str, run_dir: Path, experiment_id: str, run_id: str) -> str:
+    """The summary's last lines: how to start the UI, the run's page, the experiment's runs side by side."""
+    from flows.tracking.links import run_link, runs_link
+
+    return (
+        f"  open the UI:  {ui_hint(uri, run_dir)}   then browse {run_link(uri, experiment_id, run_id)}\n"
+        f"  every run of the experiment, headline metrics as columns: {runs_link(uri, experiment_id)}"
+    )
+
+
 def fail(message: str) -> None:
     console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
     raise typer.Exit(code=2)

@@ -26,13 +26,13 @@ from flows.cli.shell import (
     console,
     fail,
     hub_check,
+    open_ui,
     out,
     prefect_api,
     preflight,
     prepare_environment,
     serve_on_schedule,
     tracking_store_ready,
-    ui_hint,
 )
 from flows.progress import RichReporter
 
@@ -172,8 +172,13 @@ def run_sweep_command(
                 return run_sweep(sweep, run_dir, uri, parallel=parallel, resume_from=folder)
             return run_sweep(sweep, run_dir, uri, folder=target, parallel=parallel)
 
+        from flows.cli.prefect_link import SWEEP_FLOW, flow_run_link
+
         try:
-            with SweepReporter(console, len(sweep)).attached():
+            with (
+                flow_run_link(console, prefect_ready.own, target.resolve(), SWEEP_FLOW),
+                SweepReporter(console, len(sweep)).attached(),
+            ):
                 result = _guarded(work, target, verbose)
         except ConfigError as exc:
             fail(str(exc))
@@ -196,12 +201,17 @@ def resume_sweep_command(folder: Path, overrides: list[str], run_dir: Path, verb
     sweep = read_sweep_config(folder)
     _start_forkserver([p.config for p in sweep])
     console.print(f"[bold]bhfl[/] resuming sweep {folder} ...", highlight=False)
+    from flows.cli.prefect_link import SWEEP_FLOW, flow_run_link
     from flows.sweep import resume_sweep
 
     try:
-        with prefect_api(run_dir, full=False) as prefect_ready, SweepReporter(console, len(sweep)).attached():
+        with prefect_api(run_dir, full=False) as prefect_ready:
             prefect_ready()
-            result = _guarded(lambda: resume_sweep(folder, overrides=overrides), folder, verbose)
+            with (
+                flow_run_link(console, prefect_ready.own, folder.resolve(), SWEEP_FLOW),
+                SweepReporter(console, len(sweep)).attached(),
+            ):
+                result = _guarded(lambda: resume_sweep(folder, overrides=overrides), folder, verbose)
     except ConfigError as exc:
         fail(str(exc))
     print_summary(result, run_dir)
@@ -242,8 +252,7 @@ def print_summary(result: dict[str, Any], run_dir: Path) -> None:
         f"{result['parallel']} at a time; {skipped} finished before\n"
         f"  sweep folder: {result['sweep_path']} (sweep.json: label -> run folder)\n"
         f"  MLflow store: {uri}\n  MLflow sweep run id: {result['run_id']}\n"
-        f"  open the UI:  {ui_hint(uri, run_dir)}   then browse "
-        f"http://127.0.0.1:5000/#/experiments/{result['experiment_id']}/runs/{result['run_id']}",
+        + open_ui(uri, run_dir, result["experiment_id"], result["run_id"]),
         highlight=False,
     )
 

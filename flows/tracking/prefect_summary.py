@@ -13,7 +13,7 @@ from pathlib import Path
 
 from bhfl_core.config.schema import ExperimentConfig
 from bhfl_core.config.sweep import config_hash
-from flows.tracking.tracker import run_link
+from flows.tracking.links import run_link
 
 
 def prefect_tags(config: ExperimentConfig) -> list[str]:

@@ -182,6 +182,7 @@ def write_report(
     # (the evaluation's headlines are at this step already: log_evaluation)
     tracker.log_metrics(tracker.parent_id, {**proximity.headline(prox), **totals}, final_step)
     tracker.set_tags({"bhfl.task": ev.task.task, "bhfl.model_params": str(num_params), "bhfl.report": "report.html"})
+    tracker.share_headline_view([*headline, "time/total_s"])
     _describe_runs(tracker, ctx, ev, prox, totals)
     return headline
 

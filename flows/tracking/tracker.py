@@ -37,9 +37,9 @@ from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID, MLFLOW_RUN_NOTE
 
 from bhfl_core.algorithm.tree import Tree
 from flows.services.store_templates import sqlite_from_template
+from flows.tracking.links import HEADLINE_VIEW_KEY, SHARED_VIEW_TAG, headline_view
 
 _BATCH = 900  # MLflow accepts at most 1000 entities per log_batch
-TRAIN_PREFIX = "train/"  # node runs log these first (log_node)
 RUN_KEY_TAG = "bhfl.run_key"  # on every run a run folder creates: what a resume finds them by
 EXPERIMENT_KIND, MODEL_TRAINING = "mlflow.experimentKind", "custom_model_development"  # what the UI reads
 
@@ -53,15 +53,6 @@ def _artifact_root(tracking_uri: str) -> str | None:
     """A file artefact folder next to a local SQLite store; None lets a server decide."""
     db = sqlite_file(tracking_uri)
     return None if db is None else (db.parent / "mlartifacts").resolve().as_uri()
-
-
-UI_DEFAULT = "http://127.0.0.1:5000"  # where `bhfl ui` serves a local store
-
-
-def run_link(tracking_uri: str, experiment_id: str, run_id: str) -> str:
-    """A run's page in the MLflow UI: on the tracking server itself, or where ``bhfl ui`` serves a local store."""
-    base = tracking_uri.rstrip("/") if urlparse(tracking_uri).scheme in ("http", "https") else UI_DEFAULT
-    return f"{base}/#/experiments/{experiment_id}/runs/{run_id}"
 
 
 def flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
@@ -194,8 +185,18 @@ class Tracker:
         return run.info.run_id
 
     def _log_params(self, params: Mapping[str, Any]) -> None:
-        """The config as parent-run params (logging a param again with its value is a no-op in MLflow)."""
-        self._batched(self.parent_id, params=[Param(k[:250], v[:6000]) for k, v in sorted(flatten(params).items())])
+        """The config as parent-run params.
+
+        MLflow refuses a param logged again with another value, and a resume may change
+        ``runtime.*`` (it does not change results): a resumed attempt logs only the params
+        its killed predecessor had not logged; the run folder's config.yaml has the values
+        in force.
+        """
+        flat = {k[:250]: v[:6000] for k, v in sorted(flatten(params).items())}
+        if self.resumed:
+            logged = self.client.get_run(self.parent_id).data.params
+            flat = {k: v for k, v in flat.items() if k not in logged}
+        self._batched(self.parent_id, params=[Param(k, v) for k, v in flat.items()])
 
     def reopen_run(self, experiment_id: str, run_id: str, resume_number: int) -> None:
         """Continue a run without node runs (a resumed pipeline's run): running again, tagged."""
@@ -246,18 +247,29 @@ class Tracker:
         self._batched(run_id, [Metric(k, float(v), now, step) for k, v in values.items() if not math.isnan(v)])
 
     def log_node(self, node_id: str, values: Mapping[str, float], step: int) -> None:
-        """``values`` on the node's run, ``train/*`` first: MLflow's run page lays out its chart
-        sections in the order a run's metrics were first logged, and the training loss is
-        what one looks for first."""
+        """``values`` on the node's run (a client has none: nothing is logged).
+
+        MLflow's run page makes a chart section of each metric-name prefix (all but the last
+        ``/`` segment) and sorts them by code point: the training metrics are named
+        ``Training/*`` so that, capitalised, they come before ``comm``, ``eval/*``, ``time``.
+        """
         if node_id in self.node_runs:
-            first = {k: v for k, v in values.items() if k.startswith(TRAIN_PREFIX)}
-            self.log_metrics(self.node_runs[node_id], {**first, **values}, step)
+            self.log_metrics(self.node_runs[node_id], values, step)
 
     def log_text(self, text: str, artifact_path: str, run_id: str | None = None) -> None:
         self.client.log_text(run_id or self.parent_id, text, artifact_path)
 
     def log_artifact(self, path: Path, artifact_dir: str | None = None) -> None:
         self.client.log_artifact(self.parent_id, str(path), artifact_dir)
+
+    def share_headline_view(self, metrics: Iterable[str]) -> None:
+        """Save the experiment's run-list view with ``metrics`` as columns (``runs_link`` opens it).
+
+        The UI shows no metric column by default (a run logs hundreds); this view shows the
+        headlines. One tag per experiment, rewritten by each run: idempotent, so a resume may
+        write it again.
+        """
+        self.client.set_experiment_tag(self.experiment_id, SHARED_VIEW_TAG + HEADLINE_VIEW_KEY, headline_view(metrics))
 
     def set_tags(self, tags: Mapping[str, str], run_id: str | None = None) -> None:
         for k, v in tags.items():

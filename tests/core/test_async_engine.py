@@ -50,7 +50,7 @@ class FakeChildren:
     def start_child(self, node, child, theta, caller):
         with self.lock:
             self.started.append((child.id, caller.round, theta.clone()))
-        result = NodeResult(theta + torch.tensor(STEPS[child.id]), {"train/loss": 0.0})
+        result = NodeResult(theta + torch.tensor(STEPS[child.id]), {"Training/loss": 0.0})
         if self.pool is None:
             return Done(result)
 
@@ -162,7 +162,7 @@ def test_synchronous_rounds_take_their_slowest_child_plus_the_own_train_on_the_v
 
         def train(self, node, theta, key):
             theta, _ = super().train(node, theta, key)
-            return theta, {"proxy_train/steps": 5.0} if not node.is_leaf else {}
+            return theta, {"Training/proxy_steps": 5.0} if not node.is_leaf else {}
 
     tree = two_edge_tree(settings(train=True), root_rounds=2)
     store = StateStore(tmp_path)
@@ -192,7 +192,7 @@ def test_a_dropped_child_frees_its_slot_and_is_not_buffered(tmp_path):
     hooks = Flaky()
     result, _ = run(tmp_path, hooks, rounds=1)
     assert result.theta.tolist() == [1.0, 0.0]
-    assert hooks.rounds[0]["train/dropped_clients"] == 1.0
+    assert hooks.rounds[0]["Training/dropped_clients"] == 1.0
     assert [c for c, _, _ in hooks.started].count("b1") == 2  # its slot was refilled
 
 
@@ -206,7 +206,7 @@ def test_every_child_failing_in_a_row_is_an_error(tmp_path):
         run(tmp_path, AllFail())
 
 
-PROXY = {"proxy_train/examples": 2.0, "proxy_train/steps": 2.5, "proxy_train/loss": 0.5}
+PROXY = {"Training/proxy_examples": 2.0, "Training/proxy_steps": 2.5, "Training/proxy_loss": 0.5}
 
 
 class WithProxy(FakeChildren):
@@ -243,7 +243,7 @@ def test_asynchronous_proxy_training_is_buffered_like_a_child_result(tmp_path):
     first, second = hooks.rounds
     assert (first["async/buffered"], second["async/buffered"]) == (2.0, 2.0)
     assert (first["comm/up_models"], second["comm/up_models"]) == (2.0, 1.0)  # the proxy sends nothing up
-    assert second["proxy_train/loss"] == 0.5 and "proxy_train/loss" not in first
+    assert second["Training/proxy_loss"] == 0.5 and "Training/proxy_loss" not in first
     assert second["time/virtual_s"] == 2.5 and result.metrics["async/dropped_results"] == 3.0
 
 
@@ -275,7 +275,7 @@ def test_synchronous_round_merges_an_asynchronous_proxy_training_like_a_child(tm
     assert torch.allclose(result.theta, torch.tensor([1.3, 0.8]))
     assert [t.tolist() for t in started] == [[0.0, 0.0]]
     metrics = hooks.metrics[("root", 0)]
-    assert metrics["proxy_train/loss"] == 0.5 and metrics[VIRTUAL_TIME] == 2.5  # alongside, not after, the children
+    assert metrics["Training/proxy_loss"] == 0.5 and metrics[VIRTUAL_TIME] == 2.5  # alongside, not after, the children
 
 
 def test_clients_that_drop_out_are_not_trained_and_hold_their_slot_until_the_call_would_end(tmp_path):
@@ -293,7 +293,7 @@ def test_clients_that_drop_out_are_not_trained_and_hold_their_slot_until_the_cal
     started = {d for _, d, _ in hooks.started}
     assert all(not drops_out(0.8, 0, c, d) for c, d, _ in hooks.started)  # only calls that did not drop out ran
     gaps = set(range(max(started) + 1)) - started
-    dropped = sum(r["train/dropped_clients"] for r in hooks.rounds)
+    dropped = sum(r["Training/dropped_clients"] for r in hooks.rounds)
     assert len(gaps) >= 3 and dropped <= len(gaps)  # dispatches that dropped out; some still in flight at the end
     assert sum(r["async/buffered"] for r in hooks.rounds) == 3  # three flushes of one trained result each
     assert result.virtual_s > min(DURATIONS.values())
@@ -319,5 +319,5 @@ def test_a_synchronous_round_leaves_out_clients_that_drop_out_and_waits_for_them
     # A = a1's update alone ([1, 0]); B = (2 [2, 2] + 2 [4, 0]) / 4 = [3, 1]; root = (4 A + 4 B) / 8
     assert torch.allclose(result.theta, torch.tensor([2.0, 0.5]))
     edge_a = hooks.metrics[("A", 0)]
-    assert edge_a["train/dropped_clients"] == 1.0 and edge_a["comm/up_models"] == 1.0
+    assert edge_a["Training/dropped_clients"] == 1.0 and edge_a["comm/up_models"] == 1.0
     assert edge_a[VIRTUAL_TIME] == 7.0 and hooks.metrics[("B", 0)][VIRTUAL_TIME] == 0.0  # A waited for a2's call

@@ -77,11 +77,11 @@ class AsyncHooks(CrashingHooks):
 
     def train(self, node, theta, key):
         self.event()
-        return theta + torch.tensor(STEPS[node.id]), {"proxy_train/steps": 2.0} if not node.is_leaf else {}
+        return theta + torch.tensor(STEPS[node.id]), {"Training/proxy_steps": 2.0} if not node.is_leaf else {}
 
     def start_train(self, node, theta, key):
         self.event()
-        metrics = {"proxy_train/examples": 3.0, "proxy_train/steps": 2.0}
+        metrics = {"Training/proxy_examples": 3.0, "Training/proxy_steps": 2.0}
         call = Call(lambda: NodeResult(theta + torch.tensor(STEPS[node.id]), metrics, virtual_s=2.0))
         if self.eager:
             call.result()
@@ -143,7 +143,7 @@ def test_crash_at_every_event_then_rerun_is_bit_identical(tmp_path, root_async, 
     assert not any(k.startswith("results/") for k in want)  # every saved child result was cleared by a commit
     root = StateStore(tmp_path / "clean").load("root")
     assert root.rounds_done == (3 if root_async else 2) and root.metrics[VIRTUAL_TIME] > 0
-    assert root.metrics["proxy_train/examples"] == 3.0  # the root's proxy TRAIN was merged in its last round
+    assert root.metrics["Training/proxy_examples"] == 3.0  # the root's proxy TRAIN was merged in its last round
     # dispatch numbers count on across an async node's executions: no caller is ever used twice
     assert len(set(clean.callers)) == len(clean.callers)
     total = clean.events

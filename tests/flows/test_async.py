@@ -51,10 +51,10 @@ def test_flat_fedbuff_is_identical_across_executors_and_logs_staleness_and_virtu
     staleness = _metric(here, "root", "async/staleness_max")
     assert staleness[0] == 0.0  # nothing can be stale before the first flush
     assert max(staleness) >= 1.0  # with 4 in flight and flushes of 2, later results are stale
-    proxy_rows = _metric(here, "root", "proxy_train/examples")
+    proxy_rows = _metric(here, "root", "Training/proxy_examples")
     assert proxy_rows and set(proxy_rows) == {30.0 * 3}  # buffered with its rows as weight (3 languages x 30)
     assert sum(_metric(here, "root", "comm/up_models")) <= 6 - len(proxy_rows)  # it took a client's place
-    assert sum(_metric(here, "root", "train/dropped_clients")) > 0  # clients dropped out on the clock
+    assert sum(_metric(here, "root", "Training/dropped_clients")) > 0  # clients dropped out on the clock
 
 
 def test_async_edges_under_a_synchronous_root(tmp_path):
@@ -71,7 +71,7 @@ def test_async_edges_under_a_synchronous_root(tmp_path):
     for edge in ("edge-en", "edge-fr", "edge-de"):
         # 2 root rounds x 2 flushes of one result each
         assert _metric(result, edge, "async/buffered") == [1.0] * 4
-    assert len(_metric(result, "root", "proxy_train/loss")) == 2  # the synchronous root ran its two rounds
+    assert len(_metric(result, "root", "Training/proxy_loss")) == 2  # the synchronous root ran its two rounds
     # the synchronous root's virtual clock: each round waits for its slowest (asynchronous) subtree
     root_time = _metric(result, "root", "time/virtual_s")
     assert len(root_time) == 2 and 0 < root_time[0] < root_time[1]

@@ -68,7 +68,7 @@ def test_a_client_that_keeps_failing_is_dropped_and_counted(tmp_path, monkeypatc
     }
     assert runs["itest"].info.status == "FINISHED"
     dropped = {
-        name: [m.value for m in client.get_metric_history(r.info.run_id, "train/dropped_clients")]
+        name: [m.value for m in client.get_metric_history(r.info.run_id, "Training/dropped_clients")]
         for name, r in runs.items()
     }
     assert sum(sum(v) for v in dropped.values()) == 1.0  # exactly one client dropped, in one edge round

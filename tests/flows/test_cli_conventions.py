@@ -385,6 +385,11 @@ def test_run_prints_the_prefect_ui_and_the_flow_run_on_stderr(tmp_path):
     run = api(f"{api_url}/flow_runs/{flow_run_id}")
     assert api(f"{api_url}/flows/{run['flow_id']}")["name"] == "bhfl-experiment" and run["state_type"] == "COMPLETED"
     assert run["parameters"]["run_path"] == str(next((tmp_path / "itest").iterdir()))
+    # the MLflow links on stdout: the run in the model-training view, the run list with the headline columns
+    run_page = r"http://127\.0\.0\.1:5000/#/experiments/\d+/runs/[0-9a-f]{32}\?workflowType=machine_learning$"
+    assert re.search(rf"then browse {run_page}", out.stdout, re.M), out.stdout
+    runs_page = r"/#/experiments/\d+/runs\?viewStateShareKey=bhfl-headline&workflowType=machine_learning$"
+    assert re.search(rf"headline metrics as columns: http://127\.0\.0\.1:5000{runs_page}", out.stdout, re.M)
 
 
 def test_the_own_servers_flow_run_is_named_with_how_to_browse_it(tmp_path, monkeypatch):
@@ -402,9 +407,26 @@ def test_the_own_servers_flow_run_is_named_with_how_to_browse_it(tmp_path, monke
     console = Console(file=io.StringIO(), width=60, soft_wrap=True)
     path = tmp_path / "itest" / "20260101-000000-001"
     fake(str(path))  # an earlier attempt of the same run: not the one the command starts
-    with flow_run_link(console, own_server=True, run_path=path, flow="bhfl-link-test"):
+    with flow_run_link(console, own_server=True, path=path, flow=("bhfl-link-test", "run_path")):
         flow_run_id = fake(str(path), return_state=True).state_details.flow_run_id
     (line,) = console.file.getvalue().splitlines()
     assert line.startswith(f"Prefect flow run {flow_run_id}: this command's Prefect server stops with it")
     assert f"`PREFECT_HOME={tmp_path / '.prefect'} .venv/bin/prefect server start`" in line
     assert line.endswith(f"/runs/flow-run/{flow_run_id}")
+
+
+def test_the_links_name_each_flow_and_its_folder_parameter():
+    """The pipeline and sweep commands find their flow run by these names (a renamed flow or parameter: no link)."""
+    import inspect
+
+    from flows.cli.prefect_link import EXPERIMENT_FLOW, PIPELINE_FLOW, SWEEP_FLOW
+    from flows.experiment import experiment_flow
+    from flows.pipeline import pipeline_flow
+    from flows.sweep import sweep_flow
+
+    for (name, parameter), flow_ in (
+        (EXPERIMENT_FLOW, experiment_flow),
+        (PIPELINE_FLOW, pipeline_flow),
+        (SWEEP_FLOW, sweep_flow),
+    ):
+        assert flow_.name == name and parameter in inspect.signature(flow_.fn).parameters

@@ -55,12 +55,12 @@ def test_every_server_at_every_depth_has_a_nested_run_with_metrics(deep):
         assert (tags["bhfl.node"], tags["bhfl.level"], tags["bhfl.role"]) == (name, str(depth), role)
         assert tags["mlflow.parentRunId"] == runs[parent].info.run_id
         rid = run.info.run_id
-        assert [m.step for m in client.get_metric_history(rid, "train/loss")] == [1, 2], name
+        assert [m.step for m in client.get_metric_history(rid, "Training/loss")] == [1, 2], name
         union = client.get_metric_history(rid, "eval/union/accuracy")
         assert sorted(m.step for m in union) == [1, 2] and all(0 <= m.value <= 1 for m in union), name
     for continent in ("west", "east"):  # tree.levels.1: proxy training at depth 1 only
-        assert client.get_metric_history(runs[continent].info.run_id, "proxy_train/loss")
-    assert not client.get_metric_history(runs["atlantic"].info.run_id, "proxy_train/loss")
+        assert client.get_metric_history(runs[continent].info.run_id, "Training/proxy_loss")
+    assert not client.get_metric_history(runs["atlantic"].info.run_id, "Training/proxy_loss")
     assert runs["itest-deep"].data.params["tree.groups.west.atlantic"] == '["en", "fr"]'
     own = client.get_metric_history(result["run_id"], "client_on_own_clients/accuracy_mean")
     assert sorted(m.step for m in own) == [1, 2]  # eval.during: all

@@ -52,8 +52,9 @@ def test_nested_node_runs_with_tags(finished):
         assert tags["bhfl.node"] == name and tags["bhfl.level"] == level and tags["bhfl.role"] == role
         assert tags["mlflow.parentRunId"] == runs[parent_name].info.run_id
         assert runs[name].info.status == "FINISHED"
-        # the store (and the UI's chart sections) keeps the order metrics were first logged: training loss first
-        assert next(iter(client.get_run(runs[name].info.run_id).data.metrics)).startswith("train/"), name
+        # the run page's chart sections: one per name prefix, sorted by code point (as the UI does): training first
+        sections = sorted({key.rpartition("/")[0] for key in client.get_run(runs[name].info.run_id).data.metrics})
+        assert sections[0] == "Training" and len(sections) > 5, (name, sections)
     assert parent.data.params["tree.root.rounds"] == "2"
     assert parent.data.params["tree.groups.west"] == '["en", "fr"]'
     assert parent.data.tags["bhfl.data_fingerprint"] and parent.data.tags["bhfl.config_hash"]
@@ -64,23 +65,23 @@ def test_per_round_metrics_use_round_steps(finished):
     client = MlflowClient(result["tracking_uri"])
     runs = _runs(client, result["experiment_id"])
     root_id, edge_id = runs["root"].info.run_id, runs["edge-en"].info.run_id
-    assert [m.step for m in client.get_metric_history(root_id, "proxy_train/loss")] == [1, 2]
-    edge_loss = client.get_metric_history(edge_id, "train/loss")
+    assert [m.step for m in client.get_metric_history(root_id, "Training/proxy_loss")] == [1, 2]
+    edge_loss = client.get_metric_history(edge_id, "Training/loss")
     assert [m.step for m in edge_loss] == [1, 2] and all(m.value > 0 for m in edge_loss)
-    assert [m.value for m in client.get_metric_history(edge_id, "train/clients")] == [2.0, 2.0]  # cohort
+    assert [m.value for m in client.get_metric_history(edge_id, "Training/clients")] == [2.0, 2.0]  # cohort
     # eval.every = 1: evaluated after root round 1 and at the end (round 2)
     union = client.get_metric_history(root_id, "eval/union/accuracy")
     assert sorted(m.step for m in union) == [1, 2] and all(0 <= m.value <= 1 for m in union)
     assert client.get_metric_history(edge_id, "eval/proxy/macro_f1")
     # proxy training at an intermediate server, on its own language group's proxy rows
     east_id, west_id = runs["east"].info.run_id, runs["west"].info.run_id
-    assert [m.step for m in client.get_metric_history(east_id, "proxy_train/loss")] == [1, 2]
-    assert not client.get_metric_history(west_id, "proxy_train/loss")
+    assert [m.step for m in client.get_metric_history(east_id, "Training/proxy_loss")] == [1, 2]
+    assert not client.get_metric_history(west_id, "Training/proxy_loss")
     # an intermediate server's training curve: its edges' last-round client loss, per round
-    assert [m.step for m in client.get_metric_history(west_id, "train/loss")] == [1, 2]
+    assert [m.step for m in client.get_metric_history(west_id, "Training/loss")] == [1, 2]
     # 30 German proxy rows at batch size 32 -> 1 step; the root trains on all 90 rows -> 3 steps
-    assert {m.value for m in client.get_metric_history(east_id, "proxy_train/steps")} == {1.0}
-    assert {m.value for m in client.get_metric_history(root_id, "proxy_train/steps")} == {3.0}
+    assert {m.value for m in client.get_metric_history(east_id, "Training/proxy_steps")} == {1.0}
+    assert {m.value for m in client.get_metric_history(root_id, "Training/proxy_steps")} == {3.0}
 
 
 def test_matrix_artifact_covers_every_model_and_test_set(finished):

@@ -71,7 +71,7 @@ def test_ditto_interp_and_tempo_run_are_evaluated_and_identical_across_executors
     proxy_rows = ctx.manifest.proxy_train.size
     held = round(0.2 * proxy_rows)
     root_train = ctx.tree.root.settings.train
-    steps = mlflow.get_metric_history(node_runs["root"], "proxy_train/steps")
+    steps = mlflow.get_metric_history(node_runs["root"], "Training/proxy_steps")
     assert steps[-1].value == planned_steps(proxy_rows - held, root_train) != planned_steps(proxy_rows, root_train)
 
     # interp at the clients: a client that ran twice tuned its second down-aggregation

@@ -14,8 +14,8 @@ def test_a_log_file_gets_one_line_per_root_round_with_elapsed_and_eta(monkeypatc
     reporter = progress.RichReporter(Console(file=out, force_terminal=False, width=60))
     with reporter.attached():
         progress.run_started(6, 1)  # a resumed run: round 1 was done before this attempt
-        progress.node_round("edge-en", 2, 1, {"train/loss": 1.25})  # below the root: no line
-        progress.node_round("root", 0, 1, {"proxy_train/loss": 0.5})
+        progress.node_round("edge-en", 2, 1, {"Training/loss": 1.25})  # below the root: no line
+        progress.node_round("root", 0, 1, {"Training/proxy_loss": 0.5})
         progress.note("evaluated 40 models after root round 2")
         progress.node_round("root", 0, 2, {})
     lines = out.getvalue().splitlines()

@@ -3,6 +3,7 @@
 import base64
 import csv
 import io
+import json
 import math
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from bhfl_core.analysis.time_to_accuracy import CurvePoint
 from data_prep.figures import MIN_FONT_PT, PNG_DPI
 from flows.cli.app import app
 from flows.tracking import plots
+from flows.tracking.links import HEADLINE_VIEW_KEY, SHARED_VIEW_TAG, runs_link
 from flows.tracking.tracker import Tracker
 from tasks.context import open_run
 from tasks.worker import WorkerRuntime, worker_device
@@ -288,3 +290,17 @@ def test_figure_legends_sit_outside_the_data_and_text_is_readable():
     assert legend.y1 < data_area.y0  # wholly below the axes
     texts = [*ax.get_xticklabels(), *ax.get_yticklabels(), *ax.get_legend().get_texts()]
     assert min(t.get_fontsize() for t in texts) >= MIN_FONT_PT
+
+
+def test_the_run_list_view_shows_the_headline_metrics_as_columns(evaluated_runs):
+    """The experiment carries a shared view of its run list with the headlines as columns (runs_link opens it)."""
+    _, tree, _ = evaluated_runs
+    client = MlflowClient(tree["tracking_uri"])
+    run = client.get_run(tree["run_id"])
+    experiment = client.get_experiment(run.info.experiment_id)
+    view = json.loads(experiment.tags[SHARED_VIEW_TAG + HEADLINE_VIEW_KEY])
+    columns = [c.removeprefix("metrics.`").removesuffix("`") for c in view["selectedColumns"]]
+    assert columns == [*tree["headline"], "time/total_s"]
+    assert set(columns) <= set(run.data.metrics)  # each column has a value on the parent run
+    link = runs_link(tree["tracking_uri"], experiment.experiment_id)
+    assert link.endswith(f"/runs?viewStateShareKey={HEADLINE_VIEW_KEY}&workflowType=machine_learning")

@@ -40,6 +40,11 @@ CHAIN = [
     ("report@1", KILLED, "", "the report: the final evaluation and timings logged, the summary metrics not"),
 ]
 
+# Steps whose process trains on the run's local worker cluster: the start, the mid-subtree kill (its
+# workers must die with it) and the retried worker task. The others resume with
+# runtime.executor=inprocess (a runtime.* change, which must not change results): no workers to start.
+WITH_WORKERS = (0, 2, 3)
+IN_PROCESS = ("--set", "runtime.executor=inprocess")
 LISTED_AFTER = (1, 4)  # `bhfl runs` is checked after a kill and after a failure (6 s a call: not after each)
 
 
@@ -84,8 +89,9 @@ def _artefacts(client: MlflowClient, run_id: str, path: str | None = None) -> se
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("resume")
-    # without Prefect (the killed run goes through it): the record must not depend on it
-    result = run_experiment(small_config(*EXAMPLE, config="bhfl-full.yaml"), run_dir, orchestration=PLAIN_CALLS)
+    # without Prefect and without workers (the killed run has both): neither may change the record
+    config = small_config(*EXAMPLE, "runtime.executor=inprocess", config="bhfl-full.yaml")
+    result = run_experiment(config, run_dir, orchestration=PLAIN_CALLS)
     return run_dir, Path(result["run_path"])
 
 
@@ -102,14 +108,15 @@ def test_killed_and_resumed_run_is_bit_identical_to_uninterrupted(reference):
             if i in LISTED_AFTER:
                 listed, _ = cli("runs", faults=None, run_dir=run_dir)
                 assert listed.returncode == 0 and "a resume would redo: root round" in listed.stdout, listed.stdout
-            out, session = cli("resume", str(run_path), faults=fault, run_dir=run_dir)
+            executor = () if i in WITH_WORKERS else IN_PROCESS
+            out, session = cli("resume", str(run_path), *executor, faults=fault, run_dir=run_dir)
         assert out.returncode == code, f"step {i}: {fault} ({what}): rc {out.returncode}\n{out.stderr[-3000:]}"
         assert text in out.stderr and "Traceback" not in out.stderr, out.stderr[-3000:]
         if code != KILLED:
             assert f"bhfl resume {run_path}" in out.stderr.replace("\n", "")  # the message says how to go on
         assert leftovers(session) == [], f"step {i}: processes of the run outlived it"
         assert RunRecord.read(run_path).effective_status == ("interrupted" if code == KILLED else "failed")
-    finished, _ = cli("resume", str(run_path), faults=None, run_dir=run_dir)
+    finished, _ = cli("resume", str(run_path), *IN_PROCESS, faults=None, run_dir=run_dir)
     assert finished.returncode == 0, finished.stderr[-3000:]
 
     clean, resumed = node_files(clean_path), node_files(run_path)
@@ -150,7 +157,7 @@ def test_killed_and_resumed_run_is_bit_identical_to_uninterrupted(reference):
     assert _tables(record.tracking_uri) == tables  # metrics, latest metrics, runs (status, end time): row for row
 
     # --force-eval: evaluated again (no training), at a step of its own after the last root round
-    forced, _ = cli("resume", str(run_path), "--force-eval", faults=None, run_dir=run_dir)
+    forced, _ = cli("resume", str(run_path), "--force-eval", *IN_PROCESS, faults=None, run_dir=run_dir)
     assert forced.returncode == 0, forced.stderr[-3000:]
     after = _store_points(record.tracking_uri, record.run_key)
     added = {k: sorted(set(steps) - set(got[k])) for k, steps in after.items()}  # KeyError: a new metric

@@ -12,6 +12,7 @@ import csv
 import io
 import math
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -58,7 +59,7 @@ def _cli_args(run_dir: Path) -> list[str]:
 
 @pytest.fixture(scope="module")
 def killed(tmp_path_factory):
-    """The sweep command killed mid-sweep: (run dir, sweep folder, fault counter file)."""
+    """The sweep command killed mid-sweep: (run dir, sweep folder, fault counter file, its stderr)."""
     run_dir = tmp_path_factory.mktemp("sweep")
     counter = run_dir / "faults.txt"
     env = {
@@ -72,12 +73,12 @@ def killed(tmp_path_factory):
     out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600, check=False)
     assert out.returncode == KILLED, out.stderr[-3000:]
     (folder,) = [p.parent for p in run_dir.glob("tsweep/*/sweep.json")]
-    return run_dir, folder, counter
+    return run_dir, folder, counter, out.stderr
 
 
 @pytest.fixture(scope="module")
 def resumed(killed):
-    run_dir, folder, _ = killed
+    run_dir, folder, _, _ = killed
     before = SweepRecord.read(folder)
     finished = {
         label: (Path(e.run_path) / "run.json").read_bytes()
@@ -93,7 +94,7 @@ def resumed(killed):
 
 
 def test_killed_sweep_leaves_a_resumable_record(killed):
-    _, folder, counter = killed
+    _, folder, counter, _ = killed
     record = SweepRecord.read(folder)
     assert record.effective_status == "interrupted" and record.parallel == 2
     assert list(record.points) == LABELS
@@ -220,3 +221,15 @@ def test_resuming_the_finished_sweep_changes_nothing(resumed):
     assert out.exit_code == 0 and "finished; nothing to resume" in " ".join(out.output.split()), out.output
     assert (folder / "sweep.json").read_bytes() == record  # no attempt recorded
     assert client.get_run(result["run_id"]).info.end_time == end_time  # its MLflow run not reopened
+
+
+def test_the_sweep_command_prints_its_prefect_flow_run(killed):
+    """With a Prefect server of the user's, the sweep's flow run page is printed once it exists (stderr)."""
+    _, folder, _, stderr = killed
+    api_url = str(PREFECT_API_URL.value())
+    link = rf"^Prefect flow run: {re.escape(api_url.removesuffix('/api'))}/runs/flow-run/([0-9a-f-]{{36}})$"
+    (flow_run_id,) = re.findall(link, stderr, re.M)
+    with get_client(sync_client=True) as client:
+        run = client.read_flow_run(flow_run_id)
+        assert client.read_flow(run.flow_id).name == "bhfl-sweep"
+    assert run.parameters["sweep_path"] == str(folder)

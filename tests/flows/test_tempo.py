@@ -56,13 +56,13 @@ def test_tempo_schedule_drives_client_epochs(tmp_path):
     for path in sorted((run / "state" / "nodes").glob("*.safetensors")):
         info = store.load_info(path.stem)
         caller, metrics = info.get("exec_caller") or "", info.get("metrics", {})
-        if not caller.startswith("edge-") or not metrics.get("train/examples"):
+        if not caller.startswith("edge-") or not metrics.get("Training/examples"):
             continue
         edge, root_round = caller.rsplit(":", 1)
         epochs = schedule.get(int(root_round), {}).get("epochs", {}).get(edge, EPOCHS) if int(root_round) else EPOCHS
         rows = int(tree[path.stem].weight)  # the client's training rows; examples count every epoch's
-        assert metrics["train/examples"] == rows * epochs, path.stem
-        assert metrics["train/steps"] == math.ceil(rows / BATCH) * epochs, path.stem
+        assert metrics["Training/examples"] == rows * epochs, path.stem
+        assert metrics["Training/steps"] == math.ceil(rows / BATCH) * epochs, path.stem
         checked += 1
     assert checked >= len(EDGES)
 
