@@ -44,7 +44,7 @@ from flows import progress
 from flows.creation_gate import creation_gate
 from flows.evaluation import evaluate_all, evaluate_step
 from flows.node_runtime import NodeRuntime, Orchestration, node_runtime, worker_utilisation
-from flows.records.environment import environment_text, git_commit, package_version, peak_rss_mb
+from flows.records.environment import cpu_capability, environment_text, git_commit, package_version, peak_rss_mb
 from flows.records.run_record import LOGGED_FILES, PipelineLink, RunRecord, default_tracking_uri, new_run_path
 from flows.records.run_state import RunStateError, load_run, resume_config
 from flows.records.warm_source import resolve_init_from, warm_start
@@ -75,6 +75,7 @@ def _run_tags(
         "bhfl.seed": str(config.seed),
         "bhfl.git_commit": git_commit(),
         "bhfl.python": platform.python_version(),
+        "bhfl.cpu_capability": cpu_capability(),
         **{
             f"bhfl.version.{p}": package_version(p)
             for p in ("bhfl", "torch", "transformers", "datasets", "prefect", "mlflow")

@@ -1,4 +1,4 @@
-"""What a run records about where it ran: git commit, package versions, peak memory."""
+"""What a run records about where it ran: git commit, package versions, CPU kernels, peak memory."""
 
 from __future__ import annotations
 
@@ -34,6 +34,18 @@ def git_commit() -> str:
         return commit.stdout.strip() + ("+dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         return "unknown"
+
+
+def cpu_capability() -> str:
+    """The vector instruction set of torch's CPU kernels here: ``AVX512``, ``AVX2``, ... (ATEN_CPU_CAPABILITY caps it).
+
+    Recorded because it changes results: kernels of different widths sum in different orders,
+    so the same config and seed round differently, and a few rounds of training turn that into
+    accuracy differences as large as the spread over seeds (README, *Reproducibility*).
+    """
+    import torch
+
+    return str(torch.backends.cpu.get_cpu_capability())
 
 
 def environment_text() -> str:

@@ -16,6 +16,7 @@ import sys
 import time
 
 import pytest
+import torch
 from mlflow import MlflowClient
 
 from tests.flows.prefect_api import api
@@ -116,6 +117,7 @@ def test_serve_registers_cron_deployment_and_runs_it(tmp_path):
     assert tags["bhfl.seed"] == "0" and tags["bhfl.config_hash"] and tags["bhfl.data_fingerprint"]
     assert re.fullmatch(r"[0-9a-f]{40}(\+dirty)?|unknown", tags["bhfl.git_commit"])
     assert tags["bhfl.version.torch"].startswith("2.13")
+    assert tags["bhfl.cpu_capability"] == torch.backends.cpu.get_cpu_capability()  # results depend on it
     artifacts = {a.path for a in client.list_artifacts(parent.info.run_id, "environment")}
     assert artifacts == {"environment/packages.txt"}
     try:
