@@ -12,7 +12,9 @@ slot and round instead of one per client). Policies:
 - ``learned``: each job's time predicted per slot by a ``TimeModel`` fitted on what
   the workers measured (seconds = a + b x steps, per device kind), jobs largest
   first, each to the slot where it would *finish* earliest — so a fast GPU takes
-  more work than a slow one (Pollen's LB). Before anything was measured it is ``lpt``.
+  more work than a slow one. After Pollen's LB, which differs in its time model, in
+  dealing the first round round-robin, and in giving each client to the least-loaded
+  worker (docs/runtime.md, Placement). Before anything was measured it is ``lpt``.
 
 Placement never changes results: workers return weighted sums whose mean does not
 depend on the grouping (bhfl_core/algorithm/aggregation.py). It is deterministic for the same

@@ -2,8 +2,11 @@
 
 The result is cached under ``<cache>/<fingerprint>/`` where the fingerprint hashes
 everything the data depends on (seed, data config, local source files, tokenizer
-identity, format version). The folder is built under a temporary name and renamed
-when complete, so a crash never leaves a half-written cache; a second run with the
+identity, format version). Every file in it is a function of those alone (the
+tokenizer too: data_prep/wordpiece.py), so two machines hold the same bytes under
+the same fingerprint. The folder is built under a temporary name and renamed when
+complete, one preparation of a fingerprint at a time (data_prep/cache_entry.py), so
+a crash or a full disk never leaves a half-written entry; a second run with the
 same config finds the manifest and does no loading or tokenisation (and says so).
 
 Only the rows the partition uses are tokenised, once, with ``datasets.map``
@@ -39,6 +42,7 @@ from bhfl_core.learning.models import TINY
 from bhfl_core.learning.models import check_available as check_model
 from bhfl_core.learning.models import check_hub as check_model_hub
 from bhfl_core.learning.task_kinds import get_task_kind
+from data_prep.cache_entry import building, disk_full_named, locked
 from data_prep.clustering import assign_edges
 from data_prep.manifest import MANIFEST_NAME, ClientEntry, Manifest, Shard
 from data_prep.partition import Partition, draw_proxy, partition_pool
@@ -60,7 +64,9 @@ from data_prep.tokenizer import hub_tokenizer, train_wordpiece
 if TYPE_CHECKING:
     from datasets import Dataset
 
-FORMAT_VERSION = 3  # 3: sources, task, clusters/edges, special token ids, report; 2: proxy language row ranges
+# 4: a tokenizer that is a function of the text (a version-3 entry may hold one of the trainer's other draws);
+# 3: sources, task, clusters/edges, special token ids, report; 2: proxy language row ranges
+FORMAT_VERSION = 4
 INPUT_COLUMNS = ("input_ids", "attention_mask", "token_type_ids")
 REPORT_DIR = "report"
 Step = Callable[..., Any]
@@ -445,32 +451,28 @@ def prepare_data(
         return hit
     fp = fingerprint(config)
     final = cache_root / fp
-    log(f"preparing data (fingerprint {fp}) in {final}")
     import datasets
 
     datasets.disable_progress_bars()
-    work = cache_root / f".{fp}.partial"
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
-
-    try:
-        pool = step("load-pool", load_pool, config)
-        part = step("partition", partition_step, config, pool)
-        proxy = step("proxy-split", proxy_step, config, pool, part)
-        tokenizer, tokenizer_ref = step("tokenizer", tokenizer_step, config, proxy, work)
-        shards = step("tokenise", shards_step, config, tokenizer, pool, part, proxy, work, log)
-        edges = step("assign-edges", edges_step, config, part, shards)
-        manifest = step(
-            "write-manifest", manifest_step, config, pool, part, proxy, tokenizer, tokenizer_ref, shards, edges, work
-        )
-        step("partition-report", write_report, manifest, work / REPORT_DIR)
-    except BaseException:
-        shutil.rmtree(work, ignore_errors=True)  # nothing half-written stays behind
-        raise
-
-    shutil.rmtree(work / ".tokenised", ignore_errors=True)
-    shutil.rmtree(final, ignore_errors=True)
-    work.rename(final)
+    with disk_full_named(final), locked(final, lambda: log(f"waiting for another preparation of {final}")):
+        if (hit := cached_data(config, cache_root)) is not None:  # made while this one waited for the lock
+            log(f"data cache hit {hit.root}: prepared meanwhile, no tokenisation")
+            return hit
+        log(f"preparing data (fingerprint {fp}) in {final}")
+        with building(final) as work:
+            pool = step("load-pool", load_pool, config)
+            part = step("partition", partition_step, config, pool)
+            proxy = step("proxy-split", proxy_step, config, pool, part)
+            tokenizer, tokenizer_ref = step("tokenizer", tokenizer_step, config, proxy, work)
+            shards = step("tokenise", shards_step, config, tokenizer, pool, part, proxy, work, log)
+            edges = step("assign-edges", edges_step, config, part, shards)
+            manifest = step(
+                "write-manifest",
+                manifest_step,
+                *(config, pool, part, proxy, tokenizer, tokenizer_ref, shards, edges, work),
+            )
+            step("partition-report", write_report, manifest, work / REPORT_DIR)
+            shutil.rmtree(work / ".tokenised")
     seconds = time.time() - started
     log(
         f"prepared {len(manifest.clients)} clients on {len({c.edge for c in manifest.clients})} edge servers, "

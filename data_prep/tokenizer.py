@@ -1,21 +1,26 @@
 """Tokenizers: a WordPiece trained on public (proxy) text, or any hub/local tokenizer.
 
-The tiny default model gets a WordPiece tokenizer trained with ``tokenizers`` on the
-root's proxy split only (public data: training it on client text would leak private
-vocabulary). It is saved and reloaded through ``PreTrainedTokenizerFast`` so the code
-path after this point is the one a hub model takes.
+The tiny default model gets a WordPiece tokenizer trained on the root's proxy split
+only (public data: training it on client text would leak private vocabulary). Its
+vocabulary is learnt by data_prep/wordpiece.py, not by ``tokenizers``' trainer, whose
+result depends on a per-process random hash order (that module says why and argues
+the determinism); everything else is ``tokenizers``: the normaliser and pre-tokeniser
+that split the training text, the WordPiece model, the post-processor and decoder.
+It is saved and reloaded through ``PreTrainedTokenizerFast`` so the code path after
+this point is the one a hub model takes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
 from bhfl_core.config.schema import ModelConfig
 from bhfl_core.learning.models import hub_error
+from data_prep.wordpiece import learn_vocabulary, word_counts
 
 if TYPE_CHECKING:  # transformers (~1 s to import) only when a tokenizer is trained or loaded: not on a cache hit
     from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
@@ -26,12 +31,13 @@ SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 def train_wordpiece(texts: Iterable[str], vocab_size: int, max_length: int, out_dir: Path) -> PreTrainedTokenizerFast:
     from transformers import PreTrainedTokenizerFast
 
-    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
-    tok.normalizer = normalizers.BertNormalizer(lowercase=True, strip_accents=False, handle_chinese_chars=True)
-    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False)
-    tok.train_from_iterator(texts, trainer)
-    tok.model = _canonical(tok.get_vocab())
+    normalizer = normalizers.BertNormalizer(lowercase=True, strip_accents=False, handle_chinese_chars=True)
+    pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    vocab = learn_vocabulary(word_counts(texts, normalizer, pre_tokenizer), vocab_size, SPECIAL_TOKENS)
+    tok = Tokenizer(_canonical(vocab))
+    tok.normalizer = normalizer
+    tok.pre_tokenizer = pre_tokenizer
+    tok.add_special_tokens(SPECIAL_TOKENS)
     tok.post_processor = processors.TemplateProcessing(
         single="[CLS] $A [SEP]",
         pair="[CLS] $A [SEP] $B:1 [SEP]:1",
@@ -52,14 +58,13 @@ def train_wordpiece(texts: Iterable[str], vocab_size: int, max_length: int, out_
     return PreTrainedTokenizerFast.from_pretrained(str(out_dir))
 
 
-def _canonical(vocab: dict[str, int]) -> models.WordPiece:
-    """The same vocabulary with ids in a fixed order (special tokens, then sorted).
+def _canonical(vocab: Sequence[str]) -> models.WordPiece:
+    """The vocabulary with ids in a fixed order: special tokens, then the rest sorted.
 
-    The trainer breaks ties between equally frequent merges in hash-map order, so two
-    trainings on the same text give the same vocabulary under different ids, and so
-    different embeddings for the same seed. Sorting makes the ids a function of the text.
+    Ids then depend on the set of tokens only, not on the order the learner added them
+    in (the layout the tokenizers of earlier versions had, so id 0 stays ``[PAD]``).
     """
-    ordered = SPECIAL_TOKENS + sorted(t for t in vocab if t not in SPECIAL_TOKENS)
+    ordered = SPECIAL_TOKENS + sorted(set(vocab) - set(SPECIAL_TOKENS))
     return models.WordPiece({t: i for i, t in enumerate(ordered)}, unk_token="[UNK]")
 
 

@@ -12,22 +12,55 @@ The orchestrator places each batch on a named worker (``Slot``) and submits
 ``tasks.worker.call(method, *args)`` there; Dask only transports calls and results.
 An executor is found from the run record's address (``connect``), so any process that
 can reach the scheduler can execute any part of the tree.
+
+A lost worker. Dask pins a call to the *address* its worker had when the call was
+submitted; when that worker dies, Dask neither moves the call (it may run there only)
+nor fails it (it waits for a worker that will never have that address again), so the
+round would wait forever, and Prefect's retries would never start. The executor
+therefore watches the scheduler's ``remove-worker`` events and runs a lost call again
+itself, on the same worker once its nanny has restarted it (a local worker is back in
+well under a second): same arguments, and every draw is seeded by where it happens, so
+the result is bit-identical; clients the lost call had finished are not trained again
+(their checkpoints say so). Each re-run is told on the progress channel and appended to
+the run folder's ``worker_losses.jsonl`` (the run's record and MLflow take it from
+there: flows/experiment.py). A worker that does not come back (no nanny, or not within
+``RESTART_GRACE_S``: a machine lost) fails the call with ``WorkersLostError``, a
+paragraph saying how to go on: the run stops, and ``bhfl resume`` places its work on
+the workers connected then. (Moving the call to another worker instead would give that
+worker two batches of one round, which placement and the folded batches' transfer
+files assume never happens.)
 """
 
 from __future__ import annotations
 
 import functools
+import json
+import logging
+import threading
+import time
+import uuid
 from collections.abc import Iterator
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, Protocol
 
 from bhfl_core.config.schema import RuntimeConfig
 from bhfl_core.placement import Slot
 from tasks.local_cluster import resolve_devices
-from tasks.worker import PLUGIN, BhflWorkerPlugin, WorkerRuntime, call, worker_device
+from tasks.worker import PLUGIN, BhflWorkerPlugin, WorkerRuntime, worker_device
+from tasks.worker import call as call_on_worker
 
 INPROCESS = "inprocess"
+LOSSES_FILE = "worker_losses.jsonl"  # in the run folder: one JSON line per call run again after its worker was lost
+RESTART_GRACE_S = 30.0  # how long a lost worker with a nanny has to come back before its call fails the run
+MAX_RERUNS = 3  # a call whose worker died this many times is likely what kills it (like Dask's allowed-failures)
+# flows/progress.py shows this logger's records (the CLI's notes, the Prefect UI's logs); tasks never import flows
+_NOTES = logging.getLogger("bhfl.progress")
+
+
+class WorkersLostError(RuntimeError):
+    """A call's worker is gone for good, or the call kept killing it; says which and what to do."""
 
 
 class PendingCall(Protocol):
@@ -93,27 +126,202 @@ def slot(worker: dict[str, str]) -> Slot:
     return Slot(worker["name"], worker["device"], worker["kind"])
 
 
+def _what(method: str, args: tuple[Any, ...]) -> str:
+    """A call in words, for the user: the clients a training call trains, else its method."""
+    if method == "train_clients" and len(args) > 2 and isinstance(args[2], list):
+        return f"training {', '.join(map(str, args[2]))}"
+    return method
+
+
+class _Call:
+    """One submitted call and where it is: its Dask key, the worker (name, address) it is pinned to, its re-runs."""
+
+    def __init__(self, method: str, args: tuple[Any, ...]) -> None:
+        self.method, self.args = method, args
+        self.key = self.worker = self.address = ""
+        self.future: Any = None
+        self.lost = False  # its worker left the scheduler while it held the call
+        self.changed = threading.Event()  # finished, failed or lost
+        self.reruns = 0
+
+
+class _Pending:
+    """What ``DaskExecutor.submit`` returns: ``result()`` waits, running the call again if its worker is lost."""
+
+    def __init__(self, executor: DaskExecutor, call: _Call) -> None:
+        self._executor, self._call = executor, call
+
+    def result(self, timeout: float | None = None) -> Any:
+        return self._executor.result(self._call, timeout)
+
+
 class DaskExecutor:
     """Worker calls on a Dask cluster, each pinned to the worker the placement chose.
 
     One client connection per use (a node execution): connecting costs milliseconds,
-    and nothing outlives the execution that needs it.
+    and nothing outlives the execution that needs it. A call whose worker is lost runs
+    again on it once it is back (module docstring).
     """
 
     def __init__(self, address: str, slots: list[Slot]) -> None:
         from distributed import Client
 
         self._slots = slots
+        self.address = address
         self.client = Client(address, set_as_default=False, timeout="60s")
+        self._lock = threading.Lock()
+        self._calls: dict[str, _Call] = {}  # key -> call, while it is pending
+        self._removed: set[str] = set()  # worker addresses the scheduler removed while this executor lived
+        self._nanny: dict[str, bool] = {}  # worker name -> whether a nanny restarts it, as last seen
+        self.client.subscribe_topic("all", self._on_event)  # before any submit: one stream, so events keep order
 
     def slots(self) -> list[Slot]:
         return list(self._slots)
 
     def submit(self, slot: Slot, method: str, *args: Any) -> PendingCall:
-        return self.client.submit(call, method, *args, workers=[slot.name], allow_other_workers=False, pure=False)
+        """Send the call to ``slot``'s worker; one that is not connected now counts as lost (``result`` waits)."""
+        call = _Call(method, args)
+        self._send(call, slot.name, self._roster().get(slot.name, ""))
+        return _Pending(self, call)
+
+    def result(self, call: _Call, timeout: float | None = None) -> Any:
+        """The call's result; a call whose worker was lost is run again (and waited for) first."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not call.changed.wait(left):
+                raise TimeoutError(f"{call.worker}'s call ({_what(call.method, call.args)}): no result in {timeout} s")
+            if not call.lost and _killed(call.future):  # a scheduler with allowed-failures 0 fails it instead
+                call.lost = True
+            if not call.lost:
+                try:  # (its worker lost while handing the result over: ``_on_event`` cancels the fetch)
+                    return call.future.result()
+                except CancelledError:
+                    if not call.lost:
+                        raise
+                finally:
+                    if not call.lost:
+                        with self._lock:
+                            self._calls.pop(call.key, None)
+            self._rerun(call)
 
     def close(self) -> None:
+        self.client.unsubscribe_topic("all")  # first: the scheduler would send this client's own departure to it
         self.client.close()
+
+    async def _on_event(self, event: tuple[float, Any]) -> None:
+        """(In the client's event loop.) A worker left the scheduler: every call pinned to it is lost.
+
+        Their futures are cancelled: Dask would keep them (and a fetch of a result that
+        lived on the lost worker) waiting for an address that is gone.
+        """
+        message = event[1]
+        action = message.get("action") if isinstance(message, dict) else None
+        lost = []
+        with self._lock:
+            if action == "add-worker":  # back at the same address (a fixed --worker-port)
+                self._removed.discard(message["worker"])
+            if action != "remove-worker":
+                return
+            self._removed.add(message["worker"])
+            for call in self._calls.values():
+                if call.address == message["worker"]:
+                    call.lost = True
+                    call.changed.set()
+                    lost.append(call.future)
+        if lost:
+            await self.client.cancel(lost, asynchronous=True, reason="its worker was lost")
+
+    def _done(self, call: _Call, key: str) -> None:
+        """(A Dask callback thread.) The call's future under ``key`` ended; an earlier key's end is old news."""
+        with self._lock:
+            if call.key == key:
+                call.changed.set()
+
+    def _roster(self) -> dict[str, str]:
+        """Connected workers by name -> address, as the scheduler has them now."""
+        workers = self.client.scheduler_info(n_workers=-1)["workers"]
+        with self._lock:
+            self._nanny.update({str(w["name"]): bool(w.get("nanny")) for w in workers.values()})
+            return {str(w["name"]): a for a, w in workers.items() if a not in self._removed}
+
+    def _address(self, call: _Call, name: str) -> str:
+        """Worker ``name``'s address once it is connected (a nanny restarts a lost worker in seconds), else the
+        run stops."""
+        roster = self._roster()
+        has_nanny = self._nanny.get(name, True)
+        deadline = time.monotonic() + (RESTART_GRACE_S if has_nanny else 0.0)
+        while name not in roster and time.monotonic() < deadline:
+            time.sleep(0.2)
+            roster = self._roster()
+        if name in roster:
+            return roster[name]
+        why = f"not back within {RESTART_GRACE_S:.0f} s" if has_nanny else "it has no nanny to restart it"
+        raise WorkersLostError(
+            f"worker {name} of the Dask cluster at {self.address} was lost before finishing its call "
+            f"({_what(call.method, call.args)}), and is gone ({why}), so the run stops here rather than change its "
+            f"placement mid-round. Start it again (`dask worker {self.address} --name {name} --nthreads 1`) or "
+            "not: a resume places its work on the workers connected then."
+        )
+
+    def _send(self, call: _Call, name: str, address: str) -> None:
+        """Submit ``call`` under a new key, pinned to worker ``name`` at ``address`` ("": not connected)."""
+        key = f"{call.method}-{uuid.uuid4().hex}"
+        with self._lock:
+            self._calls.pop(call.key, None)
+            call.key, call.worker, call.address = key, name, address
+            call.lost = not address or address in self._removed  # gone (since the roster was read): no event comes
+            call.changed.clear()
+            self._calls[key] = call
+            if call.lost:
+                call.changed.set()
+                return
+        call.future = self.client.submit(
+            call_on_worker, call.method, *call.args, key=key, workers=[address], allow_other_workers=False
+        )
+        call.future.add_done_callback(lambda _: self._done(call, key))
+
+    def _rerun(self, call: _Call) -> None:
+        """Run a call again after the loss of its worker: tell the user, record it, send it."""
+        if call.future is not None:
+            call.future.release()
+        lost, what = call.worker, _what(call.method, call.args)
+        call.reruns += 1
+        if call.reruns > MAX_RERUNS:
+            raise WorkersLostError(
+                f"worker {lost} was lost {MAX_RERUNS} times before finishing the same call ({what}): the call "
+                "itself may be what kills it (out of memory? the worker's log says)."
+            )
+        address = self._address(call, lost)
+        kept = " (clients the call had finished are not trained again)" if call.method == "train_clients" else ""
+        _NOTES.warning(f"worker {lost} was lost before finishing its call ({what}); restarted, it runs it again{kept}")
+        _record_loss(call, lost)
+        self._send(call, lost, address)
+
+
+def _killed(future: Any) -> bool:
+    """Whether Dask failed the future because workers died running it (``KilledWorker``)."""
+    from distributed import KilledWorker
+
+    return bool(future.status == "error" and isinstance(future.exception(), KilledWorker))
+
+
+def _record_loss(call: _Call, lost: str) -> None:
+    """Append the re-run to the run folder's ``LOSSES_FILE`` (every worker method takes the run folder first)."""
+    run_path = Path(str(call.args[0])) if call.args else None
+    if run_path is None or not run_path.is_dir():
+        return
+    line = {"time": time.time(), "worker": lost, "call": _what(call.method, call.args)}
+    with open(run_path / LOSSES_FILE, "a") as fh:
+        fh.write(json.dumps(line) + "\n")
+
+
+def worker_losses(run_path: Path) -> list[dict[str, Any]]:
+    """Every call of the run that ran again after its worker was lost (all attempts), oldest first."""
+    path = run_path / LOSSES_FILE
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 class InProcessExecutor:

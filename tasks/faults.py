@@ -10,6 +10,7 @@ the second client trained anywhere:
 - ``kill`` (default): SIGKILL the run — the worker process that hit it and the
   orchestrating process (``BHFL_FAULTS_KILL_PID``) — as an out-of-memory killer or a
   lost machine would;
+- ``die``: SIGKILL only the process that hit it (a worker lost mid-batch: the run goes on);
 - ``raise``: a RuntimeError (a transient task failure);
 - ``oom``: ``torch.OutOfMemoryError`` (what CUDA raises when the GPU is full);
 - ``enospc``: ``OSError(ENOSPC)`` (disk full).
@@ -41,7 +42,7 @@ ENV = "BHFL_FAULTS"
 COUNTER_ENV = "BHFL_FAULTS_COUNTER"  # file shared by the run's processes; unset: counted in this process
 KILL_PID_ENV = "BHFL_FAULTS_KILL_PID"  # the orchestrating process, killed with the worker that hits ``kill``
 POINTS = ("prepare", "checkpoint", "round", "client", "eval", "tracking", "artefacts", "report")
-ACTIONS = ("kill", "raise", "oom", "enospc")
+ACTIONS = ("kill", "die", "raise", "oom", "enospc")
 
 _counts: Counter[str] = Counter()
 _lock = threading.Lock()
@@ -72,9 +73,10 @@ def hit(point: str, what: str = "") -> None:
     for nth, action in plan[point]:
         if nth == n:
             detail = f"injected fault at {point} #{n}" + (f" ({what})" if what else "")
-            if action == "kill":
-                if (owner := int(os.environ.get(KILL_PID_ENV, "0") or 0)) and owner != os.getpid():
-                    os.kill(owner, signal.SIGKILL)
+            owner = int(os.environ.get(KILL_PID_ENV, "0") or 0)
+            if action == "kill" and owner and owner != os.getpid():
+                os.kill(owner, signal.SIGKILL)
+            if action in ("kill", "die"):
                 os.kill(os.getpid(), signal.SIGKILL)
             if action == "oom":
                 raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate 2.00 GiB ({detail})")

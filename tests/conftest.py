@@ -45,6 +45,7 @@ SHARED_SESSION_FIXTURE = {
 LONGEST_FIRST = (
     "test_resume",
     "test_resume_async",
+    "test_faults",  # about 60 s idle, 80 s busy (one process): runs killed mid-way, two resumes
     "test_sweep",
     "test_pipeline",
     "dask-cluster",
@@ -70,6 +71,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.xdist_group(_unit(item)))
 
 
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: `-p no:xdist` (one process, no plugin) must still collect
 def pytest_xdist_node_collection_finished(node, ids: list[str]) -> None:
     """Stop at once if a worker's test ids lack their group: xdist would then spread every file's tests
     over both workers, building each module fixture twice (a silent ~20% slower suite: pytest 9.2 with

@@ -1,23 +1,25 @@
 """Load an experiment config: YAML file + ``--set key.path=value`` overrides -> validated config.
 
 All user mistakes surface as ``ConfigError`` with the offending file or dotted key in
-the message: unreadable YAML, unknown keys, wrong types, impossible trees (checked
-by building the tree with the configured number of clients per language).
+the message: unreadable YAML or a key written twice (``yaml_reader.py``, which reads
+every YAML a user writes), unknown keys, wrong types, impossible trees (checked by
+building the tree with the configured number of clients per language).
 """
 
 from __future__ import annotations
 
 import copy
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import ValidationError
 
 from bhfl_core.config.base import ConfigError
 from bhfl_core.config.schema import ExperimentConfig
 from bhfl_core.config.topology import build_tree, placeholder_clients
+from bhfl_core.config.yaml_reader import parse_yaml, read_yaml_file
 
 
 def apply_override(data: dict[str, Any], assignment: str) -> dict[str, Any]:
@@ -28,10 +30,7 @@ def apply_override(data: dict[str, Any], assignment: str) -> dict[str, Any]:
     keys = path.strip().split(".")
     if not all(keys):
         raise ConfigError(f"--set {assignment!r}: empty key in {path!r}")
-    try:
-        value = yaml.safe_load(raw)
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"--set {path}: value {raw!r} is not valid YAML ({exc})") from None
+    value = parse_yaml(raw, f"--set {path}: value {raw!r}")
     out = copy.deepcopy(data)
     cursor = out
     for i, name in enumerate(keys[:-1]):
@@ -48,7 +47,7 @@ def apply_override(data: dict[str, Any], assignment: str) -> dict[str, Any]:
 
 def _existing_key(mapping: dict[Any, Any], name: str) -> Any:
     """``name``, or the integer key YAML read for it (``tree.levels.2`` -> the key ``2`` of ``levels: {2: ...}``)."""
-    if name not in mapping and name.lstrip("-").isdigit() and int(name) in mapping:
+    if name not in mapping and re.fullmatch(r"-?[0-9]+", name) and int(name) in mapping:  # not `²`: isdigit, no int
         return int(name)
     return name
 
@@ -132,12 +131,7 @@ def merge(base: dict[str, Any], child: dict[str, Any]) -> dict[str, Any]:
 
 def read_yaml(path: Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     """Read a config file, resolving ``base: other.yaml`` (relative to the file) recursively."""
-    if not path.is_file():
-        raise ConfigError(f"config file {str(path)!r} not found")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    data = read_yaml_file(path)
     if data is None:  # an empty file (or only comments) is a mistake, not a wish for the built-in defaults
         raise ConfigError(
             f"{path}: the config file is empty; give at least the keys that differ from the defaults, "
@@ -148,7 +142,12 @@ def read_yaml(path: Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     base = data.pop("base", None)
     if base is None:
         return data
-    base_path = (path.parent / str(base)).resolve()
+    if not isinstance(base, str) or not base.strip():
+        raise ConfigError(f"{path}: base: expected a config file name (relative to this file), got {base!r}")
+    try:
+        base_path = (path.parent / base).resolve()
+    except (OSError, ValueError) as exc:  # a name the OS refuses (NUL byte, a symlink loop)
+        raise ConfigError(f"{path}: base: {base!r} is not a usable file name ({exc})") from None
     if base_path in _seen:
         raise ConfigError(f"{path}: base: {base} includes itself")
     return merge(read_yaml(base_path, (*_seen, path.resolve())), data)

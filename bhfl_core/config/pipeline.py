@@ -31,12 +31,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from bhfl_core.config.base import ConfigError
 from bhfl_core.config.loader import apply_override, config_from_dict, merge, read_yaml
 from bhfl_core.config.schema import ExperimentConfig, dump
 from bhfl_core.config.topology import build_tree, placeholder_clients
+from bhfl_core.config.yaml_reader import read_yaml_file
 from bhfl_core.store.warm_start import KEY as INIT_FROM
 from bhfl_core.store.warm_start import config_mismatch, parse_init_from
 
@@ -83,33 +82,9 @@ class Pipeline:
         return {"name": self.name, "stages": {s.name: dump(s.config) for s in self.stages}}
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """A YAML loader that rejects a key written twice in one mapping (PyYAML keeps the last silently)."""
-
-
-def _unique_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-    seen: set[Any] = set()
-    for key_node, _ in node.value:
-        key = loader.construct_object(key_node, deep=deep)
-        if key in seen:
-            raise ConfigError(f"line {key_node.start_mark.line + 1}: key {key!r} is written twice in one mapping")
-        seen.add(key)
-    return loader.construct_mapping(node, deep)
-
-
-_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
-
-
 def read_pipeline_yaml(path: Path) -> Any:
     """A YAML file's top level (duplicate keys are errors); ConfigError if missing or not YAML."""
-    if not path.is_file():
-        raise ConfigError(f"config file {str(path)!r} not found")
-    try:
-        return yaml.load(path.read_text(), Loader=_UniqueKeyLoader)
-    except ConfigError as exc:
-        raise ConfigError(f"{path}: {exc}") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    return read_yaml_file(path)
 
 
 def is_pipeline(data: Any) -> bool:

@@ -40,12 +40,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from bhfl_core.config.base import ConfigError
 from bhfl_core.config.loader import apply_override, config_from_dict, read_yaml
 from bhfl_core.config.pipeline import read_pipeline_yaml
 from bhfl_core.config.schema import ExperimentConfig, dump
+from bhfl_core.config.yaml_reader import parse_yaml
 
 TOP_KEYS = ("name", "base", "set", "configs", "grid", "seeds", "baseline")
 SWEEP_KEYS = ("grid", "seeds", "configs")  # any of these at the top level makes a file a sweep
@@ -129,11 +128,7 @@ def parse_grid_option(assignment: str) -> tuple[str, list[Any]]:
     if "=" not in assignment:
         raise ConfigError(f"--grid {assignment!r}: expected KEY=V1,V2,..., e.g. tree.edge.eta_down=1.0,0.5")
     key, raw = (s.strip() for s in assignment.split("=", 1))
-    try:
-        values = yaml.safe_load(f"[{raw}]")
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"--grid {key}: values {raw!r} are not a YAML list ({exc})") from None
-    return key, values
+    return key, parse_yaml(f"[{raw}]", f"--grid {key}: values {raw!r}")
 
 
 def parse_seeds(text: str) -> list[int]:

@@ -14,7 +14,6 @@ from typer (``show_default``); usage errors and failures a user can act on exit 
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from datetime import datetime
 from pathlib import Path
@@ -171,7 +170,7 @@ def run(
     run_path = new_run_path(run_dir.resolve(), cfg.name)
     hub_check(cfg, run_dir)
     # the Prefect server and the workers boot while the model/data check runs and the pipeline is imported
-    with prefect_api(run_dir, full=False) as api, local_cluster(cfg, run_path) as cluster:
+    with prefect_api(run_dir, full=False, resume=run_path) as api, local_cluster(cfg, run_path) as cluster:
         preflight(cfg, run_dir)
         console.print(
             f"[bold]bhfl[/] running [cyan]{cfg.name}[/] from {config} (seed {cfg.seed}); starting workers, "
@@ -192,6 +191,7 @@ def run(
                 verbose,
             )
     _print_summary(result, run_dir)
+    _exit_if_undelivered(result)
 
 
 SetOption = Annotated[
@@ -229,7 +229,9 @@ def prepare(
             with temporary_settings(updates={"flows.heartbeat_frequency": None}), RichReporter(console).attached():
                 return {"prepared": run_prepare(cfg, cache)}
 
-        prepared = guarded(work, None, verbose)["prepared"]
+        with prefect_api(run_dir, full=False) as api:  # (Prefect's temporary server would outlive a stopped command)
+            api()
+            prepared = guarded(work, None, verbose)["prepared"]
     report = prepared.report_dir / "partition.md"
     print(report.read_text() if report.exists() else "")
     state = "cache hit (no tokenisation)" if prepared.cached else "prepared"
@@ -354,6 +356,11 @@ def _resume(run_spec: str, overrides: list[str], run_dir: Path, verbose: bool, f
     from flows.records.run_record import RunRecord
 
     finished = (record := RunRecord.read(run_path)) is not None and record.status == "finished"
+    if finished and not force_eval and _has_undelivered(run_path):
+        from flows.cli.sync import sync_run
+
+        sync_run(run_path, wait=None)  # all a finished run can lack: its tracking server's copy
+        return
     if finished and not force_eval:
         # nothing to redo, and nothing of its record (MLflow, run.json) is touched
         console.print(
@@ -368,7 +375,7 @@ def _resume(run_spec: str, overrides: list[str], run_dir: Path, verbose: bool, f
     from flows.progress import RichReporter
 
     try:
-        with prefect_api(run_dir, full=False) as api:
+        with prefect_api(run_dir, full=False, resume=run_path) as api:
             api()
             with flow_run_link(console, api.own, run_path), RichReporter(console).attached():
                 result = guarded(
@@ -377,6 +384,52 @@ def _resume(run_spec: str, overrides: list[str], run_dir: Path, verbose: bool, f
     except ConfigError as exc:
         fail(str(exc))
     _print_summary(result, run_dir)
+    _exit_if_undelivered(result)
+
+
+@app.command(cls=_Command)
+def sync(
+    run_spec: Annotated[
+        str,
+        typer.Argument(
+            metavar="RUN",
+            help="Run folder, <name>/<stamp>, `latest` or an MLflow run id (full or a unique 8+ character prefix).",
+        ),
+    ],
+    run_dir: RunDirOption = DEFAULT_RUN_DIR,
+    wait: Annotated[
+        float | None,
+        typer.Option(
+            "--wait",
+            metavar="SECONDS",
+            show_default="$BHFL_TRACKING_WAIT_S, else 120",
+            help="How long to wait for the tracking server to answer.",
+        ),
+    ] = None,
+) -> None:
+    """Deliver the MLflow tracking calls a run kept because its tracking server was down (exit 3 if some are left)."""
+    prepare_environment(run_dir, verbose=False)
+    from flows.cli.sync import sync_run
+    from flows.records.listing import resolve_run
+    from flows.records.run_state import RunStateError
+
+    try:
+        run_path = resolve_run(run_spec, run_dir)
+    except RunStateError as exc:
+        fail(str(exc))
+    sync_run(run_path, wait)
+
+
+def _has_undelivered(run_path: Path) -> bool:
+    from flows.tracking.spool import pending_count
+
+    return pending_count(run_path) > 0
+
+
+def _exit_if_undelivered(result: dict) -> None:
+    from flows.cli.sync import exit_if_undelivered
+
+    exit_if_undelivered(result)
 
 
 @app.command(cls=_Command)
@@ -571,6 +624,8 @@ def ui(
         f"MLflow UI for {uri} on http://{host}:{port}  (Ctrl-C to stop; open 'Training runs' of your experiment)",
         highlight=False,
     )
+    from flows.services.processes import serve_until_stopped
+
     env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
     cmd = [
         sys.executable,
@@ -586,7 +641,7 @@ def ui(
         "--workers",
         "1",
     ]
-    raise typer.Exit(subprocess.call(cmd, env=env))
+    raise typer.Exit(serve_until_stopped(cmd, env))  # SIGTERM, SIGHUP and Ctrl-C stop the server and its uvicorn
 
 
 @app.command(cls=_Command)

@@ -41,7 +41,10 @@ def explain(exc: BaseException, run_path: Path | None) -> str | None:
         return f"The data cannot be partitioned as configured: {exc}. {resume_hint(run_path)}"
     if isinstance(exc, CheckpointError):
         return str(exc)
-    # looked up, not imported: a command that never loaded torch (~1.5 s) cannot have failed in it
+    # looked up, not imported: a command that never loaded torch (~1.5 s) or the executor cannot have failed in it
+    executor = sys.modules.get("tasks.executor")
+    if executor is not None and isinstance(exc, executor.WorkersLostError):  # a worker gone, or killed by a call
+        return f"{exc} {resume_hint(run_path)}"
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(exc, torch.OutOfMemoryError):
         return (
@@ -53,8 +56,9 @@ def explain(exc: BaseException, run_path: Path | None) -> str | None:
     if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
         where = f" while writing {exc.filename}" if exc.filename else ""
         return (
-            f"The disk is full{where}. Checkpoints are written to a temporary file and renamed, so the "
-            f"last complete checkpoint of every node is intact. Free some space (`df -h`; the data cache "
+            f"The disk is full{where}. Checkpoints and the data cache are written under temporary names and "
+            f"renamed when complete, so the last complete checkpoint of every node is intact and no half-written "
+            f"data is ever reused. Free some space (`df -h`; the data cache "
             f"under <run-dir>/cache and old runs can be deleted). {resume_hint(run_path)}"
         )
     return None

@@ -95,7 +95,7 @@ def run_pipeline_command(
     folder = new_run_path(run_dir.resolve(), pipeline.name)
     for stage in pipeline:
         hub_check(stage.config, run_dir)
-    with prefect_api(run_dir, full=False) as prefect_ready:
+    with prefect_api(run_dir, full=False, resume=folder) as prefect_ready:
         for stage in pipeline:
             preflight(stage.config, run_dir)
         console.print(
@@ -133,7 +133,7 @@ def resume_pipeline_command(folder: Path, overrides: list[str], run_dir: Path, v
     from flows.pipeline import resume_pipeline
 
     try:
-        with prefect_api(run_dir, full=False) as prefect_ready:
+        with prefect_api(run_dir, full=False, resume=folder) as prefect_ready:
             prefect_ready()
             with (
                 flow_run_link(console, prefect_ready.own, folder.resolve(), PIPELINE_FLOW),

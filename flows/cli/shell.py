@@ -180,33 +180,129 @@ class PrefectApi:
         self.wait()
 
 
+class Stopped(KeyboardInterrupt):
+    """SIGTERM or SIGHUP (``kill``, a supervisor, a closed terminal): unwound like Ctrl-C, so the servers and
+    workers the command started stop with it; the command exits with 128 + the signal's number."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _stopped_by(interrupt: BaseException) -> Stopped | None:
+    """The ``Stopped`` behind an interrupt (an event loop it passed through may raise a KeyboardInterrupt of its
+    own, ``Stopped`` then in its context); None for Ctrl-C."""
+    seen: BaseException | None = interrupt
+    while seen is not None and not isinstance(seen, Stopped):
+        seen = seen.__cause__ or seen.__context__
+    return seen
+
+
+def exit_code(interrupt: KeyboardInterrupt) -> int:
+    """128 + the signal that stopped the command (SIGINT for Ctrl-C): 130, 143 (SIGTERM), 129 (SIGHUP)."""
+    stopped = _stopped_by(interrupt)
+    return 128 + (stopped.signum if stopped is not None else signal.SIGINT)
+
+
+def how_to_go_on(resume: Path | None) -> str:
+    """What to do after the command stopped early: resume the run, pipeline or sweep folder it left, or start
+    it again."""
+    if resume is None:
+        return "Start the command again."
+    if any((resume / name).exists() for name in ("config.yaml", "pipeline.json", "sweep.json")):
+        return f"Nothing is lost (every finished node round is checkpointed): `bhfl resume {resume}` continues."
+    return "Nothing was trained yet: run the command again."
+
+
 @contextmanager
-def prefect_api(run_dir: Path, full: bool) -> Iterator[PrefectApi]:
+def stopped_by_signals(resume: Path | None = None) -> Iterator[None]:
+    """SIGTERM and SIGHUP raise ``Stopped`` in the main thread while the block runs (their default would end
+    the process at once, and the servers it started would outlive it).
+
+    The guarded work (``guarded``) says "interrupted." itself; a stop that comes outside it
+    (start-up, the summary) ends here: one line, exit 128 + the signal.
+    """
+
+    def stop(signum: int, _frame: object) -> None:
+        raise Stopped(signum)
+
+    previous = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    except KeyboardInterrupt as exc:
+        if (stopped := _stopped_by(exc)) is None:
+            raise  # Ctrl-C: as it always was
+        console.print(f"\n[bold yellow]stopped by {stopped}.[/] {how_to_go_on(resume)}", highlight=False)
+        raise typer.Exit(code=exit_code(exc)) from None
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+EXIT_SERVER_DIED = 75  # EX_TEMPFAIL: try again later, here `bhfl resume` (docs/runtime.md, "Faults")
+
+
+@contextmanager
+def prefect_api(run_dir: Path, full: bool, resume: Path | None = None) -> Iterator[PrefectApi]:
     """``$PREFECT_API_URL`` if set, else a Prefect server of this command's own that dies with it.
 
     (Prefect's own temporary server would outlive a killed run and hold its database.)
     ``full``: ``prefect server start`` with UI and scheduler, for ``bhfl serve``. The
     server boots in the background: call what this yields before the first Prefect
-    request (it waits until the server answers).
+    request (it waits until the server answers). SIGTERM and SIGHUP stop the command
+    like Ctrl-C (``stopped_by_signals``). Should the server die under the command, the
+    command stops at once (``server_died``); ``resume`` is the run, pipeline or sweep
+    folder that ``bhfl resume`` then continues.
     """
     if "PREFECT_API_URL" in os.environ:
-        yield PrefectApi(lambda: None, own=False)
+        with stopped_by_signals(resume):
+            yield PrefectApi(lambda: None, own=False)
         return
     from flows.services.prefect_server import start_server
 
     server = start_server(run_dir.resolve() / ".prefect" / "server.log", full=full, port=4200 if full else None)
     os.environ["PREFECT_API_URL"] = server.api_url
-    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `kill`: stop the server too
+    server.watch(lambda code: server_died(server.proc.pid, code, server.log_file, resume))
     try:
-        yield PrefectApi(server.wait_healthy, own=True)
+        with stopped_by_signals(resume):
+            yield PrefectApi(server.wait_healthy, own=True)
     finally:
-        signal.signal(signal.SIGTERM, previous)
         if "prefect.logging.handlers" in sys.modules:  # send the last logs while the server still listens
             from prefect.logging.handlers import APILogHandler
 
             APILogHandler().flush()
         server.stop()
         os.environ.pop("PREFECT_API_URL", None)
+
+
+def server_died(pid: int, code: int, log_file: Path, resume: Path | None) -> None:
+    """(The server's watcher thread.) The command's own Prefect server died: say so, and stop everything now.
+
+    Every Prefect call from here on would fail after a minute of retries (each call's
+    ConnectError is retried with backoff), and unwinding a flow makes several: so the
+    command does not unwind. It ends the way a kill ends it, the path `bhfl resume` is
+    built and tested for: its worker processes are killed, then the process exits with
+    ``EXIT_SERVER_DIED`` (no cleanup of its own: the record of the run says
+    "interrupted"). Restarting the server instead would leave the run's calls that were
+    in flight in unknown states (docs/runtime.md, "Faults").
+    """
+    how = f"exit status {code}" if code >= 0 else f"killed by {signal.Signals(-code).name}"
+    console.show_cursor(True)  # a live progress bar hid it
+    console.print(
+        f"\n[bold red]error:[/] the Prefect server this command started died (pid {pid}, {how}; its log: "
+        f"{log_file}). Without it nothing can be recorded in Prefect, so the command stops now. "
+        + how_to_go_on(resume),
+        highlight=False,
+        soft_wrap=True,
+    )
+    sys.stderr.flush()
+    sys.stdout.flush()
+    import psutil
+
+    for child in psutil.Process().children(recursive=True):  # workers, forkserver: as after a kill
+        with contextlib.suppress(psutil.Error):
+            child.kill()
+    os._exit(EXIT_SERVER_DIED)
 
 
 def serve_on_schedule(run_dir: Path, cron: str, deployment: str, note: str, serve: Callable[[], None]) -> None:
@@ -257,9 +353,9 @@ def guarded(work: Callable[[], dict], run_path: Path | None, verbose: bool) -> d
 
     try:
         return work()
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         console.print(f"\n[bold yellow]interrupted.[/] {resume_hint(run_path)}", highlight=False, soft_wrap=True)
-        raise typer.Exit(code=130) from None
+        raise typer.Exit(code=exit_code(exc)) from None
     except Exception as exc:
         message = explain(exc, run_path)
         if message is None or verbose:

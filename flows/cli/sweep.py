@@ -24,6 +24,7 @@ from rich.table import Table
 from flows.cli.pipeline import _start_forkserver
 from flows.cli.shell import (
     console,
+    exit_code,
     fail,
     hub_check,
     open_ui,
@@ -90,9 +91,9 @@ def _guarded(work: Callable[[], dict[str, Any]], folder: Path | None, verbose: b
     )
     try:
         return work()
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         console.print(f"\n[bold yellow]interrupted.[/]{hint}", highlight=False, soft_wrap=True)
-        raise typer.Exit(code=130) from None
+        raise typer.Exit(code=exit_code(exc)) from None
     except SweepError as exc:
         console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
         raise typer.Exit(code=1) from None
@@ -158,7 +159,7 @@ def run_sweep_command(
 
     target = folder or new_run_path(run_dir.resolve(), sweep.name)
     _preflight(sweep, run_dir, hub_check)
-    with prefect_api(run_dir, full=False) as prefect_ready:
+    with prefect_api(run_dir, full=False, resume=target) as prefect_ready:
         _preflight(sweep, run_dir)
         console.print(
             f"[bold]bhfl[/] sweep [cyan]{sweep.name}[/] from {path}: {len(sweep)} experiment(s) "
@@ -205,7 +206,7 @@ def resume_sweep_command(folder: Path, overrides: list[str], run_dir: Path, verb
     from flows.sweep import resume_sweep
 
     try:
-        with prefect_api(run_dir, full=False) as prefect_ready:
+        with prefect_api(run_dir, full=False, resume=folder) as prefect_ready:
             prefect_ready()
             with (
                 flow_run_link(console, prefect_ready.own, folder.resolve(), SWEEP_FLOW),

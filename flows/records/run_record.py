@@ -89,6 +89,8 @@ class RunRecord(ProcessRecord):
     # the run places work on (name, device, kind, host, pid), as found when this attempt started.
     cluster: str = ""
     workers: list[dict[str, str]] = []
+    # calls that ran again because their worker was lost, every attempt's (tasks/executor.py: time, worker, call)
+    worker_losses: list[dict[str, str | float]] = []
     # Wall-clock moments of the latest attempt (epoch seconds): process_start,
     # imports_done, flow_start, data_ready, tracking_ready, workers_ready,
     # first_training, last_aggregate, finished.

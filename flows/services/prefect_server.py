@@ -9,38 +9,31 @@ imported. ``full=False`` is the same server Prefect starts as its temporary one 
 only); ``full=True`` is ``prefect server start`` (UI and services, e.g. the scheduler
 that ``bhfl serve`` needs). The server starts in the background (``start_server``
 returns at once) so the command does its other start-up work meanwhile.
+
+The server runs in a process group of its own: Ctrl-C at the terminal reaches the
+command, which then still has a server to record the interruption in, and stops it
+itself. ``watch`` tells the command when the server dies under it (docs/runtime.md,
+"Faults": the command stops at once rather than retrying against a dead API).
 """
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import importlib.metadata
 import importlib.util
 import os
-import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Self
+from typing import Self
 
+from flows.services.processes import die_with_parent
 from flows.services.store_templates import save_template, seed
-
-_PR_SET_PDEATHSIG = 1
-_prctl: Any = None  # libc's prctl where there is one
-# resolved here, not in the forked child: no dlopen between fork and exec (threads may hold its lock);
-# not Linux: no prctl, and the server may outlive a killed parent
-with contextlib.suppress(OSError, AttributeError):
-    _prctl = ctypes.CDLL(None, use_errno=True).prctl
-
-
-def _die_with_parent() -> None:
-    if _prctl is not None:
-        _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def free_port(preferred: int | None = None) -> int:
@@ -73,9 +66,10 @@ def wait_healthy(api_url: str, timeout_s: float, proc: subprocess.Popen | None =
 class PrefectServer:
     """A Prefect API server this process started; it may still be booting (``wait_healthy``)."""
 
-    def __init__(self, proc: subprocess.Popen, api_url: str, database: Path | None) -> None:
-        self.proc, self.api_url, self.database = proc, api_url, database
+    def __init__(self, proc: subprocess.Popen, api_url: str, database: Path | None, log_file: Path) -> None:
+        self.proc, self.api_url, self.database, self.log_file = proc, api_url, database, log_file
         self._healthy = False
+        self._stopping = False
 
     def wait_healthy(self, timeout_s: float = 180) -> None:
         """Block until the server answers; a new database it migrated becomes the template for the next ones."""
@@ -90,8 +84,19 @@ class PrefectServer:
         if self.database is not None:
             save_template(self.database, "prefect", prefect_version())
 
+    def watch(self, on_death: Callable[[int], None]) -> None:
+        """Call ``on_death(returncode)`` from a watcher thread if the server exits before ``stop`` is called."""
+
+        def wait() -> None:
+            code = self.proc.wait()
+            if not self._stopping:
+                on_death(code)
+
+        threading.Thread(target=wait, name="bhfl-prefect-server-watch", daemon=True).start()
+
     def stop(self) -> None:
         """SIGTERM (uvicorn shuts down gracefully), SIGKILL after 15 s; a no-op once it has exited."""
+        self._stopping = True
         if self.proc.poll() is None:
             self.proc.terminate()
         try:
@@ -162,5 +167,13 @@ def start_server(log_file: Path, full: bool, port: int | None = None) -> Prefect
             env.setdefault("PREFECT_API_BLOCKS_REGISTER_ON_START", "false")
     log_file.parent.mkdir(parents=True, exist_ok=True)
     with open(log_file, "ab") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent)  # noqa: PLW1509 (prctl resolved before fork; it takes no lock)
-    return PrefectServer(proc, f"http://127.0.0.1:{port}/api", database if created and not seeded else None)
+        proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            preexec_fn=die_with_parent,  # noqa: PLW1509 (prctl resolved before fork; it takes no lock)
+            process_group=0,  # not the terminal's: Ctrl-C reaches the command, which stops the server after
+        )
+    return PrefectServer(proc, f"http://127.0.0.1:{port}/api", database if created and not seeded else None, log_file)

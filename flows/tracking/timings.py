@@ -16,7 +16,7 @@ def evaluation_cost(
     attempt ran (logged after ``train_started``, epoch seconds; a resumed run's earlier
     attempts ran the others) are taken out of its ``time/train_s`` before dividing.
     """
-    points = tracker.client.get_metric_history(tracker.parent_id, "time/eval_s")
+    points = tracker.points(tracker.parent_id, "time/eval_s")
     evals = tracker.history(tracker.parent_id, "time/eval_s")
     intermediate = sum(m.value for m in points if m.step != final_step and m.timestamp >= train_started * 1000)
     total = sum(evals.values())

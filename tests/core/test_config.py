@@ -151,3 +151,95 @@ def test_proxy_training_alongside_the_children_is_a_server_setting():
     assert not any(n.settings.proxy_async for n in tree if n.id != "root")
     default = build_tree(load_config(REPO / "configs" / "embedded.yaml"), clients)
     assert not default.root.settings.proxy_async and default.root.settings.train is not None
+
+
+# ---------------------------------------------------------------- keys written twice
+
+
+def _write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize(
+    "text, line, key, first",
+    [
+        ("seed: 1\nname: x\nseed: 2\n", 3, "seed", 1),  # the issue's case: ran seed 2 and said nothing
+        ("tree:\n  edge:\n    rounds: 1\n    cohort: 2\n    rounds: 3\n", 5, "rounds", 3),  # nested
+        ("tree: {root: {rounds: 1, proxy_train: true, rounds: 2}}\n", 1, "rounds", 1),  # flow mappings
+        ("tree:\n  residuals:\n    up:\n      - from: edge\n        to: root\n        from: root\n", 6, "from", 4),
+        ("tree:\n  levels:\n    1: {rounds: 2}\n    1: {rounds: 3}\n", 4, 1, 3),  # an integer key
+    ],
+)
+def test_a_key_written_twice_names_the_file_the_key_and_both_lines(tmp_path, text, line, key, first):
+    path = _write(tmp_path / "config.yaml", f"base: {REPO / 'configs' / 'embedded.yaml'}\n{text}")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert str(err.value) == f"{path}: line {line + 1}: key {key!r} is written twice (first on line {first + 1})"
+
+
+def test_keys_written_twice_in_a_base_file_in_set_values_in_pipelines_and_in_sweeps(tmp_path):
+    from bhfl_core.config.pipeline import load_pipeline
+    from bhfl_core.config.sweep import load_sweep, parse_grid_option
+
+    _write(tmp_path / "parent.yaml", "name: p\nseed: 1\nname: q\n")
+    child = _write(tmp_path / "child.yaml", "base: parent.yaml\nseed: 2\n")
+    with pytest.raises(ConfigError, match=r"parent\.yaml: line 3: key 'name' is written twice \(first on line 1\)"):
+        load_config(child)
+    with pytest.raises(ConfigError, match=r"^--set tree\.edge: value .*line 1: key 'rounds' is written twice"):
+        load_config(REPO / "configs" / "embedded.yaml", ["tree.edge={rounds: 1, rounds: 2}"])
+    fedavg = REPO / "configs" / "fedavg.yaml"
+    pipeline = _write(tmp_path / "p.yaml", f"name: p\nstages:\n  a:\n    base: {fedavg}\n    seed: 1\n    seed: 2\n")
+    with pytest.raises(ConfigError, match=r"p\.yaml: line 6: key 'seed' is written twice \(first on line 5\)"):
+        load_pipeline(pipeline)
+    sweep = _write(tmp_path / "s.yaml", f"base: {fedavg}\ngrid:\n  seed: [1]\n  tree.root.rounds: [1]\n  seed: [2]\n")
+    with pytest.raises(ConfigError, match=r"s\.yaml: line 5: key 'seed' is written twice \(first on line 3\)"):
+        load_sweep(sweep)
+    with pytest.raises(ConfigError, match=r"^--grid seed: .*line 1: key 'a' is written twice"):
+        parse_grid_option("seed={a: 1, a: 2}")
+
+
+def test_a_merge_key_may_be_overridden_and_aliases_still_work(tmp_path):
+    # `<<: *anchor` then a key of its own is what merge keys are for, not a key written twice
+    text = (
+        "tree:\n  edge: &e {rounds: 2, eta_up: 0.5}\n  server:\n    <<: *e\n    rounds: 1\n"
+        "  root: {train: &t {lr: 0.01, epochs: 3}}\n  client: {train: *t}\n"
+    )
+    cfg = load_config(_write(tmp_path / "c.yaml", f"base: {REPO / 'configs' / 'embedded.yaml'}\n{text}"))
+    assert (cfg.tree.server.rounds, cfg.tree.server.eta_up, cfg.tree.edge.rounds) == (1, 0.5, 2)
+    assert (cfg.tree.client.train.lr, cfg.tree.client.train.epochs) == (0.01, 3)
+
+
+@pytest.mark.integration  # a `bhfl` subprocess per command (about 0.6 s each): nothing starts, nothing is written
+def test_the_cli_shows_a_key_written_twice_as_its_one_paragraph_error(tmp_path):
+    import subprocess
+    import sys
+
+    config = _write(tmp_path / "dup.yaml", f"base: {REPO / 'configs' / 'embedded.yaml'}\nseed: 1\nseed: 2\n")
+    for args in (["run", str(config)], ["sweep", "--grid", "seed={a: 1, a: 2}"]):
+        out = subprocess.run(
+            [sys.executable, "-m", "flows.cli.app", *args, "--run-dir", str(tmp_path / "runs")],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        assert out.returncode == 2, out.stderr
+        assert "is written twice (first on line" in out.stderr and "Traceback" not in out.stderr + out.stdout
+    assert not (tmp_path / "runs" / "mlflow.db").exists()
+
+
+# ---------------------------------------------------------------- cohort fractions
+
+
+@pytest.mark.parametrize(
+    "fraction, children, sampled",
+    [(0.5, 5, 2), (0.5, 7, 4), (0.5, 3, 2), (0.3, 5, 2), (0.7, 5, 4), (0.9, 5, 4), (0.1, 5, 1), (1.0, 6, 6)],
+)
+def test_a_fractional_cohort_rounds_half_to_even_and_samples_at_least_one(fraction, children, sampled):
+    """docs/config.md (`cohort`): Python's round, so 2.5 -> 2 and 3.5 -> 4; 0.3 x 5 is 1.5 in floats -> 2."""
+    overrides = [f"data.clients_per_language={children}", f"tree.edge.cohort={fraction}"]
+    cfg = load_config(REPO / "configs" / "embedded.yaml", [*overrides, "data.source.languages=[en]", "tree.groups={}"])
+    tree = build_tree(cfg, [ClientInfo(f"en-{i}", "en", 10) for i in range(children)])
+    assert tree["edge-en"].settings.cohort == sampled

@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bhfl_core.placement import POLICIES, Job, Slot, TimeModel, place, split_by_load, utilisation
+from tasks.time_model import load_time_model, record_timings
 
 CPU = [Slot(f"w{k}", "cpu", "cpu") for k in range(4)]
 
@@ -113,6 +114,63 @@ def test_learned_makespan_is_no_worse_than_lpt_on_heterogeneous_slots(jobs, kind
     learned = place(jobs, slots, "learned", model)
     assert makespan(learned, jobs, truth) <= makespan(place(jobs, slots, "lpt"), jobs, truth) + 1e-9
     assert max(a.predicted_s for a in learned) == pytest.approx(makespan(learned, jobs, truth))
+
+
+def test_learned_fits_each_kinds_intercept_from_timings_and_places_by_it(tmp_path):
+    """A per-job overhead (model load, first-batch set-up) makes a fast device slow for small clients.
+
+    gpu: 4 s + 0.5 s per step; cpu: 2 s per step (no overhead). Four clients of 2 steps: 5 s each on
+    the gpu, 4 s on the cpu. Largest first (all equal: input order), each where it finishes earliest:
+    c0 cpu (4 s), c1 gpu (5), c2 cpu (8), c3 gpu (10). Without the intercept the gpu looks 4x faster
+    (1 s a client) and takes all four: predicted 4 s, really 20 s.
+    """
+    truth = {"gpu": (4.0, 0.5), "cpu": (0.0, 2.0)}
+    record_timings(tmp_path, [(kind, steps, a + b * steps) for kind, (a, b) in truth.items() for steps in (1, 8, 30)])
+    record_timings(tmp_path, [("gpu", 60, 34.0)])  # a later round adds to the run's model: 4 + 0.5 x 60
+    model = load_time_model(tmp_path)
+    for kind, (a, b) in truth.items():
+        assert model.line(kind) == (pytest.approx(a, abs=1e-9), pytest.approx(b, rel=1e-9))
+    slots = [Slot("gpu-0", "cuda:0", "gpu"), Slot("cpu-0", "cpu", "cpu")]
+    jobs = [Job(f"c{i}", 2) for i in range(4)]
+    plan = place(jobs, slots, "learned", model)
+    assert [(a.slot.name, a.jobs) for a in plan] == [("gpu-0", ("c1", "c3")), ("cpu-0", ("c0", "c2"))]
+    assert [a.predicted_s for a in plan] == [pytest.approx(10.0), pytest.approx(8.0)]
+    real = lambda kind, steps: truth[kind][0] + truth[kind][1] * steps  # noqa: E731
+    assert makespan(plan, jobs, real) == pytest.approx(10.0)
+
+
+def pollen_lb(jobs, slots, seconds):
+    """Pollen's LB placement (seeds/004 appendix, section 5) given its time predictions ``seconds(kind, batches)``.
+
+    Workers sorted from the fastest to the slowest by the predicted time of the cohort's biggest
+    client; clients by batches, largest first, each to the worker whose load (the sum of its
+    clients' predicted times) is lowest — whatever the client would take there.
+    """
+    biggest = max(j.batches for j in jobs)
+    order = sorted(range(len(slots)), key=lambda k: (seconds(slots[k].kind, biggest), k))
+    load = {k: 0.0 for k in order}
+    bins = {k: [] for k in order}
+    for job in sorted(jobs, key=lambda j: -j.batches):
+        k = min(order, key=lambda k: load[k])  # ties: the faster worker
+        bins[k].append(job.id)
+        load[k] += seconds(slots[k].kind, job.batches)
+    return max(load.values())
+
+
+def test_learned_differs_from_pollens_lb_on_the_example_of_docs_runtime():
+    """docs/runtime.md (Placement): two clients of 10 batches, a worker 3x faster than the other.
+
+    Pollen's LB sends the second client to the idle slow worker (least loaded: 30 s); learned placement
+    sends it where it finishes earliest, after the first one on the fast worker (10 + 10 = 20 s < 30 s).
+    """
+    slots = [Slot("fast", "cuda:0", "fast"), Slot("slow", "cuda:1", "slow")]
+    jobs = [Job("c0", 10), Job("c1", 10)]
+    per_batch = {"fast": 1.0, "slow": 3.0}
+    truth = lambda kind, batches: per_batch[kind] * batches  # noqa: E731
+    learned = place(jobs, slots, "learned", fitted({kind: 1 / s for kind, s in per_batch.items()}))
+    assert [(a.slot.name, a.jobs) for a in learned] == [("fast", ("c0", "c1"))]
+    assert makespan(learned, jobs, truth) == pytest.approx(20.0)
+    assert pollen_lb(jobs, slots, truth) == pytest.approx(30.0)
 
 
 def test_learned_without_measurements_is_lpt_and_a_kind_without_its_own_uses_the_pooled_fit():

@@ -1,5 +1,8 @@
 """Data preparation: shards, manifest, tokenizer round-trip, and the fingerprint cache."""
 
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+
 import numpy as np
 import pytest
 import torch
@@ -93,3 +96,32 @@ def test_separate_proxy_corpus_per_language_for_masked_lm(tmp_path):
     assert "web" in tok.get_vocab()
     again = prepare_data(cfg, tmp_path / "cache", log=logs.append)
     assert again.cached and "no tokenisation" in logs[-1]
+
+
+def test_a_second_preparation_of_the_same_data_waits_and_reuses_it(tmp_path):
+    """Two experiments of a sweep sharing their data: one builds the entry, the other waits for it, nothing clashes."""
+    cfg = small_config()
+    second_logs: list[str] = []
+    second_waits = threading.Event()
+
+    def second_log(line: str) -> None:
+        second_logs.append(line)
+        if line.startswith("waiting for another preparation"):
+            second_waits.set()
+
+    with ThreadPoolExecutor(1) as pool:
+        second: Future | None = None
+
+        def step(name, fn, *args):
+            nonlocal second
+            if second is None:  # the first preparation holds the entry's lock now: start the second
+                second = pool.submit(prepare_data, cfg, tmp_path, second_log)
+                assert second_waits.wait(30), f"the second preparation did not wait: {second_logs}"
+            return fn(*args)
+
+        first = prepare_data(cfg, tmp_path, log=lambda _: None, step=step)
+        assert second is not None
+        reused = second.result(60)
+    assert not first.cached and reused.cached and reused.root == first.root and reused.manifest == first.manifest
+    assert "prepared meanwhile" in second_logs[-1]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [first.root.name]  # no partial folder, no lock file

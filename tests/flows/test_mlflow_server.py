@@ -7,73 +7,27 @@ to show files, and the UI's page route.
 """
 
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
-import urllib.error
 import urllib.parse
 import urllib.request
 from pathlib import Path
 
 import pytest
 
+from tests.flows.mlflow_server import MlflowServer
+
 pytestmark = pytest.mark.integration
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(evaluated_runs):
     root, tree, _ = evaluated_runs
-    port = _free_port()
-    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "mlflow",
-        "server",
-        "--backend-store-uri",
-        tree["tracking_uri"],
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--workers",
-        "1",
-    ]
-    with open(root / "mlflow-server.log", "wb") as log:
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        base = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.time() + 90
-            while True:
-                try:
-                    with urllib.request.urlopen(f"{base}/health", timeout=2) as r:
-                        if r.status == 200:
-                            break
-                except (urllib.error.URLError, ConnectionError, OSError):
-                    pass
-                if proc.poll() is not None or time.time() > deadline:
-                    raise RuntimeError(
-                        f"mlflow server did not start: {(root / 'mlflow-server.log').read_text()[-2000:]}"
-                    )
-                time.sleep(0.3)
-            yield base, tree
-        finally:
-            os.killpg(proc.pid, signal.SIGTERM)  # the server and the uvicorn worker it started
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+    running = MlflowServer(tree["tracking_uri"], root / "mlflow-server.log").start()
+    try:
+        yield running.url, tree
+    finally:
+        running.stop()  # the server and the uvicorn worker it started
 
 
 def _get(url: str) -> bytes:

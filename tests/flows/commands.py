@@ -1,0 +1,59 @@
+"""Running `bhfl` commands as a user without servers of their own runs them: each in a session of its own."""
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from tests.flows.kill_chain import leftovers
+from tests.small import REPO, SMALL
+
+
+def sets(*extra: str) -> list[str]:
+    """``--set`` arguments for the small experiment (tests/small.py) and ``extra``."""
+    return [arg for s in [*SMALL, *extra] for arg in ("--set", s)]
+
+
+def own_servers_env(**extra: str) -> dict[str, str]:
+    """The environment of a user without a Prefect server of their own: `bhfl` starts its own."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_API", "PREFECT_SERVER_DATABASE"))}
+    env.pop("PREFECT_HOME", None)
+    return {**env, "HF_HUB_OFFLINE": "1", **extra}
+
+
+def start(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
+    """`bhfl ARGS` in a session of its own (its pid is the session id), stdout and stderr to ``log``."""
+    with open(log, "w") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "flows.cli.app", *args],
+            cwd=REPO,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+
+def wait_for(what: str, found: Callable[[], Any], proc: subprocess.Popen, log: Path, timeout_s: float = 180) -> Any:
+    """``found()`` once it is true; fails if the command ends first or ``timeout_s`` passes."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if result := found():
+            return result
+        assert proc.poll() is None, f"exited ({proc.returncode}) before {what}:\n{log.read_text()[-3000:]}"
+        time.sleep(0.1)
+    raise AssertionError(f"no {what} after {timeout_s} s:\n{log.read_text()[-3000:]}")
+
+
+def left_behind(session: int, grace_s: float = 10.0) -> list[str]:
+    """The processes of a command's session still alive ``grace_s`` after it ended; killed (the suite goes on)."""
+    alive = leftovers(session, grace_s)
+    for entry in alive:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(int(entry.split()[0]), signal.SIGKILL)
+    return alive
