@@ -43,9 +43,9 @@ def evaluate_all(rt: NodeRuntime, step: int, final: bool = False) -> Evaluation:
         seconds[timer] = time.time() - started
     evaluation = Evaluation.from_stats(ctx.tree, task_metrics(ctx.manifest.task), stats)
     # the root's virtual clock at this evaluation: the x axis of time-to-accuracy (report, `bhfl compare`)
-    root_metrics = ctx.store.load_info(ctx.tree.root_id).get("metrics", {})
-    if VIRTUAL_TIME in root_metrics:
-        seconds[VIRTUAL_TIME] = float(root_metrics[VIRTUAL_TIME])
+    root = ctx.store.load_header(ctx.tree.root_id)
+    if root.rounds_done:
+        seconds[VIRTUAL_TIME] = root.virtual_s
     from flows.tracking.report import log_evaluation  # matplotlib and the report code: not needed at start-up
 
     log_evaluation(rt.tracker, evaluation, step, seconds)

@@ -34,12 +34,13 @@ import yaml
 from prefect import flow, tags
 from prefect.settings import temporary_settings
 
-from bhfl_core.algorithm.node_state import ROOT_CALLER, NodeState
+from bhfl_core.algorithm.contract import ROOT_PLAN
+from bhfl_core.algorithm.node_state import NodeState
 from bhfl_core.config.schema import ExperimentConfig, dump
 from bhfl_core.config.sweep import config_hash
 from bhfl_core.store.atomic import write_text_atomic
-from bhfl_core.store.node_store import StateStore
 from bhfl_core.store.run_layout import CONFIG_FILE, DATA_POINTER, TIMELINE_DIR
+from bhfl_core.store.transfer import Transfer
 from flows import progress
 from flows.creation_gate import creation_gate
 from flows.evaluation import evaluate_all, evaluate_step
@@ -54,10 +55,11 @@ from flows.tracking.tracker import Tracker
 from flows.training import PLAIN_CALLS, PREFECT_RUNS, thread_task_runner
 from tasks import faults
 from tasks.context import RunContext, mark_once, open_run, read_marks
-from tasks.executor import cluster_workers, process_worker
+from tasks.executor import cluster_workers, process_worker, worker_losses
 from tasks.local_cluster import ClusterStart
 
 IMPORTED_AT = time.time()  # the heavy imports above are done: the timeline's "imports_done"
+FAILED_RUN_WAIT_S = 10.0  # a failed run's last tracking calls (its status) get this long to reach a remote server
 __all__ = ["PLAIN_CALLS", "PREFECT_RUNS", "experiment_flow", "resume_experiment", "run_experiment"]
 
 
@@ -181,6 +183,8 @@ def _experiment(
             (path / DATA_POINTER).write_text(json.dumps({"data_root": str(data_root)}))
             mark_once(path, "data_ready")
             ctx = open_run(path, cfg)
+            ctx.transfer.clear()  # models in flight when an earlier attempt died are not reused
+            stack.callback(ctx.transfer.release)
             tracker = _open_tracking(cfg, ctx, path, record, force_eval)
             if LOGGED_FILES not in record.logged:  # (again, after a kill while they were logged: idempotent)
                 # the parent run's files do not hold up the first round: logged beside it, awaited at the end
@@ -200,7 +204,8 @@ def _experiment(
                     progress.note(f"warm start from {cfg.model.init_from}: {len(copied)} node model(s) copied")
                 else:
                     initial = rt.executor.submit(rt.executor.slots()[0], "initial_model", str(path)).result()
-                    ctx.store.save(ctx.tree.root_id, NodeState(model=StateStore.read_message(initial)))
+                    ctx.store.save(ctx.tree.root_id, NodeState(model=Transfer.get(initial)))
+                    ctx.transfer.done_with(initial)
             rounds = ctx.tree.root.settings.rounds
             done = ctx.store.load_header(ctx.tree.root_id).rounds_done
             # a forced re-evaluation of a finished run: a step of its own after the last root round
@@ -220,7 +225,7 @@ def _experiment(
             peaks = {"memory/peak_rss_setup_mb": peak_rss_mb(reset=True)}
             train_started = time.time()
             if not force_eval:
-                orchestration.run_node(str(path), ctx.tree.root_id, None, ROOT_CALLER, subflow=True)
+                orchestration.run_node(str(path), ctx.tree.root_id, None, ROOT_PLAN, subflow=True)
             train_s = time.time() - train_started
             peaks["memory/peak_rss_train_mb"] = peak_rss_mb(reset=True)
             usage = worker_utilisation(rt, train_started, train_started + train_s)
@@ -240,7 +245,7 @@ def _experiment(
             # run-level figures at step 0 on every path; where a killed attempt logged them, they stay
             # (a forced re-evaluation logs only its time/eval_s, at its step)
             if not force_eval:
-                tracker.log_metrics(tracker.parent_id, {**timings, **peaks, **usage}, step=0)
+                tracker.log_metrics(tracker.parent_id, {**timings, **peaks, **usage, **_losses(tracker, path)}, step=0)
             if record.resumes or force_eval:  # ... and the report shows those
                 timings = {**timings, **tracker.values_at(tracker.parent_id, timings, step=0)}
             if artefacts is not None:
@@ -260,7 +265,11 @@ def _experiment(
             record = _finish_record(path, record, "failed", f"{type(exc).__name__}: {exc}"[:2000])
             if tracker is not None and tracker.parent_id:
                 tracker.finish("FAILED")
+                if isinstance(exc, Exception):  # (not after Ctrl-C) a remote server: its status on its way
+                    tracker.close(wait=FAILED_RUN_WAIT_S)
             raise
+    # a remote tracking server: the calls still on their way, waited for (what is left: `bhfl sync`)
+    undelivered = tracker.close()
     return {
         "run_path": str(path),
         "tracking_uri": record.tracking_uri,
@@ -273,6 +282,7 @@ def _experiment(
         "timeline": record.timeline,
         "resumes": record.resumes,
         "wall_time_s": time.time() - started,
+        "tracking_undelivered": undelivered.message() if undelivered else "",
     }
 
 
@@ -284,7 +294,7 @@ def _open_tracking(
     The record holds the runs' key (``run_key``) before they are created and their ids
     right after, so a kill between the two leaves runs a resume finds by that key.
     """
-    tracker = Tracker(record.tracking_uri, resumed=record.resumes > 0 or force_eval)
+    tracker = Tracker(record.tracking_uri, resumed=record.resumes > 0 or force_eval, run_path=path)
     if record.parent_run_id:
         tracker.reopen(record.experiment_id, record.parent_run_id, record.node_runs, record.resumes)
         return tracker
@@ -341,13 +351,25 @@ def _log_run_files(tracker: Tracker, cfg: ExperimentConfig, data_root: Path) -> 
     tracker.log_text(environment_text(), "environment/packages.txt")
 
 
+def _losses(tracker: Tracker, path: Path) -> dict[str, float]:
+    """Calls that ran again because their worker was lost (tasks/executor.py): a tag and a count, where any were."""
+    losses = worker_losses(path)
+    if not losses:
+        return {}
+    text = "; ".join(f"{x['worker']} lost during {x['call']}, which ran again" for x in losses)
+    tracker.set_tags({"bhfl.worker_losses": text[:5000]})  # (MLflow's limit on a tag value is larger)
+    return {"runtime/worker_losses": float(len(losses))}
+
+
 def _finish_record(
     path: Path, record: RunRecord, status: str, error: str = "", forced_evaluation: bool = False
 ) -> RunRecord:
     """Write the attempt's end into ``run.json`` (re-read: evaluations during training updated it)."""
     current = RunRecord.read(path) or record
     forced = current.forced_evaluations + int(forced_evaluation)
-    current = current.model_copy(update={"status": status, "error": error, "forced_evaluations": forced})
+    current = current.model_copy(
+        update={"status": status, "error": error, "forced_evaluations": forced, "worker_losses": worker_losses(path)}
+    )
     current.timeline.update({**read_marks(path), "finished": time.time()})
     current.write(path)
     return current

@@ -18,9 +18,10 @@ from typing import Any, Protocol
 
 from prefect import Task
 
-from bhfl_core.algorithm.node_state import Caller
+from bhfl_core.algorithm.contract import RoundPlan
 from bhfl_core.config.schema import ExperimentConfig
 from bhfl_core.placement import utilisation
+from bhfl_core.store.transfer import SentResult, TensorRef
 from data_prep.prepare import PreparedData
 from flows.records.run_record import RunRecord
 from flows.tracking.tracker import Tracker
@@ -34,8 +35,13 @@ class Orchestration(Protocol):
 
     name: str
 
-    def run_node(self, run_path: str, node_id: str, phi_path: str | None, caller: Caller, *, subflow: bool) -> str:
-        """Execute one internal node (``subflow``: as its own flow run, where the orchestration has them)."""
+    def run_node(
+        self, run_path: str, node_id: str, phi: TensorRef | None, plan: RoundPlan, *, subflow: bool
+    ) -> SentResult:
+        """Execute one internal node from its parent's model (``subflow``: as its own flow run where possible).
+
+        Returns what goes up to the parent as a worker batch does: a ``ChildResult`` by reference.
+        """
         ...
 
     def call_task(self, rt: NodeRuntime, task_: Task[..., Any], name: str, *args: Any) -> Any:
@@ -69,7 +75,12 @@ def node_runtime(run_path: str, orchestration: Orchestration) -> Iterator[NodeRu
     if record is None:
         raise RuntimeError(f"{ctx.run_path} has no run record (run.json)")
     tracker = Tracker.attach(
-        record.tracking_uri, record.experiment_id, record.parent_run_id, record.node_runs, resumed=record.resumes > 0
+        record.tracking_uri,
+        record.experiment_id,
+        record.parent_run_id,
+        record.node_runs,
+        resumed=record.resumes > 0,
+        run_path=ctx.run_path,  # a remote tracking server: calls go through the run folder's spool
     )
     with executor_for(ctx.config.runtime, record.cluster, record.workers) as executor:
         yield NodeRuntime(ctx, record, tracker, executor, orchestration)

@@ -1,11 +1,15 @@
-"""Client training inside a worker process: a batch of clients folded into one weighted sum.
+"""Client training inside a worker process: a batch of clients, folded by their parent's aggregation rule.
 
 A worker trains the list of clients the placement gave it with one reused model
 instance: client after client, it runs the client's EXECUTENODE (down-aggregation
-into its persistent model, local TRAIN, checkpoint) from the parent's model and folds
-the result into a running weighted sum. Only that sum (exact to ~2^-100, so the
-server's mean does not depend on how clients were spread over workers), the running
-top-K residual candidates and a few numbers go back to the server.
+into its persistent model, local TRAIN, checkpoint) from the parent's model and
+``contribute``s the result to the parent's rule (``aggregation_rule.py``), on the
+worker's device. Only that partial (for the default rule an exact sum, so the parent's
+mean does not depend on how clients were spread over workers), the running top-K
+residual candidates and a few numbers go back, as one ``ChildResult``.
+
+Checkpoints are written in the background while the next client trains
+(``StateStore.background_commits``); the batch reports once they are all durable.
 
 No Prefect here: this code runs in Dask worker processes (or in the orchestrator for
 ``runtime.executor: inprocess``).
@@ -17,20 +21,22 @@ import errno
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import torch
 
-from bhfl_core.algorithm.aggregation import WeightedSum
-from bhfl_core.algorithm.engine import PendingResult, execute_node
-from bhfl_core.algorithm.node_state import Caller, NodeResult, RoundKey
-from bhfl_core.algorithm.node_step import ChildrenReport
+from bhfl_core.algorithm.aggregation import Allocator
+from bhfl_core.algorithm.aggregation_rule import rule_for
+from bhfl_core.algorithm.contract import ChildResult, MemberLoss, RoundPlan, Work
+from bhfl_core.algorithm.engine import PendingTrain, execute_node
+from bhfl_core.algorithm.node_state import NodeResult, RoundKey
 from bhfl_core.algorithm.residuals import Candidate, keep_top
-from bhfl_core.algorithm.tree import Node, TrainParams
+from bhfl_core.algorithm.tree import Node, TrainParams, planned_steps
+from bhfl_core.algorithm.virtual_clock import ClockParams, client_call_s
 from bhfl_core.learning.local_train import TrainResult, held_out_loss, split_holdout, train_model
 from bhfl_core.learning.params import get_flat, set_flat
 from bhfl_core.rng import derive_seed
-from bhfl_core.store.node_store import CheckpointError
+from bhfl_core.store.node_store import CheckpointError, StateStore
 from tasks import faults
 from tasks.context import RunContext, mark_once
 
@@ -38,21 +44,9 @@ log = logging.getLogger("bhfl.worker")
 Table = dict[str, torch.Tensor]
 
 
-@dataclass
-class WorkerReport:
-    """What one worker sends back for its batch of clients."""
-
-    aggregate: WeightedSum = field(default_factory=WeightedSum)
-    losses: dict[str, tuple[float, int]] = field(default_factory=dict)  # client -> (mean loss, examples)
-    candidates: list[Candidate] = field(default_factory=list)  # running top-K for up-residuals
-    dropped: list[str] = field(default_factory=list)  # clients left out (runtime.on_client_failure: drop)
-    timings: list[tuple[str, int, float]] = field(
-        default_factory=list
-    )  # (client, optimizer steps, seconds) trained here
-    worker: str = ""
-    device_kind: str = ""
-    started: float = 0.0  # wall clock (time.time) of the batch on the worker
-    finished: float = 0.0
+def device_kind(device: torch.device) -> str:
+    """What the placement's time model is keyed by: ``cpu`` or the GPU's name."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
 class LocalTrainer:
@@ -60,16 +54,16 @@ class LocalTrainer:
 
     def __init__(self, ctx: RunContext, model: torch.nn.Module, device: torch.device) -> None:
         self.ctx, self.model, self.device = ctx, model, device
+        self.kind = device_kind(device)
         self.trained = 0  # TRAIN calls made (a client loaded from its checkpoint makes none)
-        self.epochs: int | None = None  # Tempo: clients' local epochs for the current call (None: their own)
 
-    def run_children(self, node: Node, cohort: list[Node], theta: torch.Tensor, key: RoundKey) -> ChildrenReport:
+    def run_children(self, node: Node, cohort: list[Node], theta: torch.Tensor, plans: object) -> list[ChildResult]:
         raise RuntimeError(f"node {node.id!r} has children; servers run in the orchestrator, not inside a worker")
 
-    def start_train(self, node: Node, theta: torch.Tensor, key: RoundKey) -> PendingResult:
+    def start_train(self, node: Node, theta: torch.Tensor, key: RoundKey) -> PendingTrain:
         raise RuntimeError(f"node {node.id!r}: asynchronous proxy TRAIN is a server's; clients train in order")
 
-    def call_duration(self, node: Node, child: Node, caller: Caller) -> float | None:
+    def call_duration(self, node: Node, child: Node, plan: RoundPlan) -> float | None:
         raise RuntimeError(f"node {node.id!r} has children; servers run in the orchestrator, not inside a worker")
 
     def _data(self, node: Node) -> tuple[Table, Table]:
@@ -92,35 +86,23 @@ class LocalTrainer:
         result = train_model(self.model, self._data(node)[0], params, seed, self.device, transform, anchor)
         return get_flat(self.model), result
 
-    def train(self, node: Node, theta: torch.Tensor, key: RoundKey) -> tuple[torch.Tensor, dict[str, float]]:
-        assert node.settings.train is not None
+    def train(self, node: Node, theta: torch.Tensor, key: RoundKey, plan: RoundPlan) -> NodeResult:
+        """TRAIN; a client's local epochs are its plan's (Tempo) when the plan sets them."""
+        params = _params(node, plan)
         if node.is_leaf:
             faults.hit("client", node.id)
             mark_once(self.ctx.run_path, "first_training")
-        params = node.settings.train
-        if node.is_leaf and self.epochs is not None:
-            params = replace(params, epochs=self.epochs)
         trained, result = self._fit(node, theta, params, derive_seed(self.ctx.config.seed, "train", *key.parts()))
         self.trained += 1
-        prefix = "Training/" if node.is_leaf else "Training/proxy_"
-        # examples: saved with a client's state (a re-run after a crash reports the same); a proxy TRAIN's
-        # weight when it is merged like a child result (``proxy_train: async``)
-        metrics = {
-            f"{prefix}loss": result.loss,
-            f"{prefix}steps": float(result.steps),
-            f"{prefix}examples": float(result.examples),
-        }
-        return trained, metrics
+        return NodeResult(trained, result.loss, result.examples, result.steps)
 
-    def train_personal(
-        self, node: Node, personal: torch.Tensor, anchor: torch.Tensor, key: RoundKey
-    ) -> tuple[torch.Tensor, dict[str, float]]:
+    def train_personal(self, node: Node, personal: torch.Tensor, anchor: torch.Tensor, key: RoundKey) -> NodeResult:
         """Ditto: the personal model trained on the client's data with ``(lambda/2)·||v - anchor||²``."""
         params = node.settings.personal
         assert params is not None
         seed = derive_seed(self.ctx.config.seed, "personal", *key.parts())
         trained, result = self._fit(node, personal, params, seed, anchor)
-        return trained, {"personal/loss": result.loss, "personal/steps": float(result.steps)}
+        return NodeResult(trained, result.loss, result.examples, result.steps)
 
     def score(self, node: Node, candidates: Sequence[torch.Tensor]) -> list[float]:
         """Each candidate's loss on the node's held-out rows (same masks for all, for masked LM)."""
@@ -143,55 +125,75 @@ class LocalTrainer:
 def train_clients(
     ctx: RunContext,
     trainer: LocalTrainer,
-    caller: Caller,
+    plan: RoundPlan,
     client_ids: list[str],
     phi: torch.Tensor,
+    fold: bool = True,
     keep: int = 0,
     select: str | None = None,
-    epochs: int | None = None,
-) -> WorkerReport:
-    """Execute ``client_ids`` from the parent model ``phi``; return their weighted sum and statistics.
+    allocate: Allocator | None = None,
+) -> ChildResult:
+    """Execute ``client_ids`` from the parent model ``phi`` under ``plan``; return what goes up to the parent.
 
-    With ``keep > 0`` the worker also returns its ``keep`` best residual candidates by
-    ``select``, held as a running top-K so memory stays at K models per worker.
-    ``epochs`` (Tempo) replaces the clients' ``train.epochs`` for this call.
+    ``fold``: the clients' models are contributed to the parent's aggregation rule here
+    (a partial in the result; ``allocate`` gives its storage); otherwise the batch has
+    one client and its model goes up as it is (an asynchronous parent weighs it by
+    staleness first). With ``keep > 0`` the worker also returns its ``keep`` best
+    residual candidates by ``select``, a running top-K so memory stays at K models.
     """
-    trainer.epochs = epochs
-    try:
-        return _train_batch(ctx, trainer, caller, client_ids, phi, keep, select)
-    finally:
-        trainer.epochs = None
+    if not fold and len(client_ids) != 1:
+        raise ValueError(f"an unfolded batch carries one client's model, not {len(client_ids)}")
+    parent = plan.caller.node_id
+    rule = rule_for(ctx.tree[parent].settings.aggregate)
+    partial = rule.start(plan.caller, allocate) if fold else None
+    clock, seed = ClockParams(**ctx.config.tree.clock.model_dump()), ctx.config.seed
+    members: list[str] = []
+    dropped: list[str] = []
+    losses: list[MemberLoss] = []
+    work: list[Work] = []
+    candidates: list[Candidate] = []
+    model: torch.Tensor | None = None
+    virtual_s = 0.0
+    with ctx.store.background_commits() as store:
+        for client_id in client_ids:
+            node = ctx.tree[client_id]
+            virtual_s = max(virtual_s, client_call_s(seed, clock, node, plan.epochs, plan.caller.round or 0))
+            before, started = trainer.trained, time.perf_counter()
+            result = _execute_client(ctx, store, node, phi, trainer, plan)
+            if result is None:
+                dropped.append(client_id)
+                continue
+            members.append(client_id)
+            if trainer.trained > before:  # trained here, not handed back from its checkpoint
+                steps = planned_steps(int(node.weight), _params(node, plan))
+                work.append(Work(client_id, steps, time.perf_counter() - started, trainer.kind))
+            if partial is not None:
+                rule.contribute(partial, client_id, result.theta, node.weight)
+            else:
+                model = result.theta
+            losses.append(MemberLoss(client_id, result.loss, result.examples))
+            if keep and select:
+                found = Candidate(client_id, result.theta.cpu(), node.weight, result.loss)
+                candidates = keep_top(candidates, found, phi, keep, select)
+            del result  # folded: the next client's model must not meet this one in memory
+    return ChildResult(
+        tuple(members),
+        model,
+        ctx.tree[client_ids[0]].weight if model is not None else 0.0,
+        partial,
+        tuple(losses),
+        virtual_s,
+        tuple(dropped),
+        tuple(candidates),
+        tuple(work),
+    )
 
 
-def _train_batch(
-    ctx: RunContext,
-    trainer: LocalTrainer,
-    caller: Caller,
-    client_ids: list[str],
-    phi: torch.Tensor,
-    keep: int,
-    select: str | None,
-) -> WorkerReport:
-    report = WorkerReport(started=time.time())
-    for client_id in client_ids:
-        node = ctx.tree[client_id]
-        before, clock = trainer.trained, time.perf_counter()
-        result = _execute_client(ctx, node, phi, trainer, caller)
-        if result is None:
-            report.dropped.append(client_id)
-            continue
-        if trainer.trained > before:
-            report.timings.append(
-                (client_id, int(result.metrics.get("Training/steps", 0)), time.perf_counter() - clock)
-            )
-        report.aggregate.add(result.theta, node.weight)
-        loss = result.metrics.get("Training/loss", float("nan"))
-        report.losses[client_id] = (loss, int(result.metrics.get("Training/examples", 0)))
-        if keep and select:
-            found = Candidate(client_id, result.theta, node.weight, loss)
-            report.candidates = keep_top(report.candidates, found, phi, keep, select)
-    report.finished = time.time()
-    return report
+def _params(node: Node, plan: RoundPlan) -> TrainParams:
+    """The node's TRAIN settings, with a client's local epochs from its plan (Tempo) where the plan sets them."""
+    params = node.settings.train
+    assert params is not None
+    return replace(params, epochs=plan.epochs) if node.is_leaf and plan.epochs is not None else params
 
 
 def is_resource_error(exc: BaseException) -> bool:
@@ -202,7 +204,7 @@ def is_resource_error(exc: BaseException) -> bool:
 
 
 def _execute_client(
-    ctx: RunContext, node: Node, phi: torch.Tensor, trainer: LocalTrainer, caller: Caller
+    ctx: RunContext, store: StateStore, node: Node, phi: torch.Tensor, trainer: LocalTrainer, plan: RoundPlan
 ) -> NodeResult | None:
     """EXECUTENODE for one client under the run's failure policy; None = dropped from this round.
 
@@ -215,12 +217,14 @@ def _execute_client(
     attempts = 1 + runtime.retries if runtime.on_client_failure == "drop" else 1
     for attempt in range(1, attempts + 1):
         try:
-            return execute_node(ctx.tree, node, phi, ctx.store, trainer, ctx.config.seed, caller)
+            return execute_node(ctx.tree, node, phi, store, trainer, ctx.config.seed, plan)
         except Exception as exc:
             if runtime.on_client_failure == "fail" or is_resource_error(exc):
                 raise
             if attempt == attempts:
-                log.warning("client %s dropped from round %s after %d attempts: %r", node.id, caller, attempts, exc)
+                log.warning(
+                    "client %s dropped from round %s after %d attempts: %r", node.id, plan.caller, attempts, exc
+                )
             elif runtime.retry_delay_s:
                 time.sleep(runtime.retry_delay_s)
     return None

@@ -31,6 +31,7 @@ from bhfl_core.learning.models import build_model
 from bhfl_core.learning.task_kinds import TaskFacts, TaskKind, get_task_kind
 from bhfl_core.store.node_store import StateStore
 from bhfl_core.store.run_layout import CONFIG_FILE, DATA_POINTER, STATE_DIR, TIMELINE_DIR
+from bhfl_core.store.transfer import Transfer, transfer_folder
 from data_prep.manifest import ClientEntry, Manifest
 from data_prep.prepare import load_shard
 from tasks import faults
@@ -61,6 +62,12 @@ class RunContext:
     @cached_property
     def store(self) -> StateStore:
         return StateStore(self.run_path / STATE_DIR, faults.checkpoint_hook())
+
+    @cached_property
+    def transfer(self) -> Transfer:
+        """Where models travel between the run's processes (shared memory unless workers are on other machines)."""
+        runtime = self.config.runtime
+        return Transfer(transfer_folder(self.run_path, runtime.transfer, local=runtime.executor != "cluster"))
 
     @cached_property
     def clients(self) -> dict[str, ClientEntry]:

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 
 import torch
 
+from bhfl_core.algorithm.contract import RoundPlan
 from bhfl_core.algorithm.node_state import Caller, RoundKey
 from bhfl_core.analysis.evaluation import PROXY, ModelRef
 from bhfl_core.learning.params import get_flat, set_flat
@@ -70,7 +71,8 @@ class _Baselines:
     def _train(self, client_id: str, theta: torch.Tensor, rounds: int, tag: str) -> torch.Tensor:
         node = self.ctx.tree[client_id]
         for r in range(rounds):
-            theta, _ = self.trainer.train(node, theta, RoundKey(client_id, r, Caller(tag)))
+            key = RoundKey(client_id, r, Caller(tag))
+            theta = self.trainer.train(node, theta, key, RoundPlan(key.caller)).theta
         return theta
 
 

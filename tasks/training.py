@@ -16,18 +16,23 @@ from typing import Any
 from prefect import Task, task
 from prefect.cache_policies import NO_CACHE
 
-from bhfl_core.algorithm.node_state import Caller, RoundKey
+from bhfl_core.algorithm.contract import RoundPlan
+from bhfl_core.algorithm.node_state import RoundKey
 from bhfl_core.config.schema import RuntimeConfig
 from bhfl_core.placement import Slot
-from tasks.client_training import WorkerReport, is_resource_error
-from tasks.executor import Executor, gather
+from bhfl_core.store.transfer import SentResult, TensorRef
+from tasks.client_training import is_resource_error
+from tasks.executor import Executor, WorkersLostError, gather
+from tasks.worker import SentTrain
 
 Batches = Sequence[tuple[Slot, list[str]]]
 
 
 def _worth_retrying(task_: Any, task_run: Any, state: Any) -> bool:
-    """Prefect's retry condition: transient failures yes, resource errors no."""
-    return not (isinstance(state.data, BaseException) and is_resource_error(state.data))
+    """Prefect's retry condition: transient failures yes; resource errors and lost workers no (they would recur:
+    the executor already re-ran the call on a restarted worker)."""
+    error = state.data if isinstance(state.data, BaseException) else None
+    return error is None or not (is_resource_error(error) or isinstance(error, WorkersLostError))
 
 
 def with_retries(
@@ -48,33 +53,35 @@ def train_clients(
     executor: Executor,
     batches: Batches,
     run_path: str,
-    caller: Caller,
-    phi_path: str,
+    plan: RoundPlan,
+    phi: TensorRef,
     keep: int = 0,
     select: str | None = None,
-    epochs: int | None = None,
-) -> list[WorkerReport]:
-    """Execute each batch of clients on its slot from the parent model at ``phi_path``; one report per batch.
+) -> list[SentResult]:
+    """Execute each batch of clients on its slot from the parent model ``phi`` under ``plan``; one result per batch.
 
-    ``epochs`` (Tempo): the clients' local epochs for this call instead of their ``train.epochs``.
+    Each batch comes back folded by the parent's rule, its tensors by reference
+    (``receive_result`` maps them): a task's return value stays in Prefect's memory
+    until the flow ends, so it must not hold models.
     """
-    return gather(
-        [
-            executor.submit(slot, "train_clients", run_path, caller, ids, phi_path, keep, select, epochs)
-            for slot, ids in batches
-        ]
-    )
+    futures = [
+        executor.submit(slot, "train_clients", run_path, plan, ids, phi, True, keep, select) for slot, ids in batches
+    ]
+    return gather(futures)
 
 
 @task(name="proxy-train", cache_policy=NO_CACHE, persist_result=False)
 def proxy_train(
-    executor: Executor, slot: Slot, run_path: str, node_id: str, key: RoundKey, theta_path: str
-) -> tuple[str, dict[str, float]]:
-    """TRAIN a server's model (message at ``theta_path``) on its proxy split; returns the result's message."""
-    return executor.submit(slot, "proxy_train", run_path, node_id, key, theta_path).result()
+    executor: Executor, slot: Slot, run_path: str, node_id: str, key: RoundKey, theta: TensorRef
+) -> SentTrain:
+    """TRAIN a server's model (``theta``) on its proxy split, on ``slot``; the trained model by reference."""
+    sent: SentTrain = executor.submit(slot, "proxy_train", run_path, node_id, key, theta).result()
+    return sent
 
 
 @task(name="score-candidates", cache_policy=NO_CACHE, persist_result=False)
-def score_candidates(executor: Executor, slot: Slot, run_path: str, node_id: str, paths: list[str]) -> list[float]:
-    """A server's candidate models (message files) scored on its held-out proxy rows; one loss each."""
-    return list(executor.submit(slot, "held_out_losses", run_path, node_id, paths).result())
+def score_candidates(
+    executor: Executor, slot: Slot, run_path: str, node_id: str, candidates: list[TensorRef]
+) -> list[float]:
+    """A server's candidate models scored on its held-out proxy rows; one loss each."""
+    return list(executor.submit(slot, "held_out_losses", run_path, node_id, candidates).result())

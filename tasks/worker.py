@@ -17,11 +17,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import socket
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,11 +31,13 @@ import torch
 from distributed import WorkerPlugin, get_worker
 from torch import nn
 
-from bhfl_core.algorithm.node_state import Caller, RoundKey
+from bhfl_core.algorithm.aggregation_rule import rule_for
+from bhfl_core.algorithm.contract import RoundPlan
+from bhfl_core.algorithm.node_state import RoundKey
 from bhfl_core.analysis.evaluation import ModelRef
 from bhfl_core.learning.params import get_flat
-from bhfl_core.store.node_store import StateStore
-from tasks.client_training import LocalTrainer, WorkerReport, train_clients
+from bhfl_core.store.transfer import SentResult, TensorRef, Transfer, send_result
+from tasks.client_training import LocalTrainer, device_kind, train_clients
 from tasks.context import TIMELINE_DIR, RunContext, open_run
 from tasks.scoring import Stats, score_models
 
@@ -43,17 +47,22 @@ _MODELS_KEPT = 2
 BUSY_DIR = Path(TIMELINE_DIR) / "busy"  # one file of (start, end) lines per worker
 
 
+@dataclass(frozen=True)
+class SentTrain:
+    """A proxy TRAIN's result on the wire: the trained model by reference, and its statistics."""
+
+    model: TensorRef
+    loss: float
+    examples: int
+    steps: int
+
+
 def worker_device(setting: str | None = None) -> torch.device:
     setting = setting or os.environ.get(DEVICE_ENV) or ("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(setting)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     return device
-
-
-def device_kind(device: torch.device) -> str:
-    """What the placement's time model is keyed by: ``cpu`` or the GPU's name."""
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
 def _model_key(ctx: RunContext) -> str:
@@ -110,40 +119,54 @@ class WorkerRuntime:
     def train_clients(
         self,
         run_path: str,
-        caller: Caller,
+        plan: RoundPlan,
         client_ids: list[str],
-        phi_path: str,
-        keep: int,
-        select: str | None,
-        epochs: int | None = None,
-    ) -> WorkerReport:
-        with self._call(run_path) as ctx:
-            phi = StateStore.read_message(phi_path)
-            report = train_clients(ctx, self._trainer(ctx), caller, client_ids, phi, keep, select, epochs)
-        report.worker, report.device_kind = self.name, self.kind
-        return report
+        phi: TensorRef,
+        fold: bool = True,
+        keep: int = 0,
+        select: str | None = None,
+    ) -> SentResult:
+        """A batch of clients from the parent model ``phi`` (``client_training.train_clients``), sent back by reference.
 
-    def proxy_train(self, run_path: str, node_id: str, key: RoundKey, theta_path: str) -> tuple[str, dict[str, float]]:
-        """TRAIN a server's model (the message at ``theta_path``) on its proxy split; returns the result's message."""
+        On a CPU worker the batch is folded straight into files of the run's transfer
+        folder, so nothing is copied to send it; a GPU worker folds on its device and
+        copies the fold out once.
+        """
         with self._call(run_path) as ctx:
-            theta, metrics = self._trainer(ctx).train(ctx.tree[node_id], StateStore.read_message(theta_path), key)
-            return ctx.store.write_message(f"{node_id}.proxy-out", theta), metrics
+            allocated: dict[str, tuple[TensorRef, torch.Tensor]] = {}
 
-    def held_out_losses(self, run_path: str, node_id: str, candidate_paths: list[str]) -> list[float]:
-        """Losses of candidate models (message files) on a server's held-out proxy rows (NODEOPT ``interp``)."""
+            def allocate(part: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+                allocated[part] = ctx.transfer.allocate(f"{plan.caller}.{self.name}.{part}", numel, dtype)
+                return allocated[part][1]
+
+            in_files = allocate if self.device.type == "cpu" else None
+            trainer = self._trainer(ctx)
+            result = train_clients(ctx, trainer, plan, client_ids, Transfer.get(phi), fold, keep, select, in_files)
+            rule = rule_for(ctx.tree[plan.caller.node_id].settings.aggregate)
+            batch = f"{plan.caller}.{self.name}.{secrets.token_hex(4)}"  # a worker may hold two batches of a round
+            return send_result(result, rule, ctx.transfer, batch, allocated)
+
+    def proxy_train(self, run_path: str, node_id: str, key: RoundKey, theta: TensorRef) -> SentTrain:
+        """TRAIN a server's model (``theta``) on its proxy split; the trained model goes back by reference."""
         with self._call(run_path) as ctx:
-            candidates = [StateStore.read_message(p) for p in candidate_paths]
-            return self._trainer(ctx).score(ctx.tree[node_id], candidates)
+            result = self._trainer(ctx).train(ctx.tree[node_id], Transfer.get(theta), key, RoundPlan(key.caller))
+            ref = ctx.transfer.put(f"{node_id}.proxy-out", result.theta)
+            return SentTrain(ref, result.loss, result.examples, result.steps)
+
+    def held_out_losses(self, run_path: str, node_id: str, candidates: list[TensorRef]) -> list[float]:
+        """Losses of candidate models on a server's held-out proxy rows (NODEOPT ``interp``)."""
+        with self._call(run_path) as ctx:
+            return self._trainer(ctx).score(ctx.tree[node_id], [Transfer.get(c) for c in candidates])
 
     def evaluate(self, run_path: str, models: list[ModelRef]) -> Stats:
         with self._call(run_path) as ctx:
             return score_models(ctx, self._trainer(ctx), models)
 
-    def initial_model(self, run_path: str) -> str:
-        """The run's initial model (seeded by ``seed + model.init_seed_offset``) as a message file."""
+    def initial_model(self, run_path: str) -> TensorRef:
+        """The run's initial model (seeded by ``seed + model.init_seed_offset``), by reference."""
         with self._call(run_path) as ctx:
             cfg = ctx.config
-            return ctx.store.write_message("initial", get_flat(ctx.build_model(cfg.seed + cfg.model.init_seed_offset)))
+            return ctx.transfer.put("initial", get_flat(ctx.build_model(cfg.seed + cfg.model.init_seed_offset)))
 
 
 class BhflWorkerPlugin(WorkerPlugin):

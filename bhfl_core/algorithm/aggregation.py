@@ -13,14 +13,26 @@ and the mean is rounded once, at the end, to the float32 nearest the exact mean.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from fractions import Fraction
 
 import numpy as np
 import torch
 
+Allocator = Callable[[str, int, torch.dtype], torch.Tensor]
+"""Zeroed storage for a sum's part: ``(name, numel, dtype) -> tensor``."""
+
 _CHUNK = 1 << 18
 """Elements per pass: an ``add`` works in 3 scratch buffers of 2 MiB (cache-sized) whatever the model size."""
+
+_BELOW_FLOAT32 = (1 << 29) - 1
+"""The 29 bits of a float64 significand below float32's 23: the part a float32 cast rounds away."""
+_TIE = 1 << 28
+"""Those bits of a value exactly half-way between two float32s."""
+_NEAR_TIE = 64
+"""float64 units (at least 2**-47 |q|) around a tie within which ``mean`` checks its rounding exactly."""
+_FLOAT32_TINY = 2.0**-126
+"""The smallest normal float32: below it float32 rounds at another bit, so ``mean`` checks exactly."""
 
 _SPLITTER = 134217729.0
 """2**27 + 1: Veltkamp's constant, splits a float64 into two 26-bit halves whose products are exact."""
@@ -56,20 +68,49 @@ class WeightedSum:
     0.26 s; ``mean`` 1.0 s (0.4 s before).
     """
 
-    def __init__(self, total: torch.Tensor | None = None, weight: float = 0.0) -> None:
-        """An empty sum, or one read back from a stored ``total`` (``lo = 0``; the tensor is taken over, not copied)."""
+    def __init__(
+        self, total: torch.Tensor | None = None, weight: float = 0.0, allocate: Allocator | None = None
+    ) -> None:
+        """An empty sum, or one read back from a stored ``total`` (``lo = 0``; the tensor is taken over, not copied).
+
+        ``allocate(name, numel, dtype)`` (optional) gives the zeroed storage of ``hi`` and
+        ``lo`` when the first vector arrives: a worker folds straight into shared memory
+        (tasks/transfer.py), so its sum leaves the process without a copy. Without it the
+        sum lives on the first vector's device.
+        """
         self.hi: torch.Tensor | None = None if total is None else total.to(torch.float64).contiguous()
         self.lo: torch.Tensor | None = None if self.hi is None else torch.zeros_like(self.hi)
         self.weight = float(weight)
+        self._allocate = allocate
+
+    @classmethod
+    def of(cls, hi: torch.Tensor, lo: torch.Tensor, weight: float) -> WeightedSum:
+        """A sum from its two parts as ``parts`` gave them (taken over, not copied)."""
+        out = cls(weight=weight)
+        out.hi, out.lo = hi, lo
+        return out
+
+    def parts(self) -> dict[str, torch.Tensor]:
+        """``hi`` and ``lo`` by name (empty for an empty sum): what travels between processes."""
+        return {} if self.hi is None or self.lo is None else {"hi": self.hi, "lo": self.lo}
 
     def add(self, vector: torch.Tensor, weight: float) -> None:
-        """Fold one float32 input with weight ``weight`` (its number of training examples)."""
+        """Fold one float32 input with weight ``weight`` (its number of training examples).
+
+        ``vector`` may live on another device than the sum: it is copied chunk by chunk.
+        """
         if not weight > 0:
             raise ValueError(f"aggregation weight must be positive, got {weight}")
         if self.hi is None or self.lo is None:
-            self.hi = vector.to(torch.float64, memory_format=torch.contiguous_format, copy=True)
-            self.hi.mul_(weight)  # exact: float32 x integer < 2**29
-            self.lo = torch.zeros_like(self.hi)
+            n = vector.numel()
+            if self._allocate is not None:
+                hi, lo = self._allocate("hi", n, torch.float64), self._allocate("lo", n, torch.float64)
+                self.hi, self.lo = hi.view(vector.shape), lo.view(vector.shape)
+            else:
+                self.hi = torch.empty(vector.shape, dtype=torch.float64, device=vector.device)
+                self.lo = torch.zeros(vector.shape, dtype=torch.float64, device=vector.device)
+            for hi, x in zip(_chunked(self.hi), _chunked(vector)):
+                hi.copy_(x).mul_(weight)  # exact: float32 x integer < 2**29
         else:
             self._check_shape(vector)
             for hi, lo, x, (p, s, t) in _chunks(self.hi, self.lo, vector):
@@ -77,12 +118,16 @@ class WeightedSum:
                 _two_sum_into(hi, lo, p, s, t)
         self.weight += float(weight)
 
-    def merge(self, other: WeightedSum) -> None:
-        """Fold another partial sum (e.g. from another worker): TwoSum of the ``hi`` parts, ``lo`` parts added."""
+    def merge(self, other: WeightedSum, consume: bool = False) -> None:
+        """Fold another partial sum (e.g. from another worker): TwoSum of the ``hi`` parts, ``lo`` parts added.
+
+        ``consume``: ``other`` is not used afterwards, so an empty sum takes over its
+        storage instead of copying it (a parent folding its workers' sums).
+        """
         if other.hi is None or other.lo is None:
             return
         if self.hi is None or self.lo is None:
-            self.hi, self.lo = other.hi.clone(), other.lo.clone()
+            self.hi, self.lo = (other.hi, other.lo) if consume else (other.hi.clone(), other.lo.clone())
         else:
             self._check_shape(other.hi)
             for (hi, lo, x, (p, s, t)), y in zip(_chunks(self.hi, self.lo, other.hi), _chunked(other.lo)):
@@ -107,13 +152,15 @@ class WeightedSum:
     def mean(self) -> torch.Tensor:
         """The float32 nearest to (exact sum) / (total weight), ties to even.
 
-        Per element: ``(s, e) = TwoSum(hi, lo)`` is the canonical form of the sum (it
-        depends on the sum's value only, not on how ``hi`` and ``lo`` share it), so
-        ``q = s / w`` is a function of the exact sum, within 2**-52 |q| of the exact
-        quotient. Rounding ``q`` to float32 is then right unless a float32 tie lies
-        within that distance; elements with a tie within 2**-49 |q| are checked: an
-        exact quotient (``q * w == s + e``, e.g. the mean of two neighbouring floats)
-        is right as it is, the others (rare) are rounded with exact rational arithmetic.
+        Per element: ``s = RN(hi + lo)`` depends on the exact sum only (it is that sum
+        rounded once), so ``q = s / w`` is a function of the exact sum, within 2**-52 |q|
+        of the exact quotient. Rounding ``q`` to float32 is then right unless a float32
+        tie lies within that distance, i.e. unless the 29 bits of ``q``'s significand
+        below float32's are within a few units of ``100...0``; those elements (and
+        float32 subnormals, rounded at another bit) are checked: an exact quotient
+        (``q * w == hi + lo``, e.g. the mean of two neighbouring floats) is right as it
+        is, the others (rare) are rounded with exact rational arithmetic. Bit tests on
+        ``q`` keep the common path to a few passes over each cache-sized chunk.
         """
         if self.hi is None or self.lo is None:
             raise ValueError("cannot average an empty WeightedSum")
@@ -121,15 +168,19 @@ class WeightedSum:
         w_hi = w * _SPLITTER - (w * _SPLITTER - w)
         w_lo = w - w_hi
         out = torch.empty(self.hi.shape, dtype=torch.float32, device=self.hi.device)
+        n = min(_CHUNK, self.hi.numel())
+        q_buf = torch.empty(n, dtype=torch.float64, device=self.hi.device)
+        bits_buf = torch.empty(n, dtype=torch.int64, device=self.hi.device)
         for hi, lo, f in zip(_chunked(self.hi), _chunked(self.lo), _chunked(out)):
-            s, e = _two_sum(hi, lo)
-            q = s / w
+            q, low = q_buf[: hi.numel()], bits_buf[: hi.numel()]
+            torch.add(hi, lo, out=q).div_(w)
             f.copy_(q)
-            hair = q.abs().mul_(2.0**-49)
-            near = ((q - hair).to(torch.float32) != (q + hair).to(torch.float32)).nonzero().flatten()
+            torch.bitwise_and(q.view(torch.int64), _BELOW_FLOAT32, out=low).sub_(_TIE).abs_()
+            near = ((low <= _NEAR_TIE) | ((f.abs() < _FLOAT32_TINY) & (f != 0))).nonzero().flatten()
             if len(near):
+                s, e = _two_sum(hi[near], lo[near])
                 p, pe = _two_prod(q[near], w, w_hi, w_lo)
-                inexact = near[(p != s[near]) | (pe != e[near])]
+                inexact = near[(p != s) | (pe != e)]
                 exact_mean = [
                     _nearest_float32((Fraction(a) + Fraction(b)) / Fraction(w))
                     for a, b in zip(hi[inexact].tolist(), lo[inexact].tolist())

@@ -45,24 +45,30 @@ flight have finished, so a persistent child's state never runs ahead of its pare
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import torch
 
-from bhfl_core.algorithm.asynchrony import AsyncParams, BufferedResult, buffered_input
+from bhfl_core.algorithm.aggregation_rule import AggregationRule, FoldedRound, rule_for
+from bhfl_core.algorithm.asynchrony import AsyncParams, stale_model, staleness_weight
+from bhfl_core.algorithm.contract import ROOT_PLAN, ChildResult, Partial, RoundPlan
 from bhfl_core.algorithm.engine import (
-    PROXY_STEPS,
     VIRTUAL_TIME,
     EngineHooks,
     PendingResult,
-    proxy_weight,
+    PendingTrain,
+    load_for_execution,
+    proxy_child,
+    proxy_metrics,
     saved_result,
+    train_metrics,
     tuned_metrics,
 )
-from bhfl_core.algorithm.node_state import ROOT_CALLER, AsyncProgress, Caller, InFlight, NodeResult, RoundKey
-from bhfl_core.algorithm.node_step import ChildrenReport, down_posts, node_down, node_up
+from bhfl_core.algorithm.node_state import AsyncProgress, Caller, InFlight, NodeResult, RoundKey
+from bhfl_core.algorithm.node_step import down_posts, node_down, node_up
 from bhfl_core.algorithm.residuals import Candidate
 from bhfl_core.algorithm.tree import Node, Tree
 from bhfl_core.algorithm.virtual_clock import drops_out
@@ -71,8 +77,8 @@ from bhfl_core.store.node_store import StateStore
 
 
 class AsyncHooks(EngineHooks, Protocol):
-    def start_child(self, node: Node, child: Node, theta: torch.Tensor, caller: Caller) -> PendingResult:
-        """Begin executing ``child`` from ``theta`` without waiting for it."""
+    def start_child(self, node: Node, child: Node, theta: torch.Tensor, plan: RoundPlan) -> PendingResult:
+        """Begin executing ``child`` from ``theta`` under ``plan`` without waiting for it."""
         ...
 
 
@@ -100,7 +106,8 @@ class _Execution:
     dispatched: int = 0
     in_flight: list[InFlight] = field(default_factory=list)
     calls: dict[int, PendingResult] = field(default_factory=dict)
-    buffer: list[BufferedResult] = field(default_factory=list)
+    partial: Partial | None = None  # the buffered results since the last flush, folded by the node's rule
+    buffered: list[str] = field(default_factory=list)  # who they came from (the node itself: its proxy TRAIN)
     candidates: list[Candidate] = field(default_factory=list)
     models: dict[int, torch.Tensor] = field(default_factory=dict)  # versions in-flight children were sent
     staleness: list[int] = field(default_factory=list)  # of the results buffered since the last flush
@@ -117,18 +124,20 @@ def execute_async_node(
     store: StateStore,
     hooks: AsyncHooks,
     seed: int,
-    caller: Caller = ROOT_CALLER,
+    plan: RoundPlan = ROOT_PLAN,
 ) -> NodeResult:
     """Run one asynchronous execution of ``node`` (T_q flushes); return theta_T and its virtual duration."""
     settings = node.settings
     params = settings.asynchronous
     if params is None:
         raise ValueError(f"node {node.id!r} is not asynchronous (settings.asynchronous is None)")
-    state = store.load(node.id)
+    caller = plan.caller
+    state = load_for_execution(store, node, caller)
     done = state.rounds_done_for(caller)
     if done >= settings.rounds:
         return saved_result(state)
     scorer = functools.partial(hooks.score, node) if settings.tunes else None
+    rule = rule_for(settings.aggregate)
     children = {c.id: c for c in tree.children(node.id)}
     members = {**children, node.id: node}  # the node itself: its asynchronous proxy TRAIN (``proxy_train: async``)
     progress = state.pending or AsyncProgress()
@@ -136,15 +145,17 @@ def execute_async_node(
         run = _Execution(progress.now, progress.dispatched, list(progress.in_flight))
         run.models = {**progress.versions, state.rounds_done: state.theta}
         for flight in run.in_flight:
-            run.calls[flight.dispatch] = _start(node, members[flight.child], flight, run.models, hooks, store, seed)
+            run.calls[flight.dispatch] = _start(
+                node, members[flight.child], flight, run.models, hooks, store, seed, plan
+            )
     else:
         state = node_down(state, phi, store.inbox(node.id, "down", state.res_seen), settings, caller, scorer)
         run = _Execution(dispatched=progress.dispatched, models={state.rounds_done: state.theta})
     while state.rounds_done - state.exec_start < settings.rounds:
         key = RoundKey(node.id, state.rounds_done, caller)
         store.post(node.id, key.round, down_posts(state.theta, settings))
-        while len(run.buffer) < params.buffer:
-            _fill(run, node, list(children.values()), state.rounds_done, state.theta, hooks, store, seed, params)
+        while len(run.buffered) < params.buffer:
+            _fill(run, node, list(children.values()), state.rounds_done, state.theta, hooks, store, seed, plan)
             arrival = _await_next(run)
             call = run.calls.pop(arrival.dispatch)
             run.in_flight.remove(arrival)
@@ -155,60 +166,99 @@ def execute_async_node(
             result = call.result()
             if not isinstance(call, _Saved):  # before the child can be dispatched again
                 store.save_result(node.id, arrival.dispatch, result)
-            member = members[arrival.child]
-            if result is None:  # dropped: its slot frees up, nothing is buffered
+            if result is None or result.model is None:  # dropped: its slot frees up, nothing is buffered
                 run.dropped += 1
                 run.drops_in_a_row += 1
                 if run.drops_in_a_row >= len(children):
                     raise RuntimeError(f"{node.id}: {run.drops_in_a_row} child results in a row were dropped (failed)")
                 continue
             run.drops_in_a_row = 0
-            staleness = state.rounds_done - arrival.version
-            own = member.id == node.id  # the node's proxy TRAIN, merged like a child result
-            weight = proxy_weight(node, result) if own else member.weight
-            run.buffer.append(BufferedResult(member.id, result.theta - run.models[arrival.version], weight, staleness))
-            if own:
-                run.proxy_metrics = result.metrics
-            elif settings.res_up:
-                loss = result.metrics.get("Training/loss", float("nan"))
-                run.candidates.append(Candidate(member.id, result.theta, member.weight, loss))
-            run.staleness.append(staleness)
+            _buffer(run, rule, key, node, members[arrival.child], arrival, result, state.rounds_done, params)
             _forget_unused_versions(run, state.rounds_done)
-        report = ChildrenReport(candidates=run.candidates)
-        report.aggregate.add(buffered_input(state.theta, run.buffer, params.staleness), 1.0)
-        state, posts = node_up(state, report, store.inbox(node.id, "up", state.res_seen), settings, scorer)
+        assert run.partial is not None
+        folded = FoldedRound(run.partial, run.candidates, {}, [])
+        state, posts = node_up(state, folded, store.inbox(node.id, "up", state.res_seen), settings, key, scorer)
+        del folded  # its partial is model-sized: not kept while the next flush fills
         store.post(node.id, key.round, posts)
         metrics = _flush_metrics(run, node, posts)
         metrics.update(tuned_metrics(state))
         if settings.train is not None and not settings.proxy_async:
-            trained, train_metrics = hooks.train(node, state.theta, key)
-            state = replace(state, model=trained)
-            metrics.update(train_metrics)
-            run.now += train_metrics.get(PROXY_STEPS, 0.0)  # speed 1, as in engine.round_virtual_s
+            trained = hooks.train(node, state.theta, key, plan)
+            state = replace(state, model=trained.theta)
+            metrics.update(train_metrics(node, trained))
+            run.now += float(trained.steps)  # speed 1, as in engine.round_virtual_s
             metrics[VIRTUAL_TIME] = run.now
-        run.buffer, run.candidates, run.staleness, run.sent, run.dropped, run.proxy_metrics = [], [], [], 0, 0, {}
+        run.partial, run.buffered, run.candidates, run.staleness, run.sent, run.dropped = None, [], [], [], 0, 0
+        run.proxy_metrics = {}
         if key.round + 1 - state.exec_start >= settings.rounds:  # an execution returns a model, not pending work
             metrics["async/dropped_results"] = float(_await_in_flight(run))
         run.models[key.round + 1] = state.theta
-        state = replace(state, rounds_done=key.round + 1, metrics=metrics, pending=_progress(run))
+        state = replace(
+            state,
+            rounds_done=key.round + 1,
+            metrics=metrics,
+            pending=_progress(run),
+            virtual_s=run.now,
+            loss=math.nan,
+            examples=0,
+        )
         store.commit(node.id, state)
         store.drop_results(node.id)
         hooks.round_done(node, key, state.theta, metrics)
     return saved_result(state)
 
 
+def _buffer(
+    run: _Execution,
+    rule: AggregationRule,
+    key: RoundKey,
+    node: Node,
+    member: Node,
+    arrival: InFlight,
+    result: ChildResult,
+    version: int,
+    params: AsyncParams,
+) -> None:
+    """Fold an arrived result into the buffer: ``theta_v + w(s) (y - theta_{v_i})`` with the child's weight."""
+    assert result.model is not None
+    staleness = version - arrival.version
+    stale = stale_model(
+        run.models[version], result.model, run.models[arrival.version], staleness_weight(staleness, params.staleness)
+    )
+    if run.partial is None:
+        run.partial = rule.start(key.as_caller())
+    rule.contribute(run.partial, member.id, stale, result.weight)
+    run.buffered.append(member.id)
+    run.staleness.append(staleness)
+    if member.id == node.id:  # the node's proxy TRAIN, merged like a child result
+        run.proxy_metrics = proxy_metrics(result)
+    elif node.settings.res_up:
+        loss = result.losses[0].loss if result.losses else math.nan
+        run.candidates.append(Candidate(member.id, result.model, member.weight, loss))
+
+
 class _Saved:
     """A child result saved before a crash, handed back instead of running the child again."""
 
-    def __init__(self, result: NodeResult | None) -> None:
+    def __init__(self, result: ChildResult | None) -> None:
         self._result = result
 
-    def result(self) -> NodeResult | None:
+    def result(self) -> ChildResult | None:
         return self._result
 
 
 _DROPPED_OUT: PendingResult = _Saved(None)
 """A client call that drops out (``tree.clock.dropout_p``): never started, its slot held until it would end."""
+
+
+class _ProxyCall:
+    """The node's own proxy TRAIN in flight, handed over as one more child's result."""
+
+    def __init__(self, node: Node, pending: PendingTrain) -> None:
+        self.node, self.pending = node, pending
+
+    def result(self) -> ChildResult:
+        return proxy_child(self.node, self.pending.result())
 
 
 def _start(
@@ -219,6 +269,7 @@ def _start(
     hooks: AsyncHooks,
     store: StateStore,
     seed: int,
+    plan: RoundPlan,
 ) -> PendingResult:
     """Start ``flight`` (a child's execution, or the node's own proxy TRAIN), or hand back its saved result."""
     if drops_out(member.settings.dropout, seed, member.id, flight.dispatch):
@@ -227,8 +278,8 @@ def _start(
         return _Saved(store.load_result(node.id, flight.dispatch))
     theta, caller = models[flight.version], Caller(node.id, flight.dispatch)
     if member.id == node.id:
-        return hooks.start_train(node, theta, RoundKey(node.id, flight.version, caller))
-    return hooks.start_child(node, member, theta, caller)
+        return _ProxyCall(node, hooks.start_train(node, theta, RoundKey(node.id, flight.version, caller)))
+    return hooks.start_child(node, member, theta, plan.for_child(caller))
 
 
 def _progress(run: _Execution) -> AsyncProgress:
@@ -254,20 +305,23 @@ def _fill(
     hooks: AsyncHooks,
     store: StateStore,
     seed: int,
-    params: AsyncParams,
+    plan: RoundPlan,
 ) -> None:
     """Send the newest model out: to the node's own proxy TRAIN if it is idle (``proxy_train: async``),
     then to idle children until ``concurrency`` are in flight (or none is idle)."""
+    params = node.settings.asynchronous
+    assert params is not None
     run.models.setdefault(version, theta)
     if node.settings.proxy_async and all(f.child != node.id for f in run.in_flight):
-        _dispatch(run, node, node, version, None, hooks, store, seed)
+        _dispatch(run, node, node, version, None, hooks, store, seed, plan)
     while sum(f.child != node.id for f in run.in_flight) < params.concurrency:
         busy = {f.child for f in run.in_flight}
         child = pick_idle(children, busy, seed, node.id, run.dispatched)
         if child is None:
             return
-        duration = hooks.call_duration(node, child, Caller(node.id, run.dispatched))
-        _dispatch(run, node, child, version, None if duration is None else run.now + duration, hooks, store, seed)
+        duration = hooks.call_duration(node, child, plan.for_child(Caller(node.id, run.dispatched)))
+        finish = None if duration is None else run.now + duration
+        _dispatch(run, node, child, version, finish, hooks, store, seed, plan)
         run.sent += 1
 
 
@@ -280,9 +334,10 @@ def _dispatch(
     hooks: AsyncHooks,
     store: StateStore,
     seed: int,
+    plan: RoundPlan,
 ) -> None:
     flight = InFlight(member.id, run.dispatched, version, run.now, finish)
-    run.calls[flight.dispatch] = _start(node, member, flight, run.models, hooks, store, seed)
+    run.calls[flight.dispatch] = _start(node, member, flight, run.models, hooks, store, seed, plan)
     run.in_flight.append(flight)
     run.dispatched += 1
 
@@ -306,14 +361,14 @@ def _forget_unused_versions(run: _Execution, current: int) -> None:
 def _flush_metrics(run: _Execution, node: Node, posts: Sequence[object]) -> dict[str, float]:
     staleness = run.staleness
     return {
-        "async/buffered": float(len(run.buffer)),
+        "async/buffered": float(len(run.buffered)),
         "async/staleness_mean": sum(staleness) / len(staleness),
         "async/staleness_max": float(max(staleness)),
         "async/in_flight": float(len(run.in_flight)),
         VIRTUAL_TIME: run.now,
         "comm/down_models": float(run.sent),
         "Training/dropped_clients": float(run.dropped),
-        "comm/up_models": float(sum(b.child != node.id for b in run.buffer)),
+        "comm/up_models": float(sum(b != node.id for b in run.buffered)),
         "comm/res_up_models": float(sum(getattr(p, "models", 0) for p in posts)),
         **run.proxy_metrics,
     }

@@ -7,7 +7,12 @@ node's current one) and its staleness is ``s_i = v - v_i``, ``v`` being the node
 version when the result arrives. Every ``buffer`` (K) results the node steps::
 
     mean_input = theta_v + sum_i p_i w(s_i) Delta_i / sum_i p_i
+               = sum_i p_i (theta_v + w(s_i) Delta_i) / sum_i p_i
     theta_{v+1} = NODEOPT_up(theta_v, mean_input)            (fedavg, eta 1: theta_v + that mean)
+
+The second form is how it is computed: each result, as it arrives, becomes the model
+``theta_v + w(s_i) Delta_i`` (``stale_model``) and is folded by the node's aggregation
+rule with weight ``p_i``, the very fold a synchronous node makes of its children.
 
 ``p_i`` is the child's example weight, as in the synchronous step, and ``w`` the
 staleness function. Choice where FedBuff is silent about weights: the normalisation
@@ -84,19 +89,36 @@ class BufferedResult:
     staleness: int  # v (at arrival) - v_i (at dispatch)
 
 
-def buffered_input(theta: torch.Tensor, buffer: Sequence[BufferedResult], params: StalenessParams) -> torch.Tensor:
-    """The ``mean_input`` NODEOPT_up steps towards: ``theta + sum p_i w(s_i) Delta_i / sum p_i``.
+def stale_model(theta: torch.Tensor, model: torch.Tensor, base: torch.Tensor, weight: float) -> torch.Tensor:
+    """``theta + weight * (model - base)``: a stale result as the model it stands for now.
 
-    Summed in float64 in buffer order (the virtual clock's arrival order, the same in
-    every run), rounded once to ``theta``'s dtype.
+    Computed in float64 (the difference of two float32 models is exact there) and
+    rounded once to float32, in chunks (no full-size float64 temporaries). A fresh
+    result (``base is theta``, weight 1) is ``model`` itself, bit for bit.
     """
     import torch
 
+    if base is theta and weight == 1.0:
+        return model
+    out = torch.empty_like(theta, dtype=torch.float32)
+    for t, m, b, o in zip(*(torch.split(x.reshape(-1), 1 << 20) for x in (theta, model, base, out))):
+        o.copy_(t.double().add_(m.double().sub_(b.double()), alpha=weight))
+    return out
+
+
+def buffered_input(theta: torch.Tensor, buffer: Sequence[BufferedResult], params: StalenessParams) -> torch.Tensor:
+    """The ``mean_input`` NODEOPT_up steps towards: ``theta + sum p_i w(s_i) Delta_i / sum p_i``.
+
+    The same fold the asynchronous engine makes as results arrive: each result becomes
+    the model ``theta + w(s_i) Delta_i`` (float64, rounded once) and the mean aggregation
+    rule takes it with weight ``p_i``, exactly as a synchronous node takes its children.
+    """
+    from bhfl_core.algorithm.aggregation import WeightedSum
+
     if not buffer:
         raise ValueError("an empty buffer has nothing to aggregate")
-    acc = torch.zeros_like(theta, dtype=torch.float64)
-    total = 0.0
+    total = WeightedSum()
     for entry in buffer:
-        acc.add_(entry.delta.to(torch.float64), alpha=entry.weight * staleness_weight(entry.staleness, params))
-        total += entry.weight
-    return (theta.to(torch.float64) + acc / total).to(theta.dtype)
+        w = staleness_weight(entry.staleness, params)
+        total.add((theta.double() + w * entry.delta.double()).to(theta.dtype), entry.weight)
+    return total.mean()

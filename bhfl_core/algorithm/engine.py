@@ -45,14 +45,27 @@ uninterrupted run bit for bit.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+import math
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Protocol
 
 import torch
 
-from bhfl_core.algorithm.node_state import ROOT_CALLER, Caller, NodeResult, NodeState, RoundKey
-from bhfl_core.algorithm.node_step import ChildrenReport, ResidualPost, down_posts, node_down, node_up
+from bhfl_core.algorithm.aggregation_rule import FoldedRound, fold_results, rule_for
+from bhfl_core.algorithm.contract import ROOT_PLAN, ChildResult, MemberLoss, RoundPlan
+from bhfl_core.algorithm.node_opt import Scorer
+from bhfl_core.algorithm.node_state import Caller, NodeResult, NodeState, RoundKey
+from bhfl_core.algorithm.node_step import (
+    Inbox,
+    ResidualPost,
+    down_posts,
+    keeps_state,
+    node_down,
+    node_up,
+    reads_own_model,
+)
+from bhfl_core.algorithm.tempo import omega, tempo_epochs
 from bhfl_core.algorithm.tree import Node, Tree
 from bhfl_core.algorithm.virtual_clock import drops_out
 from bhfl_core.rng import sample_cohort
@@ -60,30 +73,34 @@ from bhfl_core.store.node_store import StateStore
 
 
 class PendingResult(Protocol):
-    def result(self) -> NodeResult | None:
+    def result(self) -> ChildResult | None:
         """Wait for the work (it runs from the moment it was started); None: a child that failed and was dropped."""
         ...
 
 
+class PendingTrain(Protocol):
+    def result(self) -> NodeResult:
+        """Wait for a TRAIN started earlier (a server's proxy TRAIN alongside its children)."""
+        ...
+
+
 class EngineHooks(Protocol):
-    def run_children(self, node: Node, cohort: list[Node], theta: torch.Tensor, key: RoundKey) -> ChildrenReport:
-        """Execute every child of the cohort from ``theta``; return their aggregate."""
+    def run_children(
+        self, node: Node, cohort: list[Node], theta: torch.Tensor, plans: Mapping[str, RoundPlan]
+    ) -> list[ChildResult]:
+        """Execute every child of the cohort from ``theta``, each with its plan; return their results (any order)."""
         ...
 
-    def train(self, node: Node, theta: torch.Tensor, key: RoundKey) -> tuple[torch.Tensor, dict[str, float]]:
-        """TRAIN on the node's own data (private for clients, proxy for servers)."""
+    def train(self, node: Node, theta: torch.Tensor, key: RoundKey, plan: RoundPlan) -> NodeResult:
+        """TRAIN on the node's own data (private for clients, proxy for servers); ``plan``: the execution's."""
         ...
 
-    def call_duration(self, node: Node, child: Node, caller: Caller) -> float | None:
+    def call_duration(self, node: Node, child: Node, plan: RoundPlan) -> float | None:
         """A client call's virtual duration, known before it runs; None for servers (their result carries it)."""
         ...
 
-    def start_train(self, node: Node, theta: torch.Tensor, key: RoundKey) -> PendingResult:
-        """Begin a server's proxy TRAIN without waiting (``proxy_train: async``).
-
-        Its result carries TRAIN's metrics (with ``Training/proxy_examples``, its weight) and
-        its virtual duration (``Training/proxy_steps`` at speed 1).
-        """
+    def start_train(self, node: Node, theta: torch.Tensor, key: RoundKey) -> PendingTrain:
+        """Begin a server's proxy TRAIN without waiting (``proxy_train: async``; ``proxy_child``)."""
         ...
 
     def round_done(self, node: Node, key: RoundKey, theta: torch.Tensor, metrics: dict[str, float]) -> None:
@@ -94,11 +111,23 @@ class EngineHooks(Protocol):
         """Losses of candidate models on the node's held-out data (tuned NODEOPTs such as ``interp``)."""
         ...
 
-    def train_personal(
-        self, node: Node, personal: torch.Tensor, anchor: torch.Tensor, key: RoundKey
-    ) -> tuple[torch.Tensor, dict[str, float]]:
+    def train_personal(self, node: Node, personal: torch.Tensor, anchor: torch.Tensor, key: RoundKey) -> NodeResult:
         """Ditto: TRAIN a client's personal model with ``(mu/2)·||v - anchor||²`` (``settings.personal``)."""
         ...
+
+
+def load_for_execution(store: StateStore, node: Node, caller: Caller) -> NodeState:
+    """The node's state for an execution by ``caller``; its model checked only when the execution reads it.
+
+    A node whose down- and up-aggregation replace its model (fedavg, eta 1) and that
+    receives no residuals never reads the model it saved (evaluation does, later): it is
+    mapped, not checksummed. An interrupted execution continues from its model: checked.
+    """
+    lazy = not reads_own_model(node.settings, node.is_leaf)
+    state = store.load(node.id, lazy_model=lazy)
+    if lazy and state.rounds_done_for(caller):
+        state = store.load(node.id)
+    return state
 
 
 def execute_node(
@@ -108,108 +137,174 @@ def execute_node(
     store: StateStore,
     hooks: EngineHooks,
     seed: int,
-    caller: Caller = ROOT_CALLER,
+    plan: RoundPlan = ROOT_PLAN,
 ) -> NodeResult:
     """Run one execution of ``node`` (T_q rounds), or finish it after a crash; return theta_T."""
     settings = node.settings
-    state = store.load(node.id)
+    caller = plan.caller
+    state = load_for_execution(store, node, caller)
     done = state.rounds_done_for(caller)
     if done >= settings.rounds:  # finished before a crash: hand back the saved result
         return saved_result(state)
     scorer = functools.partial(hooks.score, node) if settings.tunes else None
     if not done:
         state = node_down(state, phi, store.inbox(node.id, "down", state.res_seen), settings, caller, scorer)
-    # Receivers of residuals keep their bookkeeping, and Ditto clients their personal model, even when not persistent.
-    persist = settings.persistent or not node.is_leaf or bool(settings.res_in) or settings.personal is not None
-    children = tree.children(node.id)
-    elapsed = state.metrics.get(VIRTUAL_TIME, 0.0) if done else 0.0  # virtual seconds since the execution began
+        state = replace(state, virtual_s=0.0)
+    persist = keeps_state(settings, node.is_leaf)
     for _ in range(done, settings.rounds):
-        key = RoundKey(node.id, state.rounds_done, caller)
-        store.post(node.id, key.round, down_posts(state.theta, settings))
-        cohort = sample_cohort(children, settings.cohort, seed, node.id, key.round)
-        proxy = hooks.start_train(node, state.theta, key) if settings.proxy_async else None
-        present = [c for c in cohort if not drops_out(c.settings.dropout, seed, c.id, key.round)]
-        report = hooks.run_children(node, present, state.theta, key) if present else None
-        if len(present) < len(cohort):  # dropped out: never trained, known when the call would have ended
-            report = add_dropouts(node, report, [c for c in cohort if c not in present], hooks, key)
-        proxy_metrics: dict[str, float] = {}
-        if proxy is not None:  # the node's own TRAIN, from theta_t, as one more child
-            report = report or ChildrenReport()
-            proxy_metrics = add_proxy_result(node, report, proxy)
-        state, posts = node_up(state, report, store.inbox(node.id, "up", state.res_seen), settings, scorer)
-        store.post(node.id, key.round, posts)
-        metrics = round_metrics(node, cohort, report, posts)
-        metrics.update(proxy_metrics)
-        metrics.update(tuned_metrics(state))
-        if settings.personal is not None:  # Ditto: v_k from its last value (first: theta) towards theta
-            start = state.personal if state.personal is not None else state.theta
-            personal, personal_metrics = hooks.train_personal(node, start, state.theta, key)
-            state = replace(state, personal=personal)
-            metrics.update(personal_metrics)
-        train_s = 0.0
-        if settings.train is not None and not settings.proxy_async:
-            trained, train_metrics = hooks.train(node, state.theta, key)
-            state = replace(state, model=trained)
-            metrics.update(train_metrics)
-            train_s = train_metrics.get(PROXY_STEPS, 0.0)
-        elapsed += round_virtual_s(report, train_s)
-        metrics[VIRTUAL_TIME] = elapsed
-        state = replace(state, rounds_done=key.round + 1, metrics=metrics)
-        store.commit(node.id, state, persist)
-        hooks.round_done(node, key, state.theta, metrics)
+        state = _round(tree, node, state, plan, store, hooks, seed, scorer, persist)
     return saved_result(state)
 
 
+def _round(
+    tree: Tree,
+    node: Node,
+    state: NodeState,
+    plan: RoundPlan,
+    store: StateStore,
+    hooks: EngineHooks,
+    seed: int,
+    scorer: Scorer | None,
+    persist: bool,
+) -> NodeState:
+    """One synchronous round, committed; returns the committed state.
+
+    A function of its own so that what the round held — its children's results and
+    their folded partial, model-sized each — is released when it returns, before the
+    next round's children are even started.
+    """
+    settings = node.settings
+    children = tree.children(node.id)
+    key = RoundKey(node.id, state.rounds_done, plan.caller)
+    store.post(node.id, key.round, down_posts(state.theta, settings))
+    cohort = sample_cohort(children, settings.cohort, seed, node.id, key.round)
+    plans = {c.id: child_plan(plan, key, state, c) for c in cohort}
+    proxy = hooks.start_train(node, state.theta, key) if settings.proxy_async else None
+    present = [c for c in cohort if not drops_out(c.settings.dropout, seed, c.id, key.round)]
+    results = hooks.run_children(node, present, state.theta, plans) if present else []
+    absent = [c for c in cohort if c not in present]  # dropped out: never trained, known when the call would end
+    mine = [proxy_child(node, proxy.result())] if proxy is not None else []
+    order = [c.id for c in children] + [node.id]
+    folded = fold_results(rule_for(settings.aggregate), key, [*results, *mine], order)
+    del results  # folded: the partials they carried are the fold's now
+    folded.dropped.extend(c.id for c in absent)
+    waited = [hooks.call_duration(node, c, plans[c.id]) or 0.0 for c in absent]
+    folded.virtual_s = max([folded.virtual_s, *waited])
+    state, posts = node_up(state, folded if children else None, inbox_up(store, node, state), settings, key, scorer)
+    store.post(node.id, key.round, posts)
+    metrics = round_metrics(node, cohort, present, folded, posts)
+    for own in mine:
+        metrics.update(proxy_metrics(own))
+    metrics.update(tuned_metrics(state))
+    if settings.personal is not None:  # Ditto: v_k from its last value (first: theta) towards theta
+        start = state.personal if state.personal is not None else state.theta
+        personal = hooks.train_personal(node, start, state.theta, key)
+        state = replace(state, personal=personal.theta)
+        metrics.update({"personal/loss": personal.loss, "personal/steps": float(personal.steps)})
+    train_s = 0.0
+    trained: NodeResult | None = None
+    if settings.train is not None and not settings.proxy_async:
+        trained = hooks.train(node, state.theta, key, plan)
+        state = replace(state, model=trained.theta)
+        metrics.update(train_metrics(node, trained))
+        train_s = float(trained.steps) if not node.is_leaf else 0.0
+    if settings.tempo is not None:  # Eq. 9 after this round: the children's epochs in the next
+        state, tempo_values = tempo_step(state, folded, plans, settings.tempo)
+        metrics.update(tempo_values)
+    virtual_s = state.virtual_s + round_virtual_s(folded, train_s)
+    metrics[VIRTUAL_TIME] = virtual_s
+    loss, examples = (trained.loss, trained.examples) if node.is_leaf and trained else folded.reported()
+    state = replace(
+        state, rounds_done=key.round + 1, metrics=metrics, virtual_s=virtual_s, loss=loss, examples=examples
+    )
+    store.commit(node.id, state, persist)
+    hooks.round_done(node, key, state.theta, metrics)
+    return state
+
+
 VIRTUAL_TIME = "time/virtual_s"
-"""Metric and state entry: virtual seconds since the node's execution began (the root's: since the run began)."""
+"""Metric: virtual seconds since the node's execution began (the root's: since the run began)."""
+
+
+def inbox_up(store: StateStore, node: Node, state: NodeState) -> Inbox:
+    """The node's waiting up-residuals (a leaf has none to fold)."""
+    return store.inbox(node.id, "up", state.res_seen) if not node.is_leaf else {}
+
+
+def child_plan(plan: RoundPlan, key: RoundKey, state: NodeState, child: Node) -> RoundPlan:
+    """The plan one child gets this round: this round as its caller, and the round's epochs for its clients.
+
+    Under Tempo the root's schedule (``state.child_epochs``, from the previous round)
+    sets each edge's clients' epochs; elsewhere a node passes on the epochs it was given.
+    """
+    epochs = state.child_epochs.get(child.id, plan.epochs)
+    return RoundPlan(key.as_caller(), epochs)
+
+
+def tempo_step(
+    state: NodeState, folded: FoldedRound, plans: Mapping[str, RoundPlan], c: int
+) -> tuple[NodeState, dict[str, float]]:
+    """Tempo (seeds/001 Eq. 9) after a root round: next round's epochs per child, and what to log.
+
+    ``omega_m = ||w_m - w_root||``: each child's model as sent up this round against the
+    root's model at the end of the round (after its own TRAIN). The schedule is part of
+    the root's state, committed with the round, so a resume uses exactly these epochs.
+    """
+    omegas = {m: omega(folded.models[m], state.theta) for m in sorted(folded.models) if m in plans}
+    values = {f"tempo/omega/{m}": w for m, w in omegas.items()}
+    values.update({f"tempo/epochs/{m}": float(plans[m].epochs or c) for m in omegas})
+    return replace(state, child_epochs=tempo_epochs(omegas, c)), values
 
 
 def saved_result(state: NodeState) -> NodeResult:
     """The result of an execution that finished before a crash, as its caller first received it."""
-    return NodeResult(state.theta, state.metrics, virtual_s=state.metrics.get(VIRTUAL_TIME, 0.0))
+    loss = math.nan if state.loss is None else state.loss
+    return NodeResult(state.theta, loss, state.examples, virtual_s=state.virtual_s)
 
 
-PROXY_STEPS = "Training/proxy_steps"
-PROXY_EXAMPLES = "Training/proxy_examples"
+def train_metrics(node: Node, result: NodeResult) -> dict[str, float]:
+    """A TRAIN call's metrics: ``Training/{loss,steps,examples}`` at a client, ``Training/proxy_*`` at a server."""
+    prefix = "Training/" if node.is_leaf else "Training/proxy_"
+    return {
+        f"{prefix}loss": result.loss,
+        f"{prefix}steps": float(result.steps),
+        f"{prefix}examples": float(result.examples),
+    }
 
 
-def round_virtual_s(report: ChildrenReport | None, train_s: float) -> float:
+def round_virtual_s(folded: FoldedRound, train_s: float) -> float:
     """A synchronous round on the virtual clock: its slowest child, then the node's own TRAIN (``train_s``).
 
     The node's own TRAIN (proxy training at a server) runs at speed 1: one optimizer
     step per virtual second, the median client speed (``virtual_clock.py``). An
-    asynchronous proxy TRAIN runs alongside the children: it is in ``report.virtual_s``.
+    asynchronous proxy TRAIN runs alongside the children: it is in ``folded.virtual_s``.
     """
-    children = report.virtual_s if report is not None else 0.0
-    return children + train_s
+    return folded.virtual_s + train_s
 
 
-def add_dropouts(
-    node: Node, report: ChildrenReport | None, absent: list[Node], hooks: EngineHooks, key: RoundKey
-) -> ChildrenReport:
-    """A synchronous round's clients that dropped out (``tree.clock.dropout_p``): dropped, waited for on the clock."""
-    report = report or ChildrenReport()
-    report.dropped.extend(c.id for c in absent)
-    for child in absent:
-        report.virtual_s = max(report.virtual_s, hooks.call_duration(node, child, key.as_caller()) or 0.0)
-    return report
+def proxy_child(node: Node, trained: NodeResult) -> ChildResult:
+    """A server's proxy TRAIN run alongside its children, as one more child result.
+
+    Weighted by the rows it trained on; its virtual duration is its optimizer steps
+    (speed 1, as in ``round_virtual_s``). Its loss is the TRAIN's (``Training/proxy_loss``),
+    not one of the children's: ``fold_results`` leaves the node's own out of their mean.
+    """
+    if not trained.examples > 0:
+        raise RuntimeError(f"{node.id}: proxy TRAIN trained on no rows (its weight among the children)")
+    losses = (MemberLoss(node.id, trained.loss, trained.examples),)
+    return ChildResult(
+        (node.id,), trained.theta, float(trained.examples), losses=losses, virtual_s=float(trained.steps)
+    )
 
 
-def proxy_weight(node: Node, result: NodeResult | None) -> float:
-    """An asynchronous proxy TRAIN's weight among the children's results: the rows it trained on."""
-    if result is None or not result.metrics.get(PROXY_EXAMPLES):
-        raise RuntimeError(f"{node.id}: proxy TRAIN returned no result, or trained on no rows ({PROXY_EXAMPLES})")
-    return result.metrics[PROXY_EXAMPLES]
-
-
-def add_proxy_result(node: Node, report: ChildrenReport, pending: PendingResult) -> dict[str, float]:
-    """Merge an asynchronous proxy TRAIN into a synchronous round's children; return its metrics."""
-    result = pending.result()
-    weight = proxy_weight(node, result)
-    assert result is not None
-    report.aggregate.add(result.theta, weight)
-    report.virtual_s = max(report.virtual_s, result.virtual_s)
-    return result.metrics
+def proxy_metrics(result: ChildResult) -> dict[str, float]:
+    """A proxy TRAIN merged like a child (``proxy_child``): its metrics, as ``train_metrics`` names them."""
+    (own,) = result.losses
+    return {
+        "Training/proxy_loss": own.loss,
+        "Training/proxy_steps": result.virtual_s,
+        "Training/proxy_examples": float(own.examples),
+    }
 
 
 def tuned_metrics(state: NodeState) -> dict[str, float]:
@@ -219,11 +314,11 @@ def tuned_metrics(state: NodeState) -> dict[str, float]:
 
 
 def round_metrics(
-    node: Node, cohort: list[Node], report: ChildrenReport | None, posts: list[ResidualPost]
+    node: Node, cohort: list[Node], present: list[Node], folded: FoldedRound, posts: list[ResidualPost]
 ) -> dict[str, float]:
     """A round's communication (in models, i.e. flat vectors), dropped clients and the children's statistics."""
     metrics: dict[str, float] = {}
-    dropped = len(report.dropped) if report is not None else 0
+    dropped = len(folded.dropped)
     if not node.is_leaf:
         metrics.update(
             {
@@ -235,6 +330,9 @@ def round_metrics(
         )
     if dropped:
         metrics["Training/dropped_clients"] = float(dropped)
-    if report is not None:
-        metrics.update(report.metrics)
+    if leaves := sum(c.is_leaf for c in present):  # the clients called (those that dropped out were not)
+        metrics["Training/clients"] = float(leaves)
+    if folded.examples is not None:
+        metrics["Training/loss"] = folded.loss
+        metrics["Training/examples"] = float(folded.examples)
     return metrics

@@ -126,7 +126,8 @@ def fedavg(
 ) -> tuple[OptState, torch.Tensor]:
     import torch
 
-    # lerp is exact at eta == 1 (returns mean_input bit-for-bit): HierFAVG's "replace".
+    if p.eta == 1.0:  # HierFAVG's "replace": the input itself (lerp would copy it, bit for bit)
+        return {"step": _count(state)}, mean_input
     return {"step": _count(state)}, torch.lerp(theta, mean_input, p.eta)
 
 

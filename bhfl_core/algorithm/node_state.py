@@ -11,6 +11,7 @@ a ``NodeState`` without importing torch (~1.5 s).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -70,13 +71,18 @@ class RoundKey:
 
 @dataclass(frozen=True)
 class NodeResult:
-    """What an execution returns to its parent: theta_T, its last round's metrics, its virtual duration.
+    """What an execution (or one TRAIN call) produced: theta_T and what its caller is told about it.
 
-    ``virtual_s``: seconds the execution took on the virtual clock (``virtual_clock.py``).
+    ``loss``/``examples``: the training loss of its last round and the rows behind it (a
+    client's or a proxy TRAIN's own; a server's: its children's). ``steps``: optimizer
+    steps of a TRAIN call (0 for an execution). ``virtual_s``: seconds it took on the
+    virtual clock (``virtual_clock.py``).
     """
 
     theta: torch.Tensor
-    metrics: dict[str, float] = field(default_factory=dict)
+    loss: float = math.nan
+    examples: int = 0
+    steps: int = 0
     virtual_s: float = 0.0
 
 
@@ -120,6 +126,13 @@ class NodeState:
     ``res_seen`` maps ``"<kind>/<sender>"`` to the last sender round consumed from that
     residual accumulator, so a contribution re-posted by a re-run sender is never
     counted twice.
+
+    What the node's caller is told of its last round is state too (``saved_result``
+    hands it back after a crash): ``loss``/``examples`` and ``virtual_s``, the virtual
+    seconds since its execution began (the root's: since the run began); ``loss`` is None
+    where there is none to report. ``child_epochs``:
+    the local epochs each child's clients train next round (Tempo's schedule, at the
+    root). ``metrics`` is only the last round's log, for logging a committed round again.
     """
 
     model: torch.Tensor | None = None
@@ -133,6 +146,10 @@ class NodeState:
     res_seen: dict[str, int] = field(default_factory=dict)
     personal: torch.Tensor | None = None  # Ditto: the client's personal model v_k (never sent anywhere)
     pending: AsyncProgress | None = None  # asynchronous nodes: children in flight and the dispatch counter
+    loss: float | None = None  # None: no training loss to report (a node whose children reported none)
+    examples: int = 0
+    virtual_s: float = 0.0
+    child_epochs: dict[str, int] = field(default_factory=dict)
 
     @property
     def theta(self) -> torch.Tensor:

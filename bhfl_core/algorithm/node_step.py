@@ -25,31 +25,16 @@ Choices where ALGORITHMS.md is silent:
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import torch
 
 from bhfl_core.algorithm.aggregation import WeightedSum
-from bhfl_core.algorithm.node_opt import OptState, Scorer, node_opt_step
-from bhfl_core.algorithm.node_state import Caller, NodeState
-from bhfl_core.algorithm.residuals import Candidate, contribution, select_residuals
+from bhfl_core.algorithm.aggregation_rule import FoldedRound, rule_for
+from bhfl_core.algorithm.node_opt import NodeOptParams, OptState, Scorer, node_opt_step
+from bhfl_core.algorithm.node_state import Caller, NodeState, RoundKey
+from bhfl_core.algorithm.residuals import contribution, select_residuals
 from bhfl_core.algorithm.tree import NodeSettings
-
-
-@dataclass
-class ChildrenReport:
-    """What a round's children send up: their weighted models and training statistics.
-
-    ``candidates`` holds the children's models that up-residual selection may pick from
-    (workers keep only their running top-K, so it stays small); empty when the node
-    sends no up-residuals.
-    """
-
-    aggregate: WeightedSum = field(default_factory=WeightedSum)
-    metrics: dict[str, float] = field(default_factory=dict)
-    candidates: list[Candidate] = field(default_factory=list)
-    dropped: list[str] = field(default_factory=list)  # children that failed and were left out
-    virtual_s: float = 0.0  # the round's duration on the virtual clock: its slowest child
 
 
 @dataclass(frozen=True)
@@ -103,8 +88,8 @@ def node_down(
         if state.model is None:
             raise ValueError("executed without a parent model and has no model of its own")
         return state
-    if state.model is None:
-        base, opt_down, theta = phi, state.opt_down, phi.clone()
+    if state.model is None:  # tensors are never changed in place: the node may share phi's storage
+        base, opt_down, theta = phi, state.opt_down, phi
     else:
         base = state.model
         opt_down, theta = node_opt_step(state.opt_down, state.model, phi, settings.opt_down, scorer)
@@ -124,31 +109,66 @@ def down_posts(theta: torch.Tensor, settings: NodeSettings) -> list[ResidualPost
 
 def node_up(
     state: NodeState,
-    report: ChildrenReport | None,
+    folded: FoldedRound | None,
     inbox: Inbox,
     settings: NodeSettings,
+    key: RoundKey,
     scorer: Scorer | None = None,
 ) -> tuple[NodeState, list[ResidualPost]]:
     """Aggregate a round's children: residuals for the ancestors, then NODEOPT_up with R_up[q].
 
-    Returns the state with theta' (the model before the node's own TRAIN) and the
-    up-residual posts. ``inbox`` holds the node's waiting up-residuals; ``scorer``
-    scores candidates for tuned NODEOPTs (``interp``).
+    ``folded``: the round's child results folded by the node's aggregation rule, which
+    ``finalize``s them into the mean input here, seeded by ``key``. Returns the state with
+    theta' (the model before the node's own TRAIN) and the up-residual posts. ``inbox``
+    holds the node's waiting up-residuals; ``scorer`` scores candidates for tuned
+    NODEOPTs (``interp``).
     """
-    if report is None or report.aggregate.empty:  # a leaf, or every child failed and was dropped
+    if folded is None or folded.empty:  # a leaf, or every child failed and was dropped
         return state, []
     theta = state.model
     assert theta is not None, "a node aggregates only after node_down gave it a model"
-    mean_input = report.aggregate.mean()
+    mean_input = rule_for(settings.aggregate).finalize(folded.partial, key)
     posts = []
     for link in settings.res_up:
-        chosen = select_residuals(report.candidates, theta, link.k, link.select, mean_input)
+        chosen = select_residuals(folded.candidates, theta, link.k, link.select, mean_input)
         if chosen:
             models = 1 if link.combine == "mean" else len(chosen)
             posts.append(ResidualPost(link.target, link.key, contribution(chosen, link.combine), models))
     opt_up, stepped = node_opt_step(state.opt_up, theta, mean_input, settings.opt_up, scorer)
     theta, opt_res, seen = fold_residuals(inbox, theta, stepped, state.opt_res, state.res_seen, settings, scorer)
     return replace(state, model=theta, opt_up=opt_up, opt_res=opt_res, res_seen=seen), posts
+
+
+def replaces(params: NodeOptParams) -> bool:
+    """Whether a NODEOPT step ignores the model it starts from (fedavg with eta 1: adopt the input)."""
+    return params.kind == "fedavg" and params.eta == 1.0
+
+
+def keeps_state(settings: NodeSettings, is_leaf: bool) -> bool:
+    """Whether a node's state must be written at the end of each round: something will read it again.
+
+    Servers always (the run's commit points). A client when it is persistent and its next
+    execution mixes its model in (``reads_own_model``) or evaluation scores it
+    (``settings.evaluated``), when it receives residuals (their bookkeeping), or when it
+    keeps a Ditto personal model. A client whose next round replaces its model and that
+    nobody evaluates keeps nothing: a retried batch trains it again, to the same result.
+    """
+    if not is_leaf or settings.res_in or settings.personal is not None:
+        return True
+    return settings.persistent and (settings.evaluated or reads_own_model(settings, is_leaf))
+
+
+def reads_own_model(settings: NodeSettings, is_leaf: bool) -> bool:
+    """Whether a new execution reads the model the node saved: not when every step replaces it.
+
+    Down-aggregation replaces it (``replaces(opt_down)``, no residuals folded in) and,
+    at a server, so does up-aggregation; a client's TRAIN then starts from its parent's
+    model. Evaluation still reads the saved model; this is about the round loop.
+    """
+    if not settings.persistent:
+        return False
+    folds_up = not is_leaf and not replaces(settings.opt_up)
+    return folds_up or not replaces(settings.opt_down) or bool(settings.res_in)
 
 
 def fold_residuals(

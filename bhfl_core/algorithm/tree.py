@@ -12,6 +12,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 
+from bhfl_core.algorithm.aggregation_rule import AggregateParams
 from bhfl_core.algorithm.asynchrony import AsyncParams
 from bhfl_core.algorithm.node_opt import NodeOptParams, is_tuned
 from bhfl_core.algorithm.residuals import DownLink, UpLink
@@ -35,6 +36,13 @@ class TrainParams:
     optimizer: str = "adamw"
     weight_decay: float = 0.0
     mu: float = 0.0  # FedProx: + (mu/2)·||theta - theta_start||² on the trainable parameters; 0 = off
+    precision: str = "fp32"  # fp32, or bf16 / fp16: the forward pass under torch autocast (mixed precision)
+
+
+def planned_steps(examples: int, params: TrainParams) -> int:
+    """Optimizer steps a TRAIN with ``params`` takes on ``examples`` rows (placement's unit of work, the clock's)."""
+    steps = -(-examples // params.batch_size) * params.epochs
+    return min(steps, params.max_steps) if params.max_steps is not None else steps
 
 
 @dataclass(frozen=True)
@@ -55,6 +63,9 @@ class NodeSettings:
     personal: TrainParams | None = None  # Ditto (clients): a personal model trained towards theta with mu = lambda
     asynchronous: AsyncParams | None = None  # FedBuff at this server (async_engine.py); None = synchronous rounds
     dropout: float = 0.0  # clients: chance that a call drops out (tree.clock.dropout_p; virtual_clock.drops_out)
+    aggregate: AggregateParams = field(default_factory=AggregateParams)  # how the children's models are folded
+    tempo: int | None = None  # the root under Tempo (seeds/001): the clients' first-round epochs c; None = off
+    evaluated: bool = True  # clients: the saved model is read after training (eval.client_models): keep it
 
     @property
     def tunes(self) -> bool:

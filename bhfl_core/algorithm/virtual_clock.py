@@ -18,9 +18,10 @@ hardware), ``per: client`` one each.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
+from bhfl_core.algorithm.tree import Node, planned_steps
 from bhfl_core.rng import generator
 
 
@@ -53,3 +54,18 @@ def call_duration(steps: int, speed: float, params: ClockParams, seed: int, clie
 def drops_out(p: float, seed: int, client_id: str, dispatch: int) -> bool:
     """Whether one client call drops out (its result never arrives): probability ``p``, seeded by the call."""
     return p > 0 and bool(generator(seed, "dropout", client_id, dispatch).random() < p)
+
+
+def client_call_s(seed: int, clock: ClockParams, client: Node, epochs: int | None, dispatch: int) -> float:
+    """Virtual seconds of one call of ``client`` (its planned steps, ``epochs`` instead of its own if given).
+
+    ``dispatch``: the call's number at its parent (a synchronous parent: its round).
+    A client that does not train takes no time.
+    """
+    train = client.settings.train
+    if train is None:
+        return 0.0
+    if epochs is not None:
+        train = replace(train, epochs=epochs)
+    speed = client_speed(seed, client.id, client.group, clock)
+    return call_duration(planned_steps(int(client.weight), train), speed, clock, seed, client.id, dispatch)

@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from bhfl_core.algorithm.aggregation_rule import available_rules
 from bhfl_core.algorithm.node_opt import available_node_opts
 from bhfl_core.algorithm.residuals import SELECTORS
 from bhfl_core.config.base import Strict
@@ -81,6 +82,23 @@ class OptSettings(Strict):
         return v
 
 
+class AggregateSettings(Strict):
+    """How a server folds its children's models into the input its NODEOPT_up steps towards.
+
+    ``kind``: a registered aggregation rule (``bhfl_core/algorithm/aggregation_rule.py``);
+    ``mean`` (default) is the exact example-weighted mean.
+    """
+
+    kind: str = "mean"
+
+    @field_validator("kind")
+    @classmethod
+    def _known(cls, v: str) -> str:
+        if v not in available_rules():
+            raise ValueError(f"unknown aggregation rule {v!r}; choose one of {available_rules()}")
+        return v
+
+
 class TrainSettings(Strict):
     lr: Annotated[float, Field(gt=0)] = 1e-3
     epochs: Annotated[int, Field(ge=1)] = 1
@@ -89,6 +107,8 @@ class TrainSettings(Strict):
     optimizer: Literal["adamw", "sgd"] = "adamw"
     weight_decay: Annotated[float, Field(ge=0)] = 0.0
     mu: Annotated[float, Field(ge=0)] = 0.0  # FedProx proximal coefficient (0: plain TRAIN)
+    # the forward pass under torch autocast: bf16 / fp16 mixed precision (fp16 with gradient scaling)
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
 
 
 class StalenessSettings(Strict):
@@ -119,6 +139,7 @@ class LevelSettings(Strict):
     concurrency: Annotated[int, Field(ge=1)] = 4  # async: children in flight
     buffer: Annotated[int, Field(ge=1)] = 2  # async: results per NODEOPT_up step (FedBuff's K)
     staleness: StalenessSettings = StalenessSettings()
+    aggregate: AggregateSettings = AggregateSettings()  # servers: how the children's models are folded
 
 
 class NodeOverride(Strict):
@@ -139,6 +160,7 @@ class NodeOverride(Strict):
     concurrency: Annotated[int, Field(ge=1)] | None = None
     buffer: Annotated[int, Field(ge=1)] | None = None
     staleness: StalenessSettings | None = None
+    aggregate: AggregateSettings | None = None
 
 
 class UpResidual(Strict):
@@ -357,7 +379,12 @@ class RuntimeConfig(Strict):
     ``on_client_failure``: a client that still fails after the retries either fails its
     node (``fail``: the run stops and can be resumed) or is left out of that round's
     aggregate (``drop``: logged and counted as ``Training/dropped_clients``). Resource
-    errors (out of memory, disk full) always fail.
+    errors (out of memory, disk full) always fail. ``transfer``: where models travel
+    between the run's processes (``bhfl_core/store/transfer.py``): ``memory``
+    (``/dev/shm``: one copy in RAM that every local process maps), ``run_folder``
+    (``state/transfer``, which every worker of a ``cluster`` sees; the last models sent
+    stay there for inspection), ``auto`` (memory when every process is on this machine
+    and ``/dev/shm`` has 2 GiB free, else the run folder).
     """
 
     executor: Literal["local", "cluster", "inprocess"] = "local"
@@ -372,6 +399,7 @@ class RuntimeConfig(Strict):
     retries: Annotated[int, Field(ge=0)] = 1
     retry_delay_s: Annotated[float, Field(ge=0)] = 1.0
     on_client_failure: Literal["fail", "drop"] = "fail"
+    transfer: Literal["auto", "memory", "run_folder"] = "auto"
 
     @field_validator("cluster")
     @classmethod
@@ -385,6 +413,11 @@ class RuntimeConfig(Strict):
     def _cluster_for_executor(self) -> RuntimeConfig:
         if self.executor == "cluster" and self.cluster is None:
             raise ValueError("executor: cluster needs runtime.cluster, the Dask scheduler's address (tcp://host:8786)")
+        if self.executor == "cluster" and self.transfer == "memory":
+            raise ValueError(
+                "transfer: memory keeps models in this machine's /dev/shm, which the workers of a cluster do not "
+                "see; use run_folder (or auto)"
+            )
         if self.executor != "cluster" and self.cluster is not None:
             raise ValueError(
                 f"cluster is set but executor is {self.executor!r}; set runtime.executor: cluster to use it"

@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from bhfl_core.algorithm.aggregation_rule import AggregateParams
 from bhfl_core.algorithm.asynchrony import AsyncParams, StalenessParams
 from bhfl_core.algorithm.node_opt import NodeOptParams, is_tuned
 from bhfl_core.algorithm.residuals import DownLink, UpLink
@@ -186,7 +187,17 @@ def _resolve(config: ExperimentConfig, node_id: str, role: Role, depth: int, num
         personal=_train_params(personal) if personal is not None else None,
         asynchronous=asynchronous,
         dropout=config.tree.clock.dropout_p if role is Role.CLIENT else 0.0,
+        aggregate=AggregateParams(values["aggregate"].kind),
+        tempo=config.tree.client.train.epochs if config.tree.tempo and role is Role.ROOT else None,
+        evaluated=role is not Role.CLIENT or _client_state_read(config),
     )
+
+
+def _client_state_read(config: ExperimentConfig) -> bool:
+    """Whether anything reads a client's saved state after training: its model (``eval.client_models``) or its
+    round counter (``eval.local_only.rounds: matched``)."""
+    local_only = config.eval.local_only
+    return config.eval.client_models or (local_only is not None and local_only.rounds == "matched")
 
 
 def _train_params(t: TrainSettings) -> TrainParams:
@@ -198,6 +209,7 @@ def _train_params(t: TrainSettings) -> TrainParams:
         optimizer=t.optimizer,
         weight_decay=t.weight_decay,
         mu=t.mu,
+        precision=t.precision,
     )
 
 

@@ -26,12 +26,14 @@ Held-out rows (``split_holdout``): a node whose NODEOPT tunes on held-out data
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from bhfl_core.algorithm.tree import TrainParams
+from bhfl_core.algorithm.tree import planned_steps as planned_steps  # noqa: PLC0414 (where callers find it)
 from bhfl_core.learning.params import trainable_parameters
 
 Batch = dict[str, torch.Tensor]
@@ -57,12 +59,6 @@ def _optimizer(model: nn.Module, params: TrainParams) -> torch.optim.Optimizer:
     if params.optimizer == "sgd":
         return torch.optim.SGD(weights, lr=params.lr, weight_decay=params.weight_decay)
     raise ValueError(f"unknown local optimizer {params.optimizer!r} (use 'adamw' or 'sgd')")
-
-
-def planned_steps(examples: int, params: TrainParams) -> int:
-    """Optimizer steps ``train_model`` will take on ``examples`` rows (placement's unit of work)."""
-    steps = -(-examples // params.batch_size) * params.epochs
-    return min(steps, params.max_steps) if params.max_steps is not None else steps
 
 
 class _Proximal:
@@ -96,6 +92,43 @@ class _Proximal:
         torch._foreach_add_(grads, torch._foreach_sub(self.params, self.anchor), alpha=self.mu)
 
 
+class _Precision:
+    """``train.precision``: the forward pass in fp32, or under torch autocast in bf16 / fp16.
+
+    Parameters, gradients and optimizer states stay float32 (the federated model is the
+    float32 vector either way); only the forward's matmuls run in the lower precision.
+    fp16 scales the loss so small gradients do not underflow (``torch.amp.GradScaler``,
+    whose scale is a deterministic function of the gradients it sees). fp32 adds nothing
+    to the step.
+    """
+
+    def __init__(self, precision: str, device: torch.device) -> None:
+        self.dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+        self.device_type = device.type
+        self.scaler = torch.amp.GradScaler(device.type) if self.dtype is torch.float16 else None
+
+    def autocast(self) -> AbstractContextManager[object]:
+        if self.dtype is None:
+            return nullcontext()
+        return torch.autocast(self.device_type, dtype=self.dtype)
+
+    def backward(self, loss: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
+        """Gradients of ``loss``, unscaled (fp16), so a proximal term added next sees true gradients."""
+        if self.scaler is None:
+            loss.backward()  # type: ignore[no-untyped-call]
+            return
+        self.scaler.scale(loss).backward()  # type: ignore[no-untyped-call]
+        self.scaler.unscale_(optimizer)
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        """The optimizer step (fp16: skipped when a gradient overflowed, and the scale adapted)."""
+        if self.scaler is None:
+            optimizer.step()
+        else:
+            self.scaler.step(optimizer)
+            self.scaler.update()
+
+
 @dataclass(frozen=True)
 class TrainResult:
     loss: float
@@ -125,16 +158,18 @@ def train_model(
     torch.manual_seed(seed)  # dropout, if the model has any
     optimizer = _optimizer(model, params)
     proximal = _Proximal(model, params.mu, anchor) if params.mu > 0 else None
+    precision = _Precision(params.precision, device)
     model.train()
     steps, seen, loss_sum = 0, 0, 0.0
     for _ in range(params.epochs):
         for raw in _batches(data, torch.randperm(n, generator=generator), params.batch_size):
             batch = transform(raw, generator) if transform is not None else raw
-            out = model(**{k: v.to(device) for k, v in batch.items()})
-            out.loss.backward()
+            with precision.autocast():
+                out = model(**{k: v.to(device) for k, v in batch.items()})
+            precision.backward(out.loss, optimizer)
             if proximal is not None:
                 proximal.add_gradient()
-            optimizer.step()
+            precision.step(optimizer)
             optimizer.zero_grad(set_to_none=True)
             size = len(batch["labels"])
             loss_sum += float(out.loss.detach()) * size

@@ -15,8 +15,12 @@ def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
 
 
 def get_flat(model: nn.Module) -> torch.Tensor:
-    """A float32 CPU copy of the model's trainable parameters as one vector."""
-    return torch.nn.utils.parameters_to_vector(trainable_parameters(model)).detach().to("cpu", torch.float32).clone()
+    """A float32 copy of the model's trainable parameters as one vector, on the model's device.
+
+    One copy (the concatenation); a GPU worker folds it on the GPU and moves to the CPU
+    only what it must keep (a checkpoint, a residual candidate).
+    """
+    return torch.nn.utils.parameters_to_vector(trainable_parameters(model)).detach().to(torch.float32)
 
 
 @torch.no_grad()

@@ -7,8 +7,8 @@ round t-1. Files are written to a temporary name, fsync'ed and renamed; every te
 CRC-32 is kept in the file's metadata and checked on load, so a truncated or damaged
 file is reported with its name instead of silently feeding garbage into a run. Loads
 use safetensors (no unpickling). Memory is bounded by what callers load, not by the
-number of nodes. Messages (a model sent down to children or up to the parent) and
-residual accumulators use the same atomic writer. Header-only reads (round counter,
+number of nodes. Residual accumulators use the same atomic writer; models sent between
+processes are not state (``transfer.py``). Header-only reads (round counter,
 execution, metrics) go through ``state_header.py``, which needs no torch.
 """
 
@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import json
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +27,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from bhfl_core.algorithm.aggregation import WeightedSum
-from bhfl_core.algorithm.node_state import AsyncProgress, NodeResult, NodeState
+from bhfl_core.algorithm.contract import ChildResult, MemberLoss
+from bhfl_core.algorithm.node_state import AsyncProgress, NodeState
 from bhfl_core.algorithm.node_step import Inbox, PendingResidual, ResidualPost
 from bhfl_core.store.atomic import atomic_path
 from bhfl_core.store.state_header import (
@@ -71,6 +74,8 @@ def state_info(state: NodeState) -> dict[str, Any]:
         "exec_start": state.exec_start,
         "metrics": state.metrics,
         "res_seen": state.res_seen,
+        "result": {"loss": state.loss, "examples": state.examples, "virtual_s": state.virtual_s},
+        **({"child_epochs": state.child_epochs} if state.child_epochs else {}),
         **({"async": _progress_info(state.pending)} if state.pending is not None else {}),
     }
 
@@ -104,8 +109,15 @@ def atomic_save(
         save_file(tensors, str(tmp), metadata=meta)
 
 
-def load_tensors(path: Path, names: list[str] | None = None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Tensors (all, or ``names``) and the info of a file written by ``atomic_save``, checksums verified."""
+def load_tensors(
+    path: Path, names: list[str] | None = None, unchecked: Collection[str] = ()
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Tensors (all, or ``names``) and the info of a file written by ``atomic_save``, checksums verified.
+
+    Tensors are mapped from the file, not read: one named in ``unchecked`` costs nothing
+    until it is used, and its checksum is not verified (for a tensor the caller will
+    probably not read; whoever reads it later loads it checked).
+    """
     try:
         with safe_open(str(path), framework="pt") as fh:
             info = json.loads((fh.metadata() or {}).get(INFO, "{}"))
@@ -116,21 +128,47 @@ def load_tensors(path: Path, names: list[str] | None = None) -> tuple[dict[str, 
         raise damaged(path, f"unreadable: {exc}") from None
     expected = info.pop("crc32", {})
     for name, tensor in tensors.items():
+        if name in unchecked:
+            continue
         if name not in expected or expected[name] != _crc(tensor):
             raise damaged(path, f"checksum mismatch in tensor {name!r}")
     return tensors, info
 
 
 class StateStore:
-    """Node states, messages and residual accumulators of one run, under ``root``.
+    """Node states and residual accumulators of one run, under ``root`` (models in flight: ``transfer.py``).
 
     ``before_replace`` (optional) runs between writing a checkpoint and renaming it into
     place; the fault-injection tests use it to kill a run in the middle of a write.
     """
 
-    def __init__(self, root: str | Path, before_replace: WriteHook | None = None) -> None:
+    def __init__(
+        self, root: str | Path, before_replace: WriteHook | None = None, writer: ThreadPoolExecutor | None = None
+    ) -> None:
         self.root = Path(root)
         self.before_replace = before_replace
+        self._writer = writer
+        self._writes: list[Future[None]] = []
+
+    @contextmanager
+    def background_commits(self) -> Iterator[StateStore]:
+        """A view of this store whose ``commit`` writes in a background thread, in order.
+
+        A worker trains client after client; each client's checkpoint (hundreds of MB at
+        real model sizes: write, checksum, fsync) is written while the next one trains,
+        instead of before. Leaving the block waits for every write (and raises the first
+        error), so a batch reports its clients only once their states are durable: the
+        parent's commit still comes after its children's, as with plain commits.
+        """
+        with ThreadPoolExecutor(1, thread_name_prefix="bhfl-commit") as writer:
+            view = StateStore(self.root, self.before_replace, writer)
+            try:
+                yield view
+            finally:
+                errors = [e for e in (f.exception() for f in view._writes) if e is not None]
+                view._writes.clear()
+            if errors:
+                raise errors[0]
 
     def remove_partial_writes(self) -> int:
         """Delete temporary files of writes that a killed process never renamed into place."""
@@ -145,11 +183,12 @@ class StateStore:
     def has(self, node_id: str) -> bool:
         return self.node_path(node_id).exists()
 
-    def load(self, node_id: str) -> NodeState:
+    def load(self, node_id: str, lazy_model: bool = False) -> NodeState:
+        """A node's state (empty if it has none); ``lazy_model``: its model mapped, not read or checked."""
         path = self.node_path(node_id)
         if not path.exists():
             return NodeState()
-        return state_from_file(*load_tensors(path))
+        return state_from_file(*load_tensors(path, unchecked=(MODEL,) if lazy_model else ()))
 
     def load_info(self, node_id: str) -> dict[str, Any]:
         """A node's round counter, execution and last metrics, without loading its tensors."""
@@ -177,6 +216,12 @@ class StateStore:
         ``persist=False`` (a non-persistent client that receives no residuals) skips the
         save: nothing of it outlives the execution.
         """
+        if self._writer is not None:
+            self._writes.append(self._writer.submit(self._commit, node_id, state, persist))
+        else:
+            self._commit(node_id, state, persist)
+
+    def _commit(self, node_id: str, state: NodeState, persist: bool) -> None:
         if persist:
             self.save(node_id, state)
         self.drop_consumed(node_id, state.res_seen)
@@ -240,39 +285,34 @@ class StateStore:
     def result_path(self, node_id: str, dispatch: int) -> Path:
         return self.root / "results" / node_id / f"{dispatch:08d}.safetensors"
 
-    def save_result(self, node_id: str, dispatch: int, result: NodeResult | None) -> None:
+    def save_result(self, node_id: str, dispatch: int, result: ChildResult | None) -> None:
         """Keep a child's result (None: the child failed and was dropped) until the node's next commit."""
         info: dict[str, Any]
-        if result is None:
+        if result is None or result.model is None:
             tensors, info = {}, {"dropped": True}
         else:
-            tensors, info = {MODEL: result.theta}, {"metrics": result.metrics, "virtual_s": result.virtual_s}
+            losses = [[m.member, m.loss, m.examples] for m in result.losses]
+            tensors = {MODEL: result.model}
+            info = {"members": list(result.members), "weight": result.weight, "losses": losses}
+            info["virtual_s"] = result.virtual_s
         atomic_save(tensors, self.result_path(node_id, dispatch), info, self.before_replace)
 
     def has_result(self, node_id: str, dispatch: int) -> bool:
         return self.result_path(node_id, dispatch).exists()
 
-    def load_result(self, node_id: str, dispatch: int) -> NodeResult | None:
+    def load_result(self, node_id: str, dispatch: int) -> ChildResult | None:
         """A result saved by ``save_result`` (None: a dropped child)."""
         tensors, info = load_tensors(self.result_path(node_id, dispatch))
         if info.get("dropped"):
             return None
-        return NodeResult(tensors[MODEL], dict(info["metrics"]), float(info["virtual_s"]))
+        losses = tuple(MemberLoss(m, float(loss), int(n)) for m, loss, n in info["losses"])
+        members = tuple(info["members"])
+        return ChildResult(
+            members, tensors[MODEL], float(info["weight"]), losses=losses, virtual_s=float(info["virtual_s"])
+        )
 
     def drop_results(self, node_id: str) -> None:
         """Delete a node's saved child results (after a commit that no longer needs them)."""
         folder = self.root / "results" / node_id
         for f in folder.glob("*.safetensors") if folder.is_dir() else ():
             f.unlink(missing_ok=True)
-
-    def message_path(self, name: str) -> Path:
-        return self.root / "messages" / f"{name}.safetensors"
-
-    def write_message(self, name: str, theta: torch.Tensor) -> str:
-        path = self.message_path(name)
-        atomic_save({MODEL: theta}, path)
-        return str(path)
-
-    @staticmethod
-    def read_message(path: str | Path) -> torch.Tensor:
-        return load_tensors(Path(path), [MODEL])[0][MODEL]

@@ -96,6 +96,7 @@ def state_from_file(tensors: dict[str, torch.Tensor], info: dict[str, Any]) -> N
         if name.startswith("res."):
             kind, k = name[4:].split(".", 1)
             opt_res.setdefault(kind, {})[k] = value
+    result = info.get("result", {})
     return NodeState(
         model=tensors.get(MODEL),
         opt_up={k[3:]: v for k, v in tensors.items() if k.startswith("up.")},
@@ -108,4 +109,8 @@ def state_from_file(tensors: dict[str, torch.Tensor], info: dict[str, Any]) -> N
         res_seen=dict(info.get("res_seen", {})),
         personal=tensors.get(PERSONAL),
         pending=_progress_from(info.get("async"), tensors),
+        loss=None if result.get("loss") is None else float(result["loss"]),
+        examples=int(result.get("examples", 0)),
+        virtual_s=float(result.get("virtual_s", 0.0)),
+        child_epochs={k: int(v) for k, v in info.get("child_epochs", {}).items()},
     )

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from bhfl_core.algorithm.contract import ChildResult
 from bhfl_core.algorithm.engine import execute_node
 from bhfl_core.algorithm.node_opt import NodeOptParams
-from bhfl_core.algorithm.node_state import RoundKey
-from bhfl_core.algorithm.node_step import ChildrenReport
+from bhfl_core.algorithm.node_state import NodeResult
 from bhfl_core.algorithm.residuals import Candidate
 from bhfl_core.algorithm.tree import Node, NodeSettings, Role, TrainParams, Tree
 from bhfl_core.store.node_store import StateStore
@@ -49,17 +49,24 @@ class AddVectorHooks:
         self.rounds: list[tuple[str, int]] = []
         self.metrics: dict[tuple[str, int], dict[str, float]] = {}
 
-    def run_children(self, node, cohort, theta, key: RoundKey) -> ChildrenReport:
-        report = ChildrenReport()
+    def run_children(self, node, cohort, theta, plans) -> list[ChildResult]:
+        results = []
         for child in cohort:
-            out = execute_node(self.tree, child, theta, self.store, self, 0, key.as_caller()).theta
-            report.aggregate.add(out, child.weight)
-            if node.settings.res_up:
-                report.candidates.append(Candidate(child.id, out, child.weight, loss=float(out.sum())))
-        return report
+            out = execute_node(self.tree, child, theta, self.store, self, 0, plans[child.id])
+            candidates = (Candidate(child.id, out.theta, child.weight, loss=float(out.theta.sum())),)
+            results.append(
+                ChildResult(
+                    (child.id,),
+                    out.theta,
+                    child.weight,
+                    virtual_s=out.virtual_s,
+                    candidates=candidates if node.settings.res_up else (),
+                )
+            )
+        return results
 
-    def train(self, node, theta, key):
-        return theta + torch.tensor(STEPS[node.id]), {}
+    def train(self, node, theta, key, plan):
+        return NodeResult(theta + torch.tensor(STEPS[node.id]))
 
     def score(self, node, candidates):
         """Held-out loss: squared distance to TARGETS[node] (a known optimum)."""
@@ -67,7 +74,7 @@ class AddVectorHooks:
 
     def train_personal(self, node, personal, anchor, key):
         """Ditto stand-in: one step towards the anchor plus the node's STEPS (exact, checkable by hand)."""
-        return personal + 0.5 * (anchor - personal) + torch.tensor(STEPS[node.id]), {"personal/loss": 0.0}
+        return NodeResult(personal + 0.5 * (anchor - personal) + torch.tensor(STEPS[node.id]), loss=0.0)
 
     def round_done(self, node, key, theta, metrics):
         self.rounds.append((node.id, key.round))

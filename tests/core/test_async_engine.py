@@ -12,6 +12,7 @@ import torch
 
 from bhfl_core.algorithm.async_engine import execute_async_node, next_arrival, pick_idle
 from bhfl_core.algorithm.asynchrony import AsyncParams, StalenessParams
+from bhfl_core.algorithm.contract import ChildResult, MemberLoss
 from bhfl_core.algorithm.node_state import InFlight, NodeResult, NodeState
 from bhfl_core.algorithm.tree import Node, Role, TrainParams, Tree
 from bhfl_core.store.node_store import StateStore
@@ -31,10 +32,10 @@ def star(rounds: int, params: AsyncParams) -> Tree:
 
 
 class Done:
-    def __init__(self, result: NodeResult) -> None:
+    def __init__(self, result) -> None:
         self._result = result
 
-    def result(self) -> NodeResult:
+    def result(self):
         return self._result
 
 
@@ -47,10 +48,11 @@ class FakeChildren:
         self.rounds: list[dict[str, float]] = []
         self.lock = threading.Lock()
 
-    def start_child(self, node, child, theta, caller):
+    def start_child(self, node, child, theta, plan):
         with self.lock:
-            self.started.append((child.id, caller.round, theta.clone()))
-        result = NodeResult(theta + torch.tensor(STEPS[child.id]), {"Training/loss": 0.0})
+            self.started.append((child.id, plan.caller.round, theta.clone()))
+        losses = (MemberLoss(child.id, 0.0, 0),)
+        result = ChildResult((child.id,), theta + torch.tensor(STEPS[child.id]), child.weight, losses=losses)
         if self.pool is None:
             return Done(result)
 
@@ -60,16 +62,16 @@ class FakeChildren:
 
         return self.pool.submit(late)
 
-    def call_duration(self, node, child, caller):
+    def call_duration(self, node, child, plan):
         return DURATIONS[child.id]
 
-    def train(self, node, theta, key):
+    def train(self, node, theta, key, plan):
         raise AssertionError("no TRAIN at this node")
 
     def round_done(self, node, key, theta, metrics):
         self.rounds.append(dict(metrics))
 
-    def run_children(self, node, cohort, theta, key):
+    def run_children(self, node, cohort, theta, plans):
         raise AssertionError("an asynchronous node does not run synchronous rounds")
 
     def score(self, node, candidates):
@@ -102,7 +104,7 @@ def test_two_flushes_by_hand(tmp_path):
     assert torch.allclose(result.theta.double(), want, atol=1e-6)
     assert torch.equal(store.load("root").theta, result.theta)
     assert result.virtual_s == 3.0
-    assert result.metrics["async/dropped_results"] == 2.0
+    assert store.load("root").metrics["async/dropped_results"] == 2.0
     first, second = hooks.rounds
     assert (first["time/virtual_s"], second["time/virtual_s"]) == (2.0, 3.0)
     assert (first["async/staleness_max"], second["async/staleness_mean"]) == (0.0, 1.0)
@@ -152,17 +154,14 @@ def test_synchronous_rounds_take_their_slowest_child_plus_the_own_train_on_the_v
     seconds = {"a1": 1.0, "a2": 3.0, "b1": 2.0, "b2": 4.0}
 
     class Clocked(AddVectorHooks):
-        def run_children(self, node, cohort, theta, key):
-            report = super().run_children(node, cohort, theta, key)
-            # clients: their call durations; servers: their execution's saved virtual time
-            report.virtual_s = max(
-                seconds[c.id] if c.is_leaf else self.store.load_info(c.id)["metrics"][VIRTUAL_TIME] for c in cohort
-            )
-            return report
+        def run_children(self, node, cohort, theta, plans):
+            results = super().run_children(node, cohort, theta, plans)
+            # clients: their call durations; servers: their execution's virtual time (their result carries it)
+            return [replace(r, virtual_s=seconds[r.members[0]]) if r.members[0] in seconds else r for r in results]
 
-        def train(self, node, theta, key):
-            theta, _ = super().train(node, theta, key)
-            return theta, {"Training/proxy_steps": 5.0} if not node.is_leaf else {}
+        def train(self, node, theta, key, plan):
+            theta = super().train(node, theta, key, plan).theta
+            return NodeResult(theta, steps=5 if not node.is_leaf else 0)
 
     tree = two_edge_tree(settings(train=True), root_rounds=2)
     store = StateStore(tmp_path)
@@ -179,8 +178,8 @@ def test_synchronous_rounds_take_their_slowest_child_plus_the_own_train_on_the_v
 class Flaky(FakeChildren):
     """b1's first call fails and is dropped (its result is None); every other call succeeds."""
 
-    def start_child(self, node, child, theta, caller):
-        call = super().start_child(node, child, theta, caller)
+    def start_child(self, node, child, theta, plan):
+        call = super().start_child(node, child, theta, plan)
         first_b1 = child.id == "b1" and [c for c, _, _ in self.started].count("b1") == 1
         return Done(None) if first_b1 else call
 
@@ -198,15 +197,15 @@ def test_a_dropped_child_frees_its_slot_and_is_not_buffered(tmp_path):
 
 def test_every_child_failing_in_a_row_is_an_error(tmp_path):
     class AllFail(FakeChildren):
-        def start_child(self, node, child, theta, caller):
-            super().start_child(node, child, theta, caller)
+        def start_child(self, node, child, theta, plan):
+            super().start_child(node, child, theta, plan)
             return Done(None)
 
     with pytest.raises(RuntimeError, match="in a row were dropped"):
         run(tmp_path, AllFail())
 
 
-PROXY = {"Training/proxy_examples": 2.0, "Training/proxy_steps": 2.5, "Training/proxy_loss": 0.5}
+PROXY = {"loss": 0.5, "examples": 2, "steps": 2.5}  # the proxy TRAIN: 2 rows, 2.5 steps = virtual seconds
 
 
 class WithProxy(FakeChildren):
@@ -218,7 +217,7 @@ class WithProxy(FakeChildren):
 
     def start_train(self, node, theta, key):
         self.proxy_starts.append((key.round, theta.clone()))
-        return Done(NodeResult(theta + torch.tensor([0.0, -1.0]), dict(PROXY), virtual_s=2.5))
+        return Done(NodeResult(theta + torch.tensor([0.0, -1.0]), **PROXY))
 
 
 def test_asynchronous_proxy_training_is_buffered_like_a_child_result(tmp_path):
@@ -244,7 +243,7 @@ def test_asynchronous_proxy_training_is_buffered_like_a_child_result(tmp_path):
     assert (first["async/buffered"], second["async/buffered"]) == (2.0, 2.0)
     assert (first["comm/up_models"], second["comm/up_models"]) == (2.0, 1.0)  # the proxy sends nothing up
     assert second["Training/proxy_loss"] == 0.5 and "Training/proxy_loss" not in first
-    assert second["time/virtual_s"] == 2.5 and result.metrics["async/dropped_results"] == 3.0
+    assert second["time/virtual_s"] == 2.5 and store.load("root").metrics["async/dropped_results"] == 3.0
 
 
 def test_synchronous_round_merges_an_asynchronous_proxy_training_like_a_child(tmp_path):
@@ -256,11 +255,11 @@ def test_synchronous_round_merges_an_asynchronous_proxy_training_like_a_child(tm
     class Hooks(AddVectorHooks):
         def start_train(self, node, theta, key):
             started.append(theta.clone())
-            return Done(NodeResult(theta + torch.tensor([0.0, -1.0]), dict(PROXY), virtual_s=2.5))
+            return Done(NodeResult(theta + torch.tensor([0.0, -1.0]), **PROXY))
 
-        def train(self, node, theta, key):
+        def train(self, node, theta, key, plan):
             assert node.is_leaf, "no TRAIN after aggregating at a node whose proxy TRAIN runs alongside"
-            return super().train(node, theta, key)
+            return super().train(node, theta, key, plan)
 
     tree = two_edge_tree(settings(train=True))
     root = tree.nodes["root"]
@@ -305,7 +304,7 @@ def test_a_synchronous_round_leaves_out_clients_that_drop_out_and_waits_for_them
     from tests.core.fake_tree import AddVectorHooks, two_edge_tree
 
     class Hooks(AddVectorHooks):
-        def call_duration(self, node, child, caller):
+        def call_duration(self, node, child, plan):
             return 7.0
 
     # seed 0, p 0.1: in round 0 exactly a2 drops out (its draw is 0.023; the others' 0.38 and more)

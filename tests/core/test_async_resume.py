@@ -16,10 +16,10 @@ import torch
 
 from bhfl_core.algorithm.async_engine import execute_async_node
 from bhfl_core.algorithm.asynchrony import AsyncParams
+from bhfl_core.algorithm.contract import ROOT_PLAN, ChildResult
 from bhfl_core.algorithm.engine import VIRTUAL_TIME, execute_node
 from bhfl_core.algorithm.node_opt import NodeOptParams
-from bhfl_core.algorithm.node_state import ROOT_CALLER, NodeResult, NodeState
-from bhfl_core.algorithm.node_step import ChildrenReport
+from bhfl_core.algorithm.node_state import NodeResult, NodeState
 from bhfl_core.algorithm.tree import Node, Role, Tree
 from bhfl_core.store.node_store import StateStore
 from tests.core.fake_tree import STEPS, settings
@@ -63,40 +63,42 @@ class AsyncHooks(CrashingHooks):
         self.eager = eager
         self.callers: list[tuple[str, str]] = []
 
-    def execute(self, child, theta, caller):
+    def execute(self, child, theta, plan):
         run = execute_async_node if child.settings.asynchronous is not None else execute_node
-        return run(self.tree, child, theta, self.store, self, 5, caller)
+        return run(self.tree, child, theta, self.store, self, 5, plan)
 
-    def start_child(self, node, child, theta, caller):
+    def child_result(self, child, theta, plan):
+        out = self.execute(child, theta, plan)
+        return ChildResult((child.id,), out.theta, child.weight, virtual_s=out.virtual_s)
+
+    def start_child(self, node, child, theta, plan):
         self.event()
-        self.callers.append((child.id, caller.key))
-        call = Call(lambda: self.execute(child, theta, caller))
+        self.callers.append((child.id, plan.caller.key))
+        call = Call(lambda: self.child_result(child, theta, plan))
         if self.eager:
             call.result()
         return call
 
-    def train(self, node, theta, key):
+    def train(self, node, theta, key, plan):
         self.event()
-        return theta + torch.tensor(STEPS[node.id]), {"Training/proxy_steps": 2.0} if not node.is_leaf else {}
+        return NodeResult(theta + torch.tensor(STEPS[node.id]), steps=2 if not node.is_leaf else 0)
 
     def start_train(self, node, theta, key):
         self.event()
-        metrics = {"Training/proxy_examples": 3.0, "Training/proxy_steps": 2.0}
-        call = Call(lambda: NodeResult(theta + torch.tensor(STEPS[node.id]), metrics, virtual_s=2.0))
+        call = Call(lambda: NodeResult(theta + torch.tensor(STEPS[node.id]), examples=3, steps=2))
         if self.eager:
             call.result()
         return call
 
-    def call_duration(self, node, child, caller):
-        return client_seconds(child.id, caller.round) if child.is_leaf else None
+    def call_duration(self, node, child, plan):
+        return client_seconds(child.id, plan.caller.round) if child.is_leaf else None
 
-    def run_children(self, node, cohort, theta, key):
-        report = ChildrenReport()
+    def run_children(self, node, cohort, theta, plans):
+        results = []
         for child in cohort:
-            result = self.execute(child, theta, key.as_caller())
-            report.aggregate.add(result.theta, child.weight)
-            report.virtual_s = max(report.virtual_s, result.virtual_s if not child.is_leaf else 1.0)
-        return report
+            result = self.child_result(child, theta, plans[child.id])
+            results.append(replace(result, virtual_s=result.virtual_s if not child.is_leaf else 1.0))
+        return results
 
 
 class Call:
@@ -123,7 +125,7 @@ def run(folder: Path, root_async: bool, eager: bool, crash_at=None) -> AsyncHook
     if not store.has("root"):
         store.save("root", NodeState(model=torch.zeros(2)))
     hooks = AsyncHooks(tree, store, crash_at, eager)
-    hooks.execute(tree.root, None, ROOT_CALLER)
+    hooks.execute(tree.root, None, ROOT_PLAN)
     return hooks
 
 

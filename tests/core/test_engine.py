@@ -7,6 +7,7 @@ b1=[2,2], b2=[4,0], root=[0,-1] (root proxy training). Root starts at [0, 0].
 import pytest
 import torch
 
+from bhfl_core.algorithm.contract import RoundPlan
 from bhfl_core.algorithm.engine import execute_node
 from bhfl_core.algorithm.node_state import Caller, NodeState
 from bhfl_core.store.node_store import StateStore
@@ -81,12 +82,12 @@ def test_round_counter_and_execution_identity(tmp_path):
     store_a = StateStore(tmp_path / "a")
     store_a.save("root", NodeState(model=torch.zeros(2)))
     hooks = AddVectorHooks(tree, store_a)
-    first = execute_node(tree, tree.root, None, store_a, hooks, seed=0, caller=Caller("run-1"))
+    first = execute_node(tree, tree.root, None, store_a, hooks, seed=0, plan=RoundPlan(Caller("run-1")))
     before = (tmp_path / "a" / "nodes" / "root.safetensors").read_bytes()
-    again = execute_node(tree, tree.root, None, store_a, hooks, seed=0, caller=Caller("run-1"))
+    again = execute_node(tree, tree.root, None, store_a, hooks, seed=0, plan=RoundPlan(Caller("run-1")))
     assert torch.equal(first.theta, again.theta) and len(hooks.rounds) == 7  # 1 root + 2 edge + 4 client rounds
     assert (tmp_path / "a" / "nodes" / "root.safetensors").read_bytes() == before
-    execute_node(tree, tree.root, None, store_a, hooks, seed=0, caller=Caller("run-2"))
+    execute_node(tree, tree.root, None, store_a, hooks, seed=0, plan=RoundPlan(Caller("run-2")))
     store_b, _ = run(two_edge_tree(settings(train=True), root_rounds=2), tmp_path / "b")
     assert model(store_a, "root") == model(store_b, "root")
     assert store_a.load("root").rounds_done == 2 and store_a.load("A").rounds_done == 2

@@ -1,13 +1,15 @@
 """The pure steps of Algorithm 1 with hand-computed numbers: no store, no files, no hooks."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from bhfl_core.algorithm.aggregation import WeightedSum
+from bhfl_core.algorithm.aggregation_rule import FoldedRound
 from bhfl_core.algorithm.node_opt import NodeOptParams
 from bhfl_core.algorithm.node_state import ROOT_CALLER, Caller, NodeState, RoundKey
 from bhfl_core.algorithm.node_step import (
-    ChildrenReport,
     PendingResidual,
     down_posts,
     node_down,
@@ -19,6 +21,14 @@ from bhfl_core.algorithm.tree import NodeSettings
 
 def t(*values: float) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.float32)
+
+
+KEY = RoundKey("node", 0)
+
+
+def folded_round() -> FoldedRound:
+    """An empty round of children for the default (mean) rule."""
+    return FoldedRound(WeightedSum(), [], {}, [])
 
 
 def pending(kind: str, sender: str, round_index: int, *models: tuple[list[float], float]) -> PendingResidual:
@@ -76,13 +86,13 @@ def test_node_up_aggregates_selects_residuals_and_folds_its_inbox():
     # [2, 0] (weight 2): its NODEOPT (FedAvg, eta 0.5) steps from theta_t to [1, 0], and
     # that step is added to the regular one: [0.5, 3] + [1, 0] = [1.5, 3].
     settings = NodeSettings(res_up=(UpLink(0, "root", k=1, select="l2"),), res_in=(("up1", NodeOptParams(eta=0.5)),))
-    report = ChildrenReport()
+    report = folded_round()
     candidates = [Candidate("c1", t(2, 0), 1.0), Candidate("c2", t(0, 4), 3.0)]
     for c in candidates:
-        report.aggregate.add(c.theta, c.weight)
+        report.partial.add(c.theta, c.weight)
     report.candidates.extend(candidates)
     inbox = {"up1": pending("up1", "c9", 4, ([2.0, 0.0], 2.0))}
-    state, posts = node_up(NodeState(model=t(0, 0)), report, inbox, settings)
+    state, posts = node_up(NodeState(model=t(0, 0)), report, inbox, settings, KEY)
     assert state.theta.tolist() == [1.5, 3.0]
     assert state.res_seen == {"up1/c9": 4} and int(state.opt_up["step"]) == 1
     [post] = posts
@@ -91,12 +101,12 @@ def test_node_up_aggregates_selects_residuals_and_folds_its_inbox():
 
 
 def test_node_up_mean_combine_posts_one_model_and_each_posts_k():
-    report = ChildrenReport()
+    report = folded_round()
     for values, w in (([1.0, 0.0], 1.0), ([3.0, 0.0], 1.0), ([0.0, 8.0], 2.0)):
-        report.aggregate.add(t(*values), w)
+        report.partial.add(t(*values), w)
         report.candidates.append(Candidate(f"c{len(report.candidates)}", t(*values), w))
     links = (UpLink(0, "root", k=2, combine="mean"), UpLink(1, "mid", k=2, combine="each"))
-    _, posts = node_up(NodeState(model=t(0, 0)), report, {}, NodeSettings(res_up=links))
+    _, posts = node_up(NodeState(model=t(0, 0)), report, {}, NodeSettings(res_up=links), KEY)
     assert [(p.target, p.models) for p in posts] == [("root", 1), ("mid", 2)]
     # the two largest updates are [0, 8] and [3, 0]: "mean" is their plain mean as one model
     assert posts[0].part.mean().tolist() == [1.5, 4.0] and posts[0].part.weight == 1.0
@@ -106,9 +116,9 @@ def test_node_up_mean_combine_posts_one_model_and_each_posts_k():
 def test_node_up_with_no_children_or_all_dropped_changes_nothing():
     settings = NodeSettings(res_up=(UpLink(0, "root"),))
     state = NodeState(model=t(1, 1))
-    assert node_up(state, None, {}, settings) == (state, [])
-    dropped = ChildrenReport(dropped=["c1"])
-    assert node_up(state, dropped, {"up0": pending("up0", "x", 0, ([1.0, 1.0], 1.0))}, settings) == (state, [])
+    assert node_up(state, None, {}, settings, KEY) == (state, [])
+    dropped = replace(folded_round(), dropped=["c1"])
+    assert node_up(state, dropped, {"up0": pending("up0", "x", 0, ([1.0, 1.0], 1.0))}, settings, KEY) == (state, [])
 
 
 def test_down_posts_send_the_round_model_with_weight_one():

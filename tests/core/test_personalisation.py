@@ -6,10 +6,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from bhfl_core.algorithm.aggregation import WeightedSum
+from bhfl_core.algorithm.aggregation_rule import FoldedRound
 from bhfl_core.algorithm.engine import execute_node
 from bhfl_core.algorithm.node_opt import NodeOptParams, is_tuned, node_opt_step
-from bhfl_core.algorithm.node_state import Caller, NodeState
-from bhfl_core.algorithm.node_step import ChildrenReport, node_down, node_up
+from bhfl_core.algorithm.node_state import Caller, NodeState, RoundKey
+from bhfl_core.algorithm.node_step import node_down, node_up
 from bhfl_core.algorithm.tree import NodeSettings, TrainParams
 from bhfl_core.config.base import ConfigError
 from bhfl_core.config.loader import load_config
@@ -74,9 +76,9 @@ def test_node_down_and_node_up_pass_the_scorer_to_interp():
     assert down.opt_down["alpha"].item() == 0.75
     # up: theta [1.5, 0.5], children's mean [3.5, 0.5]: a=0 [3.5,.5] .25 [3,.5] .5 [2.5,.5] .75 [2,.5] 1 [1.5,.5]
     # distance to [3, 0.5]: 0.25, 0, 0.25, 1, 2.25 -> alpha 0.25
-    report = ChildrenReport()
-    report.aggregate.add(torch.tensor([3.5, 0.5]), 2.0)
-    up, posts = node_up(down, report, {}, node_settings, distance_to([3.0, 0.5]))
+    report = FoldedRound(WeightedSum(), [], {}, [])
+    report.partial.add(torch.tensor([3.5, 0.5]), 2.0)
+    up, posts = node_up(down, report, {}, node_settings, RoundKey("p", 0), distance_to([3.0, 0.5]))
     assert up.theta.tolist() == [3.0, 0.5]
     assert up.opt_up["alpha"].item() == 0.25 and posts == []
 
@@ -178,6 +180,31 @@ def test_ditto_clients_keep_a_personal_model_beside_the_one_they_send_up(tmp_pat
     assert torch.equal(store.load("a1").personal, want)
     assert torch.equal(store.load_model("a1", personal=True), want)
     assert "personal/loss" in hooks.metrics[("a1", 1)]
+
+
+def test_ditto_pulls_the_personal_model_towards_the_model_the_client_received(tmp_path):
+    """Li et al. 2021: v_k is pulled towards w^t, the model the client received this round, not v_k's own start.
+
+    The expected models are worked out by hand from the tree, not from what the engine hands
+    its hooks. fake_tree.py: TRAIN adds STEPS[node]; the Ditto TRAIN is v + 0.5 (anchor - v) + STEPS[node].
+    Persistent clients with eta_down 1 adopt what their edge sends; edges and root average (FedAvg).
+
+    root round 0: every client receives [0, 0] and starts v there: v_a1 = [1, 0], v_a2 = [0, 2];
+      models sent up: a1 [1, 0] (weight 1), a2 [0, 2] (3), b1 [2, 2] (2), b2 [4, 0] (2)
+      edge A = (1 [1, 0] + 3 [0, 2]) / 4 = [0.25, 1.5]; B = [3, 1]; root = ([0.25, 1.5] + [3, 1]) / 2 = [1.625, 1.25]
+    root round 1: a1 and a2 receive [1.625, 1.25]:
+      v_a1 = [1, 0] + 0.5 ([1.625, 1.25] - [1, 0]) + [1, 0] = [2.3125, 0.625]
+      v_a2 = [0, 2] + 0.5 ([1.625, 1.25] - [0, 2]) + [0, 2] = [0.8125, 3.625]
+    Anchored to v's own start instead, the pull vanishes: [2, 0] and [0, 4].
+    """
+    client = replace(settings(train=True), personal=TrainParams(mu=0.1))
+    tree = two_edge_tree(client, root_rounds=2, root_train=False)
+    store = StateStore(tmp_path)
+    store.save("root", NodeState(model=torch.zeros(2)))
+    execute_node(tree, tree.root, None, store, AddVectorHooks(tree, store), seed=0)
+    assert store.load_model("root").tolist() == [3.25, 2.5]  # each root round adds the mean step [1.625, 1.25]
+    assert store.load_model("a1", personal=True).tolist() == [2.3125, 0.625]
+    assert store.load_model("a2", personal=True).tolist() == [0.8125, 3.625]
 
 
 # ---------------------------------------------------------------- config

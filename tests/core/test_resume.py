@@ -67,9 +67,9 @@ class CrashingHooks(AddVectorHooks):
         if self.events == self.crash_at:
             raise Crash(f"crash at event {self.events}")
 
-    def train(self, node, theta, key):
+    def train(self, node, theta, key, plan):
         self.event()
-        return super().train(node, theta, key)
+        return super().train(node, theta, key, plan)
 
     def round_done(self, node, key, theta, metrics):
         super().round_done(node, key, theta, metrics)

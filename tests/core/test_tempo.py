@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from bhfl_core.algorithm.tempo import OMEGA_FLOOR, eq9_direct, omega, tempo_epochs
-from bhfl_core.store.tempo_schedule import epochs_for, read_schedule, record_round
 
 E = math.e
 
@@ -73,24 +72,6 @@ def test_at_least_one_epoch_and_bad_input() -> None:
 def test_omega_is_the_l2_distance() -> None:
     assert omega(torch.tensor([3.0, 4.0, 1.0]), torch.tensor([0.0, 0.0, 1.0])) == 5.0
     assert omega(torch.zeros(3), torch.zeros(3)) == 0.0
-
-
-def test_schedule_file(tmp_path: Path) -> None:
-    path = tmp_path / "state" / "tempo.json"
-    path.parent.mkdir()
-    assert read_schedule(path) == {}
-    assert epochs_for(path, 3, "edge-a", 4) == 4  # no file: c
-    record_round(path, 1, {"edge-a": 1.0, "edge-b": 2.0}, {"edge-a": 8, "edge-b": 2})
-    record_round(path, 2, {"edge-a": 2.0, "edge-b": 2.0}, {"edge-a": 4, "edge-b": 4})
-    assert read_schedule(path)[1]["epochs"] == {"edge-a": 8, "edge-b": 2}
-    assert epochs_for(path, 1, "edge-a", 4) == 8
-    assert epochs_for(path, 2, "edge-b", 4) == 4
-    assert epochs_for(path, 0, "edge-a", 4) == 4  # round 0: c
-    assert epochs_for(path, None, "edge-a", 4) == 4  # not called by a root round: c
-    assert epochs_for(path, 1, "edge-z", 4) == 4  # an edge without entry: c
-    assert epochs_for(path, 7, "edge-a", 4) == 4  # a round without entry: c
-    record_round(path, 1, {"edge-a": 1.0, "edge-b": 2.0}, {"edge-a": 8, "edge-b": 2})  # a re-run rewrites the same
-    assert list(read_schedule(path)) == [1, 2]
 
 
 REPO = Path(__file__).resolve().parents[2]

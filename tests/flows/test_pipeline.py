@@ -27,6 +27,7 @@ from typer.testing import CliRunner
 from bhfl_core.config.base import ConfigError
 from bhfl_core.config.pipeline import pipeline_from_dict
 from bhfl_core.store.node_store import StateStore
+from bhfl_core.store.transfer import TensorRef, Transfer
 from flows.cli.app import app
 from flows.experiment import run_experiment
 from flows.pipeline import check_sources, resume_pipeline, run_pipeline
@@ -42,6 +43,7 @@ pytestmark = pytest.mark.integration
 SHRINK = [s for s in SMALL if not s.startswith(("name=", "tree.", "eval."))] + [
     "tree.client.train.epochs=1",
     "runtime.executor=inprocess",
+    "runtime.transfer=run_folder",  # the models sent stay in the run folder: the tests look at them
 ]
 STAGES = {
     "a": {"base": "fedavg.yaml", "tree": {"root": {"rounds": 1, "cohort": 3}}},
@@ -69,7 +71,9 @@ def _store(result, stage: str) -> StateStore:
 
 
 def _message(result, stage: str, name: str) -> torch.Tensor:
-    return StateStore.read_message(_store(result, stage).message_path(name))
+    """A model the stage sent (kept in the run folder: ``runtime.transfer=run_folder``)."""
+    folder = Path(result["stages"][stage]["run_path"]) / "state" / "transfer"
+    return Transfer.get(TensorRef(str(folder / name), _store(result, stage).load_model("root").numel()))
 
 
 def _node_files(result, stage: str) -> dict[str, bytes]:

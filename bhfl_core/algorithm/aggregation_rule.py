@@ -1,0 +1,211 @@
+"""Aggregation rules: how children's models become the one input a NODEOPT steps towards.
+
+A rule has two halves, run at different places:
+
+- ``contribute`` folds one child's model into a running ``Partial`` wherever it is
+  made: in the worker that trained a batch of clients, in the orchestrator for a child
+  server's model, in the asynchronous buffer (a stale-weighted model), and for a
+  server's proxy TRAIN merged like a child. ``merge`` joins two partials (a worker's
+  batch into its node's round), and ``start`` opens an empty one for a round.
+- ``finalize`` turns a round's partial into ``mean_input`` inside the pure ``node_up``,
+  with the round's key, so a rule that draws noise draws it from (seed, node, round).
+
+Rules are registered by name like NODEOPTs (``@register_rule``); configs choose one per
+level or node with ``aggregate: {kind: ...}``, validated against the registry. The
+default, ``mean``, is the exact weighted mean of ``aggregation.WeightedSum``: its
+partials are exact sums, so the mean does not depend on how the children were spread
+over workers or in which order they arrived. Every rule's partial travels between
+processes as named tensors plus numbers (``wire`` / ``unwire``), so the transport
+(tasks/transfer.py) needs to know nothing about the rule.
+
+``fold_results`` is the one place a round's child results meet their parent.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from bhfl_core.algorithm.contract import ChildResult, Partial
+from bhfl_core.algorithm.node_state import Caller, RoundKey
+
+if TYPE_CHECKING:  # imported where used: configs validate rule names without loading torch
+    import torch
+
+    from bhfl_core.algorithm.aggregation import Allocator, WeightedSum
+    from bhfl_core.algorithm.residuals import Candidate
+
+
+@dataclass(frozen=True)
+class AggregateParams:
+    """A node's aggregation rule (``aggregate:`` in the config) and its settings."""
+
+    kind: str = "mean"
+
+
+class AggregationRule(Protocol):
+    """What a rule provides; see the module docstring for where each step runs."""
+
+    def start(self, round_of: Caller, allocate: Allocator | None = None) -> Partial:
+        """An empty partial for the contributions to one round (``Caller(node, round)``: the children's caller).
+
+        ``allocate`` (optional) gives the storage of its tensors (a worker's shared files).
+        """
+        ...
+
+    def contribute(self, partial: Partial, member: str, model: torch.Tensor, weight: float) -> None:
+        """Fold one child's model (float32, any device) with its aggregation weight."""
+        ...
+
+    def merge(self, into: Partial, other: Partial) -> None:
+        """Fold ``other`` (consumed) into ``into``."""
+        ...
+
+    def finalize(self, partial: Partial, key: RoundKey) -> torch.Tensor:
+        """The round's ``mean_input`` (float32); ``key`` seeds any draw the rule makes."""
+        ...
+
+    def wire(self, partial: Partial) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+        """The partial as named tensors and numbers (what crosses a process boundary)."""
+        ...
+
+    def unwire(self, tensors: Mapping[str, torch.Tensor], numbers: Mapping[str, float]) -> Partial:
+        """The inverse of ``wire``."""
+        ...
+
+
+_RULES: dict[str, Callable[[AggregateParams], AggregationRule]] = {}
+
+
+def register_rule(name: str) -> Callable[[Callable[[AggregateParams], Any]], Callable[[AggregateParams], Any]]:
+    """Register a rule factory ``(params) -> rule`` under ``name``; returns the factory unchanged."""
+    if not name.isidentifier():
+        raise ValueError(f"aggregation rule name must be an identifier, got {name!r}")
+
+    def decorate(factory: Callable[[AggregateParams], Any]) -> Callable[[AggregateParams], Any]:
+        if name in _RULES:
+            raise ValueError(f"aggregation rule {name!r} is already registered")
+        _RULES[name] = factory
+        return factory
+
+    return decorate
+
+
+def available_rules() -> list[str]:
+    return sorted(_RULES)
+
+
+def rule_for(params: AggregateParams) -> AggregationRule:
+    """The rule a node's ``aggregate`` settings name."""
+    try:
+        factory = _RULES[params.kind]
+    except KeyError:
+        raise ValueError(f"unknown aggregation rule {params.kind!r}; available: {available_rules()}") from None
+    return factory(params)
+
+
+def _sum(partial: Partial) -> WeightedSum:
+    from bhfl_core.algorithm.aggregation import WeightedSum
+
+    if not isinstance(partial, WeightedSum):
+        raise TypeError(f"the mean rule folds WeightedSum partials, got {type(partial).__name__}")
+    return partial
+
+
+@register_rule("mean")
+class MeanRule:
+    """The exact example-weighted mean (FedAvg's): ``sum_i p_i x_i / sum_i p_i``, rounded once."""
+
+    def __init__(self, params: AggregateParams) -> None:
+        self.params = params
+
+    def start(self, round_of: Caller, allocate: Allocator | None = None) -> WeightedSum:
+        from bhfl_core.algorithm.aggregation import WeightedSum
+
+        return WeightedSum(allocate=allocate)
+
+    def contribute(self, partial: Partial, member: str, model: torch.Tensor, weight: float) -> None:
+        _sum(partial).add(model, weight)
+
+    def merge(self, into: Partial, other: Partial) -> None:
+        _sum(into).merge(_sum(other), consume=True)
+
+    def finalize(self, partial: Partial, key: RoundKey) -> torch.Tensor:
+        return _sum(partial).mean()
+
+    def wire(self, partial: Partial) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+        total = _sum(partial)
+        return total.parts(), {"weight": total.weight}
+
+    def unwire(self, tensors: Mapping[str, torch.Tensor], numbers: Mapping[str, float]) -> WeightedSum:
+        from bhfl_core.algorithm.aggregation import WeightedSum
+
+        if not tensors:
+            return WeightedSum()
+        return WeightedSum.of(tensors["hi"], tensors["lo"], float(numbers["weight"]))
+
+
+@dataclass
+class FoldedRound:
+    """A round's child results folded for its node: the partial ``node_up`` finalizes, and the rest.
+
+    ``models``: the individual child models that came up unfolded (child servers), for
+    what needs them after the fold (Tempo's distances). ``loss``/``examples``: the
+    example-weighted mean of the children's last-round training loss.
+    """
+
+    partial: Partial
+    candidates: list[Candidate]
+    models: dict[str, torch.Tensor]
+    dropped: list[str]
+    virtual_s: float = 0.0
+    examples: int | None = None  # None: no child reported a training loss
+    loss: float = math.nan
+
+    @property
+    def empty(self) -> bool:
+        return self.partial.empty
+
+    def reported(self) -> tuple[float | None, int]:
+        """The children's training loss and examples, as the node reports them up (None, 0: none)."""
+        return (None, 0) if self.examples is None else (self.loss, self.examples)
+
+
+def fold_results(
+    rule: AggregationRule, key: RoundKey, results: Sequence[ChildResult], order: Sequence[str]
+) -> FoldedRound:
+    """Fold a round's child results into one partial, in child order (``order``: the node's children, itself last).
+
+    The order makes everything that is not an exact sum (candidate lists, the loss mean,
+    the dropped list) the same however the children were placed or arrived. The node's
+    own proxy TRAIN (member ``order[-1]``) is folded like a child, but its loss is its
+    own (``Training/proxy_loss``), not one of the children's.
+    """
+    rank = {member: i for i, member in enumerate(order)}
+    own = order[-1] if order else None
+
+    def first(result: ChildResult) -> int:
+        return min((rank.get(m, len(rank)) for m in (*result.members, *result.dropped)), default=len(rank))
+
+    folded = FoldedRound(rule.start(key.as_caller()), [], {}, [])
+    losses: dict[str, tuple[float, int]] = {}
+    for result in sorted(results, key=first):
+        if result.model is not None:
+            (member,) = result.members
+            rule.contribute(folded.partial, member, result.model, result.weight)
+            folded.models[member] = result.model
+        elif result.partial is not None:
+            rule.merge(folded.partial, result.partial)
+        folded.candidates.extend(result.candidates)
+        folded.dropped.extend(result.dropped)
+        folded.virtual_s = max(folded.virtual_s, result.virtual_s)
+        losses.update((m.member, (m.loss, m.examples)) for m in result.losses if m.member != own)
+    folded.candidates.sort(key=lambda c: rank.get(c.node_id, len(rank)))
+    folded.dropped.sort(key=lambda m: rank.get(m, len(rank)))
+    if losses:  # summed in child-id order: the same float sum however children were batched
+        ordered = [losses[k] for k in sorted(losses)]
+        folded.examples = sum(n for _, n in ordered)
+        folded.loss = sum(loss * n for loss, n in ordered) / max(folded.examples, 1)
+    return folded
