@@ -141,7 +141,12 @@ class WorkerRuntime:
 
             in_files = allocate if self.device.type == "cpu" else None
             trainer = self._trainer(ctx)
-            result = train_clients(ctx, trainer, plan, client_ids, Transfer.get(phi), fold, keep, select, in_files)
+            try:
+                result = train_clients(ctx, trainer, plan, client_ids, Transfer.get(phi), fold, keep, select, in_files)
+            except BaseException:
+                for ref, _ in allocated.values():  # a failed batch's fold goes nowhere: its memory back now
+                    Transfer.drop(ref)
+                raise
             rule = rule_for(ctx.tree[plan.caller.node_id].settings.aggregate)
             batch = f"{plan.caller}.{self.name}.{secrets.token_hex(4)}"  # a worker may hold two batches of a round
             return send_result(result, rule, ctx.transfer, batch, allocated)

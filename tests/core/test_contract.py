@@ -93,7 +93,7 @@ def test_fold_results_is_one_order_whatever_the_batching():
 
     server = ChildResult(("s1",), models["s1"], weights["s1"], losses=(MemberLoss("s1", 0.5, 4),), virtual_s=9.0)
     own = proxy_child(replace(two_edge_tree(settings()).root, id="A"), NodeResult(torch.ones(1000), 0.9, 6, steps=2))
-    order = ["c1", "c2", "c3", "c4", "s1", "A"]
+    order = ["c2", "c3", "c1", "c4", "s1", "A"]  # the node's children: a float sum in this order differs in the last bit
     layouts = [
         [batch("c1", "c3"), batch("c2", dropped=("c4",)), server],
         [server, batch("c2", dropped=("c4",)), batch("c3", "c1")],
@@ -105,10 +105,11 @@ def test_fold_results_is_one_order_whatever_the_batching():
     exact = sum(weights[m] * models[m].double() for m in models) / sum(weights.values())
     assert torch.equal(means[0], exact.float())  # a float64 sum of 4 is exact to far below float32's rounding
     for f in folds:
-        assert [c.node_id for c in f.candidates] == ["c1", "c2", "c3"] and f.dropped == ["c4"]
+        assert [c.node_id for c in f.candidates] == ["c2", "c3", "c1"] and f.dropped == ["c4"]  # in child order
         assert f.virtual_s == 9.0 and torch.equal(f.models["s1"], models["s1"])
-        # the loss mean: per member, in id order: (0.1*3 + 0.7*5 + 0.3*7 + 0.5*4) / 19
+        # the loss mean: per member, summed in id order (c1, c2, c3, s1), as before the contract, not in child order
         assert f.reported() == ((0.1 * 3 + 0.7 * 5 + 0.3 * 7 + 0.5 * 4) / 19, 19)
+        assert f.reported()[0] != (0.7 * 5 + 0.3 * 7 + 0.1 * 3 + 0.5 * 4) / 19
     # the node's own proxy TRAIN folds like a child (weight: its rows) but its loss is not its children's
     fresh = [batch("c1", "c3"), batch("c2", dropped=("c4",)), server]  # a fold consumes the partials it merges
     with_own = fold_results(rule, KEY, [*fresh, own], order)
