@@ -93,7 +93,7 @@ def test_fold_results_is_one_order_whatever_the_batching():
 
     server = ChildResult(("s1",), models["s1"], weights["s1"], losses=(MemberLoss("s1", 0.5, 4),), virtual_s=9.0)
     own = proxy_child(replace(two_edge_tree(settings()).root, id="A"), NodeResult(torch.ones(1000), 0.9, 6, steps=2))
-    order = ["c2", "c3", "c1", "c4", "s1", "A"]  # the node's children: a float sum in this order differs in the last bit
+    order = ["c2", "c3", "c1", "c4", "s1", "A"]  # the children: a float sum in this order differs in the last bit
     layouts = [
         [batch("c1", "c3"), batch("c2", dropped=("c4",)), server],
         [server, batch("c2", dropped=("c4",)), batch("c3", "c1")],
