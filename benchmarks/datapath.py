@@ -24,7 +24,12 @@ with eta_down 0.5: a load, a down-aggregation and a checkpoint per client).
 
 Printed per size and scenario: milliseconds per client for both, and bhfl's ratio.
 
-Run:  .venv/bin/python benchmarks/datapath.py [--sizes 10 110 350] [--clients 4] [--train-s 0 1]
+``--device cuda``: the model trains on the GPU in both. bhfl's worker folds on the GPU and
+copies the fold out once per batch (as a GPU worker does); the parent stays on the CPU (the
+orchestrator). The loop keeps everything on the GPU (persistent clients too, when they fit
+in a quarter of its free memory).
+
+Run:  .venv/bin/python benchmarks/datapath.py [--sizes 10 110 350] [--clients 4] [--train-s 0 1] [--device cuda]
 """
 
 from __future__ import annotations
@@ -106,7 +111,15 @@ def star(clients: int, persistent: bool):  # type: ignore[no-untyped-def]
     return Tree(nodes, "root")
 
 
-def bhfl_rounds(size: int, clients: int, persistent: bool, train_s: float, rounds: int, folder: Path) -> float:
+def _sync(device: torch.device) -> None:
+    """Wait for the device's queued work, so a timer reads the time it took."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def bhfl_rounds(
+    size: int, clients: int, persistent: bool, train_s: float, rounds: int, folder: Path, device: torch.device
+) -> float:
     """Seconds per client of bhfl's data path (rounds after the first), TRAIN's stand-in excluded."""
     from bhfl_core.algorithm.aggregation_rule import fold_results, rule_for
     from bhfl_core.algorithm.contract import RoundPlan
@@ -128,7 +141,7 @@ def bhfl_rounds(size: int, clients: int, persistent: bool, train_s: float, round
     cfg = load_config(REPO / "configs" / "embedded.yaml", ["runtime.executor=inprocess"])
     ctx = BenchContext(folder, star(clients, persistent), cfg)
     rule = rule_for(ctx.tree.root.settings.aggregate)
-    trainer = Trainer(ctx, Flat(size), torch.device("cpu"))  # type: ignore[arg-type]
+    trainer = Trainer(ctx, Flat(size).to(device), device)  # type: ignore[arg-type]
     state = NodeState(model=torch.zeros(size), exec_caller="")
     ids = list(ctx.tree.root.children)
     timings = []
@@ -137,7 +150,7 @@ def bhfl_rounds(size: int, clients: int, persistent: bool, train_s: float, round
         plan = RoundPlan(RoundKey("root", r).as_caller())
         phi = ctx.transfer.put("root.down", state.theta)  # the parent's model, once per round
         allocated: dict[str, tuple] = {}
-        allocate = functools.partial(_allocate, ctx.transfer, allocated)
+        allocate = functools.partial(_allocate, ctx.transfer, allocated) if device.type == "cpu" else None
         result = train_clients(ctx, trainer, plan, ids, Transfer.get(phi), True, 0, None, allocate)  # type: ignore[arg-type]
         sent = send_result(result, rule, ctx.transfer, "w0", allocated)
         del result
@@ -145,6 +158,7 @@ def bhfl_rounds(size: int, clients: int, persistent: bool, train_s: float, round
         key = RoundKey("root", r)
         folded = fold_results(rule, key, [received], [*ids, "root"])
         state, _ = node_up(state, folded, {}, ctx.tree.root.settings, key)
+        _sync(device)
         timings.append(time.perf_counter() - started - clients * train_s)
     ctx.transfer.clear()
     return sum(timings[1:]) / (len(timings) - 1) / clients
@@ -159,22 +173,25 @@ def _allocate(transfer, allocated: dict, part: str, numel: int, dtype: torch.dty
 # ---------------------------------------------------------------- the plain loop
 
 
-def loop_rounds(size: int, clients: int, persistent: bool, train_s: float, rounds: int, folder: Path) -> float:
+def loop_rounds(
+    size: int, clients: int, persistent: bool, train_s: float, rounds: int, folder: Path, device: torch.device
+) -> float:
     """Seconds per client of the plain loop's bookkeeping (rounds after the first), TRAIN's stand-in excluded."""
-    model = Flat(size)
+    model = Flat(size).to(device)
     params = list(model.parameters())
     weights = WEIGHTS[:clients]
-    glob = torch.zeros(size)
-    in_memory = clients * size * 4 < psutil.virtual_memory().available / 4
+    glob = torch.zeros(size, device=device)
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else psutil.virtual_memory().available
+    in_memory = clients * size * 4 < free / 4
     kept: dict[int, torch.Tensor] = {}
     timings = []
     for _ in range(rounds):
         started = time.perf_counter()
-        acc = torch.zeros(size)
+        acc = torch.zeros(size, device=device)
         for c in range(clients):
             start = glob
             if persistent:
-                own = kept.get(c) if in_memory else _load(folder, c)
+                own = kept.get(c) if in_memory else _load(folder, c, device)
                 if own is not None:
                     start = torch.lerp(own, glob, 0.5)
             with torch.no_grad():  # the model's weights from the vector (a copy: training must not change it)
@@ -187,15 +204,16 @@ def loop_rounds(size: int, clients: int, persistent: bool, train_s: float, round
                 if in_memory:
                     kept[c] = trained
                 else:
-                    save_file({"model": trained}, str(folder / f"c{c}.safetensors"))
+                    save_file({"model": trained.cpu()}, str(folder / f"c{c}.safetensors"))
         glob = acc / sum(weights)
+        _sync(device)
         timings.append(time.perf_counter() - started - clients * train_s)
     return sum(timings[1:]) / (len(timings) - 1) / clients
 
 
-def _load(folder: Path, client: int) -> torch.Tensor | None:
+def _load(folder: Path, client: int, device: torch.device) -> torch.Tensor | None:
     path = folder / f"c{client}.safetensors"
-    return load_file(str(path))["model"] if path.exists() else None
+    return load_file(str(path), device=str(device))["model"] if path.exists() else None
 
 
 # ---------------------------------------------------------------- the invocation
@@ -208,7 +226,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="rounds per measurement (the first is not counted)")
     parser.add_argument("--train-s", nargs="+", type=float, default=[0.0, 1.0], help="TRAIN stand-in seconds")
     parser.add_argument("--scenarios", nargs="+", default=["replace", "persistent"])
+    parser.add_argument("--device", default="cpu", help="where the model trains: cpu, cuda")
     args = parser.parse_args()
+    device = torch.device(args.device)
     offline_quiet()
     torch.set_num_threads(1)  # as a worker trains
     print(f"{'size':>6} {'scenario':>10} {'train s':>7} {'loop ms/client':>15} {'bhfl ms/client':>15} {'ratio':>6}")
@@ -220,7 +240,8 @@ def main() -> None:
                 for name, fn in (("loop", loop_rounds), ("bhfl", bhfl_rounds)):
                     folder = Path(tempfile.mkdtemp(prefix=f"bhfl-datapath-{name}-", dir=REPO))
                     try:
-                        row[name] = fn(size, args.clients, scenario == "persistent", train_s, args.rounds, folder)
+                        persistent = scenario == "persistent"
+                        row[name] = fn(size, args.clients, persistent, train_s, args.rounds, folder, device)
                     finally:
                         shutil.rmtree(folder, ignore_errors=True)
                         gc.collect()

@@ -27,6 +27,9 @@ Figures per setting (median over the repetitions), and bhfl's ratio to the loop:
   all its descendants, read every 1 s by a thread here (CPU every 0.1 s; benchmarks/_proc.py);
 - CPU s/client: user + system seconds of the whole process tree (the last reading of
   every pid seen, so exited children count) per client training;
+- GPU busy %: the mean of NVML's utilisation of GPU 0 read every 0.1 s in-round (first client
+  training -> last aggregate); GPU MB: the peak of its memory in use; both only with a GPU,
+  and a timeline of the busy share over the rounds is printed below the table;
 - norm: the final model's L2 norm (the same trainings: both agree to float rounding;
   the max absolute difference per parameter and the test accuracies are printed below).
 
@@ -41,6 +44,7 @@ GPU: ``--device cuda`` (the loop's device; give bhfl ``--set runtime.device=cuda
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -54,10 +58,10 @@ from typing import Any
 import numpy as np
 import psutil
 from _env import REPO, offline_quiet
-from _proc import TreeSampler
+from _proc import GpuSampler, TreeSampler
 
 BASE_MODEL = {"hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12, "intermediate_size": 3072}
-Result = dict[str, Any]  # timestamps (epoch s), trainings, pss_mb, cpu_s, model (flat float32 array)
+Result = dict[str, Any]  # timestamps (epoch s), trainings, pss_mb, cpu_s, gpu (sampler), model (flat float32 array)
 COLUMNS = {  # name -> (format, how it is computed from one run's result)
     "wall cl/s": ("{:.2f}", lambda r: r["trainings"] / (r["last_aggregate"] - r["process_start"])),
     "in-round cl/s": ("{:.2f}", lambda r: r["trainings"] / (r["last_aggregate"] - r["first_training"])),
@@ -67,6 +71,8 @@ COLUMNS = {  # name -> (format, how it is computed from one run's result)
     "process s": ("{:.1f}", lambda r: r["exited"] - r["process_start"]),
     "peak PSS MB": ("{:.0f}", lambda r: r["pss_mb"]),
     "CPU s/client": ("{:.2f}", lambda r: r["cpu_s"] / r["trainings"]),
+    "GPU busy %": ("{:.0f}", lambda r: r["gpu"].busy(r["first_training"], r["last_aggregate"])),
+    "GPU MB": ("{:.0f}", lambda r: r["gpu"].peak_memory_mb()),
     "norm": ("{:.4f}", lambda r: r["norm"]),
 }
 TIMELINE = ("process_start", "imports_done", "first_training", "last_aggregate")
@@ -112,16 +118,16 @@ def loop_child(data: Path, draws: Path, out: Path, device: str, model_size: dict
 
 def _measure(
     cmd: list[str], cwd: Path, env: dict[str, str] | None = None
-) -> tuple[str, str, float, float, TreeSampler]:
-    """Run ``cmd`` to its end under a process-tree sampler: (stdout, stderr, process start, exit, sampler)."""
+) -> tuple[str, str, float, float, TreeSampler, GpuSampler]:
+    """Run ``cmd`` to its end under a process-tree and a GPU sampler: (stdout, stderr, start, exit, samplers)."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd, env=env)
     started = psutil.Process(proc.pid).create_time()
-    with TreeSampler(proc.pid) as sampler:
+    with TreeSampler(proc.pid) as sampler, GpuSampler() as gpu:
         stdout, stderr = proc.communicate()
     exited = time.time()
     if proc.returncode:
         raise RuntimeError(f"{' '.join(cmd[:3])} ... failed (exit {proc.returncode}):\n{stderr[-3000:]}")
-    return stdout, stderr, started, exited, sampler
+    return stdout, stderr, started, exited, sampler, gpu
 
 
 def run_loop(data: Path, draws: Path, trainings: int, device: str, model_size: dict[str, int], folder: Path) -> Result:
@@ -138,7 +144,7 @@ def run_loop(data: Path, draws: Path, trainings: int, device: str, model_size: d
         "--model-size",
         json.dumps(model_size),
     ]
-    stdout, _, _, exited, sampler = _measure(cmd, REPO / "benchmarks")
+    stdout, _, _, exited, sampler, gpu = _measure(cmd, REPO / "benchmarks")
     times = json.loads(stdout.strip().splitlines()[-1])
     model = np.load(out)
     return {
@@ -147,6 +153,7 @@ def run_loop(data: Path, draws: Path, trainings: int, device: str, model_size: d
         "trainings": trainings,
         "pss_mb": sampler.peak_pss_mb(),
         "cpu_s": sampler.cpu_s,
+        "gpu": gpu,
         "model": model,
         "norm": float(np.linalg.norm(model.astype(np.float64))),
     }
@@ -174,7 +181,7 @@ def run_bhfl(
         str(run_dir),
         *[a for o in overrides for a in ("--set", o)],
     ]
-    _, _, started, exited, sampler = _measure(cmd, REPO, _bhfl_env(api_url))
+    _, _, started, exited, sampler, gpu = _measure(cmd, REPO, _bhfl_env(api_url))
     (run_path,) = (run_dir / name).iterdir()
     timeline = json.loads((run_path / "run.json").read_text()).get("timeline") or {}
     model = load_tensors(run_path / "state" / "nodes" / "root.safetensors", ["model"])[0]["model"].numpy()
@@ -185,6 +192,7 @@ def run_bhfl(
         "trainings": trainings,
         "pss_mb": sampler.peak_pss_mb(),
         "cpu_s": sampler.cpu_s,
+        "gpu": gpu,
         "model": model,
         "norm": float(np.linalg.norm(model.astype(np.float64))),
     }
@@ -204,12 +212,13 @@ def medians(runs: list[Result]) -> dict[str, float]:
 
 
 def table(loop: dict[str, float], bhfl: dict[str, float]) -> str:
-    """The figures of both and bhfl's ratio to the loop, one column per figure."""
-    width = max(len(c) for c in COLUMNS) + 2
-    lines = [" " * 6 + "".join(f"{c:>{width}}" for c in COLUMNS)]
+    """The figures of both and bhfl's ratio to the loop, one column per figure (none that neither recorded)."""
+    columns = {c: fmt for c, (fmt, _) in COLUMNS.items() if not (math.isnan(loop[c]) and math.isnan(bhfl[c]))}
+    width = max(len(c) for c in columns) + 2
+    lines = [" " * 6 + "".join(f"{c:>{width}}" for c in columns)]
     for name, row in (("loop", loop), ("bhfl", bhfl)):
-        lines.append(f"{name:6}" + "".join(f"{fmt.format(row[c]):>{width}}" for c, (fmt, _) in COLUMNS.items()))
-    ratios = [f"{bhfl[c] / loop[c]:.2f}x" if loop[c] else "-" for c in COLUMNS]
+        lines.append(f"{name:6}" + "".join(f"{fmt.format(row[c]):>{width}}" for c, fmt in columns.items()))
+    ratios = [f"{bhfl[c] / loop[c]:.2f}x" if loop[c] else "-" for c in columns]
     lines.append(f"{'ratio':6}" + "".join(f"{r:>{width}}" for r in ratios))
     return "\n".join(lines)
 
@@ -236,19 +245,31 @@ def report(
         f"final models: max |bhfl - loop| per parameter {diff:.2e}; test accuracy loop {acc['loop']:.3f}, "
         f"bhfl {acc['bhfl']:.3f}; loop round times (s): {rounds}"
     )
+    digests = sorted({hashlib.sha256(b["model"].tobytes()).hexdigest()[:16] for b in bhfls})
+    print(f"bhfl's final model sha256: {', '.join(digests)} (one value: every repetition ended bit-identical)")
+    for name, runs in (("loop", loops), ("bhfl", bhfls)):
+        r = runs[0]
+        busy = r["gpu"].timeline(r["first_training"], r["last_aggregate"])
+        if busy:
+            print(f"{name} GPU busy % over the rounds (20 equal slices, first run): {busy}")
 
 
 # ---------------------------------------------------------------- the invocation
 
 
-def write_inputs(root: Path) -> tuple[Path, Path, tuple[np.ndarray, np.ndarray]]:
-    """Generate the workload once: (the loop's .npz, bhfl's prepared folder, the test set); prints the fingerprint."""
+def write_inputs(root: Path, other_data: bool = False) -> tuple[Path, Path, tuple[np.ndarray, np.ndarray]]:
+    """Generate the workload once: (the loop's .npz, bhfl's prepared folder, the test set); prints the fingerprint.
+
+    ``other_data``: go on when numpy generates other data than the spec's (another numpy
+    version): both sides still train the same clients, but figures compare with other
+    machines' less well.
+    """
     from workload import FINGERPRINT, fingerprint, generate, initial_model, write_prepared
 
     work = generate()
     fp = fingerprint(work, initial_model())
     print(f"workload fingerprint {fp}: {'as specified' if fp == FINGERPRINT else 'NOT the spec (' + FINGERPRINT + ')'}")
-    if fp != FINGERPRINT:
+    if fp != FINGERPRINT and not other_data:
         raise SystemExit("the workload differs from the spec (numpy version?): the figures would not be comparable")
     data = root / "workload.npz"
     np.savez(
@@ -309,6 +330,9 @@ def parse_args() -> argparse.Namespace:
         metavar="KEY=VALUE",
         help="extra bhfl config override (repeatable), e.g. runtime.workers=1",
     )
+    parser.add_argument(
+        "--other-data", action="store_true", help="go on when this numpy generates other data than the spec's"
+    )
     parser.add_argument("--loop-child", nargs=3, metavar=("DATA", "DRAWS", "OUT"), help=argparse.SUPPRESS)
     parser.add_argument("--model-size", default="{}", help=argparse.SUPPRESS)
     return parser.parse_args()
@@ -323,7 +347,7 @@ def main() -> None:
     size = BASE_MODEL if args.model == "base" else {}
     with tempfile.TemporaryDirectory(prefix="bhfl-throughput-") as tmp:
         root = Path(tmp)
-        data, prepared, test = write_inputs(root)
+        data, prepared, test = write_inputs(root, args.other_data)
         for setting in args.settings:
             k, rounds = (int(v) for v in setting.split("x"))
             config, name, draws = write_setting(root, prepared, k, rounds, args.overrides, size)

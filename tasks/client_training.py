@@ -17,10 +17,11 @@ No Prefect here: this code runs in Dask worker processes (or in the orchestrator
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import replace
 
 import torch
@@ -56,6 +57,23 @@ class LocalTrainer:
         self.ctx, self.model, self.device = ctx, model, device
         self.kind = device_kind(device)
         self.trained = 0  # TRAIN calls made (a client loaded from its checkpoint makes none)
+        self._staged: tuple[torch.Tensor, torch.Tensor] | None = None  # (parent's model, its copy on the device)
+
+    @contextlib.contextmanager
+    def staged(self, phi: torch.Tensor) -> Iterator[None]:
+        """Within the block, the parent's model ``phi`` is copied to the device once, not once per client.
+
+        A client that starts from ``phi`` itself (not persistent, or ``eta_down: 1``)
+        hands the engine's TRAIN that very tensor (the engine never changes tensors in
+        place), so a GPU worker loads it from its device copy: one host-to-device copy
+        per batch instead of one per client. On a CPU worker there is nothing to stage.
+        """
+        if phi.device != self.device:
+            self._staged = (phi, phi.to(self.device))
+        try:
+            yield
+        finally:
+            self._staged = None
 
     def run_children(self, node: Node, cohort: list[Node], theta: torch.Tensor, plans: object) -> list[ChildResult]:
         raise RuntimeError(f"node {node.id!r} has children; servers run in the orchestrator, not inside a worker")
@@ -81,7 +99,8 @@ class LocalTrainer:
     def _fit(
         self, node: Node, theta: torch.Tensor, params: TrainParams, seed: int, anchor: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, TrainResult]:
-        set_flat(self.model, theta)
+        staged = self._staged
+        set_flat(self.model, staged[1] if staged is not None and theta is staged[0] else theta)
         transform = self.ctx.task_kind.batch_transform(self.ctx.task_facts)  # mlm: masks drawn from `seed`
         result = train_model(self.model, self._data(node)[0], params, seed, self.device, transform, anchor)
         return get_flat(self.model), result
@@ -154,7 +173,7 @@ def train_clients(
     candidates: list[Candidate] = []
     model: torch.Tensor | None = None
     virtual_s = 0.0
-    with ctx.store.background_commits() as store:
+    with ctx.store.background_commits() as store, trainer.staged(phi):
         for client_id in client_ids:
             node = ctx.tree[client_id]
             virtual_s = max(virtual_s, client_call_s(seed, clock, node, plan.epochs, plan.caller.round or 0))

@@ -58,11 +58,30 @@ class SentTrain:
 
 
 def worker_device(setting: str | None = None) -> torch.device:
+    """The device this process trains on; on a GPU, with torch's deterministic kernels (``gpu_deterministic``)."""
     setting = setting or os.environ.get(DEVICE_ENV) or ("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(setting)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    if device.type == "cuda":
+        gpu_deterministic()
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
     return device
+
+
+def gpu_deterministic() -> None:
+    """Make this process's CUDA kernels give the same bits on every run (before its first cuBLAS call).
+
+    Some CUDA kernels are nondeterministic by default (scatter-adds in backward passes
+    add with atomics in whatever order threads finish; cuBLAS may pick reduction splits
+    by workspace), so two runs of one seed could part in the last bits and, over rounds,
+    much further. torch's deterministic algorithms, with the fixed cuBLAS workspace they
+    require, are PyTorch's documented remedy (its "Reproducibility" notes); ``warn_only``:
+    an op without a deterministic kernel warns, naming itself, instead of stopping a run.
+    CPU workers are left alone: their kernels are deterministic at a fixed thread count.
+    """
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cudnn.benchmark = False
 
 
 def _model_key(ctx: RunContext) -> str:

@@ -77,13 +77,16 @@ class Transfer:
 
     def put(self, name: str, tensor: torch.Tensor) -> TensorRef:
         """Write ``tensor`` (flat, float32 or float64, any device) under ``name``, replacing an older one."""
-        flat = tensor.detach().reshape(-1).cpu().contiguous()
+        flat = tensor.detach().reshape(-1)
         dtype = _name(flat.dtype)
         path = self._path(name)
         tmp = path.with_name(f".{name}.{secrets.token_hex(4)}.tmp")
         try:
-            with open(tmp, "wb") as fh:  # write(): faster than filling a fresh mapping page by page
-                fh.write(flat.numpy().data)
+            if flat.device.type == "cpu":
+                with open(tmp, "wb") as fh:  # write(): faster than filling a fresh mapping page by page
+                    fh.write(flat.contiguous().numpy().data)
+            else:  # from a GPU straight into the file's pages: one copy, not one to host memory and one to the file
+                _mapped(tmp, flat.numel(), flat.dtype, create=True).copy_(flat)
             os.replace(tmp, path)
         except BaseException:
             tmp.unlink(missing_ok=True)

@@ -13,14 +13,9 @@ stopped (in one process, without Prefect). Commands stopped by SIGTERM or SIGHUP
 tests/flows/test_signals.py.
 """
 
-import json
 import os
 import re
 import signal
-import subprocess
-import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import psutil
@@ -30,12 +25,12 @@ from mlflow import MlflowClient
 from flows.experiment import PLAIN_CALLS, run_experiment
 from flows.records.run_record import RunRecord
 from tests.flows.commands import own_servers_env, sets, start, wait_for
+from tests.flows.dask_cluster import user_cluster
 from tests.flows.kill_chain import cli, leftovers, node_files
-from tests.small import REPO, small_config
+from tests.small import small_config
 
 pytestmark = pytest.mark.integration
 
-DASK = str(Path(sys.executable).with_name("dask"))
 ROOT_ROUND_1 = "root round 1/2 done"
 
 
@@ -88,45 +83,11 @@ def test_a_lost_local_worker_is_told_and_a_dead_prefect_server_stops_the_run_for
     assert parent.data.tags["bhfl.worker_losses"].startswith(f"{lost[0]} lost during training ")
 
 
-@contextmanager
-def _user_cluster(folder: Path, env: dict[str, str]) -> Iterator[tuple[str, list[subprocess.Popen]]]:
-    """`dask scheduler` and two `dask worker --no-nanny` processes (w0, w1) on 127.0.0.1: nothing restarts a worker.
-
-    Yields the scheduler's address and the processes (scheduler first); all are stopped at the end.
-    """
-    from distributed import Client
-
-    scheduler_file = folder / "scheduler.json"
-    with open(folder / "cluster.log", "w") as log:
-        common = {"env": env, "stdout": log, "stderr": subprocess.STDOUT, "cwd": REPO}
-        scheduler = [DASK, "scheduler", "--host", "127.0.0.1", "--port", "0", "--no-dashboard"]
-        procs = [subprocess.Popen([*scheduler, "--scheduler-file", str(scheduler_file)], **common)]
-        try:
-            wait_for("the scheduler's file", scheduler_file.exists, procs[0], folder / "cluster.log", 60)
-            address = json.loads(scheduler_file.read_text())["address"]
-            for name in ("w0", "w1"):
-                worker = [address, "--name", name, "--nthreads", "1", "--host", "127.0.0.1", "--no-dashboard"]
-                procs.append(subprocess.Popen([DASK, "worker", *worker, "--memory-limit", "0", "--no-nanny"], **common))
-            with Client(address, set_as_default=False) as client:
-                client.wait_for_workers(2, timeout=120)
-            yield address, procs
-            with Client(address, set_as_default=False) as client:
-                client.shutdown()  # scheduler and workers close together
-        finally:
-            for proc in procs[::-1]:
-                proc.terminate()
-            for proc in procs:
-                try:
-                    proc.wait(timeout=20)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-
-
 def test_a_lost_worker_of_a_user_cluster_stops_the_run_and_resume_finishes_on_the_others(tmp_path, reference):
     env = own_servers_env(HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     # the workers' fault plan: the fifth client trained on either, in root round 1 (counted in one file)
     faults = {"BHFL_FAULTS": "client@5:die", "BHFL_FAULTS_COUNTER": str(tmp_path / "faults.txt")}
-    with _user_cluster(tmp_path, {**env, **faults}) as (address, procs):
+    with user_cluster(tmp_path, {**env, **faults}, nanny=False) as (address, procs):
         run_dir = tmp_path / "runs"
         cluster = sets("runtime.executor=cluster", f"runtime.cluster={address}", "runtime.workers=auto")
         failed, session = cli("run", *cluster, faults=None, run_dir=run_dir)
