@@ -18,6 +18,10 @@ over workers or in which order they arrived. Every rule's partial travels betwee
 processes as named tensors plus numbers (``wire`` / ``unwire``), so the transport
 (tasks/transfer.py) needs to know nothing about the rule.
 
+A server with ``privacy:`` folds with ``DpMeanRule`` whatever its ``aggregate.kind``:
+DP-FedAvg's clipped, noised mean (``privacy.py``). Its partial clips against the model
+the children were sent, so ``start`` takes that ``reference`` and the round's ``clip``.
+
 ``fold_results`` is the one place a round's child results meet their parent.
 """
 
@@ -30,28 +34,39 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from bhfl_core.algorithm.contract import ChildResult, Partial
 from bhfl_core.algorithm.node_state import Caller, RoundKey
+from bhfl_core.algorithm.privacy_params import PrivacyParams
 
 if TYPE_CHECKING:  # imported where used: configs validate rule names without loading torch
     import torch
 
     from bhfl_core.algorithm.aggregation import Allocator, WeightedSum
+    from bhfl_core.algorithm.privacy import ClippedSum
     from bhfl_core.algorithm.residuals import Candidate
 
 
 @dataclass(frozen=True)
 class AggregateParams:
-    """A node's aggregation rule (``aggregate:`` in the config) and its settings."""
+    """A node's aggregation rule (``aggregate:`` in the config) and its settings; ``privacy``: DP-FedAvg instead."""
 
     kind: str = "mean"
+    privacy: PrivacyParams | None = None
 
 
 class AggregationRule(Protocol):
     """What a rule provides; see the module docstring for where each step runs."""
 
-    def start(self, round_of: Caller, allocate: Allocator | None = None) -> Partial:
+    def start(
+        self,
+        round_of: Caller,
+        allocate: Allocator | None = None,
+        reference: torch.Tensor | None = None,
+        clip: float | None = None,
+    ) -> Partial:
         """An empty partial for the contributions to one round (``Caller(node, round)``: the children's caller).
 
         ``allocate`` (optional) gives the storage of its tensors (a worker's shared files).
+        ``reference``: the model the children were sent, and ``clip`` the round's clipping
+        norm (``RoundPlan.clip``), for rules that fold updates rather than models.
         """
         ...
 
@@ -98,7 +113,9 @@ def available_rules() -> list[str]:
 
 
 def rule_for(params: AggregateParams) -> AggregationRule:
-    """The rule a node's ``aggregate`` settings name."""
+    """The rule a node's ``aggregate`` settings name (DP-FedAvg's where they carry ``privacy``)."""
+    if params.privacy is not None:
+        return DpMeanRule(params.privacy)
     try:
         factory = _RULES[params.kind]
     except KeyError:
@@ -121,7 +138,13 @@ class MeanRule:
     def __init__(self, params: AggregateParams) -> None:
         self.params = params
 
-    def start(self, round_of: Caller, allocate: Allocator | None = None) -> WeightedSum:
+    def start(
+        self,
+        round_of: Caller,
+        allocate: Allocator | None = None,
+        reference: torch.Tensor | None = None,
+        clip: float | None = None,
+    ) -> WeightedSum:
         from bhfl_core.algorithm.aggregation import WeightedSum
 
         return WeightedSum(allocate=allocate)
@@ -145,6 +168,59 @@ class MeanRule:
         if not tensors:
             return WeightedSum()
         return WeightedSum.of(tensors["hi"], tensors["lo"], float(numbers["weight"]))
+
+
+def _clipped(partial: Partial) -> ClippedSum:
+    from bhfl_core.algorithm.privacy import as_clipped
+
+    return as_clipped(partial)
+
+
+class DpMeanRule:
+    """DP-FedAvg (``privacy.py``): updates clipped where they are folded, noise and the fixed denominator at the end.
+
+    Not in the registry: a server's ``privacy:`` settings choose it (they hold its parameters).
+    """
+
+    def __init__(self, params: PrivacyParams) -> None:
+        self.params = params
+
+    def start(
+        self,
+        round_of: Caller,
+        allocate: Allocator | None = None,
+        reference: torch.Tensor | None = None,
+        clip: float | None = None,
+    ) -> ClippedSum:
+        from bhfl_core.algorithm.privacy import ClippedSum
+
+        return ClippedSum(reference, self.params.clip if clip is None else clip, allocate)
+
+    def contribute(self, partial: Partial, member: str, model: torch.Tensor, weight: float) -> None:
+        _clipped(partial).add(model)
+
+    def merge(self, into: Partial, other: Partial) -> None:
+        mine, theirs = _clipped(into), _clipped(other)
+        if theirs.clip != mine.clip:
+            raise ValueError(f"a fold clipped at {theirs.clip} cannot join one clipped at {mine.clip}")
+        mine.total.merge(theirs.total, consume=True)
+        mine.clipped += theirs.clipped
+
+    def finalize(self, partial: Partial, key: RoundKey) -> torch.Tensor:
+        from bhfl_core.algorithm.privacy import noised_mean
+
+        return noised_mean(self.params, _clipped(partial), key)
+
+    def wire(self, partial: Partial) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+        from bhfl_core.algorithm.privacy import wire_counts
+
+        clipped = _clipped(partial)
+        return clipped.total.parts(), wire_counts(clipped)
+
+    def unwire(self, tensors: Mapping[str, torch.Tensor], numbers: Mapping[str, float]) -> ClippedSum:
+        from bhfl_core.algorithm.privacy import unwire
+
+        return unwire(tensors, numbers)
 
 
 @dataclass
@@ -174,9 +250,17 @@ class FoldedRound:
 
 
 def fold_results(
-    rule: AggregationRule, key: RoundKey, results: Sequence[ChildResult], order: Sequence[str]
+    rule: AggregationRule,
+    key: RoundKey,
+    results: Sequence[ChildResult],
+    order: Sequence[str],
+    reference: torch.Tensor | None = None,
+    clip: float | None = None,
 ) -> FoldedRound:
     """Fold a round's child results into one partial, in child order (``order``: the node's children, itself last).
+
+    ``reference`` / ``clip``: the model the node sent its children and its clipping norm
+    this round, for a DP node (``AggregationRule.start``).
 
     The order makes everything that is not an exact sum (candidate lists, the loss mean,
     the dropped list) the same however the children were placed or arrived. The node's
@@ -189,7 +273,7 @@ def fold_results(
     def first(result: ChildResult) -> int:
         return min((rank.get(m, len(rank)) for m in (*result.members, *result.dropped)), default=len(rank))
 
-    folded = FoldedRound(rule.start(key.as_caller()), [], {}, [])
+    folded = FoldedRound(rule.start(key.as_caller(), reference=reference, clip=clip), [], {}, [])
     losses: dict[str, tuple[float, int]] = {}
     for result in sorted(results, key=first):
         if result.model is not None:

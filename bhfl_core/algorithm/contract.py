@@ -39,15 +39,18 @@ class RoundPlan:
 
     ``epochs``: the local epochs of the clients under the child this round, instead of
     their configured ``train.epochs`` (Tempo, seeds/001; None: their own). A server
-    passes its plan's ``epochs`` on to its own children.
+    passes its plan's ``epochs`` on to its own children. ``clip``: the clipping norm of
+    the parent's DP rule this round (``privacy.py``; adaptive, so it is the parent's
+    state), used where the child's model is folded; it is not passed further down.
     """
 
     caller: Caller
     epochs: int | None = None
+    clip: float | None = None
 
-    def for_child(self, caller: Caller) -> RoundPlan:
-        """The plan this node's round gives its children: its own round settings, under a new caller."""
-        return RoundPlan(caller, self.epochs)
+    def for_child(self, caller: Caller, clip: float | None = None) -> RoundPlan:
+        """The plan this node's round gives its children: its own round's epochs, its clip, under a new caller."""
+        return RoundPlan(caller, self.epochs, clip)
 
 
 ROOT_PLAN = RoundPlan(Caller())
@@ -60,7 +63,8 @@ class Partial(Protocol):
     knows the total aggregation weight it holds.
     """
 
-    weight: float
+    @property
+    def weight(self) -> float: ...
 
     @property
     def empty(self) -> bool: ...

@@ -65,8 +65,9 @@ from bhfl_core.algorithm.node_step import (
     node_up,
     reads_own_model,
 )
+from bhfl_core.algorithm.privacy import privacy_metrics
 from bhfl_core.algorithm.tempo import omega, tempo_epochs
-from bhfl_core.algorithm.tree import Node, Tree
+from bhfl_core.algorithm.tree import Node, NodeSettings, Tree
 from bhfl_core.algorithm.virtual_clock import drops_out
 from bhfl_core.rng import sample_cohort
 from bhfl_core.store.node_store import StateStore
@@ -178,14 +179,15 @@ def _round(
     key = RoundKey(node.id, state.rounds_done, plan.caller)
     store.post(node.id, key.round, down_posts(state.theta, settings))
     cohort = sample_cohort(children, settings.cohort, seed, node.id, key.round)
-    plans = {c.id: child_plan(plan, key, state, c) for c in cohort}
+    plans = {c.id: child_plan(plan, key, state, c, settings) for c in cohort}
     proxy = hooks.start_train(node, state.theta, key) if settings.proxy_async else None
     present = [c for c in cohort if not drops_out(c.settings.dropout, seed, c.id, key.round)]
     results = hooks.run_children(node, present, state.theta, plans) if present else []
     absent = [c for c in cohort if c not in present]  # dropped out: never trained, known when the call would end
     mine = [proxy_child(node, proxy.result())] if proxy is not None else []
     order = [c.id for c in children] + [node.id]
-    folded = fold_results(rule_for(settings.aggregate), key, [*results, *mine], order)
+    rule, clip = rule_for(settings.aggregate), round_clip(state, settings)
+    folded = fold_results(rule, key, [*results, *mine], order, state.theta, clip)
     del results  # folded: the partials they carried are the fold's now
     folded.dropped.extend(c.id for c in absent)
     waited = [hooks.call_duration(node, c, plans[c.id]) or 0.0 for c in absent]
@@ -193,6 +195,8 @@ def _round(
     state, posts = node_up(state, folded if children else None, inbox_up(store, node, state), settings, key, scorer)
     store.post(node.id, key.round, posts)
     metrics = round_metrics(node, cohort, present, folded, posts)
+    if settings.aggregate.privacy is not None and not folded.empty:
+        metrics.update(privacy_metrics(settings.aggregate.privacy, folded.partial, key.round + 1))
     for own in mine:
         metrics.update(proxy_metrics(own))
     metrics.update(tuned_metrics(state))
@@ -231,14 +235,23 @@ def inbox_up(store: StateStore, node: Node, state: NodeState) -> Inbox:
     return store.inbox(node.id, "up", state.res_seen) if not node.is_leaf else {}
 
 
-def child_plan(plan: RoundPlan, key: RoundKey, state: NodeState, child: Node) -> RoundPlan:
-    """The plan one child gets this round: this round as its caller, and the round's epochs for its clients.
+def child_plan(plan: RoundPlan, key: RoundKey, state: NodeState, child: Node, settings: NodeSettings) -> RoundPlan:
+    """The plan one child gets this round: this round as its caller, the round's epochs for its clients, the clip.
 
     Under Tempo the root's schedule (``state.child_epochs``, from the previous round)
     sets each edge's clients' epochs; elsewhere a node passes on the epochs it was given.
+    A DP node's children clip their updates at its current norm (``round_clip``).
     """
     epochs = state.child_epochs.get(child.id, plan.epochs)
-    return RoundPlan(key.as_caller(), epochs)
+    return RoundPlan(key.as_caller(), epochs, round_clip(state, settings))
+
+
+def round_clip(state: NodeState, settings: NodeSettings) -> float | None:
+    """A DP node's clipping norm this round: its state's (adaptive), else the configured one; None without DP."""
+    privacy = settings.aggregate.privacy
+    if privacy is None:
+        return None
+    return state.clip if state.clip is not None else privacy.clip
 
 
 def tempo_step(

@@ -132,7 +132,9 @@ class NodeState:
     seconds since its execution began (the root's: since the run began); ``loss`` is None
     where there is none to report. ``child_epochs``:
     the local epochs each child's clients train next round (Tempo's schedule, at the
-    root). ``metrics`` is only the last round's log, for logging a committed round again.
+    root). ``clip``: a DP server's clipping norm for its next round (adaptive clipping
+    moves it; None: the configured one). ``metrics`` is only the last round's log, for
+    logging a committed round again.
     """
 
     model: torch.Tensor | None = None
@@ -150,6 +152,7 @@ class NodeState:
     examples: int = 0
     virtual_s: float = 0.0
     child_epochs: dict[str, int] = field(default_factory=dict)
+    clip: float | None = None
 
     @property
     def theta(self) -> torch.Tensor:

@@ -33,6 +33,7 @@ from bhfl_core.algorithm.aggregation import WeightedSum
 from bhfl_core.algorithm.aggregation_rule import FoldedRound, rule_for
 from bhfl_core.algorithm.node_opt import NodeOptParams, OptState, Scorer, node_opt_step
 from bhfl_core.algorithm.node_state import Caller, NodeState, RoundKey
+from bhfl_core.algorithm.privacy import as_clipped, next_clip
 from bhfl_core.algorithm.residuals import contribution, select_residuals
 from bhfl_core.algorithm.tree import NodeSettings
 
@@ -81,7 +82,9 @@ def node_down(
     state = (
         stored
         if settings.persistent
-        else NodeState(rounds_done=stored.rounds_done, res_seen=stored.res_seen, personal=stored.personal)
+        else NodeState(
+            rounds_done=stored.rounds_done, res_seen=stored.res_seen, personal=stored.personal, clip=stored.clip
+        )
     )
     state = replace(state, exec_caller=caller.key, exec_start=state.rounds_done)
     if phi is None:
@@ -128,6 +131,9 @@ def node_up(
     theta = state.model
     assert theta is not None, "a node aggregates only after node_down gave it a model"
     mean_input = rule_for(settings.aggregate).finalize(folded.partial, key)
+    clip = state.clip
+    if settings.aggregate.privacy is not None:  # adaptive clipping: the next round's norm (noised count)
+        clip = next_clip(settings.aggregate.privacy, as_clipped(folded.partial), key)
     posts = []
     for link in settings.res_up:
         chosen = select_residuals(folded.candidates, theta, link.k, link.select, mean_input)
@@ -136,7 +142,7 @@ def node_up(
             posts.append(ResidualPost(link.target, link.key, contribution(chosen, link.combine), models))
     opt_up, stepped = node_opt_step(state.opt_up, theta, mean_input, settings.opt_up, scorer)
     theta, opt_res, seen = fold_residuals(inbox, theta, stepped, state.opt_res, state.res_seen, settings, scorer)
-    return replace(state, model=theta, opt_up=opt_up, opt_res=opt_res, res_seen=seen), posts
+    return replace(state, model=theta, opt_up=opt_up, opt_res=opt_res, res_seen=seen, clip=clip), posts
 
 
 def replaces(params: NodeOptParams) -> bool:

@@ -99,6 +99,32 @@ class AggregateSettings(Strict):
         return v
 
 
+class AdaptiveClipSettings(Strict):
+    """Adaptive clipping (Andrew et al. 2021): the clipping norm follows a quantile of the update norms.
+
+    ``count_noise``: std of the noise on the count of unclipped updates (sigma_b); unset,
+    the paper's ``expected cohort / 20``. It must exceed ``noise_multiplier / 2``.
+    """
+
+    quantile: Annotated[float, Field(gt=0, lt=1)] = 0.5
+    lr: Annotated[float, Field(gt=0)] = 0.2
+    count_noise: Annotated[float, Field(gt=0)] | None = None
+
+
+class PrivacySettings(Strict):
+    """Client-level differential privacy at a server (DP-FedAvg; docs/privacy.md).
+
+    Each child's update (its model minus the model the server sent it) is clipped to L2
+    norm ``clip``; Gaussian noise of std ``noise_multiplier * clip`` is added to the sum;
+    the mean divides by the expected cohort size. ``delta``: the delta epsilon is reported at.
+    """
+
+    clip: Annotated[float, Field(gt=0)]
+    noise_multiplier: Annotated[float, Field(ge=0)]
+    adaptive: AdaptiveClipSettings | None = None
+    delta: Annotated[float, Field(gt=0, lt=1)] = 1e-5
+
+
 class TrainSettings(Strict):
     lr: Annotated[float, Field(gt=0)] = 1e-3
     epochs: Annotated[int, Field(ge=1)] = 1
@@ -140,6 +166,7 @@ class LevelSettings(Strict):
     buffer: Annotated[int, Field(ge=1)] = 2  # async: results per NODEOPT_up step (FedBuff's K)
     staleness: StalenessSettings = StalenessSettings()
     aggregate: AggregateSettings = AggregateSettings()  # servers: how the children's models are folded
+    privacy: PrivacySettings | None = None  # servers: DP-FedAvg on the children's updates (docs/privacy.md)
 
 
 class NodeOverride(Strict):
@@ -161,6 +188,7 @@ class NodeOverride(Strict):
     buffer: Annotated[int, Field(ge=1)] | None = None
     staleness: StalenessSettings | None = None
     aggregate: AggregateSettings | None = None
+    privacy: PrivacySettings | None = None
 
 
 class UpResidual(Strict):

@@ -22,11 +22,20 @@ from dataclasses import dataclass, replace
 from bhfl_core.algorithm.aggregation_rule import AggregateParams
 from bhfl_core.algorithm.asynchrony import AsyncParams, StalenessParams
 from bhfl_core.algorithm.node_opt import NodeOptParams, is_tuned
+from bhfl_core.algorithm.privacy_params import AdaptiveClip, PrivacyParams
 from bhfl_core.algorithm.residuals import DownLink, UpLink
 from bhfl_core.algorithm.tree import Node, NodeSettings, Role, TrainParams, Tree
 from bhfl_core.config.base import ConfigError
 from bhfl_core.config.data import KMeansClustering, LanguageClustering
-from bhfl_core.config.schema import ExperimentConfig, LevelSettings, NodeOverride, OptSettings, TrainSettings
+from bhfl_core.config.schema import (
+    ExperimentConfig,
+    LevelSettings,
+    NodeOverride,
+    OptSettings,
+    PrivacySettings,
+    TrainSettings,
+)
+from bhfl_core.rng import derive_seed
 
 ROOT_ID = "root"
 _LEVEL_KEY = {Role.ROOT: "root", Role.SERVER: "server", Role.EDGE: "edge", Role.CLIENT: "client"}
@@ -187,10 +196,60 @@ def _resolve(config: ExperimentConfig, node_id: str, role: Role, depth: int, num
         personal=_train_params(personal) if personal is not None else None,
         asynchronous=asynchronous,
         dropout=config.tree.clock.dropout_p if role is Role.CLIENT else 0.0,
-        aggregate=AggregateParams(values["aggregate"].kind),
+        aggregate=AggregateParams(
+            values["aggregate"].kind,
+            _privacy(config, node_id, role, values, origin, cohort or num_children, num_children),
+        ),
         tempo=config.tree.client.train.epochs if config.tree.tempo and role is Role.ROOT else None,
         evaluated=role is not Role.CLIENT or _client_state_read(config),
     )
+
+
+def _privacy(
+    config: ExperimentConfig,
+    node_id: str,
+    role: Role,
+    values: dict[str, object],
+    origin: dict[str, str],
+    expected: int,
+    population: int,
+) -> PrivacyParams | None:
+    """A server's ``privacy`` settings resolved for its cohort (``expected`` of ``population`` children) and with its
+    noise seed; errors name the key."""
+    settings = values["privacy"]
+    if settings is None:
+        return None
+    assert isinstance(settings, PrivacySettings)
+    key = origin["privacy"]
+    if role is Role.CLIENT:
+        raise ConfigError(
+            f"{key}: client-level DP is a server's (it clips its children's updates); {node_id!r} is a client"
+        )
+    if values["mode"] == "async":
+        raise ConfigError(f"{key}: DP at an asynchronous server is not supported yet ({node_id!r} has mode: async)")
+    if values["proxy_train"] == "async":
+        raise ConfigError(
+            f"{key}: {node_id!r} trains on its proxy split alongside its children (proxy_train: async), which a DP "
+            "server would clip and count as one of them; use proxy_train: true (after aggregating) or false"
+        )
+    adaptive = None
+    if settings.adaptive is not None:
+        a = settings.adaptive
+        adaptive = AdaptiveClip(a.quantile, a.lr, a.count_noise if a.count_noise is not None else expected / 20)
+    params = PrivacyParams(
+        clip=settings.clip,
+        noise_multiplier=settings.noise_multiplier,
+        expected=expected,
+        population=population,
+        noise_seed=derive_seed(config.seed, "privacy", node_id),
+        delta=settings.delta,
+        adaptive=adaptive,
+    )
+    try:
+        params.update_noise_multiplier  # noqa: B018  (validates the split of the budget)
+    except ValueError as exc:
+        raise ConfigError(f"{key}.adaptive.count_noise: {exc}") from None
+    return params
 
 
 def _client_state_read(config: ExperimentConfig) -> bool:
@@ -368,6 +427,19 @@ def _receiver_opt(
     )
 
 
+def _check_private_path(tree: Tree, source: str, target: str, key: str) -> None:
+    """An up-residual must not carry children's models past a DP server's noise (sender included)."""
+    path = [source, *tree.ancestors(source)]
+    for node_id in path[: path.index(target)]:
+        if tree[node_id].settings.aggregate.privacy is not None:
+            via = "" if node_id == source else f" through {node_id!r}"
+            raise ConfigError(
+                f"{key}: {source!r} would send its children's models to {target!r}{via} unclipped and un-noised, "
+                f"past the differential privacy of {node_id!r} (its privacy: settings); residuals cannot skip a DP "
+                "server: drop the residual, or move the privacy settings above the residual's target"
+            )
+
+
 def _wire_residuals(config: ExperimentConfig, tree: Tree) -> Tree:
     """Resolve ``tree.residuals`` into per-node links (senders) and optimiser kinds (receivers)."""
     sends_up: dict[str, list[UpLink]] = {}
@@ -392,6 +464,7 @@ def _wire_residuals(config: ExperimentConfig, tree: Tree) -> Tree:
                     f"{key}.to: {rule.to!r} is not an ancestor of {src.id!r}; up-residuals go to ancestors"
                 )
             for target in targets:
+                _check_private_path(tree, src.id, target, key)
                 link = UpLink(i, target, rule.k, rule.select, rule.combine)
                 sends_up.setdefault(src.id, []).append(link)
                 receives.setdefault(target, []).append(

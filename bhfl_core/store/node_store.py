@@ -76,6 +76,7 @@ def state_info(state: NodeState) -> dict[str, Any]:
         "res_seen": state.res_seen,
         "result": {"loss": state.loss, "examples": state.examples, "virtual_s": state.virtual_s},
         **({"child_epochs": state.child_epochs} if state.child_epochs else {}),
+        **({"clip": state.clip} if state.clip is not None else {}),
         **({"async": _progress_info(state.pending)} if state.pending is not None else {}),
     }
 

@@ -1,0 +1,168 @@
+"""Client-level differential privacy at a server: DP-FedAvg's clipped, noised mean.
+
+A server with ``privacy:`` folds its children with ``DpMeanRule`` instead of the exact
+weighted mean (McMahan et al. 2018, "Learning differentially private recurrent language
+models"; adaptive clipping from Andrew et al. 2021, "Differentially private learning
+with adaptive clipping"):
+
+- each child's *update* ``d_i = x_i - theta`` (its model minus the model the server sent
+  down this round) is clipped to L2 norm ``C``: ``d_i * min(1, C / ||d_i||)``;
+- the clipped updates are summed exactly (``WeightedSum``, every child weight 1: example
+  counts would make the sum's sensitivity depend on the data);
+- Gaussian noise of standard deviation ``z * C`` per coordinate is added to the sum, once,
+  at the server (``finalize``), drawn from (seed, node, round);
+- the result is divided by the round's *expected* number of contributions ``m`` (the
+  cohort size; a fixed denominator, so who dropped out does not change the scale) and
+  added to ``theta``: the mean input the node's NODEOPT_up steps towards.
+
+Clipping happens where the child's model is folded (``contribute``: in the worker for
+clients, in the orchestrator for child servers), so no unclipped update is summed
+anywhere; the noise needs the whole sum, so it is the parent's. A clipped update is
+rounded to float32 with its scale shrunk by ``2**-23`` (``clip_update``), so its norm
+stays below ``C`` after rounding and the float32 sum stays exact and order-independent.
+
+Adaptive clipping: every child also reports whether its update was within ``C``; the
+server adds noise of standard deviation ``sigma_b`` to that count and moves ``C``
+geometrically towards the ``quantile`` of the update norms:
+``C <- C * exp(-lr * (b - quantile))`` with ``b`` the noised unclipped share. The update
+noise then uses ``z_delta = (z**-2 - (2 sigma_b)**-2) ** -1/2`` so that both releases
+together cost what noise multiplier ``z`` costs (Andrew et al., Theorem 1). ``C`` is the
+node's state (``NodeState.clip``) and travels down in each child's ``RoundPlan``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+import torch
+
+from bhfl_core.algorithm.aggregation import WeightedSum
+from bhfl_core.algorithm.node_state import RoundKey
+from bhfl_core.algorithm.privacy_params import PrivacyParams
+from bhfl_core.rng import derive_seed
+
+if TYPE_CHECKING:
+    from bhfl_core.algorithm.aggregation import Allocator
+
+SHRINK = 1.0 - 2.0**-23
+"""A clipped update's scale is multiplied by this: rounding to float32 then cannot lift its norm above C."""
+
+
+def clip_update(model: torch.Tensor, reference: torch.Tensor, clip: float) -> tuple[torch.Tensor, float]:
+    """``(model - reference)`` clipped to L2 norm ``clip`` as float32, and its norm before clipping.
+
+    The difference and its norm are computed in float64 on ``model``'s device. An update
+    within the bound is only rounded to float32 (its norm is that of the float32 vector,
+    so it stays within); a longer one is scaled by ``clip / norm * SHRINK`` first.
+    """
+    delta = model.to(torch.float64) - reference.to(model.device, torch.float64)
+    rounded = delta.to(torch.float32)
+    norm = float(torch.linalg.vector_norm(rounded.to(torch.float64)))
+    if norm <= clip:
+        return rounded, norm
+    return (delta * (clip / norm * SHRINK)).to(torch.float32), norm
+
+
+def as_clipped(partial: object) -> ClippedSum:
+    """``partial`` as the DP rule's fold (a TypeError for another rule's)."""
+    if not isinstance(partial, ClippedSum):
+        raise TypeError(f"the DP rule folds ClippedSum partials, got {type(partial).__name__}")
+    return partial
+
+
+class ClippedSum:
+    """A DP server's running fold: the exact sum of clipped updates, with its counts.
+
+    ``reference`` (the model the children started from) and ``clip`` are what clipping
+    needs; they are not sent anywhere (the parent has both).
+    """
+
+    def __init__(
+        self,
+        reference: torch.Tensor | None,
+        clip: float,
+        allocate: Allocator | None = None,
+        total: WeightedSum | None = None,
+    ) -> None:
+        self.reference, self.clip = reference, clip
+        self.total = total if total is not None else WeightedSum(allocate=allocate)
+        self.clipped = 0  # contributions whose update was longer than clip
+        self._reference_on: dict[torch.device, torch.Tensor] = {}
+
+    @property
+    def weight(self) -> float:
+        """Contributions folded (each counts 1)."""
+        return self.total.weight
+
+    @property
+    def empty(self) -> bool:
+        return self.total.empty
+
+    def add(self, model: torch.Tensor) -> None:
+        if self.reference is None:
+            raise ValueError("a DP fold clips updates against the model the children were sent: none was given")
+        reference = self._reference_on.get(model.device)
+        if reference is None:  # once per device and fold: a GPU worker's clients share one copy
+            reference = self._reference_on[model.device] = self.reference.to(model.device)
+        update, norm = clip_update(model, reference, self.clip)
+        self.total.add(update, 1.0)
+        self.clipped += norm > self.clip
+
+
+def noise(params: PrivacyParams, key: RoundKey, numel: int, std: float, purpose: str) -> torch.Tensor:
+    """``numel`` Gaussian draws of std ``std`` (float64, CPU) from (node's noise seed, round, purpose)."""
+    gen = torch.Generator().manual_seed(derive_seed(params.noise_seed, purpose, *key.parts()))
+    return torch.randn(numel, generator=gen, dtype=torch.float64) * std
+
+
+def noised_mean(params: PrivacyParams, partial: ClippedSum, key: RoundKey) -> torch.Tensor:
+    """``theta + (sum of clipped updates + N(0, (z_delta C)^2)) / m`` as float32: the round's mean input."""
+    if partial.reference is None or partial.total.hi is None or partial.total.lo is None:
+        raise ValueError("cannot finalize an empty DP fold")
+    summed = partial.total.hi + partial.total.lo  # float64; exact sums of float32 updates
+    std = params.update_noise_multiplier * partial.clip
+    if std:
+        summed = summed + noise(params, key, summed.numel(), std, "update").view_as(summed)
+    return (partial.reference.to(torch.float64) + summed / params.expected).to(torch.float32)
+
+
+def next_clip(params: PrivacyParams, partial: ClippedSum, key: RoundKey) -> float:
+    """The clipping norm of the next round: unchanged, or Andrew et al.'s geometric step on the noised count."""
+    adaptive = params.adaptive
+    if adaptive is None:
+        return partial.clip
+    unclipped = partial.weight - partial.clipped
+    count_noise = float(noise(params, key, 1, adaptive.count_noise, "count")[0]) if params.noise_multiplier else 0.0
+    share = (unclipped + count_noise) / params.expected
+    return partial.clip * math.exp(-adaptive.lr * (share - adaptive.quantile))
+
+
+def privacy_metrics(params: PrivacyParams, folded: object, rounds: int) -> dict[str, float]:
+    """What a DP server logs per round: the clip used, the share clipped, the noise on the mean, epsilon so far.
+
+    ``privacy/clipped_fraction`` is the raw share (a diagnostic for the experimenter: the
+    noised share adaptive clipping uses is what a server would publish).
+    """
+    from bhfl_core.algorithm.privacy_accounting import epsilon
+
+    partial = as_clipped(folded)
+    return {
+        "privacy/clip": partial.clip,
+        "privacy/clipped_fraction": partial.clipped / partial.weight if partial.weight else 0.0,
+        "privacy/noise_std": params.update_noise_multiplier * partial.clip / params.expected,
+        "privacy/epsilon": epsilon(params, rounds),
+    }
+
+
+def wire_counts(partial: ClippedSum) -> dict[str, float]:
+    return {"weight": partial.total.weight, "clipped": float(partial.clipped), "clip": partial.clip}
+
+
+def unwire(tensors: Mapping[str, torch.Tensor], numbers: Mapping[str, float]) -> ClippedSum:
+    """A ``ClippedSum`` from the wire: its sum and counts (no reference: the parent merges it into its own fold)."""
+    total = WeightedSum.of(tensors["hi"], tensors["lo"], float(numbers["weight"])) if tensors else WeightedSum()
+    out = ClippedSum(None, float(numbers["clip"]), total=total)
+    out.clipped = int(numbers["clipped"])
+    return out

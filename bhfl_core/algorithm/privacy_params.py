@@ -1,0 +1,50 @@
+"""A server's differential-privacy settings, resolved for one node (no torch: configs build these).
+
+What they mean: ``privacy.py``; how epsilon is counted: ``privacy_accounting.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class AdaptiveClip:
+    """Andrew et al. 2021: move the clipping norm towards the ``quantile`` of the update norms."""
+
+    quantile: float = 0.5  # gamma: the share of updates meant to stay unclipped
+    lr: float = 0.2  # eta_C: the geometric step
+    count_noise: float = 1.0  # sigma_b: std of the noise on the count of unclipped updates
+
+
+@dataclass(frozen=True)
+class PrivacyParams:
+    """A server's client-level DP (``privacy:`` in the config), resolved for one node.
+
+    ``expected``: contributions a round expects (its cohort size): the mean's denominator.
+    ``population``: the children a cohort is drawn from (the accountant's sampling rate is
+    ``expected / population``). ``noise_seed``: derived from (run seed, node) when the tree
+    is built; each round's draws derive from it and the round key.
+    """
+
+    clip: float
+    noise_multiplier: float
+    expected: int
+    population: int
+    noise_seed: int
+    delta: float = 1e-5
+    adaptive: AdaptiveClip | None = None
+
+    @property
+    def update_noise_multiplier(self) -> float:
+        """The update sum's noise multiplier: ``z``, or less with adaptive clipping (some budget is the count's)."""
+        z = self.noise_multiplier
+        if self.adaptive is None or z == 0:
+            return z
+        rest = z**-2 - (2 * self.adaptive.count_noise) ** -2
+        if rest <= 0:
+            raise ValueError(
+                f"adaptive clipping: count_noise {self.adaptive.count_noise} leaves no budget for the update "
+                f"at noise_multiplier {z} (it needs 2 * count_noise > noise_multiplier)"
+            )
+        return float(rest**-0.5)

@@ -1,0 +1,54 @@
+"""The report's privacy section: each DP server's spent epsilon and its clipping, from its MLflow history."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from bhfl_core.algorithm.tree import Tree
+from flows.tracking.tracker import Tracker
+
+KEYS = ("privacy/epsilon", "privacy/clip", "privacy/noise_std", "privacy/clipped_fraction")
+EPSILON_MAX = "privacy/epsilon_max"
+"""Parent-run metric: the largest epsilon any DP server spent (what the run as a whole guarantees its clients)."""
+
+
+@dataclass(frozen=True)
+class PrivacyRow:
+    """A DP server at the end of the run: its last round's logged values."""
+
+    node: str
+    delta: float
+    rounds: int
+    epsilon: float
+    clip: float
+    noise_std: float
+    clipped: float
+
+    def cells(self) -> list[str]:
+        numbers = (self.epsilon, self.clip, self.noise_std, self.clipped)
+        return [self.node, f"{self.delta:g}", str(self.rounds), *(f"{v:.3g}" for v in numbers)]
+
+
+HEADERS = ["server", "delta", "rounds", "epsilon", "clip", "noise std", "clipped"]
+
+
+def privacy_rows(tracker: Tracker, tree: Tree) -> list[PrivacyRow]:
+    """One row per DP server that logged a round (none without DP)."""
+    rows = []
+    for node in tree.servers():
+        privacy = node.settings.aggregate.privacy
+        run_id = tracker.node_runs.get(node.id)
+        if privacy is None or run_id is None:
+            continue
+        history = {key: tracker.history(run_id, key) for key in KEYS}
+        if not history["privacy/epsilon"]:
+            continue
+        last = max(history["privacy/epsilon"])
+        values = [history[key].get(last, float("nan")) for key in KEYS]
+        rows.append(PrivacyRow(node.id, privacy.delta, len(history["privacy/epsilon"]), *values))
+    return rows
+
+
+def epsilon_max(rows: list[PrivacyRow]) -> dict[str, float]:
+    """The parent's ``privacy/epsilon_max`` (none without a DP server)."""
+    return {EPSILON_MAX: max(r.epsilon for r in rows)} if rows else {}

@@ -1,0 +1,83 @@
+"""A shrunken experiment with DP-FedAvg at the edge servers, end to end: deterministic, logged, private where asked."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from mlflow import MlflowClient
+
+from bhfl_core.store.node_store import load_tensors
+from flows.experiment import PLAIN_CALLS, run_experiment
+from tests.flows.kill_chain import node_files
+from tests.small import small_config
+
+pytestmark = pytest.mark.integration
+
+EDGE_DP = "tree.edge.privacy={clip: 0.5, noise_multiplier: 1.0, adaptive: {quantile: 0.5, lr: 0.2, count_noise: 1.0}}"
+
+
+def _run(folder: Path, *overrides: str) -> dict:
+    return run_experiment(small_config(EDGE_DP, *overrides), folder, orchestration=PLAIN_CALLS)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    base = tmp_path_factory.mktemp("privacy")
+    return {
+        "inprocess": _run(base / "a", "runtime.executor=inprocess"),
+        "again": _run(base / "b", "runtime.executor=inprocess"),
+        "workers": _run(base / "c", "runtime.executor=local", "runtime.workers=2"),
+        "plain": run_experiment(small_config("runtime.executor=inprocess"), base / "d", orchestration=PLAIN_CALLS),
+    }
+
+
+def test_a_dp_run_is_bit_identical_across_reruns_and_worker_layouts(runs):
+    first = node_files(Path(runs["inprocess"]["run_path"]))
+    assert first == node_files(Path(runs["again"]["run_path"]))
+    assert first == node_files(Path(runs["workers"]["run_path"]))  # clients clipped and folded on 2 worker processes
+    plain = node_files(Path(runs["plain"]["run_path"]))
+    assert first["root.safetensors"] != plain["root.safetensors"]  # the edges' noise reached the root
+
+
+def test_each_edge_logs_its_clip_noise_and_growing_epsilon_and_keeps_the_adaptive_clip(runs):
+    result = runs["inprocess"]
+    client = MlflowClient(result["tracking_uri"])
+    exp = client.get_experiment_by_name("itest")
+    by_node = {
+        r.data.tags.get("bhfl.node"): r
+        for r in client.search_runs([exp.experiment_id], max_results=1000)
+        if r.data.tags.get("bhfl.node")
+    }
+    for edge in ("edge-en", "edge-fr", "edge-de"):
+        run_id = by_node[edge].info.run_id
+        eps = [m.value for m in client.get_metric_history(run_id, "privacy/epsilon")]
+        clips = [m.value for m in client.get_metric_history(run_id, "privacy/clip")]
+        assert len(eps) == 2 and 0 < eps[0] < eps[1]  # 2 edge rounds (1 per root round): spent, then more
+        assert clips[0] == 0.5 and clips[1] != 0.5  # the second round clips at the adaptively moved norm
+        noise = client.get_metric_history(run_id, "privacy/noise_std")[0].value
+        assert noise == pytest.approx((1.0**-2 - 2.0**-2) ** -0.5 * 0.5 / 2)  # z_delta * C / cohort of 2
+        header = load_tensors(Path(result["run_path"]) / "state" / "nodes" / f"{edge}.safetensors", [])[1]
+        assert header["clip"] > 0 and header["clip"] != clips[1]  # the state holds the next round's norm
+    for server in ("root", "west", "east"):
+        assert "privacy/epsilon" not in client.get_run(by_node[server].info.run_id).data.metrics
+
+
+def test_dp_edges_send_up_models_that_differ_from_the_plain_mean(runs):
+    tensors = load_tensors(Path(runs["inprocess"]["run_path"]) / "state" / "nodes" / "edge-en.safetensors", ["model"])
+    plain = load_tensors(Path(runs["plain"]["run_path"]) / "state" / "nodes" / "edge-en.safetensors", ["model"])
+    assert not torch.equal(tensors[0]["model"], plain[0]["model"])
+
+
+def test_the_report_and_the_parent_run_give_the_epsilon_spent(runs):
+    result = runs["inprocess"]
+    client = MlflowClient(result["tracking_uri"])
+    exp = client.get_experiment_by_name("itest")
+    edges = [r for r in client.search_runs([exp.experiment_id]) if r.data.tags.get("bhfl.role") == "edge"]
+    spent = [r.data.metrics["privacy/epsilon"] for r in edges]
+    parent = client.get_run(result["run_id"]).data.metrics
+    assert parent["privacy/epsilon_max"] == max(spent)
+    report = (Path(result["run_path"]) / "report" / "report.md").read_text()
+    section = report.split("## Differential privacy", 1)[1].split("\n## ", 1)[0]
+    assert section.count("| edge-") == 3 and f"{max(spent):.3g}" in section
+    plain = (Path(runs["plain"]["run_path"]) / "report" / "report.md").read_text()
+    assert "## Differential privacy" not in plain
