@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from bhfl_core.algorithm.contract import ChildResult, Partial
 from bhfl_core.algorithm.node_state import Caller, RoundKey
-from bhfl_core.algorithm.privacy_params import PrivacyParams
+from bhfl_core.algorithm.privacy_params import PrivacyParams, SecAggParams
 
 if TYPE_CHECKING:  # imported where used: configs validate rule names without loading torch
     import torch
@@ -42,14 +42,16 @@ if TYPE_CHECKING:  # imported where used: configs validate rule names without lo
     from bhfl_core.algorithm.aggregation import Allocator, WeightedSum
     from bhfl_core.algorithm.privacy import ClippedSum
     from bhfl_core.algorithm.residuals import Candidate
+    from bhfl_core.algorithm.secure_aggregation import MaskedSum
 
 
 @dataclass(frozen=True)
 class AggregateParams:
-    """A node's aggregation rule (``aggregate:`` in the config) and its settings; ``privacy``: DP-FedAvg instead."""
+    """A node's aggregation rule (``aggregate:`` in the config); ``privacy``: DP-FedAvg, ``secagg``: masked sums."""
 
     kind: str = "mean"
     privacy: PrivacyParams | None = None
+    secagg: SecAggParams | None = None
 
 
 class AggregationRule(Protocol):
@@ -61,12 +63,14 @@ class AggregationRule(Protocol):
         allocate: Allocator | None = None,
         reference: torch.Tensor | None = None,
         clip: float | None = None,
+        peers: Sequence[str] = (),
     ) -> Partial:
         """An empty partial for the contributions to one round (``Caller(node, round)``: the children's caller).
 
         ``allocate`` (optional) gives the storage of its tensors (a worker's shared files).
         ``reference``: the model the children were sent, and ``clip`` the round's clipping
-        norm (``RoundPlan.clip``), for rules that fold updates rather than models.
+        norm (``RoundPlan.clip``), for rules that fold updates rather than models;
+        ``peers``: the children the round called (``RoundPlan.peers``), for secure aggregation.
         """
         ...
 
@@ -114,6 +118,8 @@ def available_rules() -> list[str]:
 
 def rule_for(params: AggregateParams) -> AggregationRule:
     """The rule a node's ``aggregate`` settings name (DP-FedAvg's where they carry ``privacy``)."""
+    if params.secagg is not None:
+        return SecAggRule(params.secagg, params.privacy)
     if params.privacy is not None:
         return DpMeanRule(params.privacy)
     try:
@@ -144,6 +150,7 @@ class MeanRule:
         allocate: Allocator | None = None,
         reference: torch.Tensor | None = None,
         clip: float | None = None,
+        peers: Sequence[str] = (),
     ) -> WeightedSum:
         from bhfl_core.algorithm.aggregation import WeightedSum
 
@@ -191,6 +198,7 @@ class DpMeanRule:
         allocate: Allocator | None = None,
         reference: torch.Tensor | None = None,
         clip: float | None = None,
+        peers: Sequence[str] = (),
     ) -> ClippedSum:
         from bhfl_core.algorithm.privacy import ClippedSum
 
@@ -221,6 +229,54 @@ class DpMeanRule:
         from bhfl_core.algorithm.privacy import unwire
 
         return unwire(tensors, numbers)
+
+
+def _masked(partial: Partial) -> MaskedSum:
+    from bhfl_core.algorithm.secure_aggregation import MaskedSum
+
+    if not isinstance(partial, MaskedSum):
+        raise TypeError(f"the secure aggregation rule folds MaskedSum partials, got {type(partial).__name__}")
+    return partial
+
+
+class SecAggRule:
+    """Secure aggregation (``secure_aggregation.py``): masked where folded, unmasked only as a sum by the server.
+
+    With ``privacy`` at the same server, updates are clipped before masking and the server
+    adds the noise after unmasking. Chosen by a server's ``secure_aggregation:`` settings.
+    """
+
+    def __init__(self, params: SecAggParams, privacy: PrivacyParams | None = None) -> None:
+        self.params, self.privacy = params, privacy
+
+    def start(
+        self,
+        round_of: Caller,
+        allocate: Allocator | None = None,
+        reference: torch.Tensor | None = None,
+        clip: float | None = None,
+        peers: Sequence[str] = (),
+    ) -> MaskedSum:
+        from bhfl_core.algorithm.secure_aggregation import MaskedSum
+
+        return MaskedSum(self.params, round_of, peers, reference, self.privacy, clip)
+
+    def contribute(self, partial: Partial, member: str, model: torch.Tensor, weight: float) -> None:
+        _masked(partial).add(member, model, weight)
+
+    def merge(self, into: Partial, other: Partial) -> None:
+        _masked(into).merge(_masked(other))
+
+    def finalize(self, partial: Partial, key: RoundKey) -> torch.Tensor:
+        return _masked(partial).finalize(key)
+
+    def wire(self, partial: Partial) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+        return _masked(partial).wire()
+
+    def unwire(self, tensors: Mapping[str, torch.Tensor], numbers: Mapping[str, float]) -> MaskedSum:
+        from bhfl_core.algorithm.secure_aggregation import unwire
+
+        return unwire(self.params, Caller(), (), tensors, numbers, self.privacy)
 
 
 @dataclass
@@ -256,11 +312,13 @@ def fold_results(
     order: Sequence[str],
     reference: torch.Tensor | None = None,
     clip: float | None = None,
+    peers: Sequence[str] = (),
 ) -> FoldedRound:
     """Fold a round's child results into one partial, in child order (``order``: the node's children, itself last).
 
-    ``reference`` / ``clip``: the model the node sent its children and its clipping norm
-    this round, for a DP node (``AggregationRule.start``).
+    ``reference`` / ``clip`` / ``peers``: the model the node sent its children, its clipping
+    norm this round and the children it called, for DP and secure aggregation
+    (``AggregationRule.start``).
 
     The order makes everything that is not an exact sum (candidate lists, the loss mean,
     the dropped list) the same however the children were placed or arrived. The node's
@@ -273,7 +331,7 @@ def fold_results(
     def first(result: ChildResult) -> int:
         return min((rank.get(m, len(rank)) for m in (*result.members, *result.dropped)), default=len(rank))
 
-    folded = FoldedRound(rule.start(key.as_caller(), reference=reference, clip=clip), [], {}, [])
+    folded = FoldedRound(rule.start(key.as_caller(), reference=reference, clip=clip, peers=peers), [], {}, [])
     losses: dict[str, tuple[float, int]] = {}
     for result in sorted(results, key=first):
         if result.model is not None:

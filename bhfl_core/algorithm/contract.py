@@ -42,15 +42,18 @@ class RoundPlan:
     passes its plan's ``epochs`` on to its own children. ``clip``: the clipping norm of
     the parent's DP rule this round (``privacy.py``; adaptive, so it is the parent's
     state), used where the child's model is folded; it is not passed further down.
+    ``peers``: the children the parent called this round, under secure aggregation (each
+    masks its update with a pairwise mask per peer).
     """
 
     caller: Caller
     epochs: int | None = None
     clip: float | None = None
+    peers: tuple[str, ...] = ()
 
-    def for_child(self, caller: Caller, clip: float | None = None) -> RoundPlan:
-        """The plan this node's round gives its children: its own round's epochs, its clip, under a new caller."""
-        return RoundPlan(caller, self.epochs, clip)
+    def for_child(self, caller: Caller) -> RoundPlan:
+        """The plan this node's round gives its children: its own round's epochs, under a new caller."""
+        return RoundPlan(caller, self.epochs)
 
 
 ROOT_PLAN = RoundPlan(Caller())

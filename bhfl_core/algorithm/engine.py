@@ -66,6 +66,7 @@ from bhfl_core.algorithm.node_step import (
     reads_own_model,
 )
 from bhfl_core.algorithm.privacy import privacy_metrics
+from bhfl_core.algorithm.secure_aggregation import MaskedSum
 from bhfl_core.algorithm.tempo import omega, tempo_epochs
 from bhfl_core.algorithm.tree import Node, NodeSettings, Tree
 from bhfl_core.algorithm.virtual_clock import drops_out
@@ -179,15 +180,16 @@ def _round(
     key = RoundKey(node.id, state.rounds_done, plan.caller)
     store.post(node.id, key.round, down_posts(state.theta, settings))
     cohort = sample_cohort(children, settings.cohort, seed, node.id, key.round)
-    plans = {c.id: child_plan(plan, key, state, c, settings) for c in cohort}
-    proxy = hooks.start_train(node, state.theta, key) if settings.proxy_async else None
     present = [c for c in cohort if not drops_out(c.settings.dropout, seed, c.id, key.round)]
+    peers = tuple(c.id for c in present) if settings.aggregate.secagg is not None else ()
+    plans = {c.id: replace(child_plan(plan, key, state, c, settings), peers=peers) for c in cohort}
+    proxy = hooks.start_train(node, state.theta, key) if settings.proxy_async else None
     results = hooks.run_children(node, present, state.theta, plans) if present else []
     absent = [c for c in cohort if c not in present]  # dropped out: never trained, known when the call would end
     mine = [proxy_child(node, proxy.result())] if proxy is not None else []
     order = [c.id for c in children] + [node.id]
     rule, clip = rule_for(settings.aggregate), round_clip(state, settings)
-    folded = fold_results(rule, key, [*results, *mine], order, state.theta, clip)
+    folded = fold_results(rule, key, [*results, *mine], order, state.theta, clip, peers)
     del results  # folded: the partials they carried are the fold's now
     folded.dropped.extend(c.id for c in absent)
     waited = [hooks.call_duration(node, c, plans[c.id]) or 0.0 for c in absent]
@@ -196,7 +198,9 @@ def _round(
     store.post(node.id, key.round, posts)
     metrics = round_metrics(node, cohort, present, folded, posts)
     if settings.aggregate.privacy is not None and not folded.empty:
-        metrics.update(privacy_metrics(settings.aggregate.privacy, folded.partial, key.round + 1))
+        metrics.update(privacy_metrics(settings.aggregate.privacy, folded.partial, key.round + 1))  # type: ignore[arg-type]
+    if isinstance(folded.partial, MaskedSum):
+        metrics.update(folded.partial.secagg_metrics())
     for own in mine:
         metrics.update(proxy_metrics(own))
     metrics.update(tuned_metrics(state))

@@ -132,8 +132,9 @@ def node_up(
     assert theta is not None, "a node aggregates only after node_down gave it a model"
     mean_input = rule_for(settings.aggregate).finalize(folded.partial, key)
     clip = state.clip
-    if settings.aggregate.privacy is not None:  # adaptive clipping: the next round's norm (noised count)
-        clip = next_clip(settings.aggregate.privacy, as_clipped(folded.partial), key)
+    privacy = settings.aggregate.privacy
+    if privacy is not None and privacy.adaptive is not None:  # the next round's norm, from the noised count
+        clip = next_clip(privacy, as_clipped(folded.partial), key)
     posts = []
     for link in settings.res_up:
         chosen = select_residuals(folded.candidates, theta, link.k, link.select, mean_input)

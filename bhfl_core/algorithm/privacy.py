@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -139,7 +139,17 @@ def next_clip(params: PrivacyParams, partial: ClippedSum, key: RoundKey) -> floa
     return partial.clip * math.exp(-adaptive.lr * (share - adaptive.quantile))
 
 
-def privacy_metrics(params: PrivacyParams, folded: object, rounds: int) -> dict[str, float]:
+class Clipped(Protocol):
+    """What a DP fold reports: the clip it used, how many updates it clipped, how many it holds."""
+
+    clip: float
+    clipped: int
+
+    @property
+    def weight(self) -> float: ...
+
+
+def privacy_metrics(params: PrivacyParams, partial: Clipped, rounds: int) -> dict[str, float]:
     """What a DP server logs per round: the clip used, the share clipped, the noise on the mean, epsilon so far.
 
     ``privacy/clipped_fraction`` is the raw share (a diagnostic for the experimenter: the
@@ -147,7 +157,6 @@ def privacy_metrics(params: PrivacyParams, folded: object, rounds: int) -> dict[
     """
     from bhfl_core.algorithm.privacy_accounting import epsilon
 
-    partial = as_clipped(folded)
     return {
         "privacy/clip": partial.clip,
         "privacy/clipped_fraction": partial.clipped / partial.weight if partial.weight else 0.0,

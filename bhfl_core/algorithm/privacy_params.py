@@ -48,3 +48,19 @@ class PrivacyParams:
                 f"at noise_multiplier {z} (it needs 2 * count_noise > noise_multiplier)"
             )
         return float(rest**-0.5)
+
+
+@dataclass(frozen=True)
+class SecAggParams:
+    """A server's secure aggregation (``secure_aggregation:`` in the config), resolved for one node.
+
+    Updates are fixed-point integers with ``fraction_bits`` below the point, summed modulo
+    ``2**bits``; ``threshold``: Shamir's t, the survivors needed to remove a dropped
+    client's masks. ``mask_seed``: derived from (run seed, node); every key, mask and share
+    of a round derives from it and the round (simulated cryptography: secagg_crypto.py).
+    """
+
+    threshold: int
+    mask_seed: int
+    bits: int = 48
+    fraction_bits: int = 24

@@ -125,6 +125,19 @@ class PrivacySettings(Strict):
     delta: Annotated[float, Field(gt=0, lt=1)] = 1e-5
 
 
+class SecureAggregationSettings(Strict):
+    """Secure aggregation at a server (simulated Bonawitz et al. 2017; docs/privacy.md).
+
+    Updates become fixed-point integers (``fraction_bits`` below the point) summed modulo
+    ``2**bits``; ``threshold``: how many of the round's children must send their masked
+    update for the masks to be removed (default: a majority of the cohort).
+    """
+
+    bits: Annotated[int, Field(ge=16, le=62)] = 48
+    fraction_bits: Annotated[int, Field(ge=0, le=60)] = 24
+    threshold: Annotated[int, Field(ge=1)] | None = None
+
+
 class TrainSettings(Strict):
     lr: Annotated[float, Field(gt=0)] = 1e-3
     epochs: Annotated[int, Field(ge=1)] = 1
@@ -167,6 +180,7 @@ class LevelSettings(Strict):
     staleness: StalenessSettings = StalenessSettings()
     aggregate: AggregateSettings = AggregateSettings()  # servers: how the children's models are folded
     privacy: PrivacySettings | None = None  # servers: DP-FedAvg on the children's updates (docs/privacy.md)
+    secure_aggregation: SecureAggregationSettings | None = None  # servers: masked sums (docs/privacy.md)
 
 
 class NodeOverride(Strict):
@@ -189,6 +203,7 @@ class NodeOverride(Strict):
     staleness: StalenessSettings | None = None
     aggregate: AggregateSettings | None = None
     privacy: PrivacySettings | None = None
+    secure_aggregation: SecureAggregationSettings | None = None
 
 
 class UpResidual(Strict):

@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 from bhfl_core.algorithm.aggregation_rule import AggregateParams
 from bhfl_core.algorithm.asynchrony import AsyncParams, StalenessParams
 from bhfl_core.algorithm.node_opt import NodeOptParams, is_tuned
-from bhfl_core.algorithm.privacy_params import AdaptiveClip, PrivacyParams
+from bhfl_core.algorithm.privacy_params import AdaptiveClip, PrivacyParams, SecAggParams
 from bhfl_core.algorithm.residuals import DownLink, UpLink
 from bhfl_core.algorithm.tree import Node, NodeSettings, Role, TrainParams, Tree
 from bhfl_core.config.base import ConfigError
@@ -33,6 +33,7 @@ from bhfl_core.config.schema import (
     NodeOverride,
     OptSettings,
     PrivacySettings,
+    SecureAggregationSettings,
     TrainSettings,
 )
 from bhfl_core.rng import derive_seed
@@ -199,6 +200,7 @@ def _resolve(config: ExperimentConfig, node_id: str, role: Role, depth: int, num
         aggregate=AggregateParams(
             values["aggregate"].kind,
             _privacy(config, node_id, role, values, origin, cohort or num_children, num_children),
+            _secagg(config, node_id, role, values, origin, cohort or num_children),
         ),
         tempo=config.tree.client.train.epochs if config.tree.tempo and role is Role.ROOT else None,
         evaluated=role is not Role.CLIENT or _client_state_read(config),
@@ -250,6 +252,44 @@ def _privacy(
     except ValueError as exc:
         raise ConfigError(f"{key}.adaptive.count_noise: {exc}") from None
     return params
+
+
+def _secagg(
+    config: ExperimentConfig, node_id: str, role: Role, values: dict[str, object], origin: dict[str, str], cohort: int
+) -> SecAggParams | None:
+    """A server's ``secure_aggregation`` settings resolved (threshold, mask seed); errors name the key."""
+    settings = values["secure_aggregation"]
+    if settings is None:
+        return None
+    assert isinstance(settings, SecureAggregationSettings)
+    key = origin["secure_aggregation"]
+    if role is Role.CLIENT:
+        raise ConfigError(
+            f"{key}: secure aggregation is a server's (it sums its children's updates); {node_id!r} is a client"
+        )
+    if values["mode"] == "async":
+        raise ConfigError(
+            f"{key}: secure aggregation at an asynchronous server is not supported ({node_id!r} has mode: async)"
+        )
+    if values["proxy_train"] == "async":
+        raise ConfigError(
+            f"{key}: {node_id!r} trains on its proxy split alongside its children (proxy_train: async); "
+            "its own model would join the masked sum: use proxy_train: true or false"
+        )
+    if settings.fraction_bits >= settings.bits - 1:
+        raise ConfigError(
+            f"{key}.fraction_bits: {settings.fraction_bits} leaves no integer part in {settings.bits} bits"
+        )
+    privacy = values["privacy"]
+    if isinstance(privacy, PrivacySettings) and privacy.adaptive is not None:
+        raise ConfigError(
+            f"{key}: adaptive clipping with secure aggregation is not supported yet (the unclipped count would need "
+            f"its own masked sum); set a fixed {origin['privacy']}.clip without adaptive"
+        )
+    threshold = settings.threshold if settings.threshold is not None else cohort // 2 + 1
+    if threshold > cohort:
+        raise ConfigError(f"{key}.threshold: {threshold} is more than the {cohort} children {node_id!r} calls a round")
+    return SecAggParams(threshold, derive_seed(config.seed, "secagg", node_id), settings.bits, settings.fraction_bits)
 
 
 def _client_state_read(config: ExperimentConfig) -> bool:
@@ -428,11 +468,17 @@ def _receiver_opt(
 
 
 def _check_private_path(tree: Tree, source: str, target: str, key: str) -> None:
-    """An up-residual must not carry children's models past a DP server's noise (sender included)."""
+    """An up-residual must not carry children's models past a DP server's noise or a secure aggregation's masks."""
     path = [source, *tree.ancestors(source)]
     for node_id in path[: path.index(target)]:
-        if tree[node_id].settings.aggregate.privacy is not None:
-            via = "" if node_id == source else f" through {node_id!r}"
+        aggregate = tree[node_id].settings.aggregate
+        via = "" if node_id == source else f" through {node_id!r}"
+        if aggregate.secagg is not None:
+            raise ConfigError(
+                f"{key}: {source!r} would send its children's models to {target!r}{via} in the clear, past the "
+                f"secure aggregation of {node_id!r}, where only their masked sum may be seen: drop the residual"
+            )
+        if aggregate.privacy is not None:
             raise ConfigError(
                 f"{key}: {source!r} would send its children's models to {target!r}{via} unclipped and un-noised, "
                 f"past the differential privacy of {node_id!r} (its privacy: settings); residuals cannot skip a DP "

@@ -40,7 +40,7 @@ from bhfl_core.algorithm.residuals import Candidate
 SHM = Path("/dev/shm")
 SHM_MIN_FREE = 2 << 30
 """Free bytes ``/dev/shm`` needs to be used (a container's default 64 MB is not enough: the run folder is)."""
-_DTYPES = {"float32": torch.float32, "float64": torch.float64}
+_DTYPES = {"float32": torch.float32, "float64": torch.float64, "int64": torch.int64}
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,7 @@ class Transfer:
         return self.folder / name
 
     def put(self, name: str, tensor: torch.Tensor) -> TensorRef:
-        """Write ``tensor`` (flat, float32 or float64, any device) under ``name``, replacing an older one."""
+        """Write ``tensor`` (flat, float32, float64 or int64, any device) under ``name``, replacing an older one."""
         flat = tensor.detach().reshape(-1)
         dtype = _name(flat.dtype)
         path = self._path(name)
@@ -139,7 +139,7 @@ def _name(dtype: torch.dtype) -> str:
     for name, known in _DTYPES.items():
         if known == dtype:
             return name
-    raise ValueError(f"only float32 and float64 tensors travel between processes, not {dtype}")
+    raise ValueError(f"only float32, float64 and int64 tensors travel between processes, not {dtype}")
 
 
 def _mapped(path: Path, numel: int, dtype: torch.dtype, *, create: bool, shared: bool = False) -> torch.Tensor:

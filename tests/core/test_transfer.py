@@ -27,8 +27,10 @@ def test_put_and_get_round_trip_and_replace_atomically(tmp_path):
     again = transfer.put("root.down", x + 1)  # the next round: a reader of the old file keeps its copy
     assert torch.equal(got, x) and torch.equal(Transfer.get(again), x + 1)
     assert sorted(p.name for p in (tmp_path / "t").iterdir()) == ["root.down"]  # no temporary file left
-    with pytest.raises(ValueError, match="float32 and float64"):
-        transfer.put("ints", torch.arange(3))
+    ints = torch.arange(-3, 3) << 40  # secure aggregation's masked sums: int64, bit for bit
+    assert torch.equal(Transfer.get(transfer.put("ints", ints)), ints)
+    with pytest.raises(ValueError, match="float32, float64 and int64"):
+        transfer.put("bytes", torch.arange(3, dtype=torch.uint8))
     Transfer.drop(again)
     with pytest.raises(FileNotFoundError, match="missing"):
         Transfer.get(again)

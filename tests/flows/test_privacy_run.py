@@ -16,8 +16,16 @@ pytestmark = pytest.mark.integration
 EDGE_DP = "tree.edge.privacy={clip: 0.5, noise_multiplier: 1.0, adaptive: {quantile: 0.5, lr: 0.2, count_noise: 1.0}}"
 
 
+SECAGG = "tree.edge.secure_aggregation={threshold: 2}"  # 2 of the cohort of 2
+FIXED_DP = "tree.edge.privacy={clip: 0.5, noise_multiplier: 1.0}"
+
+
 def _run(folder: Path, *overrides: str) -> dict:
-    return run_experiment(small_config(EDGE_DP, *overrides), folder, orchestration=PLAIN_CALLS)
+    return _plain(folder, EDGE_DP, *overrides)
+
+
+def _plain(folder: Path, *overrides: str) -> dict:
+    return run_experiment(small_config(*overrides), folder, orchestration=PLAIN_CALLS)
 
 
 @pytest.fixture(scope="module")
@@ -28,6 +36,9 @@ def runs(tmp_path_factory):
         "again": _run(base / "b", "runtime.executor=inprocess"),
         "workers": _run(base / "c", "runtime.executor=local", "runtime.workers=2"),
         "plain": run_experiment(small_config("runtime.executor=inprocess"), base / "d", orchestration=PLAIN_CALLS),
+        "secagg": _plain(base / "e", SECAGG, "runtime.executor=inprocess"),
+        "secagg-workers": _plain(base / "f", SECAGG, "runtime.executor=local", "runtime.workers=2"),
+        "secagg-dp": _plain(base / "g", SECAGG, FIXED_DP, "runtime.executor=inprocess"),
     }
 
 
@@ -81,3 +92,28 @@ def test_the_report_and_the_parent_run_give_the_epsilon_spent(runs):
     assert section.count("| edge-") == 3 and f"{max(spent):.3g}" in section
     plain = (Path(runs["plain"]["run_path"]) / "report" / "report.md").read_text()
     assert "## Differential privacy" not in plain
+
+
+def test_secure_aggregation_runs_are_bit_identical_across_workers_and_close_to_the_plain_mean(runs):
+    masked = node_files(Path(runs["secagg"]["run_path"]))
+    assert masked == node_files(Path(runs["secagg-workers"]["run_path"]))
+    plain_root = load_tensors(Path(runs["plain"]["run_path"]) / "state" / "nodes" / "root.safetensors", ["model"])
+    root = load_tensors(Path(runs["secagg"]["run_path"]) / "state" / "nodes" / "root.safetensors", ["model"])
+    assert torch.allclose(root[0]["model"], plain_root[0]["model"], atol=1e-4)  # fixed point: 2^-24 per value
+    client = MlflowClient(runs["secagg"]["tracking_uri"])
+    exp = client.get_experiment_by_name("itest")
+    edges = [r for r in client.search_runs([exp.experiment_id]) if r.data.tags.get("bhfl.role") == "edge"]
+    assert len(edges) == 3 and all(r.data.metrics["secagg/recovered_clients"] == 0 for r in edges)
+    assert all(r.data.metrics["secagg/clamped_values"] == 0 for r in edges)
+
+
+def test_secure_aggregation_with_dp_clips_and_noises_and_reports_epsilon(runs):
+    result = runs["secagg-dp"]
+    client = MlflowClient(result["tracking_uri"])
+    exp = client.get_experiment_by_name("itest")
+    edges = [r for r in client.search_runs([exp.experiment_id]) if r.data.tags.get("bhfl.role") == "edge"]
+    assert all(r.data.metrics["privacy/epsilon"] > 0 and "secagg/clamped_values" in r.data.metrics for r in edges)
+    assert (
+        node_files(Path(result["run_path"]))["root.safetensors"]
+        != node_files(Path(runs["secagg"]["run_path"]))["root.safetensors"]
+    )

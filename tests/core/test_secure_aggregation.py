@@ -1,0 +1,148 @@
+"""Secure aggregation (bhfl_core/algorithm/secure_aggregation.py, secagg_crypto.py): masks cancel, recover, hide."""
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from bhfl_core.algorithm.aggregation_rule import AggregateParams, fold_results, rule_for
+from bhfl_core.algorithm.contract import ChildResult
+from bhfl_core.algorithm.node_state import Caller, RoundKey
+from bhfl_core.algorithm.privacy_params import PrivacyParams, SecAggParams
+from bhfl_core.algorithm.secagg_crypto import agreed_seed, combine, public_key, secret_key, split
+from bhfl_core.algorithm.secure_aggregation import RoundKeys, SecureAggregationError
+
+KEY = RoundKey("edge-en", 2, Caller("root", 1))
+PARAMS = SecAggParams(threshold=3, mask_seed=11, bits=48, fraction_bits=24)
+gen = torch.Generator().manual_seed(0)
+REFERENCE = torch.randn(4000, generator=gen)
+MODELS = {f"c{i}": REFERENCE + 0.05 * torch.randn(4000, generator=gen) for i in range(5)}
+WEIGHTS = {f"c{i}": float(17 + 13 * i) for i in range(5)}
+PEERS = tuple(MODELS)
+
+
+def fold(layout, contributors=PEERS, params=PARAMS, privacy=None):
+    rule = rule_for(AggregateParams(secagg=params, privacy=privacy))
+    results = []
+    for batch in layout:
+        partial = rule.start(KEY.as_caller(), reference=REFERENCE, peers=PEERS)
+        for member in batch:
+            if member in contributors:
+                rule.contribute(partial, member, MODELS[member], WEIGHTS[member])
+        tensors, numbers = rule.wire(partial)  # what a worker sends: masked sums and counts
+        results.append(ChildResult(tuple(batch), partial=rule.unwire(tensors, numbers)))
+    return rule, fold_results(rule, KEY, results, [*PEERS, "edge-en"], REFERENCE, None, PEERS).partial
+
+
+def quantised(member: str) -> torch.Tensor:
+    """By hand: round(w (x - theta) 2^24) as an integer."""
+    update = (MODELS[member].double() - REFERENCE.double()) * WEIGHTS[member]
+    return torch.round(update * 2.0**24).to(torch.int64)
+
+
+def test_the_unmasked_sum_is_the_plain_quantised_sum_exactly_however_batched():
+    expected = sum(quantised(m) for m in PEERS)
+    for layout in ([list(PEERS)], [["c4", "c1"], ["c0"], ["c3", "c2"]]):
+        _, partial = fold(layout)
+        assert torch.equal(partial.unmasked(), expected)
+
+
+def test_one_masked_update_looks_uniform_and_the_unmasked_one_does_not():
+    rule = rule_for(AggregateParams(secagg=PARAMS))
+    alone = rule.start(KEY.as_caller(), reference=REFERENCE, peers=PEERS)
+    rule.contribute(alone, "c2", MODELS["c2"], WEIGHTS["c2"])
+    top = (alone.masked >> 40) & 255  # the top byte of the 48-bit field
+    assert chisquare(torch.bincount(top, minlength=256).numpy()).pvalue > 1e-3
+    plain_top = (quantised("c2") & ((1 << 48) - 1)) >> 40  # small signed values: top byte 0 or 255
+    assert chisquare(torch.bincount(plain_top, minlength=256).numpy()).pvalue < 1e-12
+
+
+def test_the_mean_is_within_the_documented_quantisation_error_of_the_exact_weighted_mean():
+    rule, partial = fold([list(PEERS)])
+    total = sum(WEIGHTS.values())
+    exact = sum(WEIGHTS[m] * (MODELS[m].double() - REFERENCE.double()) for m in PEERS) / total
+    got = partial.unmasked().double() / 2.0**24 / total
+    assert (got - exact).abs().max() <= len(PEERS) * 2.0**-25 / total
+    mean = rule.finalize(partial, KEY)
+    assert torch.allclose(mean.double(), REFERENCE.double() + exact, atol=1e-6)
+
+
+def test_a_client_that_never_sent_its_update_has_its_masks_removed_from_the_survivors_shares():
+    survivors = ("c0", "c2", "c3")
+    _, partial = fold([["c0", "c1"], ["c2", "c3", "c4"]], contributors=survivors)
+    assert torch.equal(partial.unmasked(), sum(quantised(m) for m in survivors))
+    assert partial.secagg_metrics()["secagg/recovered_clients"] == 2
+    with pytest.raises(SecureAggregationError, match=r"'edge-en' .*2 of 5 children .* fewer than the threshold 3"):
+        fold([list(PEERS)], contributors=("c0", "c4"))[1].unmasked()
+
+
+def test_with_dp_updates_are_clipped_before_masking_and_noised_after_unmasking():
+    privacy = PrivacyParams(clip=0.5, noise_multiplier=0.8, expected=5, population=6, noise_seed=3)
+    secure, masked = fold([["c1", "c3"], ["c0", "c2", "c4"]], privacy=privacy)
+    dp = rule_for(AggregateParams(privacy=privacy))
+    plain = dp.start(KEY.as_caller(), reference=REFERENCE, clip=0.5)
+    for m in PEERS:
+        dp.contribute(plain, m, MODELS[m], WEIGHTS[m])
+    assert masked.clipped == plain.clipped == 5  # every update (norm ~3) was longer than 0.5
+    together, separately = secure.finalize(masked, KEY), dp.finalize(plain, KEY)
+    assert torch.allclose(together, separately, atol=1e-6) and not torch.equal(together, REFERENCE)
+
+
+def test_shamir_shares_recover_the_secret_from_any_threshold_and_key_agreement_is_symmetric():
+    secret = 2**120 + 12345
+    shares = split(secret, 5, 3, seed=9)
+    assert combine(shares[:3]) == combine([shares[4], shares[1], shares[2]]) == secret
+    assert combine(shares[:2]) != secret  # below the threshold: another polynomial fits
+    a, b = secret_key(1), secret_key(2)
+    assert agreed_seed(a, public_key(b)) == agreed_seed(b, public_key(a)) != agreed_seed(a, public_key(secret_key(3)))
+    keys = RoundKeys(PARAMS, KEY.as_caller(), PEERS)
+    assert combine(list(keys.shares("c1", keys.material("c1"), "key").values())[2:]) == keys.material("c1")
+
+
+def _tree(*overrides: str):
+    from bhfl_core.config.loader import load_config
+    from bhfl_core.config.topology import ClientInfo, build_tree
+
+    cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / "embedded.yaml", list(overrides))
+    return build_tree(
+        cfg, [ClientInfo(f"{lang}-{i}", lang, 10) for lang in cfg.data.source.languages for i in range(6)]
+    )
+
+
+def test_secure_aggregation_resolves_per_edge_with_a_majority_threshold():
+    tree = _tree("tree.edge.secure_aggregation={bits: 40, fraction_bits: 20}")
+    secagg = tree["edge-en"].settings.aggregate.secagg
+    assert secagg is not None and (secagg.bits, secagg.fraction_bits, secagg.threshold) == (40, 20, 3)  # 4 // 2 + 1
+    assert secagg.mask_seed != tree["edge-de"].settings.aggregate.secagg.mask_seed
+    assert math.isclose(tree["edge-en"].settings.cohort, 4)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["tree.client.secure_aggregation={}"], "tree.client.secure_aggregation: secure aggregation is a server's"),
+        (["tree.edge.secure_aggregation={}", "tree.edge.mode=async"], "not supported ('edge-en' has mode: async)"),
+        (["tree.edge.secure_aggregation={threshold: 5}"], "tree.edge.secure_aggregation.threshold: 5 is more than"),
+        (["tree.edge.secure_aggregation={bits: 20, fraction_bits: 19}"], "fraction_bits: 19 leaves no integer part"),
+        (["tree.edge.secure_aggregation={bits: 70}"], "tree.edge.secure_aggregation.bits"),
+        (
+            [
+                "tree.edge.secure_aggregation={}",
+                "tree.edge.privacy={clip: 1, noise_multiplier: 0.1, adaptive: {count_noise: 1}}",
+            ],
+            "adaptive clipping with secure aggregation is not supported yet",
+        ),
+        (
+            ["tree.edge.secure_aggregation={}", "tree.residuals.up=[{from: edge, to: root}]"],
+            "'edge-en' would send its children's models to 'root' in the clear, past the secure aggregation",
+        ),
+    ],
+)
+def test_secure_aggregation_configs_that_cannot_work_are_rejected_naming_the_key(overrides, message):
+    from bhfl_core.config.base import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        _tree(*overrides)
+    assert message in str(err.value)
