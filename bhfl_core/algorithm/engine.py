@@ -215,6 +215,9 @@ def _round(
         trained = hooks.train(node, state.theta, key, plan)
         state = replace(state, model=trained.theta)
         metrics.update(train_metrics(node, trained))
+        if settings.train.dp_sgd is not None:  # a DP-SGD client: its steps so far, and what they cost
+            state = replace(state, dp_steps=state.dp_steps + trained.steps)
+            metrics[SAMPLE_EPSILON] = client_epsilon(node, state.dp_steps)
         train_s = float(trained.steps) if not node.is_leaf else 0.0
     if settings.tempo is not None:  # Eq. 9 after this round: the children's epochs in the next
         state, tempo_values = tempo_step(state, folded, plans, settings.tempo)
@@ -229,6 +232,18 @@ def _round(
     hooks.round_done(node, key, state.theta, metrics)
     return state
 
+
+def client_epsilon(node: Node, steps: int) -> float:
+    """A DP-SGD client's epsilon after ``steps`` steps of TRAIN over its rows (``learning/dp_sgd.py``)."""
+    from bhfl_core.algorithm.privacy_accounting import sample_epsilon
+
+    params = node.settings.train
+    assert params is not None and params.dp_sgd is not None
+    return sample_epsilon(params.dp_sgd, int(node.weight), params.batch_size, steps)
+
+
+SAMPLE_EPSILON = "privacy/sample_epsilon"
+"""Metric (a DP-SGD client's state): the epsilon its TRAIN calls have spent so far."""
 
 VIRTUAL_TIME = "time/virtual_s"
 """Metric: virtual seconds since the node's execution began (the root's: since the run began)."""

@@ -133,7 +133,8 @@ class NodeState:
     where there is none to report. ``child_epochs``:
     the local epochs each child's clients train next round (Tempo's schedule, at the
     root). ``clip``: a DP server's clipping norm for its next round (adaptive clipping
-    moves it; None: the configured one). ``metrics`` is only the last round's log, for
+    moves it; None: the configured one). ``dp_steps``: a DP-SGD client's steps over all its
+    TRAIN calls (its privacy accounting: ``learning/dp_sgd.py``). ``metrics`` is only the last round's log, for
     logging a committed round again.
     """
 
@@ -153,6 +154,7 @@ class NodeState:
     virtual_s: float = 0.0
     child_epochs: dict[str, int] = field(default_factory=dict)
     clip: float | None = None
+    dp_steps: int = 0
 
     @property
     def theta(self) -> torch.Tensor:

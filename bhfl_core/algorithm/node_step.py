@@ -83,7 +83,11 @@ def node_down(
         stored
         if settings.persistent
         else NodeState(
-            rounds_done=stored.rounds_done, res_seen=stored.res_seen, personal=stored.personal, clip=stored.clip
+            rounds_done=stored.rounds_done,
+            res_seen=stored.res_seen,
+            personal=stored.personal,
+            clip=stored.clip,
+            dp_steps=stored.dp_steps,
         )
     )
     state = replace(state, exec_caller=caller.key, exec_start=state.rounds_done)
@@ -157,10 +161,13 @@ def keeps_state(settings: NodeSettings, is_leaf: bool) -> bool:
     Servers always (the run's commit points). A client when it is persistent and its next
     execution mixes its model in (``reads_own_model``) or evaluation scores it
     (``settings.evaluated``), when it receives residuals (their bookkeeping), or when it
-    keeps a Ditto personal model. A client whose next round replaces its model and that
-    nobody evaluates keeps nothing: a retried batch trains it again, to the same result.
+    keeps a Ditto personal model, or counts its DP-SGD steps (its privacy accounting). A
+    client whose next round replaces its model and that nobody evaluates keeps nothing: a
+    retried batch trains it again, to the same result.
     """
     if not is_leaf or settings.res_in or settings.personal is not None:
+        return True
+    if settings.train is not None and settings.train.dp_sgd is not None:
         return True
     return settings.persistent and (settings.evaluated or reads_own_model(settings, is_leaf))
 

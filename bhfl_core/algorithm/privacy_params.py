@@ -51,6 +51,20 @@ class PrivacyParams:
 
 
 @dataclass(frozen=True)
+class DpSgdParams:
+    """Sample-level DP-SGD in a client's TRAIN (Abadi et al. 2016, through Opacus; ``learning/dp_sgd.py``).
+
+    Each example's gradient is clipped to L2 norm ``max_grad_norm`` and Gaussian noise of
+    std ``noise_multiplier * max_grad_norm`` is added to the batch's sum; ``delta``: the
+    delta of the client's reported epsilon.
+    """
+
+    noise_multiplier: float
+    max_grad_norm: float
+    delta: float = 1e-5
+
+
+@dataclass(frozen=True)
 class SecAggParams:
     """A server's secure aggregation (``secure_aggregation:`` in the config), resolved for one node.
 

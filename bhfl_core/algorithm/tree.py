@@ -15,6 +15,7 @@ from enum import Enum
 from bhfl_core.algorithm.aggregation_rule import AggregateParams
 from bhfl_core.algorithm.asynchrony import AsyncParams
 from bhfl_core.algorithm.node_opt import NodeOptParams, is_tuned
+from bhfl_core.algorithm.privacy_params import DpSgdParams
 from bhfl_core.algorithm.residuals import DownLink, UpLink
 
 
@@ -37,6 +38,7 @@ class TrainParams:
     weight_decay: float = 0.0
     mu: float = 0.0  # FedProx: + (mu/2)·||theta - theta_start||² on the trainable parameters; 0 = off
     precision: str = "fp32"  # fp32, or bf16 / fp16: the forward pass under torch autocast (mixed precision)
+    dp_sgd: DpSgdParams | None = None  # clients: per-example clipping and noise in TRAIN (Opacus); None = off
 
 
 def planned_steps(examples: int, params: TrainParams) -> int:

@@ -138,6 +138,14 @@ class SecureAggregationSettings(Strict):
     threshold: Annotated[int, Field(ge=1)] | None = None
 
 
+class DpSgdSettings(Strict):
+    """Sample-level DP-SGD in clients' TRAIN (Opacus; docs/privacy.md): per-example clipping and Gaussian noise."""
+
+    noise_multiplier: Annotated[float, Field(ge=0)]
+    max_grad_norm: Annotated[float, Field(gt=0)]
+    delta: Annotated[float, Field(gt=0, lt=1)] = 1e-5
+
+
 class TrainSettings(Strict):
     lr: Annotated[float, Field(gt=0)] = 1e-3
     epochs: Annotated[int, Field(ge=1)] = 1
@@ -148,6 +156,7 @@ class TrainSettings(Strict):
     mu: Annotated[float, Field(ge=0)] = 0.0  # FedProx proximal coefficient (0: plain TRAIN)
     # the forward pass under torch autocast: bf16 / fp16 mixed precision (fp16 with gradient scaling)
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    dp_sgd: DpSgdSettings | None = None  # clients: sample-level DP-SGD (per-example clipping, noise)
 
 
 class StalenessSettings(Strict):

@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 from bhfl_core.algorithm.aggregation_rule import AggregateParams
 from bhfl_core.algorithm.asynchrony import AsyncParams, StalenessParams
 from bhfl_core.algorithm.node_opt import NodeOptParams, is_tuned
-from bhfl_core.algorithm.privacy_params import AdaptiveClip, PrivacyParams, SecAggParams
+from bhfl_core.algorithm.privacy_params import AdaptiveClip, DpSgdParams, PrivacyParams, SecAggParams
 from bhfl_core.algorithm.residuals import DownLink, UpLink
 from bhfl_core.algorithm.tree import Node, NodeSettings, Role, TrainParams, Tree
 from bhfl_core.config.base import ConfigError
@@ -159,6 +159,7 @@ def _resolve(config: ExperimentConfig, node_id: str, role: Role, depth: int, num
                 f"data.proxy.train_per_language is {config.data.proxy.train_per_language})"
             )
         train = _train_params(values["train"])
+        _check_dp_sgd(values["train"], origin["train"], node_id, role)
     proxy_async = values["proxy_train"] == "async"
     if proxy_async and role is Role.CLIENT:
         raise ConfigError(f"{origin['proxy_train']}: 'async' proxy training is for servers; {node_id!r} is a client")
@@ -292,6 +293,23 @@ def _secagg(
     return SecAggParams(threshold, derive_seed(config.seed, "secagg", node_id), settings.bits, settings.fraction_bits)
 
 
+def _check_dp_sgd(train: TrainSettings, key: str, node_id: str, role: Role) -> None:
+    """DP-SGD protects a client's examples; what it cannot be combined with is rejected here."""
+    if train.dp_sgd is None:
+        return
+    if role is not Role.CLIENT:
+        raise ConfigError(
+            f"{key}.dp_sgd: sample-level DP-SGD protects clients' private examples; {node_id!r} trains on the proxy "
+            "split (use privacy: at a server for client-level DP)"
+        )
+    if train.mu > 0:
+        raise ConfigError(
+            f"{key}.dp_sgd: FedProx's term (mu: {train.mu}) would be overwritten by the DP optimizer; set mu: 0"
+        )
+    if train.precision != "fp32":
+        raise ConfigError(f"{key}.dp_sgd: DP-SGD runs in fp32 only (precision is {train.precision!r})")
+
+
 def _client_state_read(config: ExperimentConfig) -> bool:
     """Whether anything reads a client's saved state after training: its model (``eval.client_models``) or its
     round counter (``eval.local_only.rounds: matched``)."""
@@ -309,6 +327,7 @@ def _train_params(t: TrainSettings) -> TrainParams:
         weight_decay=t.weight_decay,
         mu=t.mu,
         precision=t.precision,
+        dp_sgd=DpSgdParams(t.dp_sgd.noise_multiplier, t.dp_sgd.max_grad_norm, t.dp_sgd.delta) if t.dp_sgd else None,
     )
 
 

@@ -34,6 +34,7 @@ from torch import nn
 
 from bhfl_core.algorithm.tree import TrainParams
 from bhfl_core.algorithm.tree import planned_steps as planned_steps  # noqa: PLC0414 (where callers find it)
+from bhfl_core.learning.dp_sgd import batch_ids, private_training
 from bhfl_core.learning.params import trainable_parameters
 
 Batch = dict[str, torch.Tensor]
@@ -160,23 +161,31 @@ def train_model(
     proximal = _Proximal(model, params.mu, anchor) if params.mu > 0 else None
     precision = _Precision(params.precision, device)
     model.train()
-    steps, seen, loss_sum = 0, 0, 0.0
-    for _ in range(params.epochs):
-        for raw in _batches(data, torch.randperm(n, generator=generator), params.batch_size):
-            batch = transform(raw, generator) if transform is not None else raw
-            with precision.autocast():
-                out = model(**{k: v.to(device) for k, v in batch.items()})
-            precision.backward(out.loss, optimizer)
-            if proximal is not None:
-                proximal.add_gradient()
-            precision.step(optimizer)
-            optimizer.zero_grad(set_to_none=True)
-            size = len(batch["labels"])
-            loss_sum += float(out.loss.detach()) * size
-            seen += size
-            steps += 1
-            if params.max_steps is not None and steps >= params.max_steps:
-                return TrainResult(loss_sum / seen, steps, seen)
+    dp = params.dp_sgd
+    with (
+        private_training(model, optimizer, dp, params.batch_size, seed) if dp else nullcontext((model, optimizer)) as (
+            module,
+            optimizer,
+        )
+    ):
+        steps, seen, loss_sum = 0, 0, 0.0
+        for _ in range(params.epochs):
+            for raw in _batches(data, torch.randperm(n, generator=generator), params.batch_size):
+                batch = transform(raw, generator) if transform is not None else raw
+                batch = {k: v.to(device) for k, v in batch.items()}
+                with precision.autocast():
+                    out = module(**(batch_ids(model, batch) if dp else batch))
+                precision.backward(out.loss, optimizer)
+                if proximal is not None:
+                    proximal.add_gradient()
+                precision.step(optimizer)
+                optimizer.zero_grad(set_to_none=True)
+                size = len(batch["labels"])
+                loss_sum += float(out.loss.detach()) * size
+                seen += size
+                steps += 1
+                if params.max_steps is not None and steps >= params.max_steps:
+                    return TrainResult(loss_sum / seen, steps, seen)
     return TrainResult(loss_sum / seen, steps, seen)
 
 

@@ -77,6 +77,7 @@ def state_info(state: NodeState) -> dict[str, Any]:
         "result": {"loss": state.loss, "examples": state.examples, "virtual_s": state.virtual_s},
         **({"child_epochs": state.child_epochs} if state.child_epochs else {}),
         **({"clip": state.clip} if state.clip is not None else {}),
+        **({"dp_steps": state.dp_steps} if state.dp_steps else {}),
         **({"async": _progress_info(state.pending)} if state.pending is not None else {}),
     }
 

@@ -114,4 +114,5 @@ def state_from_file(tensors: dict[str, torch.Tensor], info: dict[str, Any]) -> N
         virtual_s=float(result.get("virtual_s", 0.0)),
         child_epochs={k: int(v) for k, v in info.get("child_epochs", {}).items()},
         clip=None if info.get("clip") is None else float(info["clip"]),
+        dp_steps=int(info.get("dp_steps", 0)),
     )

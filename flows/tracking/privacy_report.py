@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from bhfl_core.algorithm.engine import client_epsilon
 from bhfl_core.algorithm.tree import Tree
+from bhfl_core.store.node_store import StateStore
 from flows.tracking.tracker import Tracker
 
 KEYS = ("privacy/epsilon", "privacy/clip", "privacy/noise_std", "privacy/clipped_fraction")
@@ -52,3 +54,33 @@ def privacy_rows(tracker: Tracker, tree: Tree) -> list[PrivacyRow]:
 def epsilon_max(rows: list[PrivacyRow]) -> dict[str, float]:
     """The parent's ``privacy/epsilon_max`` (none without a DP server)."""
     return {EPSILON_MAX: max(r.epsilon for r in rows)} if rows else {}
+
+
+CLIENT_EPSILON_MAX = "privacy/client_epsilon_max"
+"""Parent-run metric: the largest epsilon a DP-SGD client's own TRAIN calls spent (sample-level)."""
+
+
+def client_epsilons(tree: Tree, store: StateStore) -> dict[str, float]:
+    """Every DP-SGD client's epsilon at the end, from the steps its saved state counts (none without DP-SGD)."""
+    out = {}
+    for node in tree.clients():
+        train = node.settings.train
+        if train is not None and train.dp_sgd is not None:
+            out[node.id] = client_epsilon(node, store.load_header(node.id).dp_steps)
+    return out
+
+
+def client_lines(epsilons: dict[str, float], tree: Tree) -> list[str]:
+    """The report's paragraph on sample-level DP-SGD (empty without it)."""
+    if not epsilons:
+        return []
+    values = sorted(epsilons.values())
+    worst = max(epsilons, key=lambda c: epsilons[c])
+    dp = tree[worst].settings.train.dp_sgd  # type: ignore[union-attr]
+    assert dp is not None
+    return [
+        f"Sample-level DP-SGD at {len(values)} clients (noise multiplier {dp.noise_multiplier:g}, per-example "
+        f"clip {dp.max_grad_norm:g}): epsilon at delta {dp.delta:g} after their TRAIN calls, median "
+        f"{values[len(values) // 2]:.3g}, largest {values[-1]:.3g} ({worst}).",
+        "",
+    ]

@@ -47,8 +47,8 @@ from bhfl_core.store.atomic import write_text_atomic
 from bhfl_core.store.tables import table_csv
 from data_prep.figures import save_png
 from flows.tracking import plots
+from flows.tracking.privacy_report import CLIENT_EPSILON_MAX, client_epsilons, client_lines, epsilon_max, privacy_rows
 from flows.tracking.privacy_report import HEADERS as PRIVACY_HEADERS
-from flows.tracking.privacy_report import epsilon_max, privacy_rows
 from flows.tracking.report_html import write_report_html
 from flows.tracking.tracker import Tracker
 from tasks import faults
@@ -170,9 +170,11 @@ def write_report(
         write_text_atomic(folder / "eval" / "time_to_accuracy.csv", _curves_csv(curves))
         save_figure(plots.time_to_accuracy_plot(curves, ev.task.primary), folder / "eval" / "time_to_accuracy.png")
     dp_rows = privacy_rows(tracker, ctx.tree)
+    dp_clients = client_epsilons(ctx.tree, ctx.store)
+    privacy = {**epsilon_max(dp_rows), **({CLIENT_EPSILON_MAX: max(dp_clients.values())} if dp_clients else {})}
     headline = {
         **ev.headline(),
-        **epsilon_max(dp_rows),
+        **privacy,
         **{k: v for k, v in proximity.headline(prox).items() if "share_clients" in k},
         "comm/total_model_equivalents": totals["comm/total_model_equivalents"],
     }
@@ -184,7 +186,7 @@ def write_report(
     tracker.log_artifacts(folder)
     faults.hit("report")
     # (the evaluation's headlines are at this step already: log_evaluation)
-    tracker.log_metrics(tracker.parent_id, {**proximity.headline(prox), **totals, **epsilon_max(dp_rows)}, final_step)
+    tracker.log_metrics(tracker.parent_id, {**proximity.headline(prox), **totals, **privacy}, final_step)
     tracker.set_tags({"bhfl.task": ev.task.task, "bhfl.model_params": str(num_params), "bhfl.report": "report.html"})
     tracker.share_headline_view([*headline, "time/total_s"])
     _describe_runs(tracker, ctx, ev, prox, totals)
@@ -446,10 +448,11 @@ def render_markdown(
             "",
         ]
     dp_rows = privacy_rows(tracker, tree)
+    dp_clients = client_epsilons(tree, ctx.store)
+    if dp_rows or dp_clients:
+        out += ["## Differential privacy", "", *client_lines(dp_clients, tree)]
     if dp_rows:
         out += [
-            "## Differential privacy",
-            "",
             "Client-level DP-FedAvg at these servers (docs/privacy.md): epsilon spent by their clients at the "
             "end (replace-one neighbours, cohorts sampled without replacement), the last round's clip, the noise "
             "std on the mean update, and the share of updates clipped.",

@@ -18,6 +18,7 @@ EDGE_DP = "tree.edge.privacy={clip: 0.5, noise_multiplier: 1.0, adaptive: {quant
 
 SECAGG = "tree.edge.secure_aggregation={threshold: 2}"  # 2 of the cohort of 2
 FIXED_DP = "tree.edge.privacy={clip: 0.5, noise_multiplier: 1.0}"
+DP_SGD = "tree.client.train.dp_sgd={noise_multiplier: 1.0, max_grad_norm: 1.0}"
 
 
 def _run(folder: Path, *overrides: str) -> dict:
@@ -39,6 +40,8 @@ def runs(tmp_path_factory):
         "secagg": _plain(base / "e", SECAGG, "runtime.executor=inprocess"),
         "secagg-workers": _plain(base / "f", SECAGG, "runtime.executor=local", "runtime.workers=2"),
         "secagg-dp": _plain(base / "g", SECAGG, FIXED_DP, "runtime.executor=inprocess"),
+        "dp-sgd": _plain(base / "h", DP_SGD, "runtime.executor=inprocess"),
+        "dp-sgd-workers": _plain(base / "i", DP_SGD, "runtime.executor=local", "runtime.workers=2"),
     }
 
 
@@ -117,3 +120,19 @@ def test_secure_aggregation_with_dp_clips_and_noises_and_reports_epsilon(runs):
         node_files(Path(result["run_path"]))["root.safetensors"]
         != node_files(Path(runs["secagg"]["run_path"]))["root.safetensors"]
     )
+
+
+def test_dp_sgd_clients_count_their_steps_and_the_report_gives_their_epsilon(runs):
+    from bhfl_core.store.node_store import StateStore
+
+    result = runs["dp-sgd"]
+    run_path = Path(result["run_path"])
+    assert node_files(run_path) == node_files(Path(runs["dp-sgd-workers"]["run_path"]))  # seeded noise, any layout
+    assert node_files(run_path)["root.safetensors"] != node_files(Path(runs["plain"]["run_path"]))["root.safetensors"]
+    store = StateStore(run_path / "state")
+    steps = {c: store.load_header(c).dp_steps for c in ("en-00", "en-01", "en-02", "de-00", "fr-02")}
+    assert all(n > 0 for n in steps.values()), steps  # every client trained at least once (cohort 2 of 3, 2 rounds)
+    parent = MlflowClient(result["tracking_uri"]).get_run(result["run_id"]).data.metrics
+    assert parent["privacy/client_epsilon_max"] > 0
+    report = (run_path / "report" / "report.md").read_text()
+    assert "Sample-level DP-SGD at 9 clients (noise multiplier 1, per-example clip 1)" in report
