@@ -217,3 +217,19 @@ def test_configs_that_would_leak_or_cannot_be_private_are_rejected_naming_the_ke
 def test_a_residual_that_ends_below_the_dp_server_is_allowed():
     tree = _tree("tree.root.privacy={clip: 1, noise_multiplier: 1}", "tree.residuals.up=[{from: edge, to: server}]")
     assert tree["edge-en"].settings.res_up and tree.root.settings.aggregate.privacy is not None
+
+
+def test_epsilon_reproduces_the_libraries_worked_example():
+    """dp-accounting's own test (rdp_privacy_accountant_test.test_compute_epsilon_delta_gaussian): the Gaussian
+    mechanism with noise multiplier 4.530877117 is exactly (1, 1e-6)-DP. A DP server that calls all its children
+    has replace-one sensitivity 2C, so it needs twice that z; a DP-SGD client whose batch is all its rows, z itself.
+    """
+    from bhfl_core.algorithm.privacy_accounting import sample_epsilon
+    from bhfl_core.algorithm.privacy_params import DpSgdParams
+
+    server = PrivacyParams(
+        clip=1.0, noise_multiplier=2 * 4.530877117, expected=5, population=5, noise_seed=0, delta=1e-6
+    )
+    assert epsilon(server, 1) == pytest.approx(1.0, abs=1e-5)
+    client = DpSgdParams(noise_multiplier=4.530877117, max_grad_norm=1.0, delta=1e-6)
+    assert sample_epsilon(client, 10, 10, 1) == pytest.approx(1.0, abs=1e-5)
