@@ -224,17 +224,7 @@ def _privacy(
         return None
     assert isinstance(settings, PrivacySettings)
     key = origin["privacy"]
-    if role is Role.CLIENT:
-        raise ConfigError(
-            f"{key}: client-level DP is a server's (it clips its children's updates); {node_id!r} is a client"
-        )
-    if values["mode"] == "async":
-        raise ConfigError(f"{key}: DP at an asynchronous server is not supported yet ({node_id!r} has mode: async)")
-    if values["proxy_train"] == "async":
-        raise ConfigError(
-            f"{key}: {node_id!r} trains on its proxy split alongside its children (proxy_train: async), which a DP "
-            "server would clip and count as one of them; use proxy_train: true (after aggregating) or false"
-        )
+    _check_server_fold(key, "client-level DP", node_id, role, values)
     adaptive = None
     if settings.adaptive is not None:
         a = settings.adaptive
@@ -255,6 +245,20 @@ def _privacy(
     return params
 
 
+def _check_server_fold(key: str, what: str, node_id: str, role: Role, values: dict[str, object]) -> None:
+    """DP and secure aggregation change how a server folds a round's cohort of children: not for clients, for
+    asynchronous servers (no cohort: children arrive one by one) or for a proxy TRAIN folded like a child."""
+    if role is Role.CLIENT:
+        raise ConfigError(f"{key}: {what} is a server's (it folds its children's updates); {node_id!r} is a client")
+    if values["mode"] == "async":
+        raise ConfigError(f"{key}: {what} at an asynchronous server is not supported yet ({node_id!r} has mode: async)")
+    if values["proxy_train"] == "async":
+        raise ConfigError(
+            f"{key}: {node_id!r} trains on its proxy split alongside its children (proxy_train: async), which "
+            f"{what} would fold as one of them; use proxy_train: true (after aggregating) or false"
+        )
+
+
 def _secagg(
     config: ExperimentConfig, node_id: str, role: Role, values: dict[str, object], origin: dict[str, str], cohort: int
 ) -> SecAggParams | None:
@@ -264,19 +268,7 @@ def _secagg(
         return None
     assert isinstance(settings, SecureAggregationSettings)
     key = origin["secure_aggregation"]
-    if role is Role.CLIENT:
-        raise ConfigError(
-            f"{key}: secure aggregation is a server's (it sums its children's updates); {node_id!r} is a client"
-        )
-    if values["mode"] == "async":
-        raise ConfigError(
-            f"{key}: secure aggregation at an asynchronous server is not supported ({node_id!r} has mode: async)"
-        )
-    if values["proxy_train"] == "async":
-        raise ConfigError(
-            f"{key}: {node_id!r} trains on its proxy split alongside its children (proxy_train: async); "
-            "its own model would join the masked sum: use proxy_train: true or false"
-        )
+    _check_server_fold(key, "secure aggregation", node_id, role, values)
     if settings.fraction_bits >= settings.bits - 1:
         raise ConfigError(
             f"{key}.fraction_bits: {settings.fraction_bits} leaves no integer part in {settings.bits} bits"

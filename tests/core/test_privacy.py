@@ -183,7 +183,8 @@ def test_privacy_at_a_level_resolves_per_node_with_its_cohort_and_its_own_noise_
         (["tree.client.privacy={clip: 1, noise_multiplier: 1}"], "tree.client.privacy: client-level DP is a server's"),
         (
             ["tree.edge.privacy={clip: 1, noise_multiplier: 1}", "tree.edge.mode=async"],
-            "tree.edge.privacy: DP at an asynchronous server is not supported yet ('edge-en' has mode: async)",
+            "tree.edge.privacy: client-level DP at an asynchronous server is not supported yet "
+            "('edge-en' has mode: async)",
         ),
         (
             ["tree.root.privacy={clip: 1, noise_multiplier: 1}", "tree.root.proxy_train=async"],
