@@ -18,7 +18,7 @@ with adaptive clipping"):
 Clipping happens where the child's model is folded (``contribute``: in the worker for
 clients, in the orchestrator for child servers), so no unclipped update is summed
 anywhere; the noise needs the whole sum, so it is the parent's. A clipped update is
-rounded to float32 with its scale shrunk by ``2**-23`` (``clip_update``), so its norm
+rounded to float32 with its scale shrunk by ``2**-22`` (``clip_update``), so its norm
 stays below ``C`` after rounding and the float32 sum stays exact and order-independent.
 
 Adaptive clipping: every child also reports whether its update was within ``C``; the
@@ -46,8 +46,9 @@ from bhfl_core.rng import derive_seed
 if TYPE_CHECKING:
     from bhfl_core.algorithm.aggregation import Allocator
 
-SHRINK = 1.0 - 2.0**-23
-"""A clipped update's scale is multiplied by this: rounding to float32 then cannot lift its norm above C."""
+SHRINK = 1.0 - 2.0**-22
+"""A clipped update's scale is multiplied by this: two float32 roundings (the norm's input, the result; each
+within 2**-24 relative) and the float64 norm's own error cannot lift its norm above C."""
 
 
 def clip_update(model: torch.Tensor, reference: torch.Tensor, clip: float) -> tuple[torch.Tensor, float]:
