@@ -1,0 +1,128 @@
+"""Hub models from a local folder in ``save_pretrained`` layout, as a user who downloaded mBERT or XLM-R has one.
+
+The folders are built here from configs (random weights, small) with tokenizers trained on
+the embedded corpus: a BERT-architecture one (WordPiece) and an XLM-R-architecture one
+(SentencePiece-style Unigram). The whole pipeline runs on each through ``model.name: DIR``:
+data preparation with the folder's tokenizer, ``AutoModelFor...from_pretrained`` (a new
+head where the folder has none), training, evaluation, the report.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+from mlflow import MlflowClient
+
+from bhfl_core.store.node_store import load_tensors
+from data_prep.manifest import Manifest
+from flows.experiment import PLAIN_CALLS, run_experiment
+from tests.small import small_config
+
+pytestmark = pytest.mark.integration
+
+
+def _corpus() -> list[str]:
+    from data_prep.embedded import generate_pool
+
+    texts = []
+    for language in ("en", "de", "fr"):
+        pool = generate_pool(0, language, 150, 0.5, 0.5)
+        texts += [f"{title} {body}" for title, body in zip(pool["news_title"], pool["news_body"], strict=True)]
+    return texts
+
+
+def _bert_folder(folder: Path, texts: list[str]) -> int:
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
+    from transformers import BertConfig, BertForMaskedLM, BertTokenizerFast
+
+    special = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=False)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.train_from_iterator(texts, trainers.WordPieceTrainer(vocab_size=600, special_tokens=special))
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B [SEP]", special_tokens=[("[CLS]", 2), ("[SEP]", 3)]
+    )
+    fast = BertTokenizerFast(tokenizer_object=tok, **{k: v for k, v in zip(_BERT_KEYS, special, strict=True)})
+    fast.save_pretrained(folder)
+    config = BertConfig(
+        vocab_size=tok.get_vocab_size(), hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=64, max_position_embeddings=64,
+    )  # fmt: skip
+    BertForMaskedLM(config).save_pretrained(folder)  # encoder + MLM head, like a pretraining checkpoint
+    return tok.get_vocab_size()
+
+
+_BERT_KEYS = ("pad_token", "unk_token", "cls_token", "sep_token", "mask_token")
+
+
+def _xlmr_folder(folder: Path, texts: list[str]) -> int:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import XLMRobertaConfig, XLMRobertaForMaskedLM, XLMRobertaTokenizerFast
+
+    tok = Tokenizer(models.Unigram())
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+    special = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]
+    tok.train_from_iterator(texts, trainers.UnigramTrainer(vocab_size=600, special_tokens=special, unk_token="<unk>"))
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A </s>", pair="<s> $A </s> </s> $B </s>", special_tokens=[("<s>", 0), ("</s>", 2)]
+    )
+    fast = XLMRobertaTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", sep_token="</s>", cls_token="<s>",
+        unk_token="<unk>", pad_token="<pad>", mask_token="<mask>",
+    )  # fmt: skip
+    fast.save_pretrained(folder)
+    config = XLMRobertaConfig(
+        vocab_size=tok.get_vocab_size(), hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=64, max_position_embeddings=66, pad_token_id=1, bos_token_id=0, eos_token_id=2,
+    )  # fmt: skip
+    XLMRobertaForMaskedLM(config).save_pretrained(folder)
+    return tok.get_vocab_size()
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory) -> dict[str, tuple[Path, int]]:
+    root, texts = tmp_path_factory.mktemp("hub-models"), _corpus()
+    return {
+        "bert": (root / "bert", _bert_folder(root / "bert", texts)),
+        "xlmr": (root / "xlmr", _xlmr_folder(root / "xlmr", texts)),
+    }
+
+
+@pytest.mark.parametrize(
+    "arch, task, head",
+    [
+        ("bert", "classification", "BertForSequenceClassification"),
+        ("xlmr", "classification", "XLMRobertaForSequenceClassification"),
+        ("xlmr", "mlm", "XLMRobertaForMaskedLM"),
+    ],
+)
+def test_the_pipeline_runs_on_a_local_save_pretrained_folder(folders, tmp_path, arch, task, head):
+    from transformers import AutoConfig
+
+    folder, vocab = folders[arch]
+    config = small_config(
+        f"model.name={folder}", f"data.task={task}", "tree.root.rounds=1", "runtime.executor=inprocess"
+    )
+    result = run_experiment(config, tmp_path, orchestration=PLAIN_CALLS)
+    run_path = Path(result["run_path"])
+    data_root = Path(json.loads((run_path / "data.json").read_text())["data_root"])
+    manifest = Manifest.read(data_root)  # data prepared with the folder's tokenizer
+    params = MlflowClient(result["tracking_uri"]).get_run(result["run_id"]).data.params
+    assert params["model.name"] == str(folder)
+    root = load_tensors(run_path / "state" / "nodes" / "root.safetensors", ["model"])[0]["model"]
+    model = _load(folder, task, head)
+    assert root.numel() == sum(p.numel() for p in model.parameters() if p.requires_grad)  # the folder's model
+    assert AutoConfig.from_pretrained(folder).vocab_size == vocab == manifest.vocab_size
+    assert manifest.pad_token_id == (1 if arch == "xlmr" else 0)  # <pad> / [PAD] of that tokenizer
+    if task == "mlm":
+        assert manifest.mask_token_id == 4  # <mask>
+    report = (run_path / "report" / "report.md").read_text()
+    assert f"model {folder}" in report
+
+
+def _load(folder: Path, task: str, head: str):
+    import transformers
+
+    cls = getattr(transformers, head)
+    return cls.from_pretrained(folder, num_labels=10) if task == "classification" else cls.from_pretrained(folder)
