@@ -40,6 +40,20 @@ class TinyBert(Strict):
         return self
 
 
+class AdapterSettings(Strict):
+    """Low-rank adapters (LoRA, through ``peft``) as the federated parameters: the backbone stays frozen.
+
+    ``target_modules``: the modules that get adapters (unset: peft's default for the
+    architecture, e.g. BERT's and XLM-R's ``query`` and ``value``).
+    """
+
+    kind: Literal["lora"] = "lora"
+    r: Annotated[int, Field(ge=1)] = 8
+    alpha: Annotated[int, Field(ge=1)] = 16
+    dropout: Annotated[float, Field(ge=0, lt=1)] = 0.0
+    target_modules: list[str] | None = None
+
+
 class ModelConfig(Strict):
     """``name: tiny-bert`` builds ``tiny``; any other name (hub id or local folder) goes through
     ``AutoModelForSequenceClassification`` / ``AutoModelForMaskedLM.from_pretrained`` (by ``data.task``)."""
@@ -54,6 +68,8 @@ class ModelConfig(Strict):
     # ``RUN[:NODE]``: start from a finished run's node model (docs/config.md, "model.init_from"); a
     # run folder, stored absolute once resolved (flows/records/warm_source.py), or in a pipeline a stage name
     init_from: str | None = None
+    # LoRA adapters (and the task head) are what is trained, stored, sent and aggregated (docs/config.md)
+    adapter: AdapterSettings | None = None
 
 
 # ---------------------------------------------------------------- tree
@@ -520,6 +536,15 @@ class ExperimentConfig(Strict):
     tree: TreeConfig = TreeConfig()
     runtime: RuntimeConfig = RuntimeConfig()
     eval: EvalConfig = EvalConfig()
+
+    @model_validator(mode="after")
+    def _adapter_task(self) -> ExperimentConfig:
+        if self.model.adapter is not None and self.data.task != "classification":
+            raise ValueError(
+                f"model.adapter: LoRA adapters are supported for data.task: classification, not {self.data.task!r} "
+                "yet (a masked-LM head is tied to the embeddings, which the adapters leave frozen)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _groups(self) -> ExperimentConfig:

@@ -14,6 +14,7 @@ torch and transformers are imported where a model is built: the checks before a 
 
 from __future__ import annotations
 
+import warnings
 from typing import TYPE_CHECKING
 
 from bhfl_core.config.base import ConfigError
@@ -95,9 +96,37 @@ def build_model(
                 **head,
             )
             built: nn.Module = auto.from_config(config)
-            return built
+            return with_adapter(built, model)
         try:
             loaded: nn.Module = auto.from_pretrained(model.name, revision=model.revision, **head)
-            return loaded
         except Exception as exc:
             raise hub_error("model", model, exc) from None
+        return with_adapter(loaded, model)
+
+
+def with_adapter(built: nn.Module, model: ModelConfig) -> nn.Module:
+    """``built`` with LoRA adapters (``model.adapter``) wrapped in by peft, or as it is.
+
+    Only the adapters and the classification head then require gradients, so the flat
+    vector that travels the tree (``params.get_flat``: the trainable parameters) is the
+    adapter vector; the frozen backbone is whatever every worker builds or loads from the
+    same seed or checkpoint, identical everywhere. Called inside ``build_model``'s seeded
+    block: the adapters' random initialisation is part of the run's initial model.
+    """
+    adapter = model.adapter
+    if adapter is None:
+        return built
+    from peft import LoraConfig, get_peft_model
+
+    # peft asks transformers a deprecated question while wrapping; transformers says so on stderr each time
+    warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+
+    config = LoraConfig(
+        task_type="SEQ_CLS",  # the classifier head is trained and federated with the adapters
+        r=adapter.r,
+        lora_alpha=adapter.alpha,
+        lora_dropout=adapter.dropout,
+        target_modules=adapter.target_modules,
+    )
+    wrapped: nn.Module = get_peft_model(built, config)
+    return wrapped

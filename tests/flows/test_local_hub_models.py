@@ -89,21 +89,27 @@ def folders(tmp_path_factory) -> dict[str, tuple[Path, int]]:
     }
 
 
+LORA = "model.adapter={r: 4, alpha: 8}"
+
+
 @pytest.mark.parametrize(
-    "arch, task, head",
+    "arch, task, head, adapter",
     [
-        ("bert", "classification", "BertForSequenceClassification"),
-        ("xlmr", "classification", "XLMRobertaForSequenceClassification"),
-        ("xlmr", "mlm", "XLMRobertaForMaskedLM"),
+        ("bert", "classification", "BertForSequenceClassification", None),
+        ("xlmr", "classification", "XLMRobertaForSequenceClassification", None),
+        ("xlmr", "mlm", "XLMRobertaForMaskedLM", None),
+        ("bert", "classification", "BertForSequenceClassification", LORA),
+        ("xlmr", "classification", "XLMRobertaForSequenceClassification", LORA),
     ],
 )
-def test_the_pipeline_runs_on_a_local_save_pretrained_folder(folders, tmp_path, arch, task, head):
+def test_the_pipeline_runs_on_a_local_save_pretrained_folder(folders, tmp_path, arch, task, head, adapter):
     from transformers import AutoConfig
 
+    from bhfl_core.learning.models import with_adapter
+
     folder, vocab = folders[arch]
-    config = small_config(
-        f"model.name={folder}", f"data.task={task}", "tree.root.rounds=1", "runtime.executor=inprocess"
-    )
+    sets = [f"model.name={folder}", f"data.task={task}", "tree.root.rounds=1", "runtime.executor=inprocess"]
+    config = small_config(*sets, *([adapter] if adapter else []))
     result = run_experiment(config, tmp_path, orchestration=PLAIN_CALLS)
     run_path = Path(result["run_path"])
     data_root = Path(json.loads((run_path / "data.json").read_text())["data_root"])
@@ -111,8 +117,10 @@ def test_the_pipeline_runs_on_a_local_save_pretrained_folder(folders, tmp_path, 
     params = MlflowClient(result["tracking_uri"]).get_run(result["run_id"]).data.params
     assert params["model.name"] == str(folder)
     root = load_tensors(run_path / "state" / "nodes" / "root.safetensors", ["model"])[0]["model"]
-    model = _load(folder, task, head)
+    model = with_adapter(_load(folder, task, head), config.model)
     assert root.numel() == sum(p.numel() for p in model.parameters() if p.requires_grad)  # the folder's model
+    if adapter:  # only the adapters and the head travel and are stored: a small share of the model
+        assert root.numel() < sum(p.numel() for p in model.parameters()) / 10
     assert AutoConfig.from_pretrained(folder).vocab_size == vocab == manifest.vocab_size
     assert manifest.pad_token_id == (1 if arch == "xlmr" else 0)  # <pad> / [PAD] of that tokenizer
     if task == "mlm":
@@ -126,3 +134,15 @@ def _load(folder: Path, task: str, head: str):
 
     cls = getattr(transformers, head)
     return cls.from_pretrained(folder, num_labels=10) if task == "classification" else cls.from_pretrained(folder)
+
+
+def test_a_lora_run_is_bit_identical_in_process_and_on_two_workers(folders, tmp_path):
+    from tests.flows.kill_chain import node_files
+
+    folder, _ = folders["bert"]
+    runs = [
+        run_experiment(small_config(f"model.name={folder}", LORA, *extra), tmp_path / name, orchestration=PLAIN_CALLS)
+        for name, extra in (("one", ["runtime.executor=inprocess"]), ("two", ["runtime.executor=local"]))
+    ]
+    first, second = (node_files(Path(r["run_path"])) for r in runs)
+    assert first == second and len(first) > 9

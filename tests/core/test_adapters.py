@@ -1,0 +1,64 @@
+"""LoRA adapters as the federated parameters (``model.adapter``; bhfl_core/learning/models.py::with_adapter)."""
+
+import pytest
+import torch
+
+from bhfl_core.algorithm.tree import TrainParams
+from bhfl_core.learning.local_train import train_model
+from bhfl_core.learning.models import build_model
+from bhfl_core.learning.params import get_flat, set_flat
+from tests.small import small_config
+
+LABELS = [f"l{i}" for i in range(10)]
+CPU = torch.device("cpu")
+
+
+def _model(*overrides: str, seed: int = 0):
+    return build_model(small_config(*overrides).model, "classification", LABELS, 400, 0, seed)
+
+
+def test_only_the_adapters_and_the_head_are_trained_and_federated():
+    model = _model("model.adapter={r: 4, alpha: 8}")
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n or "classifier" in n for n in trainable), trainable
+    full = _model()
+    hidden, layers = 32, 1  # tests/small.py: query and value of each layer get A (r x h) and B (h x r)
+    adapters = layers * 2 * 2 * 4 * hidden
+    head = sum(p.numel() for n, p in full.named_parameters() if n.startswith("classifier"))  # 32 x 10 + 10
+    assert get_flat(model).numel() == adapters + head  # the flat vector that travels is the adapters and the head
+    assert get_flat(model).numel() < get_flat(full).numel() / 20
+
+
+def test_training_moves_the_adapters_and_leaves_the_backbone_bit_identical():
+    model = _model("model.adapter={r: 4, alpha: 8}")
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    start = get_flat(model).clone()
+    gen = torch.Generator().manual_seed(0)
+    data = {
+        "input_ids": torch.randint(5, 400, (16, 12), generator=gen),
+        "attention_mask": torch.ones(16, 12, dtype=torch.long),
+        "labels": torch.randint(0, 10, (16,), generator=gen),
+    }
+    train_model(model, data, TrainParams(lr=0.01, batch_size=4), seed=1, device=CPU)
+    assert not torch.equal(get_flat(model), start)
+    assert all(torch.equal(p, frozen[n]) for n, p in model.named_parameters() if not p.requires_grad)
+
+
+def test_the_adapters_initialisation_is_the_seeds_and_loading_a_vector_sets_only_the_adapters():
+    a, b = _model("model.adapter={r: 4}"), _model("model.adapter={r: 4}")
+    assert torch.equal(get_flat(a), get_flat(b)) and not torch.equal(
+        get_flat(a), get_flat(_model("model.adapter={r: 4}", seed=1))
+    )
+    backbone = {n: p.detach().clone() for n, p in a.named_parameters() if not p.requires_grad}
+    set_flat(a, torch.zeros_like(get_flat(a)))
+    assert float(get_flat(a).abs().sum()) == 0.0
+    assert all(torch.equal(p, backbone[n]) for n, p in a.named_parameters() if not p.requires_grad)
+
+
+def test_adapters_for_masked_lm_are_rejected_naming_the_key():
+    from bhfl_core.config.base import ConfigError
+
+    with pytest.raises(
+        ConfigError, match=r"model\.adapter: LoRA adapters are supported for data\.task: classification"
+    ):
+        small_config("model.adapter={r: 4}", "data.task=mlm")
