@@ -420,6 +420,33 @@ def sync(
     sync_run(run_path, wait)
 
 
+@app.command(cls=_Command)
+def export(
+    run_spec: Annotated[
+        str,
+        typer.Argument(
+            metavar="RUN",
+            help="Run folder, <name>/<stamp>, `latest` or an MLflow run id (full or a unique 8+ character prefix).",
+        ),
+    ],
+    to: Annotated[Path, typer.Option("--to", metavar="DIR", help="A new folder for the model and its tokenizer.")],
+    node: Annotated[str, typer.Option("--node", metavar="NODE", help="Whose model: a server or a client id.")] = "root",
+    run_dir: RunDirOption = DEFAULT_RUN_DIR,
+) -> None:
+    """Write a node's final model in save_pretrained layout with its tokenizer (LoRA adapters merged in)."""
+    prepare_environment(run_dir, verbose=False)
+    from bhfl_core.config.base import ConfigError
+    from flows.cli.export import export_model
+    from flows.records.listing import resolve_run
+    from flows.records.run_state import RunStateError
+
+    try:
+        written = export_model(resolve_run(run_spec, run_dir), node, to)
+    except (RunStateError, ConfigError) as exc:
+        fail(str(exc))
+    out.print(f"{node}'s model and tokenizer: {written}  (load with from_pretrained)", highlight=False, soft_wrap=True)
+
+
 def _has_undelivered(run_path: Path) -> bool:
     from flows.tracking.spool import pending_count
 
