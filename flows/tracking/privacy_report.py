@@ -76,8 +76,9 @@ def client_lines(epsilons: dict[str, float], tree: Tree) -> list[str]:
         return []
     values = sorted(epsilons.values())
     worst = max(epsilons, key=lambda c: epsilons[c])
-    dp = tree[worst].settings.train.dp_sgd  # type: ignore[union-attr]
-    assert dp is not None
+    train = tree[worst].settings.train
+    assert train is not None and train.dp_sgd is not None
+    dp = train.dp_sgd
     return [
         f"Sample-level DP-SGD at {len(values)} clients (noise multiplier {dp.noise_multiplier:g}, per-example "
         f"clip {dp.max_grad_norm:g}): epsilon at delta {dp.delta:g} after their TRAIN calls, median "
