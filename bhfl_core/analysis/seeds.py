@@ -19,6 +19,11 @@ config *without* its seed, and for every headline metric we report
   (the same partition and initialisation), so "B-HFL beats HierFAVG by x ± y" is
   read off one row, with an interval that is usually much tighter than the two
   configs' intervals side by side.
+- where a metric is bounded (accuracy in [0, 1]; the difference of two accuracies in
+  [-1, 1]), the interval as reported (``interval``) is clipped to the bound: a
+  symmetric t-interval from two seeds easily reaches past it (``[-0.65, 0.76]``),
+  and an accuracy below 0 is not a value the data allow. The unclipped ends are kept,
+  so a table marks the clipped end; the mean and std are never touched.
 
 A config's identity (``config_identity``) is a hash of its resolved, flattened config
 (the MLflow params of the run) without the keys that do not change results: ``seed``
@@ -70,6 +75,53 @@ class Summary:
     @property
     def has_interval(self) -> bool:
         return self.n >= 2
+
+
+Bounds = tuple[float, float]  # (low, high): the values a metric can take
+
+
+@dataclass(frozen=True)
+class Interval:
+    """A summary's 95% interval as reported: ``lo``/``hi`` clipped to the metric's bounds, ``*_raw`` the t-interval."""
+
+    lo: float
+    hi: float
+    lo_raw: float
+    hi_raw: float
+
+    @property
+    def lo_clipped(self) -> bool:
+        return self.lo > self.lo_raw  # False for NaN (no interval)
+
+    @property
+    def hi_clipped(self) -> bool:
+        return self.hi < self.hi_raw
+
+    @property
+    def clipped(self) -> bool:
+        return self.lo_clipped or self.hi_clipped
+
+
+def interval(s: Summary, bounds: Bounds | None = None) -> Interval:
+    """``s``'s 95% interval with each end clipped to ``bounds`` (None: unbounded, e.g. perplexity, bytes, times).
+
+    Only the ends move: the t-interval is symmetric around the mean, so with few seeds it
+    runs past a bound the values cannot cross; reporting that part would claim
+    impossible values, dropping the interval would hide how few the seeds are.
+    """
+    lo, hi = s.lo, s.hi
+    if bounds is None or not s.has_interval:
+        return Interval(lo, hi, lo, hi)
+    low, high = bounds
+    return Interval(max(lo, low), min(hi, high), lo, hi)
+
+
+def difference_bounds(bounds: Bounds | None) -> Bounds | None:
+    """Where ``a − b`` lies for ``a``, ``b`` within ``bounds``: ``[low − high, high − low]`` ([-1, 1] for [0, 1])."""
+    if bounds is None:
+        return None
+    low, high = bounds
+    return (low - high, high - low)
 
 
 @dataclass(frozen=True)

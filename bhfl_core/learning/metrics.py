@@ -76,3 +76,15 @@ def task_metrics(task: str) -> TaskMetrics:
         return get_task_kind(task).metrics
     except ValueError:
         raise ValueError(f"no evaluation metrics for task {task!r}; known tasks: {available_task_kinds()}") from None
+
+
+def metric_bounds(metric: str) -> tuple[float, float] | None:
+    """The range ``metric`` cannot leave, as the task kind that defines it declares (accuracy: [0, 1]); None: unbounded.
+
+    By name, because what is compared across runs (``bhfl compare``) is the metric's name.
+    """
+    for name in available_task_kinds():
+        bounds = get_task_kind(name).metrics.bounds
+        if metric in bounds:
+            return bounds[metric]
+    return None

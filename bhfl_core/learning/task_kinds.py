@@ -17,7 +17,7 @@ torch, transformers and the model-side code are imported inside the functions.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -38,7 +38,9 @@ class TaskMetrics:
     """How a task's additive statistics become metrics, and how to rank them.
 
     ``primary`` is the metric of headlines, heatmaps and the proximity analysis;
-    ``higher_is_better[m]`` decides what "best 10%" and "worst 10%" mean for ``m``.
+    ``higher_is_better[m]`` decides what "best 10%" and "worst 10%" mean for ``m``;
+    ``bounds[m]``, for a metric that cannot leave a range (accuracy in [0, 1]), is what
+    intervals over seeds are clipped to (bhfl_core/analysis/seeds.py ``interval``).
     """
 
     task: str
@@ -46,6 +48,7 @@ class TaskMetrics:
     names: tuple[str, ...]
     higher_is_better: Mapping[str, bool]
     primary: str
+    bounds: Mapping[str, tuple[float, float]] = field(default_factory=dict)  # metric -> (low, high); absent: unbounded
 
     def better(self, metric: str) -> bool:
         return self.higher_is_better[metric]
@@ -169,6 +172,7 @@ register_task_kind(
             ("accuracy", "macro_f1"),
             {"accuracy": True, "macro_f1": True},
             "accuracy",
+            {"accuracy": (0.0, 1.0), "macro_f1": (0.0, 1.0)},
         ),
         needs_labels=True,
     )

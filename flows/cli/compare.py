@@ -30,7 +30,7 @@ from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 from bhfl_core.algorithm.engine import VIRTUAL_TIME
 from bhfl_core.analysis import seeds
 from bhfl_core.analysis import time_to_accuracy as tta
-from bhfl_core.learning.metrics import task_metrics
+from bhfl_core.learning.metrics import metric_bounds, task_metrics
 from bhfl_core.store.tables import table_csv
 
 _RUN_ID = re.compile(r"^[0-9a-f]{32}$")
@@ -235,11 +235,34 @@ def to_csv(rows: Sequence[dict[str, object]], target: float | None = None) -> st
 
 HEADLINE = tuple(c for c in COLUMNS if c not in ("experiment", "run_id", "metric", "root_rounds"))
 _NOT_SETTINGS = "bhfl.kind"  # tag of a pipeline's run (its params are its stages' configs)
+_IN_METRIC = ("leaf_mean", "leaf_worst10", "parent_mean", "parent_worst10", "root_union", "root_proxy")
+_SHARE: seeds.Bounds = (0.0, 1.0)  # closer_is_better_share: a share of clients
+CLIPPED = "†"  # after an interval end clipped to the column's bounds (footnote: CLIPPED_NOTE)
+CLIPPED_NOTE = (
+    f"{CLIPPED}: the t-interval reached past the values this number can take ([0, 1] for accuracy, macro-F1 and "
+    "shares of clients, [−1, 1] for their differences) and is clipped there (too few seeds for a tighter one); "
+    "its unclipped ends are in the CSV (`_lo_raw`, `_hi_raw`) and `--json` (`lo_raw`, `hi_raw`)."
+)
 
 
 def headline(target: float | None) -> tuple[str, ...]:
     """The numeric columns aggregated over seeds (``time_to_target`` with ``--target``)."""
     return HEADLINE if target is None else (*HEADLINE[:-1], "time_to_target", HEADLINE[-1])
+
+
+def column_bounds(column: str, metric: str, difference: bool = False) -> seeds.Bounds | None:
+    """The values a headline column can take, which its intervals are clipped to (None: unbounded).
+
+    The six model columns are in the task's metric (accuracy, macro-F1: [0, 1];
+    perplexity: unbounded), the share of clients is in [0, 1], communication and times
+    are unbounded; ``difference``: of two such values (config − baseline), [-1, 1].
+    """
+    bounds = None
+    if column == "closer_is_better_share":
+        bounds = _SHARE
+    elif column in _IN_METRIC:
+        bounds = metric_bounds(metric)
+    return seeds.difference_bounds(bounds) if difference else bounds
 
 
 @dataclass(frozen=True)
@@ -382,8 +405,9 @@ def _baseline(client: MlflowClient, ref: str, labels: Mapping[str, str], names: 
     )
 
 
-def _stat_cell(s: seeds.Summary, column: str, runs: int, signed: bool = False) -> str:
-    """``mean ± std [lo, hi]``; one value alone (no interval from one run); ``(n=k)`` when runs lack the metric."""
+def _stat_cell(s: seeds.Summary, column: str, runs: int, bounds: seeds.Bounds | None, signed: bool = False) -> str:
+    """``mean ± std [lo, hi]`` (an end clipped to ``bounds`` marked ``CLIPPED``); one value alone (no interval
+    from one run); ``(n=k)`` when runs lack the metric."""
     if s.n == 0:
         return "–"
 
@@ -393,8 +417,19 @@ def _stat_cell(s: seeds.Summary, column: str, runs: int, signed: bool = False) -
 
     text = num(s.mean)
     if s.has_interval:
-        text += f" ± {num(s.std, False)} [{num(s.lo)}, {num(s.hi)}]"
+        i = seeds.interval(s, bounds)
+        lo, hi = num(i.lo) + CLIPPED * i.lo_clipped, num(i.hi) + CLIPPED * i.hi_clipped
+        text += f" ± {num(s.std, False)} [{lo}, {hi}]"
     return text + (f" (n={s.n})" if s.n < runs else "")
+
+
+def _stat_row(
+    summaries: Mapping[str, seeds.Summary], metrics: Sequence[str], metric: str, runs: int, difference: bool
+) -> tuple[list[str], bool]:
+    """One config's cells of a by-config table, and whether any interval end in them was clipped."""
+    bounds = {c: column_bounds(c, metric, difference) for c in metrics}
+    cells = [_stat_cell(summaries[c], c, runs, bounds[c], signed=difference) for c in metrics]
+    return cells, any(seeds.interval(summaries[c], bounds[c]).clipped for c in metrics)
 
 
 def _seed_list(values: Sequence[int]) -> str:
@@ -406,40 +441,51 @@ def by_config_markdown(result: ByConfig, target: float | None = None) -> str:
     metrics = headline(target)
     cols = ["config", "metric", "seeds (n)", *(HEADERS[c] for c in metrics)]
     lines = ["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
+    clipped = False
     for g in result.groups:
-        cells = [result.labels[g.config], result.metric[g.config], _seed_list(g.seeds)]
-        cells += [_stat_cell(g.metrics[c], c, len(g.seeds)) for c in metrics]
-        lines.append("| " + " | ".join(cells) + " |")
+        cells, cut = _stat_row(g.metrics, metrics, result.metric[g.config], len(g.seeds), difference=False)
+        clipped |= cut
+        lines.append(
+            "| " + " | ".join([result.labels[g.config], result.metric[g.config], _seed_list(g.seeds), *cells]) + " |"
+        )
     lines += [
         "",
         "mean ± sample std over seeds [95% t-interval of the mean: mean ± t(0.975, n−1)·std/√n]; "
         "one seed: its value, no interval; (n=k): only k runs have the number.",
+        *([CLIPPED_NOTE] if clipped else []),
     ]
     if result.baseline is not None:
         base = result.labels[result.baseline]
         cols = ["config", f"vs {base}: seeds paired (n)", *(HEADERS[c] for c in metrics)]
         lines += ["", "| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
+        clipped = False
         for p in result.paired:
-            cells = [result.labels[p.config], _seed_list(p.seeds) if p.seeds else "no seed in common"]
-            cells += [_stat_cell(p.metrics[c], c, len(p.seeds), signed=True) for c in metrics]
-            lines.append("| " + " | ".join(cells) + " |")
+            cells, cut = _stat_row(p.metrics, metrics, result.metric[p.config], len(p.seeds), difference=True)
+            clipped |= cut
+            seeds_cell = _seed_list(p.seeds) if p.seeds else "no seed in common"
+            lines.append("| " + " | ".join([result.labels[p.config], seeds_cell, *cells]) + " |")
         lines += [
             "",
             f"config − {base} on the same seeds: mean difference ± std of the differences [95% t-interval]; "
             f"{result.metric[result.baseline]}: an interval that excludes 0 is a difference these seeds support.",
+            *([CLIPPED_NOTE] if clipped else []),
         ]
     return "\n".join(lines)
 
 
-def _stat_fields(s: seeds.Summary) -> list[object]:
-    return [s.n, s.mean, s.std, s.lo, s.hi]
+_STATS = ("n", "mean", "std", "lo", "hi", "lo_raw", "hi_raw")  # per headline number in the CSVs and --json
+
+
+def _stat_fields(s: seeds.Summary, bounds: seeds.Bounds | None) -> list[object]:
+    i = seeds.interval(s, bounds)
+    return [s.n, s.mean, s.std, i.lo, i.hi, i.lo_raw, i.hi_raw]
 
 
 def by_config_csv(result: ByConfig, target: float | None = None) -> str:
     """One row per config, full precision: per headline metric its n, mean, std and 95% interval (NaN: none)."""
     metrics = headline(target)
     header = ["config", "config_id", "metric", "n_runs", "seeds", "run_ids"]
-    header += [f"{c}_{stat}" for c in metrics for stat in ("n", "mean", "std", "lo", "hi")]
+    header += [f"{c}_{stat}" for c in metrics for stat in _STATS]
     lines = (
         [
             result.labels[g.config],
@@ -448,7 +494,7 @@ def by_config_csv(result: ByConfig, target: float | None = None) -> str:
             len(g.seeds),
             " ".join(map(str, g.seeds)),
             " ".join(g.run_ids),
-            *(v for c in metrics for v in _stat_fields(g.metrics[c])),
+            *(v for c in metrics for v in _stat_fields(g.metrics[c], column_bounds(c, result.metric[g.config]))),
         ]
         for g in result.groups
     )
@@ -459,7 +505,7 @@ def paired_csv(result: ByConfig, target: float | None = None) -> str:
     """One row per config against the baseline: per headline metric the n, mean, std and interval of the differences."""
     metrics = headline(target)
     header = ["config", "config_id", "baseline", "baseline_id", "seeds"]
-    header += [f"{c}_diff_{stat}" for c in metrics for stat in ("n", "mean", "std", "lo", "hi")]
+    header += [f"{c}_diff_{stat}" for c in metrics for stat in _STATS]
     lines = (
         [
             result.labels[p.config],
@@ -467,23 +513,29 @@ def paired_csv(result: ByConfig, target: float | None = None) -> str:
             result.labels[p.baseline],
             p.baseline,
             " ".join(map(str, p.seeds)),
-            *(v for c in metrics for v in _stat_fields(p.metrics[c])),
+            *(
+                v
+                for c in metrics
+                for v in _stat_fields(p.metrics[c], column_bounds(c, result.metric[p.config], difference=True))
+            ),
         ]
         for p in result.paired
     )
     return table_csv(header, lines)
 
 
-def _stat_json(s: seeds.Summary) -> dict[str, object]:
-    return {"n": s.n, "mean": _number(s.mean), "std": _number(s.std), "lo": _number(s.lo), "hi": _number(s.hi)}
+def _stat_json(s: seeds.Summary, bounds: seeds.Bounds | None) -> dict[str, object]:
+    return {k: _number(v) for k, v in zip(_STATS, _stat_fields(s, bounds), strict=True)}
 
 
 def by_config_json(result: ByConfig, target: float | None = None) -> list[dict[str, object]]:
     """``bhfl compare --by-config --json``: one object per config (README, "The CLI").
 
     ``stats``: per headline metric its n, mean, sample std and 95% interval [lo, hi] over
-    seeds (null: none); ``paired`` (with ``--baseline``): the same of the differences
-    against the baseline on the seeds both ran, null for the baseline itself.
+    seeds (null: none), clipped to what the number can be (``column_bounds``), with the
+    t-interval's own ends as ``lo_raw``, ``hi_raw``; ``paired`` (with ``--baseline``): the
+    same of the differences against the baseline on the seeds both ran, null for the
+    baseline itself.
     """
     metrics = headline(target)
     paired = {p.config: p for p in result.paired}
@@ -497,11 +549,17 @@ def by_config_json(result: ByConfig, target: float | None = None) -> list[dict[s
                 "metric": result.metric[g.config],
                 "seeds": list(g.seeds),
                 "run_ids": list(g.run_ids),
-                "stats": {c: _stat_json(g.metrics[c]) for c in metrics},
+                "stats": {c: _stat_json(g.metrics[c], column_bounds(c, result.metric[g.config])) for c in metrics},
                 "baseline": None if result.baseline is None else result.labels[result.baseline],
                 "paired": None
                 if pair is None
-                else {"seeds": list(pair.seeds), "diff": {c: _stat_json(pair.metrics[c]) for c in metrics}},
+                else {
+                    "seeds": list(pair.seeds),
+                    "diff": {
+                        c: _stat_json(pair.metrics[c], column_bounds(c, result.metric[g.config], difference=True))
+                        for c in metrics
+                    },
+                },
             }
         )
     return out

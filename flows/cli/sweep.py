@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import typer
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from flows.cli.pipeline import _start_forkserver
 from flows.cli.shell import (
@@ -218,34 +219,108 @@ def resume_sweep_command(folder: Path, overrides: list[str], run_dir: Path, verb
     print_summary(result, run_dir)
 
 
-def _num(metrics: dict[str, float], key: str, digits: int = 3) -> str:
+def _num(metrics: Mapping[str, float], key: str, digits: int = 3) -> str:
     value = metrics.get(key, math.nan)
     return "-" if math.isnan(value) else f"{value:.{digits}f}"
 
 
-def print_summary(result: dict[str, Any], run_dir: Path) -> None:
-    """One row per point: per-client accuracy (own model, edge server), root on the union, time."""
-    from mlflow import MlflowClient
+_COLUMNS = ("experiment", "status", "own model", "edge server", "root on union", "time (s)")
+_LABEL_MIN = 16  # the label column's width when the number columns at their narrowest leave less
 
+
+def _label_lines(label: str, width: int) -> str:
+    """``label`` broken after its commas into lines of at most ``width`` characters (a longer part stays whole).
+
+    A point's label is ``[variant,]key=value,...,seed=N``, each part what tells two points
+    apart, so a narrow terminal gets more lines instead of a cut: rich would otherwise end
+    the cell in an ellipsis where the values differ (``eta_down=0…`` for 0.5 and 1.0).
+    """
+    lines = [""]
+    parts = label.split(",")
+    for i, part in enumerate(parts):
+        piece = part + ("," if i < len(parts) - 1 else "")
+        if lines[-1] and len(lines[-1]) + len(piece) > width:
+            lines.append("")
+        lines[-1] += piece
+    return "\n".join(lines)
+
+
+def _point_cells(entry: Mapping[str, Any], m: Mapping[str, float], metric: str) -> list[str]:
+    """A point's cells after its label: status, own model and edge server (mean / worst 10%), root, time."""
+    pair = "{} / {}".format
+    return [
+        entry["status"],
+        pair(_num(m, f"client_on_own_clients/{metric}_mean"), _num(m, f"client_on_own_clients/{metric}_worst10")),
+        pair(_num(m, f"edge_on_own_clients/{metric}_mean"), _num(m, f"edge_on_own_clients/{metric}_worst10")),
+        _num(m, f"root/union/{metric}"),
+        _num(m, "time/total_s", 0),
+    ]
+
+
+def _narrowest(texts: Sequence[str]) -> int:
+    """The narrowest a column of ``texts`` can be when rich wraps it at spaces: its longest word."""
+    return max(len(word) for text in texts for word in text.split())
+
+
+def _column_widths(columns: Sequence[Sequence[str]], width: int) -> list[int]:
+    """Widths of the summary's columns (``columns[i]``: column i's header and cells) that fit in ``width``.
+
+    rich's own fitting narrows the widest columns first and, once they are equally wide,
+    every column evenly, labels included: an ellipsis where two labels differ. Here the
+    status (column 1) keeps its width, the number columns narrow first, down to their
+    longest word (rich wraps them at spaces), then the labels (column 0), down to
+    ``_LABEL_MIN`` (they wrap at their commas); what is left goes back to the numbers evenly.
+    """
+    natural = [max(len(text) for text in column) for column in columns]
+    numbers = [_narrowest(column) for column in columns[2:]]
+    room = width - (3 * len(columns) + 1) - natural[1]  # a border and a space either side of every cell
+    label = min(natural[0], max(_LABEL_MIN, room - sum(numbers)))
+    spare = room - label - sum(numbers)
+    while spare > 0 and (short := [i for i, want in enumerate(natural[2:]) if numbers[i] < want]):
+        for i in short[:spare]:  # one character each in turn: the numbers wrap alike
+            numbers[i] += 1
+        spare -= len(short[:spare])
+    return [label, natural[1], *numbers]
+
+
+def summary_table(result: Mapping[str, Any], metrics: Mapping[str, Mapping[str, float]], width: int) -> Table:
+    """One row per point: per-client accuracy (own model, edge server), root on the union, time.
+
+    ``metrics``: each point's run metrics by label; ``width``: the terminal's. The labels
+    are what the table is for: the number columns give way first (``_column_widths``) and
+    a label too long for its column wraps at its commas, never cut.
+    """
     from bhfl_core.learning.metrics import task_metrics
 
-    client = MlflowClient(result["tracking_uri"])
-    table = Table(title=f"Sweep {result['name']} (per-client: mean / worst 10%)", show_header=True)
-    for column in ("experiment", "status", "own model", "edge server", "root on union", "time (s)"):
-        table.add_column(column, justify="left" if column in ("experiment", "status") else "right")
-    for label, entry in result["points"].items():
-        m: dict[str, float] = client.get_run(entry["run_id"]).data.metrics if entry["run_id"] else {}
-        metric = task_metrics(result["tasks"].get(label, next(iter(result["tasks"].values())))).primary
-        pair = "{} / {}".format
-        table.add_row(
-            label,
-            entry["status"],
-            pair(_num(m, f"client_on_own_clients/{metric}_mean"), _num(m, f"client_on_own_clients/{metric}_worst10")),
-            pair(_num(m, f"edge_on_own_clients/{metric}_mean"), _num(m, f"edge_on_own_clients/{metric}_worst10")),
-            _num(m, f"root/union/{metric}"),
-            _num(m, "time/total_s", 0),
+    tasks = result["tasks"]
+    rows = {
+        label: _point_cells(
+            entry, metrics.get(label, {}), task_metrics(tasks.get(label, next(iter(tasks.values())))).primary
         )
-    out.print(table, soft_wrap=False)  # the results: stdout
+        for label, entry in result["points"].items()
+    }
+    columns = [[_COLUMNS[0], *rows], *([head, *(r[i] for r in rows.values())] for i, head in enumerate(_COLUMNS[1:]))]
+    widths = _column_widths(columns, width)
+    table = Table(title=f"Sweep {result['name']} (per-client: mean / worst 10%)", show_header=True)
+    table.add_column(_COLUMNS[0], width=widths[0], overflow="fold")
+    table.add_column(_COLUMNS[1], width=widths[1])
+    for column, column_width in zip(_COLUMNS[2:], widths[2:], strict=True):
+        table.add_column(column, width=column_width, justify="right")
+    for label, cells in rows.items():
+        table.add_row(Text(_label_lines(label, widths[0])), *cells)
+    return table
+
+
+def print_summary(result: dict[str, Any], run_dir: Path) -> None:
+    """The points' table (``summary_table``, metrics from MLflow) and where the sweep's files and runs are."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(result["tracking_uri"])
+    metrics = {
+        label: client.get_run(entry["run_id"]).data.metrics if entry["run_id"] else {}
+        for label, entry in result["points"].items()
+    }
+    out.print(summary_table(result, metrics, out.width), soft_wrap=False)  # the results: stdout
     uri = result["tracking_uri"]
     skipped = len(result["points"]) - len(result["ran"])
     out.print(

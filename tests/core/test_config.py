@@ -1,5 +1,6 @@
 """Config validation: unknown keys, wrong types and impossible trees name the key."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,18 @@ def test_embedded_default_is_valid_and_matches_the_issue_shape():
     assert sorted(e.id for e in edges) == [f"edge-{lang}" for lang in sorted(cfg.data.source.languages)]
     assert all(e.settings.cohort and e.settings.cohort < len(e.children) for e in edges)
     assert tree.distance("en-0", "de-0") == 6 and tree.distance("en-0", "edge-en") == 1
+
+
+def test_the_readme_main_job_runs_the_config_the_readme_recommends():
+    """``bash scripts/run-default.sh`` (the README's first command) runs the config its 3-seed table puts in bold."""
+    script = (REPO / "scripts" / "run-default.sh").read_text()
+    runs = re.findall(r'^exec \.venv/bin/bhfl run (\S+) "\$@"$', script, flags=re.MULTILINE)
+    readme = (REPO / "README.md").read_text()
+    recommended = re.findall(r"^\| \*\*`([\w.-]+\.yaml)`\*\* \|", readme, flags=re.MULTILINE)  # the winning row
+    assert runs == ["configs/bhfl.yaml"] and recommended == ["bhfl.yaml"]
+    assert "bash scripts/run-default.sh   # B-HFL, configs/bhfl.yaml" in readme  # and "Two commands" says so
+    cfg = load_config(REPO / runs[0])
+    assert cfg.name == "bhfl" and cfg.tree.edge.eta_down == 0.3  # partial aggregation down at the edges
 
 
 @pytest.mark.parametrize(

@@ -48,6 +48,25 @@ def test_one_run_has_no_spread_and_no_interval():
     assert (none.n, none.missing) == (0, 2) and math.isnan(none.mean)
 
 
+def test_an_interval_past_a_bound_is_clipped_there_and_keeps_its_raw_ends():
+    # accuracies 0.0 and 0.1 of two seeds: mean 0.05, std 0.070711, half = 12.7062 * 0.05 = 0.63531
+    s = seeds.summarise([0.0, 0.1])
+    i = seeds.interval(s, (0.0, 1.0))
+    assert (i.lo, i.hi) == (0.0, pytest.approx(0.05 + T_975_1 * 0.05))  # [-0.58531, 0.68531] -> [0, 0.68531]
+    assert (i.lo_raw, i.hi_raw) == (pytest.approx(0.05 - T_975_1 * 0.05), i.hi)
+    assert (i.lo_clipped, i.hi_clipped, i.clipped) == (True, False, True)
+    assert (s.mean, s.std) == (pytest.approx(0.05), pytest.approx(0.0707107, abs=1e-7))  # the statistics stay
+    # the difference of two accuracies lies in [-1, 1]: +0.7 ± 2.54124 (0.5 and 0.9, std 0.28284) -> [-1, 1]
+    d = seeds.interval(seeds.summarise([0.5, 0.9]), seeds.difference_bounds((0.0, 1.0)))
+    assert seeds.difference_bounds((0.0, 1.0)) == (-1.0, 1.0)
+    assert (d.lo, d.hi, d.lo_raw) == (-1.0, 1.0, pytest.approx(0.7 - T_975_1 * 0.2))
+    # unbounded (perplexity) or no interval (one seed): nothing moves
+    p = seeds.interval(seeds.summarise([300.0, 100.0]))
+    assert (p.lo, p.hi, p.clipped) == (pytest.approx(200 - T_975_1 * 100), pytest.approx(200 + T_975_1 * 100), False)
+    one = seeds.interval(seeds.summarise([0.9]), (0.0, 1.0))
+    assert math.isnan(one.lo) and math.isnan(one.hi) and not one.clipped
+
+
 def test_aggregate_groups_by_config_and_reads_missing_metrics_as_nan():
     rows = [
         _row("b", 2, acc=0.80, mb=1.0),
