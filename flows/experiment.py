@@ -201,8 +201,9 @@ def _experiment(
             if not ctx.store.has(ctx.tree.root_id):  # a resume finds the root saved: nothing is copied again
                 if cfg.model.init_from:
                     copied = warm_start(ctx)
-                    progress.note(f"warm start from {cfg.model.init_from}: {len(copied)} node model(s) copied")
-                else:
+                    what = f"{len(copied)} node model(s) copied" if copied else "its model is the frozen backbone"
+                    progress.note(f"warm start from {cfg.model.init_from}: {what}")
+                if not ctx.store.has(ctx.tree.root_id):  # no warm start, or a backbone only (fresh adapters)
                     initial = rt.executor.submit(rt.executor.slots()[0], "initial_model", str(path)).result()
                     ctx.store.save(ctx.tree.root_id, NodeState(model=Transfer.get(initial)))
                     ctx.transfer.done_with(initial)

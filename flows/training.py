@@ -260,7 +260,14 @@ def execute_tree_node(
         run = execute_async_node if node.settings.asynchronous is not None else execute_node
         result = run(ctx.tree, node, start, ctx.store, FlowHooks(rt), ctx.config.seed, plan)
         losses = (MemberLoss(node_id, result.loss, result.examples),) if result.examples else ()
-        up = ChildResult((node_id,), result.theta, node.weight, losses=losses, virtual_s=result.virtual_s)
+        up = ChildResult(
+            (node_id,),
+            result.theta,
+            node.weight,
+            losses=losses,
+            virtual_s=result.virtual_s,
+            sent_bytes=result.sent_bytes,
+        )
         if node.parent is None:  # the root: its model is in its checkpoint, and nobody folds it
             return SentResult(replace(up, model=None))
         return send_result(up, None, ctx.transfer, f"{node_id}.up.{secrets.token_hex(4)}")

@@ -172,7 +172,7 @@ def train_clients(
     work: list[Work] = []
     candidates: list[Candidate] = []
     model: torch.Tensor | None = None
-    virtual_s = 0.0
+    virtual_s, sent_bytes = 0.0, 0
     with ctx.store.background_commits() as store, trainer.staged(phi):
         for client_id in client_ids:
             node = ctx.tree[client_id]
@@ -183,6 +183,7 @@ def train_clients(
                 dropped.append(client_id)
                 continue
             members.append(client_id)
+            sent_bytes += result.sent_bytes
             if trainer.trained > before:  # trained here, not handed back from its checkpoint
                 steps = planned_steps(int(node.weight), _params(node, plan))
                 work.append(Work(client_id, steps, time.perf_counter() - started, trainer.kind))
@@ -205,6 +206,7 @@ def train_clients(
         tuple(dropped),
         tuple(candidates),
         tuple(work),
+        sent_bytes,
     )
 
 

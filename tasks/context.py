@@ -30,8 +30,9 @@ from bhfl_core.config.topology import build_tree
 from bhfl_core.learning.models import build_model
 from bhfl_core.learning.task_kinds import TaskFacts, TaskKind, get_task_kind
 from bhfl_core.store.node_store import StateStore
-from bhfl_core.store.run_layout import CONFIG_FILE, DATA_POINTER, STATE_DIR, TIMELINE_DIR
+from bhfl_core.store.run_layout import BACKBONE_FILE, CONFIG_FILE, DATA_POINTER, STATE_DIR, TIMELINE_DIR
 from bhfl_core.store.transfer import Transfer, transfer_folder
+from bhfl_core.store.warm_start import load_backbone
 from data_prep.manifest import ClientEntry, Manifest
 from data_prep.prepare import load_shard
 from tasks import faults
@@ -74,8 +75,29 @@ class RunContext:
         return {c.id: c for c in self.manifest.clients}
 
     def build_model(self, seed: int) -> nn.Module:
+        """The run's model seeded by ``seed``, on the run's frozen backbone file when it has one."""
         m = self.manifest
-        return build_model(self.config.model, m.task, m.labels, m.vocab_size, m.pad_token_id, seed)
+        path = self.backbone_path()
+        backbone = load_backbone(path) if path is not None else None
+        return build_model(self.config.model, m.task, m.labels, m.vocab_size, m.pad_token_id, seed, backbone=backbone)
+
+    def training_model(self) -> nn.Module:
+        """The model every worker trains and scores on (seeded by ``seed``): its frozen part is the run's backbone.
+
+        Node vectors are loaded into it with ``set_flat``; for a LoRA run they hold the
+        adapters and head only, so whoever reads a node's model (``bhfl export``) must
+        build this one, not the initial model (seeded by ``seed + model.init_seed_offset``).
+        """
+        return self.build_model(self.config.seed)
+
+    def backbone_path(self) -> Path | None:
+        """The backbone file of a LoRA run warm-started from a full run (bhfl_core/store/warm_start.py), else None.
+
+        Looked up at each call, not cached: the experiment flow writes it after opening
+        the context, before the first model is built.
+        """
+        path = self.run_path / BACKBONE_FILE
+        return path if self.config.model.adapter is not None and path.is_file() else None
 
     @cached_property
     def task_kind(self) -> TaskKind:

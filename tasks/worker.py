@@ -85,8 +85,17 @@ def gpu_deterministic() -> None:
 
 
 def _model_key(ctx: RunContext) -> str:
+    """What a cached model instance depends on: the model settings, the data's shape, and the backbone file.
+
+    The backbone file (path and modification time) tells apart two runs of one config
+    warm-started from different full runs, whose frozen parts differ.
+    """
     m = ctx.manifest
-    return json.dumps([ctx.config.model.model_dump(mode="json"), m.task, m.labels, m.vocab_size, m.pad_token_id])
+    path = ctx.backbone_path()
+    backbone = None if path is None else [str(path), path.stat().st_mtime_ns]
+    return json.dumps(
+        [ctx.config.model.model_dump(mode="json"), m.task, m.labels, m.vocab_size, m.pad_token_id, backbone]
+    )
 
 
 class WorkerRuntime:
@@ -112,7 +121,7 @@ class WorkerRuntime:
         key = _model_key(ctx)
         model = self._models.pop(key, None)
         if model is None:
-            model = ctx.build_model(ctx.config.seed).to(self.device)  # weights are loaded per use
+            model = ctx.training_model().to(self.device)  # weights are loaded per use
         self._models[key] = model
         while len(self._models) > _MODELS_KEPT:
             self._models.popitem(last=False)

@@ -32,6 +32,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+from bhfl_core.algorithm.compression import CompressParams
 from bhfl_core.algorithm.contract import ChildResult, Partial
 from bhfl_core.algorithm.node_state import Caller, RoundKey
 from bhfl_core.algorithm.privacy_params import PrivacyParams, SecAggParams
@@ -47,11 +48,17 @@ if TYPE_CHECKING:  # imported where used: configs validate rule names without lo
 
 @dataclass(frozen=True)
 class AggregateParams:
-    """A node's aggregation rule (``aggregate:`` in the config); ``privacy``: DP-FedAvg, ``secagg``: masked sums."""
+    """A node's aggregation rule (``aggregate:`` in the config); ``privacy``: DP-FedAvg, ``secagg``: masked sums.
+
+    ``compress``: what the node's children send instead of their models (``compression.py``);
+    each child compresses its own update and keeps its own error feedback, so it is carried
+    to the children as their ``NodeSettings.uplink``, and the rule folds what they decode to.
+    """
 
     kind: str = "mean"
     privacy: PrivacyParams | None = None
     secagg: SecAggParams | None = None
+    compress: CompressParams | None = None
 
 
 class AggregationRule(Protocol):
@@ -295,6 +302,7 @@ class FoldedRound:
     virtual_s: float = 0.0
     examples: int | None = None  # None: no child reported a training loss
     loss: float = math.nan
+    sent_bytes: int = 0  # the compressed updates folded (``compression.py``); 0 when the children sent models
 
     @property
     def empty(self) -> bool:
@@ -343,6 +351,7 @@ def fold_results(
         folded.candidates.extend(result.candidates)
         folded.dropped.extend(result.dropped)
         folded.virtual_s = max(folded.virtual_s, result.virtual_s)
+        folded.sent_bytes += result.sent_bytes
         losses.update((m.member, (m.loss, m.examples)) for m in result.losses if m.member != own)
     folded.candidates.sort(key=lambda c: rank.get(c.node_id, len(rank)))
     folded.dropped.sort(key=lambda m: rank.get(m, len(rank)))

@@ -64,6 +64,7 @@ from bhfl_core.algorithm.engine import (
     proxy_child,
     proxy_metrics,
     saved_result,
+    send_up,
     train_metrics,
     tuned_metrics,
 )
@@ -111,6 +112,7 @@ class _Execution:
     candidates: list[Candidate] = field(default_factory=list)
     models: dict[int, torch.Tensor] = field(default_factory=dict)  # versions in-flight children were sent
     staleness: list[int] = field(default_factory=list)  # of the results buffered since the last flush
+    sent_bytes: int = 0  # compressed updates buffered since the last flush (``compression.py``)
     sent: int = 0  # models sent to children since the last flush
     dropped: int = 0  # failed children left out since the last flush
     drops_in_a_row: int = 0
@@ -135,7 +137,7 @@ def execute_async_node(
     state = load_for_execution(store, node, caller)
     done = state.rounds_done_for(caller)
     if done >= settings.rounds:
-        return saved_result(state)
+        return saved_result(state, phi, settings)
     scorer = functools.partial(hooks.score, node) if settings.tunes else None
     rule = rule_for(settings.aggregate)
     children = {c.id: c for c in tree.children(node.id)}
@@ -150,6 +152,7 @@ def execute_async_node(
             )
     else:
         state = node_down(state, phi, store.inbox(node.id, "down", state.res_seen), settings, caller, scorer)
+        state = replace(state, sent={})
         run = _Execution(dispatched=progress.dispatched, models={state.rounds_done: state.theta})
     while state.rounds_done - state.exec_start < settings.rounds:
         key = RoundKey(node.id, state.rounds_done, caller)
@@ -189,6 +192,7 @@ def execute_async_node(
             run.now += float(trained.steps)  # speed 1, as in engine.round_virtual_s
             metrics[VIRTUAL_TIME] = run.now
         run.partial, run.buffered, run.candidates, run.staleness, run.sent, run.dropped = None, [], [], [], 0, 0
+        run.sent_bytes = 0
         run.proxy_metrics = {}
         if key.round + 1 - state.exec_start >= settings.rounds:  # an execution returns a model, not pending work
             metrics["async/dropped_results"] = float(_await_in_flight(run))
@@ -202,10 +206,11 @@ def execute_async_node(
             loss=math.nan,
             examples=0,
         )
+        state = send_up(state, phi, settings, key, seed)
         store.commit(node.id, state)
         store.drop_results(node.id)
         hooks.round_done(node, key, state.theta, metrics)
-    return saved_result(state)
+    return saved_result(state, phi, settings)
 
 
 def _buffer(
@@ -229,6 +234,7 @@ def _buffer(
         run.partial = rule.start(key.as_caller())
     rule.contribute(run.partial, member.id, stale, result.weight)
     run.buffered.append(member.id)
+    run.sent_bytes += result.sent_bytes
     run.staleness.append(staleness)
     if member.id == node.id:  # the node's proxy TRAIN, merged like a child result
         run.proxy_metrics = proxy_metrics(result)
@@ -360,7 +366,9 @@ def _forget_unused_versions(run: _Execution, current: int) -> None:
 
 def _flush_metrics(run: _Execution, node: Node, posts: Sequence[object]) -> dict[str, float]:
     staleness = run.staleness
+    compressed = {"comm/up_bytes": float(run.sent_bytes)} if node.settings.aggregate.compress is not None else {}
     return {
+        **compressed,
         "async/buffered": float(len(run.buffered)),
         "async/staleness_mean": sum(staleness) / len(staleness),
         "async/staleness_max": float(max(staleness)),

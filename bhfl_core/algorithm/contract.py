@@ -103,7 +103,8 @@ class ChildResult:
     summed in one order however members were batched). ``virtual_s``: the longest
     member's duration on the virtual clock. ``dropped``: members that failed and were
     left out. ``candidates``: residual candidates (the running top-K a worker keeps).
-    ``work``: client trainings done for this result.
+    ``work``: client trainings done for this result. ``sent_bytes``: the compressed updates the
+    members sent (``compression.py``; 0 when they sent their models as they are).
     """
 
     members: tuple[str, ...] = ()
@@ -115,6 +116,7 @@ class ChildResult:
     dropped: tuple[str, ...] = ()
     candidates: tuple[Candidate, ...] = ()
     work: tuple[Work, ...] = field(default=())
+    sent_bytes: int = 0
 
     @property
     def folded(self) -> bool:

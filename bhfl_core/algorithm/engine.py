@@ -53,6 +53,7 @@ from typing import Protocol
 import torch
 
 from bhfl_core.algorithm.aggregation_rule import FoldedRound, fold_results, rule_for
+from bhfl_core.algorithm.compression import compress_update, payload_bytes, received_model
 from bhfl_core.algorithm.contract import ROOT_PLAN, ChildResult, MemberLoss, RoundPlan
 from bhfl_core.algorithm.node_opt import Scorer
 from bhfl_core.algorithm.node_state import Caller, NodeResult, NodeState, RoundKey
@@ -70,7 +71,7 @@ from bhfl_core.algorithm.secure_aggregation import MaskedSum
 from bhfl_core.algorithm.tempo import omega, tempo_epochs
 from bhfl_core.algorithm.tree import Node, NodeSettings, Tree
 from bhfl_core.algorithm.virtual_clock import drops_out
-from bhfl_core.rng import sample_cohort
+from bhfl_core.rng import derive_seed, sample_cohort
 from bhfl_core.store.node_store import StateStore
 
 
@@ -147,15 +148,15 @@ def execute_node(
     state = load_for_execution(store, node, caller)
     done = state.rounds_done_for(caller)
     if done >= settings.rounds:  # finished before a crash: hand back the saved result
-        return saved_result(state)
+        return saved_result(state, phi, settings)
     scorer = functools.partial(hooks.score, node) if settings.tunes else None
     if not done:
         state = node_down(state, phi, store.inbox(node.id, "down", state.res_seen), settings, caller, scorer)
-        state = replace(state, virtual_s=0.0)
+        state = replace(state, virtual_s=0.0, sent={})
     persist = keeps_state(settings, node.is_leaf)
     for _ in range(done, settings.rounds):
-        state = _round(tree, node, state, plan, store, hooks, seed, scorer, persist)
-    return saved_result(state)
+        state = _round(tree, node, state, plan, store, hooks, seed, scorer, persist, phi)
+    return saved_result(state, phi, settings)
 
 
 def _round(
@@ -168,8 +169,9 @@ def _round(
     seed: int,
     scorer: Scorer | None,
     persist: bool,
+    phi: torch.Tensor | None,
 ) -> NodeState:
-    """One synchronous round, committed; returns the committed state.
+    """One synchronous round, committed; returns the committed state (``phi``: the model the parent sent).
 
     A function of its own so that what the round held — its children's results and
     their folded partial, model-sized each — is released when it returns, before the
@@ -228,6 +230,7 @@ def _round(
     state = replace(
         state, rounds_done=key.round + 1, metrics=metrics, virtual_s=virtual_s, loss=loss, examples=examples
     )
+    state = send_up(state, phi, settings, key, seed)
     store.commit(node.id, state, persist)
     hooks.round_done(node, key, state.theta, metrics)
     return state
@@ -288,10 +291,32 @@ def tempo_step(
     return replace(state, child_epochs=tempo_epochs(omegas, c)), values
 
 
-def saved_result(state: NodeState) -> NodeResult:
-    """The result of an execution that finished before a crash, as its caller first received it."""
+def send_up(state: NodeState, phi: torch.Tensor | None, settings: NodeSettings, key: RoundKey, seed: int) -> NodeState:
+    """After an execution's last round, a child of a compressing parent compresses its update (``compression.py``).
+
+    The payload and the new error-feedback residual join the state committed with the
+    round, so a crash after the commit hands back the same payload (``saved_result``).
+    Any other round, and any node whose parent does not compress, is left as it is.
+    """
+    uplink = settings.uplink
+    if uplink is None or phi is None or state.rounds_done - state.exec_start < settings.rounds:
+        return state
+    sent = compress_update(state.theta, phi, state.feedback, uplink, derive_seed(seed, "compress", *key.parts()))
+    return replace(state, sent=sent.payload, feedback=sent.feedback)
+
+
+def saved_result(state: NodeState, phi: torch.Tensor | None = None, settings: NodeSettings | None = None) -> NodeResult:
+    """The result of a finished execution, as its caller receives it (again, after a crash).
+
+    Under a compressing parent (``settings.uplink``) that is the model the parent decodes
+    from the payload the state keeps, ``phi + decode(sent)``, and its bytes.
+    """
     loss = math.nan if state.loss is None else state.loss
-    return NodeResult(state.theta, loss, state.examples, virtual_s=state.virtual_s)
+    uplink = settings.uplink if settings is not None else None
+    if uplink is None or phi is None:
+        return NodeResult(state.theta, loss, state.examples, virtual_s=state.virtual_s)
+    theta = received_model(phi, state.sent, uplink)
+    return NodeResult(theta, loss, state.examples, virtual_s=state.virtual_s, sent_bytes=payload_bytes(state.sent))
 
 
 def train_metrics(node: Node, result: NodeResult) -> dict[str, float]:
@@ -360,6 +385,8 @@ def round_metrics(
                 "comm/res_up_models": float(sum(p.models for p in posts)),
             }
         )
+    if node.settings.aggregate.compress is not None:
+        metrics["comm/up_bytes"] = float(folded.sent_bytes)
     if dropped:
         metrics["Training/dropped_clients"] = float(dropped)
     if leaves := sum(c.is_leaf for c in present):  # the clients called (those that dropped out were not)

@@ -76,7 +76,8 @@ class NodeResult:
     ``loss``/``examples``: the training loss of its last round and the rows behind it (a
     client's or a proxy TRAIN's own; a server's: its children's). ``steps``: optimizer
     steps of a TRAIN call (0 for an execution). ``virtual_s``: seconds it took on the
-    virtual clock (``virtual_clock.py``).
+    virtual clock (``virtual_clock.py``). Under a compressing parent ``theta`` is the model
+    the parent receives (``compression.received_model``) and ``sent_bytes`` what it cost.
     """
 
     theta: torch.Tensor
@@ -84,6 +85,7 @@ class NodeResult:
     examples: int = 0
     steps: int = 0
     virtual_s: float = 0.0
+    sent_bytes: int = 0  # a compressed update's payload (``compression.py``); 0: the model went up as it is
 
 
 @dataclass(frozen=True)
@@ -134,8 +136,10 @@ class NodeState:
     the local epochs each child's clients train next round (Tempo's schedule, at the
     root). ``clip``: a DP server's clipping norm for its next round (adaptive clipping
     moves it; None: the configured one). ``dp_steps``: a DP-SGD client's steps over all its
-    TRAIN calls (its privacy accounting: ``learning/dp_sgd.py``). ``metrics`` is only the last round's log, for
-    logging a committed round again.
+    TRAIN calls (its privacy accounting: ``learning/dp_sgd.py``). ``feedback``/``sent``: a child of a
+    parent that compresses its updates (``compression.py``): its error-feedback residual, and the
+    payload its finished execution sent (handed back again after a crash). ``metrics`` is only
+    the last round's log, for logging a committed round again.
     """
 
     model: torch.Tensor | None = None
@@ -155,6 +159,8 @@ class NodeState:
     child_epochs: dict[str, int] = field(default_factory=dict)
     clip: float | None = None
     dp_steps: int = 0
+    feedback: torch.Tensor | None = None  # error feedback: what compressing its updates has left out so far
+    sent: dict[str, torch.Tensor] = field(default_factory=dict)  # the compressed update its execution sent up
 
     @property
     def theta(self) -> torch.Tensor:

@@ -77,7 +77,8 @@ def node_down(
     Without ``phi`` (the root) the node starts from its own model. ``inbox`` holds the
     node's waiting down-residuals; they are folded in only when ``phi`` is given.
     ``scorer``: held-out losses for tuned NODEOPTs (``interp``). A Ditto personal model
-    is the client's own: kept even when the node is not persistent.
+    is the client's own: kept even when the node is not persistent, and so is the
+    error-feedback residual of its compressed updates (``compression.py``).
     """
     state = (
         stored
@@ -88,6 +89,7 @@ def node_down(
             personal=stored.personal,
             clip=stored.clip,
             dp_steps=stored.dp_steps,
+            feedback=stored.feedback,
         )
     )
     state = replace(state, exec_caller=caller.key, exec_start=state.rounds_done)
@@ -161,11 +163,14 @@ def keeps_state(settings: NodeSettings, is_leaf: bool) -> bool:
     Servers always (the run's commit points). A client when it is persistent and its next
     execution mixes its model in (``reads_own_model``) or evaluation scores it
     (``settings.evaluated``), when it receives residuals (their bookkeeping), or when it
-    keeps a Ditto personal model, or counts its DP-SGD steps (its privacy accounting). A
+    keeps a Ditto personal model, or counts its DP-SGD steps (its privacy accounting), or
+    keeps an error-feedback residual for its compressed updates (``compression.py``). A
     client whose next round replaces its model and that nobody evaluates keeps nothing: a
     retried batch trains it again, to the same result.
     """
     if not is_leaf or settings.res_in or settings.personal is not None:
+        return True
+    if settings.uplink is not None and settings.uplink.error_feedback:
         return True
     if settings.train is not None and settings.train.dp_sgd is not None:
         return True

@@ -14,6 +14,7 @@ from enum import Enum
 
 from bhfl_core.algorithm.aggregation_rule import AggregateParams
 from bhfl_core.algorithm.asynchrony import AsyncParams
+from bhfl_core.algorithm.compression import CompressParams
 from bhfl_core.algorithm.node_opt import NodeOptParams, is_tuned
 from bhfl_core.algorithm.privacy_params import DpSgdParams
 from bhfl_core.algorithm.residuals import DownLink, UpLink
@@ -68,6 +69,7 @@ class NodeSettings:
     aggregate: AggregateParams = field(default_factory=AggregateParams)  # how the children's models are folded
     tempo: int | None = None  # the root under Tempo (seeds/001): the clients' first-round epochs c; None = off
     evaluated: bool = True  # clients: the saved model is read after training (eval.client_models): keep it
+    uplink: CompressParams | None = None  # how it sends its model up: its parent's aggregate.compress
 
     @property
     def tunes(self) -> bool:

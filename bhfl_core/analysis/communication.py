@@ -10,7 +10,9 @@ vector of the trainable parameters, so ``bytes = models x parameters x 4``; one
 The input is each server's per-round history (round -> count), as persisted (the
 node runs' MLflow metric histories), so a resumed run accounts for the whole run.
 Rows are attributed to the level (depth) of the server that logged them: its
-traffic with its children, and the residuals it sent.
+traffic with its children, and the residuals it sent. A server whose children send
+compressed updates (``aggregate.compress``) also logs ``comm/up_bytes``, the payloads'
+actual size, which then replaces ``models x parameters x 4`` for its up rows.
 """
 
 from __future__ import annotations
@@ -28,6 +30,11 @@ KEYS: dict[str, tuple[str, str]] = {  # metric -> (direction, kind)
     "comm/res_down_models": ("down", "residual"),
     "comm/res_up_models": ("up", "residual"),
 }
+
+MEASURED_BYTES = {"comm/up_models": "comm/up_bytes"}
+"""Counts whose bytes a server logs itself when they are not ``models x parameters x 4``: the payloads
+of compressed updates (``algorithm/compression.py``), for a server whose children compress."""
+HISTORY_KEYS = (*KEYS, *MEASURED_BYTES.values())
 
 History = Mapping[str, Mapping[str, Mapping[int, float]]]  # node -> metric key -> round (step) -> models
 
@@ -50,20 +57,12 @@ def comm_rows(tree: Tree, history: History, num_params: int) -> list[CommRow]:
     rows: list[CommRow] = []
     for node_id in sorted(history, key=lambda n: (tree[n].depth, n)):
         for key, (direction, kind) in KEYS.items():
+            measured = history[node_id].get(MEASURED_BYTES.get(key, ""), {})
             for step, models in sorted(history[node_id].get(key, {}).items()):
                 if not models:
                     continue  # rounds that moved nothing of this kind (e.g. no residual rule) add no row
-                rows.append(
-                    CommRow(
-                        tree[node_id].depth,
-                        node_id,
-                        step,
-                        direction,
-                        kind,
-                        float(models),
-                        float(models) * num_params * BYTES_PER_VALUE,
-                    )
-                )
+                size = measured.get(step, float(models) * num_params * BYTES_PER_VALUE)
+                rows.append(CommRow(tree[node_id].depth, node_id, step, direction, kind, float(models), float(size)))
     return rows
 
 

@@ -37,7 +37,7 @@ from bhfl_core.config.schema import ExperimentConfig, dump
 from bhfl_core.config.topology import build_tree, placeholder_clients
 from bhfl_core.config.yaml_reader import read_yaml_file
 from bhfl_core.store.warm_start import KEY as INIT_FROM
-from bhfl_core.store.warm_start import config_mismatch, parse_init_from
+from bhfl_core.store.warm_start import config_mismatch, mismatch_reason, parse_init_from
 
 TOP_KEYS = ("name", "shared", "stages")
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
@@ -206,7 +206,7 @@ def _source_stage(stage: Stage, earlier: Mapping[str, Stage], names: Sequence[st
         key, theirs, ours = mismatch
         raise ConfigError(
             f"{where}: {INIT_FROM}: {value!r}: {key} differs: {theirs!r} in stage {spec.run!r}, {ours!r} here "
-            "(the model and data.task must be the same for its saved models to fit)"
+            f"({mismatch_reason(key)})"
         )
     if spec.node is not None and source.data.source.kind != "prepared":  # a prepared dataset's clients: known later
         tree = build_tree(source, placeholder_clients(source))

@@ -98,14 +98,30 @@ class OptSettings(Strict):
         return v
 
 
+class CompressSettings(Strict):
+    """What a server's children send it: their update compressed (``bhfl_core/algorithm/compression.py``).
+
+    ``int8``: stochastic 8-bit quantisation, one float32 scale per ``block`` values;
+    ``topk``: the ``fraction`` of entries largest in magnitude. ``error_feedback``: each
+    child adds what its earlier payloads left out (kept in its state) before compressing.
+    """
+
+    kind: Literal["int8", "topk"]
+    fraction: Annotated[float, Field(gt=0, le=1)] = 0.01
+    block: Annotated[int, Field(ge=1)] = 512
+    error_feedback: bool = True
+
+
 class AggregateSettings(Strict):
     """How a server folds its children's models into the input its NODEOPT_up steps towards.
 
     ``kind``: a registered aggregation rule (``bhfl_core/algorithm/aggregation_rule.py``);
-    ``mean`` (default) is the exact example-weighted mean.
+    ``mean`` (default) is the exact example-weighted mean. ``compress``: the children send
+    compressed updates instead of their models (none: models as they are).
     """
 
     kind: str = "mean"
+    compress: CompressSettings | None = None
 
     @field_validator("kind")
     @classmethod

@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 
 from bhfl_core.algorithm.aggregation_rule import AggregateParams
 from bhfl_core.algorithm.asynchrony import AsyncParams, StalenessParams
+from bhfl_core.algorithm.compression import CompressParams
 from bhfl_core.algorithm.node_opt import NodeOptParams, is_tuned
 from bhfl_core.algorithm.privacy_params import AdaptiveClip, DpSgdParams, PrivacyParams, SecAggParams
 from bhfl_core.algorithm.residuals import DownLink, UpLink
@@ -28,6 +29,7 @@ from bhfl_core.algorithm.tree import Node, NodeSettings, Role, TrainParams, Tree
 from bhfl_core.config.base import ConfigError
 from bhfl_core.config.data import KMeansClustering, LanguageClustering
 from bhfl_core.config.schema import (
+    AggregateSettings,
     ExperimentConfig,
     LevelSettings,
     NodeOverride,
@@ -202,6 +204,7 @@ def _resolve(config: ExperimentConfig, node_id: str, role: Role, depth: int, num
             values["aggregate"].kind,
             _privacy(config, node_id, role, values, origin, cohort or num_children, num_children),
             _secagg(config, node_id, role, values, origin, cohort or num_children),
+            _compress(node_id, role, values, origin),
         ),
         tempo=config.tree.client.train.epochs if config.tree.tempo and role is Role.ROOT else None,
         evaluated=role is not Role.CLIENT or _client_state_read(config),
@@ -243,6 +246,21 @@ def _privacy(
     except ValueError as exc:
         raise ConfigError(f"{key}.adaptive.count_noise: {exc}") from None
     return params
+
+
+def _compress(node_id: str, role: Role, values: dict[str, object], origin: dict[str, str]) -> CompressParams | None:
+    """A server's ``aggregate.compress`` (what its children send it); a client has no children to compress."""
+    aggregate = values["aggregate"]
+    assert isinstance(aggregate, AggregateSettings)
+    settings = aggregate.compress
+    if settings is None:
+        return None
+    if role is Role.CLIENT:
+        raise ConfigError(
+            f"{origin['aggregate']}.compress: compression is set where updates are received (the parent); "
+            f"{node_id!r} is a client and has no children"
+        )
+    return CompressParams(settings.kind, settings.fraction, settings.block, settings.error_feedback)
 
 
 def _check_server_fold(key: str, what: str, node_id: str, role: Role, values: dict[str, object]) -> None:
@@ -415,10 +433,24 @@ def build_tree(config: ExperimentConfig, clients: Sequence[ClientInfo]) -> Tree:
 
 
 def _finish(config: ExperimentConfig, nodes: dict[str, Node]) -> Tree:
-    """Check node-name references, wire residual links, freeze the tree."""
+    """Check node-name references, wire residual links and compressed uplinks, freeze the tree."""
     _check_names(config, nodes)
-    tree = Tree(nodes=nodes, root_id=ROOT_ID)
+    tree = Tree(nodes=_wire_uplinks(nodes), root_id=ROOT_ID)
     return _wire_residuals(config, tree)
+
+
+def _wire_uplinks(nodes: dict[str, Node]) -> dict[str, Node]:
+    """Each child of a compressing server gets the server's ``aggregate.compress`` as its ``uplink``.
+
+    The child compresses (it holds the update and its error-feedback residual); the
+    setting is its parent's, so one server's key covers every edge into it.
+    """
+    wired = dict(nodes)
+    for node in nodes.values():
+        compress = node.settings.aggregate.compress
+        for child in node.children if compress is not None else ():
+            wired[child] = replace(nodes[child], settings=replace(nodes[child].settings, uplink=compress))
+    return wired
 
 
 def _servers_hint(nodes: dict[str, Node]) -> str:

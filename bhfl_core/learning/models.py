@@ -23,6 +23,7 @@ from bhfl_core.learning.hub import require_hub
 from bhfl_core.learning.task_kinds import get_task_kind
 
 if TYPE_CHECKING:
+    import torch
     from torch import nn
 
 TINY = "tiny-bert"
@@ -67,11 +68,22 @@ def check_available(model: ModelConfig) -> None:
 
 
 def build_model(
-    model: ModelConfig, task: str, labels: list[str], vocab_size: int, pad_token_id: int, seed: int
+    model: ModelConfig,
+    task: str,
+    labels: list[str],
+    vocab_size: int,
+    pad_token_id: int,
+    seed: int,
+    *,
+    backbone: torch.Tensor | None = None,
 ) -> nn.Module:
     """The model of ``task``'s kind: a sequence classifier (``classification``), a masked LM (``mlm``), ...
 
     Weights are initialised from ``seed`` (tiny) or the checkpoint (hub; new heads from ``seed``).
+    ``backbone``: a full model's flat vector (``params.get_flat`` of a model without
+    adapters) loaded into the base model before ``with_adapter`` wraps it: a LoRA run
+    warm-started from a full run (bhfl_core/store/warm_start.py). The base is still
+    built from ``seed`` first, so the adapters draw the same random numbers as without it.
     """
     import torch
     from transformers import BertConfig
@@ -96,12 +108,21 @@ def build_model(
                 **head,
             )
             built: nn.Module = auto.from_config(config)
-            return with_adapter(built, model)
+            return with_adapter(_with_backbone(built, backbone), model)
         try:
             loaded: nn.Module = auto.from_pretrained(model.name, revision=model.revision, **head)
         except Exception as exc:
             raise hub_error("model", model, exc) from None
-        return with_adapter(loaded, model)
+        return with_adapter(_with_backbone(loaded, backbone), model)
+
+
+def _with_backbone(base: nn.Module, backbone: torch.Tensor | None) -> nn.Module:
+    """``base`` with ``backbone`` loaded (all its parameters: nothing is frozen before the adapters)."""
+    if backbone is not None:
+        from bhfl_core.learning.params import set_flat  # torch: imported where a model is built
+
+        set_flat(base, backbone)
+    return base
 
 
 def with_adapter(built: nn.Module, model: ModelConfig) -> nn.Module:

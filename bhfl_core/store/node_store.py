@@ -32,9 +32,11 @@ from bhfl_core.algorithm.node_state import AsyncProgress, NodeState
 from bhfl_core.algorithm.node_step import Inbox, PendingResidual, ResidualPost
 from bhfl_core.store.atomic import atomic_path
 from bhfl_core.store.state_header import (
+    FEEDBACK,
     INFO,
     MODEL,
     PERSONAL,
+    SENT,
     VERSION,
     damaged,
     node_file,
@@ -51,7 +53,8 @@ WriteHook = Callable[[Path], None]
 
 
 def state_tensors(state: NodeState) -> dict[str, torch.Tensor]:
-    """A state's tensors under their file names: ``model``, ``personal``, ``up.*``, ``down.*``, ``res.<kind>.*``."""
+    """A state's tensors under their file names: ``model``, ``personal``, ``up.*``, ``down.*``, ``res.<kind>.*``,
+    ``async.v<version>``, ``feedback``, ``sent.*``."""
     tensors: dict[str, torch.Tensor] = {}
     if state.model is not None:
         tensors[MODEL] = state.model
@@ -63,6 +66,9 @@ def state_tensors(state: NodeState) -> dict[str, torch.Tensor]:
         tensors.update({f"res.{kind}.{k}": v for k, v in opt.items()})
     if state.pending is not None:
         tensors.update({f"{VERSION}{v}": model for v, model in state.pending.versions.items()})
+    if state.feedback is not None:
+        tensors[FEEDBACK] = state.feedback
+    tensors.update({f"{SENT}{k}": v for k, v in state.sent.items()})
     return tensors
 
 
@@ -297,6 +303,7 @@ class StateStore:
             tensors = {MODEL: result.model}
             info = {"members": list(result.members), "weight": result.weight, "losses": losses}
             info["virtual_s"] = result.virtual_s
+            info["sent_bytes"] = result.sent_bytes
         atomic_save(tensors, self.result_path(node_id, dispatch), info, self.before_replace)
 
     def has_result(self, node_id: str, dispatch: int) -> bool:
@@ -310,7 +317,12 @@ class StateStore:
         losses = tuple(MemberLoss(m, float(loss), int(n)) for m, loss, n in info["losses"])
         members = tuple(info["members"])
         return ChildResult(
-            members, tensors[MODEL], float(info["weight"]), losses=losses, virtual_s=float(info["virtual_s"])
+            members,
+            tensors[MODEL],
+            float(info["weight"]),
+            losses=losses,
+            virtual_s=float(info["virtual_s"]),
+            sent_bytes=int(info.get("sent_bytes", 0)),
         )
 
     def drop_results(self, node_id: str) -> None:

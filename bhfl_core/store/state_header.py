@@ -28,6 +28,8 @@ INFO = "bhfl"  # the metadata entry holding a file's info and its tensors' CRC-3
 MODEL = "model"
 PERSONAL = "personal"
 VERSION = "async.v"  # + the version: a model an asynchronous node's in-flight child was sent
+FEEDBACK = "feedback"  # a compressing sender's error-feedback residual (compression.py)
+SENT = "sent."  # + the payload's part: the compressed update a finished execution sent
 _MAX_HEADER = 100_000_000  # safetensors' own limit
 
 
@@ -115,4 +117,6 @@ def state_from_file(tensors: dict[str, torch.Tensor], info: dict[str, Any]) -> N
         child_epochs={k: int(v) for k, v in info.get("child_epochs", {}).items()},
         clip=None if info.get("clip") is None else float(info["clip"]),
         dp_steps=int(info.get("dp_steps", 0)),
+        feedback=tensors.get(FEEDBACK),
+        sent={k[len(SENT) :]: v for k, v in tensors.items() if k.startswith(SENT)},
     )

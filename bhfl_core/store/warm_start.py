@@ -9,28 +9,42 @@ initial model):
 - ``RUN``: tree-shaped: every node of the new tree whose namesake saved a model in RUN
   starts from it (servers and persistent clients alike); the others start empty.
 
+A LoRA run (``model.adapter``) from a full fine-tuning run (none) is the one allowed
+difference in ``model``: the vectors do not fit (adapters and head against the whole
+model), so no node state is copied; NODE's model (the root's for ``RUN``) becomes the
+new run's frozen backbone file (``run_layout.BACKBONE_FILE``), which every build of
+the run's model loads before the adapters are wrapped in (so it is also the head's
+starting point), and the adapters start fresh from the seed.
+
 This module is the pure part: parsing the value, planning the copy, the config keys
-that must agree between the two runs, and the copy between two state stores. Finding
-and checking RUN (its folder, record, status) is the flows' job
-(flows/records/warm_source.py): run folders and ``run.json`` belong there.
+that must agree between the two runs, and the copy between two state stores (or into
+the backbone file). Finding and checking RUN (its folder, record, status) is the
+flows' job (flows/records/warm_source.py): run folders and ``run.json`` belong there.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from bhfl_core.algorithm.node_state import NodeState
 from bhfl_core.config.base import ConfigError
 
 if TYPE_CHECKING:
+    import torch
+
     from bhfl_core.store.node_store import StateStore
 
 KEY = "model.init_from"
+ADAPTER_KEY = "model.adapter"
 AGREEING_SECTIONS = ("model", "data.task")
-"""What the source run's config must share with the new one (``model.init_from`` itself aside):
-the model's architecture and task decide the shape and meaning of every saved vector."""
+"""What the source run's config must share with the new one (``model.init_from`` itself aside,
+and ``model.adapter`` for a backbone start): the model's architecture and task decide the
+shape and meaning of every saved vector."""
+BACKBONE = "backbone"
+"""The backbone file's one tensor: the source node's full flat vector (``params.get_flat``)."""
 
 
 @dataclass(frozen=True)
@@ -94,16 +108,65 @@ def copy_models(source: StateStore, target: StateStore, plan: Mapping[str, str])
     return written
 
 
+def save_backbone(source: StateStore, node: str, path: Path) -> bool:
+    """Write ``node``'s saved model in ``source`` as the backbone file ``path``; False if ``path`` exists.
+
+    An existing file is kept: a resumed run's workers may already have built on it,
+    and it is whole (written atomically), so writing it again could only change it.
+    """
+    from bhfl_core.store.node_store import atomic_save  # torch only where a backbone is written
+
+    if path.exists():
+        return False
+    model = source.load_model(node)
+    if model is None:
+        raise ConfigError(f"{KEY}: the source run has no saved model of node {node!r}")
+    atomic_save({BACKBONE: model}, path, info={"node": node})
+    return True
+
+
+def load_backbone(path: Path) -> torch.Tensor:
+    """The flat vector ``save_backbone`` wrote (checksum verified)."""
+    from bhfl_core.store.node_store import load_tensors
+
+    tensors, _ = load_tensors(path, [BACKBONE])
+    if BACKBONE not in tensors:
+        raise ConfigError(f"{KEY}: {path} holds no {BACKBONE!r} tensor; delete it and resume to write it again")
+    return tensors[BACKBONE]
+
+
+def is_backbone_start(source: Mapping[str, Any], target: Mapping[str, Any]) -> bool:
+    """A full fine-tuning source (no ``model.adapter``) and a LoRA target (two dumped configs).
+
+    Then the source's model is the target's frozen backbone (``save_backbone``), not a
+    node state: the one difference in ``model`` a warm start allows.
+    """
+    return _at(source, ADAPTER_KEY) is None and _at(target, ADAPTER_KEY) is not None
+
+
 def config_mismatch(source: Mapping[str, Any], target: Mapping[str, Any]) -> tuple[str, Any, Any] | None:
     """The first key of ``AGREEING_SECTIONS`` whose value differs between two dumped configs, else None.
 
-    Returns ``(dotted key, source value, target value)``; ``model.init_from`` is ignored.
+    Returns ``(dotted key, source value, target value)``; ``model.init_from`` is ignored,
+    and so is ``model.adapter`` for a backbone start (``is_backbone_start``).
     """
+    ignored = {KEY, ADAPTER_KEY} if is_backbone_start(source, target) else {KEY}
     for section in AGREEING_SECTIONS:
-        found = _first_difference(_at(source, section), _at(target, section), section)
+        found = _first_difference(_at(source, section), _at(target, section), section, ignored)
         if found is not None:
             return found
     return None
+
+
+def mismatch_reason(key: str) -> str:
+    """Why ``key`` (from ``config_mismatch``) must agree: the end of the callers' one-line error."""
+    if key == ADAPTER_KEY or key.startswith(f"{ADAPTER_KEY}."):
+        return (
+            "a LoRA run (model.adapter) starts from a LoRA run with the same model.adapter, or from a full "
+            "fine-tuning run (no model.adapter), whose model becomes its frozen backbone; a full run cannot "
+            "start from a LoRA run"
+        )
+    return "the model and data.task must be the same for its saved models to fit this run"
 
 
 def _at(data: Mapping[str, Any], dotted: str) -> Any:
@@ -113,12 +176,12 @@ def _at(data: Mapping[str, Any], dotted: str) -> Any:
     return value
 
 
-def _first_difference(a: Any, b: Any, key: str) -> tuple[str, Any, Any] | None:
-    if key == KEY:
+def _first_difference(a: Any, b: Any, key: str, ignored: Collection[str]) -> tuple[str, Any, Any] | None:
+    if key in ignored:
         return None
     if isinstance(a, Mapping) and isinstance(b, Mapping):
         for name in sorted(set(a) | set(b), key=str):
-            found = _first_difference(a.get(name), b.get(name), f"{key}.{name}")
+            found = _first_difference(a.get(name), b.get(name), f"{key}.{name}", ignored)
             if found is not None:
                 return found
         return None

@@ -39,7 +39,7 @@ def export_model(run_path: Path, node_id: str, out: Path) -> Path:
         raise ExportError(f"--to: {out} already exists; give a new folder")
     hf_logging.disable_progress_bar()  # this command's output is its one line, not a shard-writing bar
     cfg = ctx.config
-    model = ctx.build_model(cfg.seed + cfg.model.init_seed_offset)  # the backbone every worker trained on
+    model = ctx.training_model()  # the backbone every worker trained on (for a LoRA run, not the initial model's)
     set_flat(model, theta)
     if cfg.model.adapter is not None:
         model = model.merge_and_unload()  # type: ignore[operator]

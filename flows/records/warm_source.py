@@ -10,13 +10,15 @@ directory. Every problem is a ``ConfigError`` naming ``model.init_from`` and the
 
 ``warm_start`` copies the models into the new run's state store once its data are
 prepared (bhfl_core/store/warm_start.py plans and copies), after checking that the two
-runs' prepared data give models of one shape.
+runs' prepared data give models of one shape; a LoRA run from a full fine-tuning run
+gets the source model as its frozen backbone file instead.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -24,8 +26,18 @@ from bhfl_core.config.base import ConfigError
 from bhfl_core.config.schema import ExperimentConfig, dump
 from bhfl_core.config.topology import ROOT_ID
 from bhfl_core.store.node_store import StateStore
-from bhfl_core.store.run_layout import CONFIG_FILE, DATA_POINTER, STATE_DIR
-from bhfl_core.store.warm_start import KEY, InitFrom, config_mismatch, copy_models, copy_plan, parse_init_from
+from bhfl_core.store.run_layout import BACKBONE_FILE, CONFIG_FILE, DATA_POINTER, STATE_DIR
+from bhfl_core.store.warm_start import (
+    KEY,
+    InitFrom,
+    config_mismatch,
+    copy_models,
+    copy_plan,
+    is_backbone_start,
+    mismatch_reason,
+    parse_init_from,
+    save_backbone,
+)
 from data_prep.manifest import Manifest
 from flows.records.listing import resolve_run
 from flows.records.run_record import RunRecord
@@ -62,6 +74,15 @@ def find_source(value: str, run_dir: Path) -> tuple[InitFrom, Path]:
     return spec, folder
 
 
+def _source_config(value: str, folder: Path) -> dict[str, Any]:
+    """RUN's dumped config (``config.yaml``), ConfigError if unreadable."""
+    try:
+        source = yaml.safe_load((folder / CONFIG_FILE).read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise _error(value, f"its {CONFIG_FILE} is unreadable ({exc})") from None
+    return source if isinstance(source, dict) else {}
+
+
 def check_source(value: str, spec: InitFrom, folder: Path, config: ExperimentConfig) -> None:
     """RUN finished, agrees with ``config`` on the model and task, and saved NODE (else ConfigError)."""
     record = RunRecord.read(folder)
@@ -74,18 +95,10 @@ def check_source(value: str, spec: InitFrom, folder: Path, config: ExperimentCon
             f"the run in {folder} is {status}; a warm start needs a finished run (finish it first: "
             f"`bhfl resume {folder}`)",
         )
-    try:
-        source = yaml.safe_load((folder / CONFIG_FILE).read_text())
-    except (OSError, yaml.YAMLError) as exc:
-        raise _error(value, f"its {CONFIG_FILE} is unreadable ({exc})") from None
-    mismatch = config_mismatch(source if isinstance(source, dict) else {}, dump(config))
+    mismatch = config_mismatch(_source_config(value, folder), dump(config))
     if mismatch is not None:
         key, theirs, ours = mismatch
-        raise _error(
-            value,
-            f"{key} differs: {theirs!r} in the source run, {ours!r} here (the model and data.task must be "
-            "the same for its saved models to fit this run)",
-        )
+        raise _error(value, f"{key} differs: {theirs!r} in the source run, {ours!r} here ({mismatch_reason(key)})")
     node = spec.node or ROOT_ID
     store = StateStore(folder / STATE_DIR)
     if not store.has(node):
@@ -109,12 +122,17 @@ def resolve_init_from(config: ExperimentConfig, run_dir: Path) -> ExperimentConf
 def warm_start(ctx: RunContext) -> list[str]:
     """Copy the source models into the run's store (model only); return the nodes written.
 
+    A LoRA run from a full fine-tuning run copies no node (``is_backbone_start``): it
+    writes the source node's model as its frozen backbone file (kept if a resumed run
+    already has it) and returns ``[]``; the run's initial model is then built on it.
     The two runs' prepared data must give models of one shape (same labels and
     vocabulary size); tiny-bert learns its vocabulary from the data, so a source run on
     other data fits in shape but not in meaning: that is the user's call.
     """
     value = ctx.config.model.init_from
     assert value is not None
+    if (ctx.run_path / BACKBONE_FILE).is_file():  # a resume after the backbone was written: the source is not needed
+        return []
     spec = parse_init_from(value)
     folder = Path(spec.run)
     if not (folder / STATE_DIR).is_dir():
@@ -132,5 +150,9 @@ def warm_start(ctx: RunContext) -> list[str]:
                 f"the source run's data give models of another shape: {field} {a!r} there, {b!r} here "
                 "(same data settings for both runs, or at least the same labels and tokenizer)",
             )
+    source = StateStore(folder / STATE_DIR)
+    if is_backbone_start(_source_config(value, folder), dump(ctx.config)):
+        save_backbone(source, spec.node or ROOT_ID, ctx.run_path / BACKBONE_FILE)
+        return []
     plan = copy_plan(spec, [n.id for n in ctx.tree], ctx.tree.root_id)
-    return copy_models(StateStore(folder / STATE_DIR), ctx.store, plan)
+    return copy_models(source, ctx.store, plan)

@@ -114,7 +114,8 @@ def _communication(tracker: Tracker, ctx: RunContext) -> tuple[list[comm.CommRow
     if theta is None:
         raise RuntimeError(f"the root has no saved model in {ctx.store.root}; nothing to report")
     history = {
-        node: {key: tracker.history(run_id, key) for key in comm.KEYS} for node, run_id in tracker.node_runs.items()
+        node: {key: tracker.history(run_id, key) for key in comm.HISTORY_KEYS}
+        for node, run_id in tracker.node_runs.items()
     }
     return comm.comm_rows(ctx.tree, history, theta.numel()), theta.numel()
 
@@ -397,7 +398,8 @@ def render_markdown(
         "## Communication",
         "",
         f"One model = {num_params:,} float32 values = {comm.human_bytes(num_params * comm.BYTES_PER_VALUE)}. "
-        "Level = depth of the server that sends to / receives from its children (residuals: sent by it).",
+        "Level = depth of the server that sends to / receives from its children (residuals: sent by it); "
+        "compressed updates (`aggregate.compress`) count their payloads' bytes.",
         "",
     ]
     out += [

@@ -61,6 +61,7 @@ class AddVectorHooks:
                     child.weight,
                     virtual_s=out.virtual_s,
                     candidates=candidates if node.settings.res_up else (),
+                    sent_bytes=out.sent_bytes,
                 )
             )
         return results

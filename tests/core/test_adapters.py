@@ -55,6 +55,29 @@ def test_the_adapters_initialisation_is_the_seeds_and_loading_a_vector_sets_only
     assert all(torch.equal(p, backbone[n]) for n, p in a.named_parameters() if not p.requires_grad)
 
 
+def test_a_backbone_is_loaded_under_adapters_drawn_as_without_it():
+    full = _model(seed=5)
+    backbone = torch.randn(get_flat(full).numel(), generator=torch.Generator().manual_seed(1))
+    set_flat(full, backbone)
+    cfg = small_config("model.adapter={r: 4}").model
+    warm = build_model(cfg, "classification", LABELS, 400, 0, 0, backbone=backbone)
+    fresh = _model("model.adapter={r: 4}")
+    base = dict(full.named_parameters())
+    for name, p in warm.get_base_model().named_parameters():
+        if "lora_" in name or "modules_to_save" in name:
+            continue
+        # peft's names for the wrapped originals: query.base_layer.weight, classifier.original_module.weight
+        assert torch.equal(p, base[name.replace(".base_layer", "").replace(".original_module", "")]), name
+    lora = {n: p for n, p in warm.named_parameters() if "lora_" in n}
+    assert lora and all(torch.equal(p, dict(fresh.named_parameters())[n]) for n, p in lora.items())  # same draws
+    head = {n: p for n, p in warm.named_parameters() if "modules_to_save" in n}
+    assert {n.split(".")[-1]: p for n, p in head.items()}.keys() == {"weight", "bias"}
+    for n, p in head.items():  # the trained head starts from the backbone's
+        assert torch.equal(p, base[f"classifier.{n.split('.')[-1]}"]), n
+    with pytest.raises(ValueError, match="trainable parameters"):
+        build_model(cfg, "classification", LABELS, 400, 0, 0, backbone=backbone[:-1])
+
+
 def test_adapters_for_masked_lm_are_rejected_naming_the_key():
     from bhfl_core.config.base import ConfigError
 

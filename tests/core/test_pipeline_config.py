@@ -11,7 +11,16 @@ from bhfl_core.config.pipeline import is_pipeline, load_pipeline, pipeline_from_
 from bhfl_core.config.schema import dump
 from bhfl_core.config.topology import build_tree, placeholder_clients
 from bhfl_core.store.node_store import StateStore
-from bhfl_core.store.warm_start import InitFrom, config_mismatch, copy_models, copy_plan, parse_init_from
+from bhfl_core.store.warm_start import (
+    InitFrom,
+    config_mismatch,
+    copy_models,
+    copy_plan,
+    load_backbone,
+    mismatch_reason,
+    parse_init_from,
+    save_backbone,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "configs"
@@ -169,6 +178,56 @@ def test_config_mismatch_names_the_first_differing_key_and_ignores_init_from():
     assert config_mismatch(a, b) == ("model.max_length", 64, 32)
     assert config_mismatch(a, c) is None  # only init_from differs
     assert config_mismatch({**a, "seed": 3, "tree": {}}, c) is None  # other sections may differ
+
+
+def test_a_lora_run_may_start_from_a_full_run_and_nothing_else_may_differ():
+    p = _pipeline(
+        {
+            "full": {},
+            "lora": {"model": {"adapter": {"r": 4}}},
+            "lora8": {"model": {"adapter": {"r": 8}}},
+            "wider": {"model": {"adapter": {"r": 4}, "tiny": {"hidden_size": 32}}},
+            "mlm": {"model": {"adapter": None}, "data": {"task": "mlm"}},
+        }
+    )
+    full, lora, lora8, wider, mlm = (dump(s.config) for s in p)
+    assert config_mismatch(full, lora) is None  # full -> LoRA: the source model becomes the frozen backbone
+    assert config_mismatch(full, wider) == ("model.tiny.hidden_size", 64, 32)  # any other model key still counts
+    assert config_mismatch(full, mlm) == ("data.task", "classification", "mlm")
+    assert config_mismatch(lora, full) == ("model.adapter", lora["model"]["adapter"], None)  # LoRA -> full: no
+    assert config_mismatch(lora, lora8) == ("model.adapter.r", 4, 8)  # two adapters: the same settings only
+    assert config_mismatch(lora, lora) is None
+    for key in ("model.adapter", "model.adapter.r"):
+        assert "from a full fine-tuning run (no model.adapter)" in mismatch_reason(key)
+        assert "a full run cannot start from a LoRA run" in mismatch_reason(key)
+    assert mismatch_reason("model.tiny.hidden_size").startswith("the model and data.task must be the same")
+
+
+def test_stage_references_check_the_adapter_rule():
+    def error(stages):
+        with pytest.raises(ConfigError) as err:
+            _pipeline(stages)
+        return str(err.value)
+
+    assert _pipeline({"a": {}, "b": {"model": {"init_from": "a:root", "adapter": {"r": 4}}}})["b"].source_stage == "a"
+    reverse = error({"a": {"model": {"adapter": {"r": 4}}}, "b": {"model": {"init_from": "a:root"}}})
+    assert "stages.b: model.init_from: 'a:root': model.adapter differs: " in reverse
+    assert "a full run cannot start from a LoRA run" in reverse
+
+
+def test_save_backbone_writes_the_node_model_once(tmp_path):
+    source = StateStore(tmp_path / "src")
+    source.save("root", NodeState(model=torch.arange(5.0), rounds_done=3))
+    source.save("edge-de", NodeState(model=torch.arange(5.0) + 10))
+    path = tmp_path / "run" / "backbone.safetensors"
+    path.parent.mkdir()
+    assert save_backbone(source, "edge-de", path)
+    assert torch.equal(load_backbone(path), torch.arange(5.0) + 10)
+    before = path.stat().st_mtime_ns
+    assert not save_backbone(source, "root", path)  # a resumed run keeps the file its workers built on
+    assert path.stat().st_mtime_ns == before and torch.equal(load_backbone(path), torch.arange(5.0) + 10)
+    with pytest.raises(ConfigError, match=r"model\.init_from: the source run has no saved model of node 'fr-00'"):
+        save_backbone(source, "fr-00", tmp_path / "run" / "other.safetensors")
 
 
 def test_copy_models_model_only_root_last(tmp_path):

@@ -34,6 +34,17 @@ def cli(*args: str, faults: str | None, run_dir: Path) -> tuple[subprocess.Compl
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err), proc.pid
 
 
+def killed_and_resumed(overrides: list[str], run_dir: Path, point: str = "round@4:kill", name: str = "itest") -> Path:
+    """`bhfl run` of the embedded config with ``overrides``, SIGKILLed at ``point``, then `bhfl resume`d; its folder."""
+    sets = [a for s in overrides for a in ("--set", s)]
+    killed, _ = cli("run", "configs/embedded.yaml", *sets, faults=point, run_dir=run_dir)
+    assert killed.returncode == KILLED, killed.stderr[-3000:]
+    (run_path,) = (run_dir / name).iterdir()
+    finished, _ = cli("resume", str(run_path), faults=None, run_dir=run_dir)
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    return run_path
+
+
 def leftovers(session: int, grace_s: float = 15.0) -> list[str]:
     """Processes of the killed CLI's session (its workers, forkserver, ...) still alive after it died."""
     deadline = time.time() + grace_s

@@ -8,7 +8,7 @@ from mlflow import MlflowClient
 
 from bhfl_core.store.node_store import load_tensors
 from flows.experiment import PLAIN_CALLS, run_experiment
-from tests.flows.kill_chain import KILLED, cli, node_files
+from tests.flows.kill_chain import killed_and_resumed, node_files
 from tests.small import SMALL, small_config
 
 pytestmark = pytest.mark.integration
@@ -142,10 +142,5 @@ def test_dp_sgd_clients_count_their_steps_and_the_report_gives_their_epsilon(run
 def test_a_dp_run_killed_after_an_adaptive_round_resumes_bit_identically(runs, tmp_path):
     """Killed by SIGKILL once the fourth server round is committed (edges with an adaptive clip in their state),
     `bhfl resume` finishes it: the same noise, the same clips, the same node files as the uninterrupted run."""
-    sets = [a for s in [*SMALL, EDGE_DP, "runtime.executor=inprocess"] for a in ("--set", s)]
-    killed, _ = cli("run", "configs/embedded.yaml", *sets, faults="round@4:kill", run_dir=tmp_path)
-    assert killed.returncode == KILLED, killed.stderr[-3000:]
-    (run_path,) = (tmp_path / "itest").iterdir()
-    finished, _ = cli("resume", str(run_path), faults=None, run_dir=tmp_path)
-    assert finished.returncode == 0, finished.stderr[-3000:]
+    run_path = killed_and_resumed([*SMALL, EDGE_DP, "runtime.executor=inprocess"], tmp_path)
     assert node_files(run_path) == node_files(Path(runs["inprocess"]["run_path"]))
