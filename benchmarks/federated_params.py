@@ -76,7 +76,7 @@ def table(rows: dict[str, dict[str, float]]) -> str:
     width = max(len(c) for c in columns) + 2
     lines = [" " * 10 + "".join(f"{c:>{width}}" for c in columns)]
     for variant, row in rows.items():
-        cells = [f"{row[c]:,.0f}" if row[c] >= 100 else f"{row[c]:.2f}" for c in columns]
+        cells = [f"{row[c]:,.0f}" if row[c] >= 100 else f"{row[c]:.3g}" for c in columns]
         lines.append(f"{variant:10}" + "".join(f"{cell:>{width}}" for cell in cells))
     full = rows["full"]
     for variant, row in rows.items():
