@@ -124,3 +124,19 @@ def test_nodeopts_residuals_async_ditto_and_compression_work_on_the_adapter_vect
     assert not torch.equal(client.personal, client.theta)
     metrics = MlflowClient(result["tracking_uri"]).get_run(_by_node(result)["edge-de"]).data.metrics
     assert metrics["async/buffered"] == 1 and metrics["comm/up_bytes"] == n + 4 * math.ceil(n / 256)
+
+
+def test_an_edge_model_is_the_example_weighted_mean_of_its_clients_adapter_vectors(runs):
+    from tasks.context import RunContext
+
+    ctx = RunContext.open(Path(runs["uncompressed"]["run_path"]))  # LoRA, models sent as they are
+    store = ctx.store
+    edge = store.load("edge-en")
+    last = f"edge-en:{edge.rounds_done - 1}"  # the clients its last round called sent what they saved
+    cohort = [c for c in ctx.tree["edge-en"].children if store.load_header(c).exec_caller == last]
+    assert len(cohort) == 2  # cohort 2 of 3
+    weights = torch.tensor([ctx.tree[c].weight for c in cohort], dtype=torch.float64)
+    models = torch.stack([store.load_model(c).double() for c in cohort])
+    mean = (weights[:, None] * models).sum(0) / weights.sum()
+    assert edge.model is not None and edge.model.numel() < 20_000  # adapters and head
+    assert torch.allclose(edge.model.double(), mean, rtol=0, atol=1e-7)
