@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from bhfl_core.store.tables import table_markdown
 from data_prep.figures import MIN_FONT_PT, save_png
 from data_prep.manifest import Manifest
 
@@ -93,20 +94,22 @@ def partition_summary(manifest: Manifest) -> dict[str, Any]:
     }
 
 
+def _language_row(language: str, s: dict[str, Any]) -> list[object]:
+    size = f"{s['size_median']:g}"
+    return [language, s["clients"], len(s["edges"]), s["size_min"], size, s["size_max"], s["train"], s["test"]]
+
+
 def summary_markdown(summary: dict[str, Any]) -> str:
     skew = summary["label_skew"]
     lines = [
         f"Partition `{summary['fingerprint']}` ({summary['task']}, {summary['source']}): {summary['clients']} clients, "
         f"{summary['edges']} edge servers ({summary['clustering']} clustering).",
         "",
-        "| language | clients | edge servers | size min | size median | size max | train | test |",
-        "|---|---|---|---|---|---|---|---|",
+        table_markdown(
+            ["language", "clients", "edge servers", "size min", "size median", "size max", "train", "test"],
+            (_language_row(lang, s) for lang, s in summary["per_language"].items()),
+        ),
     ]
-    for lang, s in summary["per_language"].items():
-        lines.append(
-            f"| {lang} | {s['clients']} | {len(s['edges'])} | {s['size_min']} | {s['size_median']:g} | "
-            f"{s['size_max']} | {s['train']} | {s['test']} |"
-        )
     if skew["tv_to_language_mean"] is not None:
         lines += [
             "",

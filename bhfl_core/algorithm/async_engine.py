@@ -34,7 +34,7 @@ Choices where FedBuff is silent (docs/algorithm.md):
 
 Resume: each flush commits, with the node's state, the children in flight, the model
 versions they were sent, the clock and the dispatch counter (``AsyncProgress``). Every
-result used between flushes is saved first (``StateStore.save_result``), before its
+result used between flushes is saved first (``ExecutionStore.save_result``), before its
 child can be dispatched again. A re-run after a crash restarts the in-flight children
 with their callers (a child's own resume rule finishes or repeats its execution) and
 replays the arrivals since the last flush from the saved results, so it reaches the
@@ -71,10 +71,10 @@ from bhfl_core.algorithm.engine import (
 from bhfl_core.algorithm.node_state import AsyncProgress, Caller, InFlight, NodeResult, RoundKey
 from bhfl_core.algorithm.node_step import down_posts, node_down, node_up
 from bhfl_core.algorithm.residuals import Candidate
+from bhfl_core.algorithm.store_protocol import ExecutionStore
 from bhfl_core.algorithm.tree import Node, Tree
 from bhfl_core.algorithm.virtual_clock import drops_out
 from bhfl_core.rng import generator
-from bhfl_core.store.node_store import StateStore
 
 
 class AsyncHooks(EngineHooks, Protocol):
@@ -123,7 +123,7 @@ def execute_async_node(
     tree: Tree,
     node: Node,
     phi: torch.Tensor | None,
-    store: StateStore,
+    store: ExecutionStore,
     hooks: AsyncHooks,
     seed: int,
     plan: RoundPlan = ROOT_PLAN,
@@ -273,7 +273,7 @@ def _start(
     flight: InFlight,
     models: Mapping[int, torch.Tensor],
     hooks: AsyncHooks,
-    store: StateStore,
+    store: ExecutionStore,
     seed: int,
     plan: RoundPlan,
 ) -> PendingResult:
@@ -309,7 +309,7 @@ def _fill(
     version: int,
     theta: torch.Tensor,
     hooks: AsyncHooks,
-    store: StateStore,
+    store: ExecutionStore,
     seed: int,
     plan: RoundPlan,
 ) -> None:
@@ -338,7 +338,7 @@ def _dispatch(
     version: int,
     finish: float | None,
     hooks: AsyncHooks,
-    store: StateStore,
+    store: ExecutionStore,
     seed: int,
     plan: RoundPlan,
 ) -> None:

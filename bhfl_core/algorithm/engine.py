@@ -28,7 +28,8 @@ drives clients inside a worker, servers inside subflows, and fake trees in unit 
 The store is the only place with side effects: it reads the inbox of residuals,
 delivers posts, and commits each round's state in one atomic file (model, optimiser
 states, round counter, the execution it belongs to), after which the residuals that
-state consumed are deleted.
+state consumed are deleted. The loop sees it as an ``ExecutionStore``
+(``store_protocol.py``), which ``bhfl_core/store/node_store.py`` implements.
 
 Clients may drop out (``tree.clock.dropout_p``; ``virtual_clock.drops_out``, a draw from
 (seed, client, round)): such a client is not trained, counts as dropped, and the round
@@ -68,11 +69,11 @@ from bhfl_core.algorithm.node_step import (
 )
 from bhfl_core.algorithm.privacy import privacy_metrics
 from bhfl_core.algorithm.secure_aggregation import MaskedSum
+from bhfl_core.algorithm.store_protocol import ExecutionStore
 from bhfl_core.algorithm.tempo import omega, tempo_epochs
 from bhfl_core.algorithm.tree import Node, NodeSettings, Tree
 from bhfl_core.algorithm.virtual_clock import drops_out
 from bhfl_core.rng import derive_seed, sample_cohort
-from bhfl_core.store.node_store import StateStore
 
 
 class PendingResult(Protocol):
@@ -119,7 +120,7 @@ class EngineHooks(Protocol):
         ...
 
 
-def load_for_execution(store: StateStore, node: Node, caller: Caller) -> NodeState:
+def load_for_execution(store: ExecutionStore, node: Node, caller: Caller) -> NodeState:
     """The node's state for an execution by ``caller``; its model checked only when the execution reads it.
 
     A node whose down- and up-aggregation replace its model (fedavg, eta 1) and that
@@ -137,7 +138,7 @@ def execute_node(
     tree: Tree,
     node: Node,
     phi: torch.Tensor | None,
-    store: StateStore,
+    store: ExecutionStore,
     hooks: EngineHooks,
     seed: int,
     plan: RoundPlan = ROOT_PLAN,
@@ -164,7 +165,7 @@ def _round(
     node: Node,
     state: NodeState,
     plan: RoundPlan,
-    store: StateStore,
+    store: ExecutionStore,
     hooks: EngineHooks,
     seed: int,
     scorer: Scorer | None,
@@ -252,7 +253,7 @@ VIRTUAL_TIME = "time/virtual_s"
 """Metric: virtual seconds since the node's execution began (the root's: since the run began)."""
 
 
-def inbox_up(store: StateStore, node: Node, state: NodeState) -> Inbox:
+def inbox_up(store: ExecutionStore, node: Node, state: NodeState) -> Inbox:
     """The node's waiting up-residuals (a leaf has none to fold)."""
     return store.inbox(node.id, "up", state.res_seen) if not node.is_leaf else {}
 

@@ -1,1 +1,1 @@
-"""After training: the evaluation matrix, proximity analysis, communication accounting."""
+"""After training: the evaluation matrix, proximity analysis, communication accounting, seeds, comparison tables."""

@@ -18,8 +18,8 @@ import warnings
 from typing import TYPE_CHECKING
 
 from bhfl_core.config.base import ConfigError
-from bhfl_core.config.schema import ModelConfig
 from bhfl_core.learning.hub import require_hub
+from bhfl_core.learning.model_config import ModelConfig
 from bhfl_core.learning.task_kinds import get_task_kind
 
 if TYPE_CHECKING:

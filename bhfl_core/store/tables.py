@@ -1,9 +1,11 @@
-"""CSV text of a table: one writer for every CSV file a run or a command produces.
+"""Text of a table: one CSV writer for every CSV file, one markdown writer for every markdown table.
 
-Fields are written by the ``csv`` module (minimal quoting, ``\\n`` line ends), so a node
-id, test-set or experiment name holding a comma, a quote or a line break is quoted and
-reads back intact; every other field is written as is, so ordinary tables are plain
-``a,b,c`` lines. Numbers are formatted by the caller: each table has its own precision.
+CSV fields are written by the ``csv`` module (minimal quoting, ``\\n`` line ends), so a
+node id, test-set or experiment name holding a comma, a quote or a line break is quoted
+and reads back intact; every other field is written as is, so ordinary tables are plain
+``a,b,c`` lines. A markdown cell holding ``|`` or a line break would split its row, so
+those are escaped there. Numbers are formatted by the caller: each table has its own
+precision.
 """
 
 from __future__ import annotations
@@ -24,3 +26,19 @@ def table_csv(header: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
     writer.writerow(header)
     writer.writerows(rows)
     return out.getvalue()
+
+
+def _markdown_cell(value: object) -> str:
+    text = "" if value is None else str(value)
+    return " ".join(text.replace("|", "\\|").splitlines())
+
+
+def table_markdown(header: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
+    """The header and ``rows`` as a GitHub-flavoured markdown table, lines joined by ``\\n`` (none at the end).
+
+    Cells as in ``table_csv`` (``str`` as is, ``None`` empty, anything else ``str(value)``),
+    with ``|`` escaped and line breaks made spaces, so every row keeps its columns.
+    """
+    lines = ["| " + " | ".join(_markdown_cell(h) for h in header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(_markdown_cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from bhfl_core.config.schema import ExperimentConfig
 from bhfl_core.config.sweep import config_hash
+from bhfl_core.store.tables import table_markdown
 from flows.tracking.links import run_link
 
 
@@ -35,10 +36,11 @@ def summary_markdown(
     headline: Mapping[str, float],
 ) -> str:
     """The headline table and where to look further (MLflow run, run folder, report)."""
-    rows = "\n".join(f"| `{key}` | {value:.4f} |" for key, value in sorted(headline.items()))
+    rows = ([f"`{key}`", f"{value:.4f}"] for key, value in sorted(headline.items()))
+    table = table_markdown(["metric", "value"], rows)
     return (
         f"# {config.name} (seed {config.seed}, config hash {config_hash(config)[:8]})\n\n"
-        f"| metric | value |\n|---|---|\n{rows}\n\n"
+        f"{table}\n\n"
         f"MLflow run [`{run_id}`]({run_link(tracking_uri, experiment_id, run_id)}) "
         f"(store `{tracking_uri}`; a local store opens with `bhfl ui`). "
         f"Run folder `{run_path}`; its report: `report/report.html`.\n"

@@ -8,7 +8,7 @@ gets the headlines and the evaluation's wall time.
 ``write_report`` runs once at the end. It writes, under ``<run folder>/report/`` and
 then to the parent run's artefacts (same layout):
 
-    report.md                     the key numbers together, with the two figures
+    report.md                     the key numbers together, with the two figures (flows/tracking/report_markdown.py)
     eval/matrix.csv               node,level,test_set,metric,value (every model x test set)
     eval/distribution.csv         per model: distribution over its subtree's clients and over all clients
     eval/clients.csv              per client: each relative's model on its test split, gain vs local-only
@@ -19,7 +19,10 @@ then to the parent run's artefacts (same layout):
     eval/heatmap.png, eval/proximity.png (and an SVG beside each)
 
 Communication and evaluation time are read back from MLflow metric histories (not
-in-process counters), so a resumed run reports the whole run.
+in-process counters), so a resumed run reports the whole run. The trivial baseline of
+the run's task (bhfl_core/analysis/trivial_baselines.py: each client's majority training
+label, or a unigram model for masked LM) is computed from the data here, shown beside the
+headlines in report.md and logged to the parent run as ``baseline/<kind>/<headline key>``.
 """
 
 from __future__ import annotations
@@ -43,40 +46,21 @@ from bhfl_core.analysis.evaluation import (
     distribution_csv,
     matrix_csv,
 )
+from bhfl_core.analysis.trivial_baselines import TrivialBaseline, headline_metrics
 from bhfl_core.store.atomic import write_text_atomic
 from bhfl_core.store.tables import table_csv
 from data_prep.figures import save_png
 from flows.tracking import plots
-from flows.tracking.privacy_report import CLIENT_EPSILON_MAX, client_epsilons, client_lines, epsilon_max, privacy_rows
-from flows.tracking.privacy_report import HEADERS as PRIVACY_HEADERS
+from flows.tracking.baselines import trivial_baseline
+from flows.tracking.privacy_report import CLIENT_EPSILON_MAX, client_epsilons, epsilon_max, privacy_rows
 from flows.tracking.report_html import write_report_html
+from flows.tracking.report_markdown import RELATION_NAMES, ReportInputs, render_markdown
 from flows.tracking.tracker import Tracker
 from tasks import faults
 from tasks.context import RunContext
 
 REPORT_DIR = "report"
 RESULTS_MARK = "\n\n**Results**"
-RELATION_NAMES = {
-    "client": "client's own model",
-    "personal": "client's personal model (Ditto)",
-    "edge": "its parent server",
-    "server": "its intermediate server",
-    "root": "root",
-    "adapted": "locally adapted model",
-    "local_only": "local-only model",
-}
-
-
-def _relation_names(ev: Evaluation) -> dict[str, str]:
-    """RELATION_NAMES, with ``server-d<depth>`` after ``server`` where clients have several intermediate servers."""
-    deep = {rel for c in ev.clients for rel, _ in ev.relatives(c) if rel.startswith("server-d")}
-    out: dict[str, str] = {}
-    for relation, name in RELATION_NAMES.items():
-        out[relation] = name
-        if relation == "server":
-            for depth in sorted(int(r.removeprefix("server-d")) for r in deep):
-                out[f"server-d{depth}"] = f"its intermediate server at depth {depth}"
-    return out
 
 
 def _num(value: float | None) -> float:
@@ -86,17 +70,6 @@ def _num(value: float | None) -> float:
 def save_figure(fig: Figure, path: Path) -> None:
     """Write a figure as PNG and SVG beside it (``data_prep.figures.save_png``: atomic, under its draw lock)."""
     save_png(fig, path)
-
-
-def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
-    def cell(v: object) -> str:
-        if isinstance(v, float):
-            return "–" if math.isnan(v) else f"{v:.4g}"
-        return str(v)
-
-    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
-    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
-    return "\n".join(lines)
 
 
 def log_evaluation(tracker: Tracker, ev: Evaluation, step: int, seconds: Mapping[str, float]) -> dict[str, float]:
@@ -139,12 +112,37 @@ def _curves_csv(curves: Mapping[str, Sequence[tta.CurvePoint]]) -> str:
     )
 
 
+def _write_tables(
+    folder: Path,
+    ev: Evaluation,
+    prox: proximity.Proximity,
+    rows: Sequence[comm.CommRow],
+    levels: Sequence[comm.LevelSummary],
+) -> None:
+    """The CSV tables and the two figures under ``folder``."""
+    files = {
+        "eval/matrix.csv": matrix_csv(ev.rows),
+        "eval/distribution.csv": distribution_csv(ev.distribution_rows()),
+        "eval/clients.csv": clients_csv(ev.client_rows()),
+        "eval/proximity.csv": proximity.curve_csv(prox),
+        "eval/proximity_clients.csv": proximity.clients_csv(prox),
+        "eval/communication.csv": comm.rows_csv(rows),
+        "eval/communication_levels.csv": comm.summary_csv(levels),
+    }
+    for name, text in files.items():
+        write_text_atomic(folder / name, text)
+    save_figure(plots.heatmap(ev), folder / "eval" / "heatmap.png")
+    save_figure(plots.proximity_plot(ev, prox), folder / "eval" / "proximity.png")
+
+
 def write_report(
     tracker: Tracker, ctx: RunContext, ev: Evaluation, timings: Mapping[str, float], step: int | None = None
 ) -> dict[str, float]:
     """Write the run's report files, log them and the summary metrics to the parent run; return headlines.
 
     ``step``: the evaluation's step (default: the last root round; a forced re-evaluation's is later).
+    The trivial baseline's headlines are logged (``baseline/<kind>/...``) but not returned: the
+    returned headlines are the run's own (its run-list columns, its summary).
     """
     folder = ctx.run_path / REPORT_DIR
     final_step = ctx.tree.root.settings.rounds if step is None else step
@@ -152,20 +150,7 @@ def write_report(
     comm_rows, num_params = _communication(tracker, ctx)
     levels = comm.summarise(ctx.tree, comm_rows)
     totals = comm.totals(comm_rows)
-
-    files = {
-        "eval/matrix.csv": matrix_csv(ev.rows),
-        "eval/distribution.csv": distribution_csv(ev.distribution_rows()),
-        "eval/clients.csv": clients_csv(ev.client_rows()),
-        "eval/proximity.csv": proximity.curve_csv(prox),
-        "eval/proximity_clients.csv": proximity.clients_csv(prox),
-        "eval/communication.csv": comm.rows_csv(comm_rows),
-        "eval/communication_levels.csv": comm.summary_csv(levels),
-    }
-    for name, text in files.items():
-        write_text_atomic(folder / name, text)
-    save_figure(plots.heatmap(ev), folder / "eval" / "heatmap.png")
-    save_figure(plots.proximity_plot(ev, prox), folder / "eval" / "proximity.png")
+    _write_tables(folder, ev, prox, comm_rows, levels)
     curves = _time_curves(tracker, ev)
     if curves:
         write_text_atomic(folder / "eval" / "time_to_accuracy.csv", _curves_csv(curves))
@@ -179,23 +164,31 @@ def write_report(
         **{k: v for k, v in proximity.headline(prox).items() if "share_clients" in k},
         "comm/total_model_equivalents": totals["comm/total_model_equivalents"],
     }
-    write_text_atomic(
-        folder / "report.md", render_markdown(tracker, ctx, ev, prox, levels, totals, num_params, timings)
+    baseline = trivial_baseline(ctx)
+    inputs = ReportInputs(
+        tracker.parent_id, ctx, ev, prox, levels, totals, num_params, timings, curves, dp_rows, dp_clients, baseline
     )
+    write_text_atomic(folder / "report.md", render_markdown(inputs))
     write_report_html(folder / "report.md", f"{ctx.config.name}: report")  # the same, figures inline (MLflow UI)
 
     tracker.log_artifacts(folder)
     faults.hit("report")
     # (the evaluation's headlines are at this step already: log_evaluation)
-    tracker.log_metrics(tracker.parent_id, {**proximity.headline(prox), **totals, **privacy}, final_step)
+    baselines = headline_metrics(ev, baseline) if baseline is not None else {}
+    tracker.log_metrics(tracker.parent_id, {**proximity.headline(prox), **totals, **privacy, **baselines}, final_step)
     tracker.set_tags({"bhfl.task": ev.task.task, "bhfl.model_params": str(num_params), "bhfl.report": "report.html"})
     tracker.share_headline_view([*headline, "time/total_s"])
-    _describe_runs(tracker, ctx, ev, prox, totals)
+    _describe_runs(tracker, ctx, ev, prox, totals, baseline)
     return headline
 
 
 def _describe_runs(
-    tracker: Tracker, ctx: RunContext, ev: Evaluation, prox: proximity.Proximity, totals: Mapping[str, float]
+    tracker: Tracker,
+    ctx: RunContext,
+    ev: Evaluation,
+    prox: proximity.Proximity,
+    totals: Mapping[str, float],
+    baseline: TrivialBaseline | None,
 ) -> None:
     """Run descriptions with the key numbers, so the UI's run pages say what the run found."""
     metric = ev.task.primary
@@ -211,6 +204,12 @@ def _describe_runs(
                 f"{RELATION_NAMES[relation]} on each client: mean {h[key + '_mean']:.3f}, "
                 f"worst 10% {h[key + '_worst10']:.3f}"
             )
+    if baseline is not None:
+        own = distribution(baseline.per_client(ev.clients, metric), ev.task.better(metric))
+        parts.append(
+            f"trivial baseline ({baseline.kind.own}): mean {own.mean:.3f} on each client, "
+            f"{baseline.scores[UNION][metric]:.3f} on union"
+        )
     parts.append(f"closer is better for {prox.share_rank:.0%} of clients (rank) / {prox.share_path:.0%} (path)")
     parts.append(f"communication {comm.human_bytes(totals['comm/total_bytes'])}")
     base = tracker.note(tracker.parent_id).split(RESULTS_MARK)[0]
@@ -235,251 +234,3 @@ def _describe_runs(
                 f"union {_num(ev.value(node.id, UNION)):.3f}; proxy {_num(ev.value(node.id, PROXY)):.3f}."
             ),
         )
-
-
-def render_markdown(
-    tracker: Tracker,
-    ctx: RunContext,
-    ev: Evaluation,
-    prox: proximity.Proximity,
-    levels: Sequence[comm.LevelSummary],
-    totals: Mapping[str, float],
-    num_params: int,
-    timings: Mapping[str, float],
-) -> str:
-    cfg, tree, metric = ctx.config, ctx.tree, ev.task.primary
-    better = "higher" if ev.task.better(metric) else "lower"
-    h = ev.headline()
-    out = [
-        f"# {cfg.name}: evaluation report",
-        "",
-        f"MLflow run `{tracker.parent_id}` · seed {cfg.seed} · task {ev.task.task} · "
-        f"{len(tree.clients())} clients, {len(tree.servers())} servers, {tree.root.settings.rounds} root rounds · "
-        f"model {cfg.model.name} ({num_params:,} trainable parameters) · data `{ctx.manifest.fingerprint}`",
-        "",
-        f"## Each client's test split ({metric}, {better} is better)",
-        "",
-        "Every client's own test split, scored with each model that belongs to the client; "
-        "mean / median / best and worst 10% over clients.",
-        "",
-    ]
-    rows = []
-    for relation, relation_name in _relation_names(ev).items():
-        scored = [ev.value(m, c) for c in ev.clients for rel, m in ev.relatives(c) if rel == relation]
-        values = [v for v in scored if v is not None]
-        if values:
-            d = distribution(values, ev.task.better(metric))
-            g = h.get(f"gain_vs_local/{relation}/{metric}_mean", math.nan)
-            share = h.get(f"gain_vs_local/{relation}/{metric}_share_better", math.nan)
-            rows.append([relation_name, d.n, d.mean, d.median, d.best10, d.worst10, g, share])
-    out += [
-        markdown_table(
-            [
-                "model",
-                "clients",
-                "mean",
-                "median",
-                "best 10%",
-                "worst 10%",
-                "gain vs local-only",
-                "share better than local-only",
-            ],
-            rows,
-        ),
-        "",
-    ]
-    out += [
-        f"Root model: {h.get(f'root/union/{metric}', math.nan):.4f} on the union of all client tests, "
-        f"{h.get(f'root/proxy/{metric}', math.nan):.4f} on the proxy test split.",
-        "",
-    ]
-
-    out += [
-        f"## Every server ({metric})",
-        "",
-        "Distribution over the clients of the server's subtree, and the server on the union and proxy tests.",
-        "",
-    ]
-    rows = []
-    for node in tree.servers():
-        if node.id in ev.models:
-            d = distribution(ev.per_client(node.id, ev.population(node.id)), ev.task.better(metric))
-            sub = ev.value(node.id, UNION if node.parent is None else f"subtree:{node.id}")
-            rows.append(
-                [
-                    node.id,
-                    node.depth,
-                    d.n,
-                    d.mean,
-                    d.median,
-                    d.best10,
-                    d.worst10,
-                    d.variance,
-                    sub,
-                    ev.value(node.id, UNION),
-                    ev.value(node.id, PROXY),
-                ]
-            )
-    rows.sort(key=lambda r: (r[1], r[0]))
-    out += [
-        markdown_table(
-            [
-                "server",
-                "level",
-                "clients",
-                "mean",
-                "median",
-                "best 10%",
-                "worst 10%",
-                "variance",
-                "subtree union",
-                "union",
-                "proxy",
-            ],
-            rows,
-        ),
-        "",
-    ]
-
-    out += [
-        "## Proximity: is a closer model better?",
-        "",
-        f"{metric} of every node model on every client's test split, against the tree distance between the "
-        "model's node and the client (0 = the client's own model). 'path' keeps the client's own model and its "
-        "ancestors.",
-        "",
-    ]
-    dist_rows: dict[int, dict[str, proximity.CurvePoint]] = {}
-    for c in prox.curve:
-        dist_rows.setdefault(c.distance, {})[c.relation] = c
-    table = []
-
-    def cell(by: dict[str, proximity.CurvePoint], rel: str) -> tuple[float, int]:
-        return (by[rel].mean, by[rel].n) if rel in by else (math.nan, 0)
-
-    for distance, by in sorted(dist_rows.items()):
-        (a, na), (p, np_), (o, no) = cell(by, "all"), cell(by, "path"), cell(by, "off_path")
-        table.append([distance, a, na, p, np_, o, no])
-    out += [
-        markdown_table(["distance", "mean (all)", "pairs", "mean (path)", "pairs", "mean (off path)", "pairs"], table),
-        "",
-    ]
-    out += [
-        f"- Hypothesis on clients' data holds for **{prox.share_rank:.0%}** of clients by rank (Spearman "
-        f"correlation of distance and quality < 0) and for **{prox.share_path:.0%}** along the path "
-        "(own model ≥ parent ≥ … ≥ root). Step by step along the path: "
-        + ", ".join(f"distance {d} ≥ {d + 1} for {share:.0%} of {n} clients" for d, n, share in prox.path_steps)
-        + "."
-    ]
-    for test_set, by_test in prox.globals.items():
-        out.append(
-            f"- On `{test_set}`: rank correlation of depth and quality {by_test.rho_depth:+.2f} (negative = better "
-            f"towards the root); quality never falls going up for {by_test.path_share:.0%} of client paths; "
-            "mean by depth " + ", ".join(f"{d}: {v:.3f}" for d, _, v in by_test.by_depth) + "."
-        )
-    out += [
-        "",
-        "![proximity](eval/proximity.png)",
-        "",
-        "Vector copy for a paper: [eval/proximity.svg](eval/proximity.svg).",
-        "",
-        "## Heatmap",
-        "",
-        "Rows: node models in tree order; columns: client test splits (same order), subtree unions, "
-        "the union of all clients, the proxy test.",
-        "",
-        "![heatmap](eval/heatmap.png)",
-        "",
-        "Vector copy: [eval/heatmap.svg](eval/heatmap.svg).",
-        "",
-    ]
-
-    out += [
-        "## Communication",
-        "",
-        f"One model = {num_params:,} float32 values = {comm.human_bytes(num_params * comm.BYTES_PER_VALUE)}. "
-        "Level = depth of the server that sends to / receives from its children (residuals: sent by it); "
-        "compressed updates (`aggregate.compress`) count their payloads' bytes.",
-        "",
-    ]
-    out += [
-        markdown_table(
-            ["level", "servers", "direction", "kind", "server rounds", "models", "bytes", "models per round"],
-            [
-                [
-                    s.level,
-                    s.servers,
-                    s.direction,
-                    s.kind,
-                    s.server_rounds,
-                    f"{s.models:g}",
-                    comm.human_bytes(s.bytes),
-                    f"{s.models_per_round:.2f}",
-                ]
-                for s in levels
-            ],
-        ),
-        "",
-    ]
-    out += [
-        f"Total: **{totals['comm/total_model_equivalents']:g} model-equivalents, "
-        f"{comm.human_bytes(totals['comm/total_bytes'])}** (down {comm.human_bytes(totals['comm/down_bytes'])}, "
-        f"up {comm.human_bytes(totals['comm/up_bytes'])}, of which residuals "
-        f"{comm.human_bytes(totals['comm/residual_bytes'])}).",
-        "",
-    ]
-
-    curves = _time_curves(tracker, ev)
-    if curves:
-        populations = list(curves)
-        evaluated = sorted({p.step for points in curves.values() for p in points})
-        at = {label: {p.step: p for p in points} for label, points in curves.items()}
-        time_rows = [
-            [step, f"{next(at[lb][step].virtual_s for lb in populations if step in at[lb]):.1f}"]
-            + [f"{at[lb][step].value:.3f}" if step in at[lb] else "" for lb in populations]
-            for step in evaluated
-        ]
-        out += [
-            f"## Quality against virtual time ({metric})",
-            "",
-            "At every evaluation (`eval.every`), against the root's virtual clock (client steps over their "
-            "speed, `tree.clock`; a synchronous round waits for its slowest child). `eval/time_to_accuracy.csv`, "
-            "`eval/time_to_accuracy.png`; `bhfl compare --target X` gives the time to reach X.",
-            "",
-            markdown_table(["root round", "virtual s", *populations], time_rows),
-            "",
-        ]
-    dp_rows = privacy_rows(tracker, tree)
-    dp_clients = client_epsilons(tree, ctx.store)
-    if dp_rows or dp_clients:
-        out += ["## Differential privacy", "", *client_lines(dp_clients, tree)]
-    if dp_rows:
-        out += [
-            "Client-level DP-FedAvg at these servers (docs/privacy.md): epsilon spent by their clients at the "
-            "end (replace-one neighbours, cohorts sampled without replacement), the last round's clip, the noise "
-            "std on the mean update, and the share of updates clipped.",
-            "",
-            markdown_table(PRIVACY_HEADERS, [row.cells() for row in dp_rows]),
-            "",
-        ]
-    out += [
-        "## Cost",
-        "",
-        f"Training {timings.get('time/training_only_s', math.nan):.1f} s; evaluation of every node on every "
-        f"test set {timings.get('time/eval_total_s', math.nan):.1f} s in all "
-        f"({timings.get('time/eval_share', math.nan):.1%} of training)"
-        + (
-            f"; per-client baselines {timings['time/baselines_total_s']:.1f} s"
-            if "time/baselines_total_s" in timings
-            else ""
-        )
-        + f"; total run {timings.get('time/total_s', math.nan):.0f} s.",
-        "",
-    ]
-    out += [
-        "Files: `eval/matrix.csv`, `eval/distribution.csv`, `eval/clients.csv`, `eval/proximity.csv`, "
-        "`eval/proximity_clients.csv`, `eval/communication.csv`, `eval/communication_levels.csv` "
-        "(docs/evaluation.md explains each).",
-        "",
-    ]
-    return "\n".join(out)

@@ -22,11 +22,12 @@ from pathlib import Path
 from mlflow import MlflowClient
 
 from bhfl_core.analysis import seeds
+from bhfl_core.analysis.comparison import HEADERS, by_config_csv, by_config_markdown, paired_csv
 from bhfl_core.config.sweep import Sweep, config_label
 from bhfl_core.store.atomic import write_text_atomic
-from flows.cli.compare import HEADERS, by_config_csv, by_config_markdown, compare_by_config, paired_csv
 from flows.records.sweep_record import SweepRecord
 from flows.tracking.report_html import write_report_html
+from flows.tracking.run_comparison import compare_by_config
 from flows.tracking.seed_plots import save_metric_plots
 
 REPORT_DIR = "report"

@@ -1,11 +1,11 @@
-"""The one CSV writer: names with commas or quotes survive, ordinary tables are plain lines."""
+"""The one CSV and the one markdown writer: names with commas, quotes or pipes survive, ordinary tables are plain."""
 
 import csv
 import io
 
 from bhfl_core.analysis.communication import CommRow, rows_csv
 from bhfl_core.analysis.evaluation import EvalRow, matrix_csv
-from bhfl_core.store.tables import table_csv
+from bhfl_core.store.tables import table_csv, table_markdown
 
 
 def test_a_value_with_a_comma_and_a_quote_round_trips():
@@ -34,3 +34,9 @@ def test_ordinary_output_is_unchanged():
     assert rows_csv(rows) == (
         "level,node,round,direction,kind,models,bytes\n0,root,1,down,regular,3,120\n1,e1,2,up,residual,0.5,20\n"
     )
+
+
+def test_a_markdown_cell_never_splits_its_row():
+    text = table_markdown(["node", "value"], [["edge|1", None], ["two\nlines", 0.5]])
+    assert text == "| node | value |\n|---|---|\n| edge\\|1 |  |\n| two lines | 0.5 |"
+    assert table_markdown(["a", "b"], []) == "| a | b |\n|---|---|"  # no rows: the header alone, no line end

@@ -63,6 +63,7 @@ COMPARE_KEYS = {
     "wall_s",
     "run_path",
     "status",
+    "baseline",
 }
 
 
@@ -100,6 +101,7 @@ def _experiment_run(client: MlflowClient, experiment: str, run_path: Path, start
     for key, value in {
         "client_on_own_clients/accuracy_mean": accuracy,
         "root/union/accuracy": accuracy - 0.1,
+        "baseline/majority/root/union/accuracy": 0.15,  # the trivial baseline the report logs beside it
         "comm/total_bytes": 2.0e6,
         "time/total_s": 12.0,
     }.items():
@@ -241,6 +243,9 @@ def test_compare_full_ids_prefixes_all_and_json(world, tmp_path):
     assert first["run_path"] == str(run_dir / "itest" / "20260101-000000-001") and first["status"] == "finished"
     assert first["leaf_mean"] == pytest.approx(0.6) and first["root_union"] == pytest.approx(0.5)
     assert first["comm_mb"] == pytest.approx(2.0) and first["root_rounds"] == 2 and first["leaf_worst10"] is None
+    assert first["baseline"]["kind"] == "majority" and first["baseline"]["root_union"] == pytest.approx(0.15)
+    assert first["baseline"]["leaf_mean"] is None  # the run logged no baseline of that headline
+    assert "| ↳ trivial baseline (majority) |  | accuracy | – | – | – | – | 0.1500 |" in latest.stdout
     targeted = json.loads(compare(ids[0][:10], "--target", "0.4", "--json").stdout)
     assert set(targeted[0]) == COMPARE_KEYS | {"time_to_target"}
 

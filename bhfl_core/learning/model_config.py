@@ -1,0 +1,65 @@
+"""The ``model`` section of an experiment config: which model, its size, its adapters, where it starts.
+
+It lives in ``learning`` because the model builders (``models.py``) and the tokenizer
+(``data_prep/tokenizer.py``) read it: the rest of the schema (``bhfl_core/config``)
+validates names against the algorithm's and learning's registries, so it sits above
+both, and a learning module importing it would tie the rooms in a cycle (docs/design.md,
+"The rooms"). ``bhfl_core.config.schema`` holds it as ``ExperimentConfig.model``.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field, model_validator
+
+from bhfl_core.config.base import Strict
+
+
+class TinyBert(Strict):
+    """A small BERT built from a config (no download); the tokenizer is trained on proxy data."""
+
+    vocab_size: Annotated[int, Field(ge=100)] = 3000
+    hidden_size: Annotated[int, Field(gt=0)] = 64
+    num_hidden_layers: Annotated[int, Field(gt=0)] = 2
+    num_attention_heads: Annotated[int, Field(gt=0)] = 2
+    intermediate_size: Annotated[int, Field(gt=0)] = 128
+    dropout: Annotated[float, Field(ge=0, lt=1)] = 0.0
+
+    @model_validator(mode="after")
+    def _heads(self) -> TinyBert:
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError("hidden_size must be divisible by num_attention_heads")
+        return self
+
+
+class AdapterSettings(Strict):
+    """Low-rank adapters (LoRA, through ``peft``) as the federated parameters: the backbone stays frozen.
+
+    ``target_modules``: the modules that get adapters (unset: peft's default for the
+    architecture, e.g. BERT's and XLM-R's ``query`` and ``value``).
+    """
+
+    kind: Literal["lora"] = "lora"
+    r: Annotated[int, Field(ge=1)] = 8
+    alpha: Annotated[int, Field(ge=1)] = 16
+    dropout: Annotated[float, Field(ge=0, lt=1)] = 0.0
+    target_modules: list[str] | None = None
+
+
+class ModelConfig(Strict):
+    """``name: tiny-bert`` builds ``tiny``; any other name (hub id or local folder) goes through
+    ``AutoModelForSequenceClassification`` / ``AutoModelForMaskedLM.from_pretrained`` (by ``data.task``)."""
+
+    name: str = "tiny-bert"
+    revision: str | None = None  # hub revision (branch, tag or commit) of model and tokenizer
+    tiny: TinyBert = TinyBert()
+    max_length: Annotated[int, Field(ge=8)] = 64
+    truncation: Literal["longest_first", "only_first", "only_second"] = "longest_first"
+    mlm_probability: Annotated[float, Field(gt=0, lt=1)] = 0.15  # masked-LM: share of tokens masked
+    init_seed_offset: int = 0
+    # ``RUN[:NODE]``: start from a finished run's node model (docs/config.md, "model.init_from"); a
+    # run folder, stored absolute once resolved (flows/records/warm_source.py), or in a pipeline a stage name
+    init_from: str | None = None
+    # LoRA adapters (and the task head) are what is trained, stored, sent and aggregated (docs/config.md)
+    adapter: AdapterSettings | None = None
