@@ -15,18 +15,28 @@ prepared folder is the result).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
+from prefect.settings import temporary_settings
 from prefect.utilities.annotations import quote
 
 from bhfl_core.config.schema import ExperimentConfig
 from data_prep.manifest import Manifest
 from data_prep.prepare import PreparedData, prepare_data
 from flows import progress
+
+
+@contextmanager
+def no_heartbeats() -> Iterator[None]:
+    """Flows started in the block send no heartbeats: they only detect crashed deployment runs, and off, each
+    flow run ends ~1 s sooner. (Every flow this project starts itself: flows/orchestration.py, ``run_prepare``.)"""
+    with temporary_settings(updates={"flows.heartbeat_frequency": None}):
+        yield
 
 
 def _task_step(name: str, fn: Callable[..., Any], *args: Any) -> Any:
@@ -58,6 +68,7 @@ def run_prepare(config: ExperimentConfig, cache_root: Path) -> PreparedData:
 
     Progress goes to the ``bhfl.progress`` logger (flows/progress.py).
     """
-    out = prepare_data_flow.with_options(flow_run_name="prepare-data")(config, str(cache_root))
+    with no_heartbeats():
+        out = prepare_data_flow.with_options(flow_run_name="prepare-data")(config, str(cache_root))
     root = Path(out["root"])
     return PreparedData(root, Manifest.read(root), cached=out["cached"], seconds=out["seconds"])

@@ -11,7 +11,6 @@ from bhfl_core.placement import Job, place
 from flows import progress
 from flows.node_runtime import NodeRuntime
 from flows.records.run_record import RunRecord
-from tasks import faults
 from tasks.evaluation import baseline_models, evaluate_models, node_models
 from tasks.scoring import Stats
 
@@ -58,7 +57,7 @@ def evaluate_step(rt: NodeRuntime, step: int) -> None:
     record = RunRecord.read(rt.ctx.run_path) or rt.record
     if step in record.evaluated_steps:
         return
-    faults.hit("eval", f"step {step}")
+    rt.ctx.faults.hit("eval", f"step {step}")
     evaluate_all(rt, step=step)
     record.evaluated_steps.append(step)
     record.write(rt.ctx.run_path)

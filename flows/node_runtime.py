@@ -3,7 +3,7 @@
 A ``NodeRuntime`` is built in whichever thread or process executes a node (from the
 run folder and ``run.json``: tracker ids, cluster address, worker slots), so nothing of a
 run lives in a process-global registry. Its ``orchestration`` says how node executions
-and worker calls are run: as Prefect subflow and task runs (flows/training.py
+and worker calls are run: as Prefect subflow and task runs (flows/orchestration.py
 ``PREFECT_RUNS``) or as plain calls (``PLAIN_CALLS``, the same code without Prefect:
 tests and the orchestration benchmark).
 """
@@ -13,44 +13,17 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING
 
-from prefect import Task
-
-from bhfl_core.algorithm.contract import RoundPlan
-from bhfl_core.config.schema import ExperimentConfig
 from bhfl_core.placement import utilisation
-from bhfl_core.store.transfer import SentResult, TensorRef
-from data_prep.prepare import PreparedData
 from flows.records.run_record import RunRecord
 from flows.tracking.tracker import Tracker
 from tasks.context import RunContext, open_run
 from tasks.executor import Executor, executor_for
 from tasks.worker import busy_intervals
 
-
-class Orchestration(Protocol):
-    """How a run's node executions, worker calls and data preparation are run."""
-
-    name: str
-
-    def run_node(
-        self, run_path: str, node_id: str, phi: TensorRef | None, plan: RoundPlan, *, subflow: bool
-    ) -> SentResult:
-        """Execute one internal node from its parent's model (``subflow``: as its own flow run where possible).
-
-        Returns what goes up to the parent as a worker batch does: a ``ChildResult`` by reference.
-        """
-        ...
-
-    def call_task(self, rt: NodeRuntime, task_: Task[..., Any], name: str, *args: Any) -> Any:
-        """Call one of the run's tasks (tasks/training.py, tasks/evaluation.py) with the run's executor."""
-        ...
-
-    def prepare(self, config: ExperimentConfig, cache_root: Path) -> PreparedData:
-        """Prepare (or reuse) the experiment's data."""
-        ...
+if TYPE_CHECKING:
+    from flows.orchestration import Orchestration
 
 
 @dataclass

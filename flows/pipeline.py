@@ -29,15 +29,15 @@ its checkpoints and starts the rest, under the same MLflow pipeline run.
 
 from __future__ import annotations
 
-import os
+import functools
 import platform
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from prefect import flow
-from prefect.settings import temporary_settings
 
 from bhfl_core.config.base import ConfigError
 from bhfl_core.config.loader import config_from_dict
@@ -45,29 +45,36 @@ from bhfl_core.config.pipeline import Pipeline, Stage, with_init_from
 from bhfl_core.config.schema import ExperimentConfig, dump
 from bhfl_core.store.warm_start import KEY as INIT_FROM
 from bhfl_core.store.warm_start import parse_init_from
-from flows import progress
-from flows.experiment import resume_experiment, run_experiment
-from flows.node_runtime import Orchestration
+from flows import lifecycle, progress
+from flows.experiment import run_or_resume
+from flows.launch import Launch
+from flows.lifecycle import Attempt, finish_or_fail
+from flows.orchestration import PLAIN_CALLS, PREFECT_RUNS, Invocation, Orchestration
 from flows.records.environment import git_commit
 from flows.records.pipeline_record import (
     PIPELINE_CONFIG,
     PipelineRecord,
     StageRecord,
     read_pipeline_config,
-    resumable,
     write_pipeline_config,
 )
-from flows.records.run_record import PipelineLink, RunRecord, default_tracking_uri, new_run_path
-from flows.records.run_state import RESUME_OVERRIDABLE
+from flows.records.run_record import PipelineLink, RunRecord, new_run_path
 from flows.records.warm_source import resolve_init_from
 from flows.tracking.tracker import Tracker
-from flows.training import PLAIN_CALLS, PREFECT_RUNS, thread_task_runner
 
-__all__ = ["PLAIN_CALLS", "PREFECT_RUNS", "check_sources", "pipeline_flow", "resume_pipeline", "run_pipeline"]
+__all__ = [
+    "PLAIN_CALLS",
+    "PREFECT_RUNS",
+    "PipelineJob",
+    "check_sources",
+    "pipeline_flow",
+    "resume_pipeline",
+    "run_pipeline",
+]
 
 # a stage's parent-run metrics that go onto the pipeline's run (prefixed with the stage's name)
 _HEADLINE_PARTS = ("_on_own_clients/", "gain_vs_local/")
-_HEADLINE_PREFIXES = ("root/", "proximity/share_clients")
+_HEADLINE_PREFIXES = ("root/", "proximity/share_clients", "baseline/")  # baseline/: the trivial baselines
 _SUMMED = ("comm/total_bytes", "comm/total_model_equivalents", "time/total_s")
 
 
@@ -95,14 +102,14 @@ def check_sources(pipeline: Pipeline, run_dir: Path) -> Pipeline:
     return pipeline
 
 
-def _stage_config(stage: Stage, record: PipelineRecord, run_root: Path) -> ExperimentConfig:
+def _stage_config(stage: Stage, record: PipelineRecord, launch: Launch) -> ExperimentConfig:
     """The stage's config with an earlier stage's reference replaced by its (finished) run folder."""
     if stage.source_stage is None:
         return stage.config
     source = record.stages[stage.source_stage].run_path
     config = with_init_from(stage, source)
     try:
-        return resolve_init_from(config, run_root)
+        return resolve_init_from(config, launch.run_root)
     except ConfigError as exc:
         raise ConfigError(f"stages.{stage.name}: {INIT_FROM} {stage.config.model.init_from!r}: {exc}") from None
 
@@ -136,33 +143,16 @@ def _log_totals(
 
 
 def _run_stage(
-    stage: Stage,
-    path: Path,
-    record: PipelineRecord,
-    folder: Path,
-    orchestration: Orchestration,
-    overrides: Sequence[str],
+    stage: Stage, path: Path, record: PipelineRecord, folder: Path, launch: Launch, overrides: Sequence[str]
 ) -> None:
     """Run (or resume) one stage in its run folder ``path``."""
-    run_root = folder.parents[1]
-    if RunRecord.read(path) is not None:  # started before: continue it from its checkpoints
-        progress.note(f"stage {stage.name}: resuming {path}")
-        resume_experiment(path, orchestration, overrides=overrides, flow_run_name=stage.name)
-        return
-    config = _stage_config(stage, record, run_root)
     link = PipelineLink(path=str(folder), stage=stage.name, experiment=record.name, run_id=record.run_id)
-    progress.note(f"stage {stage.name}: {config.name} in {path}")
-    run_experiment(
-        config, run_root, record.tracking_uri, orchestration, run_path=path, link=link, flow_run_name=stage.name
-    )
+    config = functools.partial(_stage_config, stage, record, launch)
+    run_or_resume(link, "stage", path, launch, config, overrides)
 
 
-def _pipeline(folder: Path, orchestration: Orchestration, overrides: Sequence[str] = ()) -> dict[str, Any]:
-    started = time.time()
-    pipeline = read_pipeline_config(folder)
-    record = PipelineRecord.read(folder)
-    assert record is not None, f"{folder} has no pipeline record"
-    tracker = Tracker(record.tracking_uri, resumed=record.resumes > 0)
+def _open_run(tracker: Tracker, pipeline: Pipeline, record: PipelineRecord, folder: Path) -> None:
+    """Create the pipeline's MLflow run (first attempt) or reopen it (a resume)."""
     if record.run_id:
         tracker.reopen_run(record.experiment_id, record.run_id, record.resumes)
     else:
@@ -181,37 +171,54 @@ def _pipeline(folder: Path, orchestration: Orchestration, overrides: Sequence[st
         record.experiment_id = tracker.experiment_id
         record.write(folder)
     tracker.log_text((folder / PIPELINE_CONFIG).read_text(), PIPELINE_CONFIG)  # every attempt: a kill may have cut it
-    run_root = folder.parents[1]
-    try:
-        for stage in pipeline:
-            entry = record.stages.setdefault(stage.name, StageRecord())
-            path = Path(entry.run_path) if entry.run_path else new_run_path(run_root, stage.config.name)
-            stage_record = RunRecord.read(path)
-            if stage_record is None or stage_record.status != "finished":
-                entry.run_path, entry.status = str(path), "running"
-                record.write(folder)
-                _run_stage(stage, path, record, folder, orchestration, overrides)
-                stage_record = RunRecord.read(path)
-                assert stage_record is not None
-            else:
-                progress.note(f"stage {stage.name}: finished before, not run again ({path})")
-            entry.status, entry.run_id = "finished", stage_record.parent_run_id
-            if not entry.logged:
-                _log_stage(tracker, stage.name, entry.run_id)
-                entry.logged = True
+
+
+def _run_stages(
+    pipeline: Pipeline, record: PipelineRecord, folder: Path, launch: Launch, overrides: Sequence[str], tracker: Tracker
+) -> None:
+    """Every stage in order: finished ones kept, the interrupted one resumed, the rest started."""
+    for stage in pipeline:
+        entry = record.stages.setdefault(stage.name, StageRecord())
+        path = Path(entry.run_path) if entry.run_path else new_run_path(launch.run_root, stage.config.name)
+        stage_record = RunRecord.read(path)
+        if stage_record is None or stage_record.status != "finished":
+            entry.run_path, entry.status = str(path), "running"
             record.write(folder)
-        metrics, totals = _log_totals(tracker, pipeline, record)
+            _run_stage(stage, path, record, folder, launch, overrides)
+            stage_record = RunRecord.read(path)
+            assert stage_record is not None
+        else:
+            progress.note(f"stage {stage.name}: finished before, not run again ({path})")
+        entry.status, entry.run_id = "finished", stage_record.parent_run_id
+        if not entry.logged:
+            _log_stage(tracker, stage.name, entry.run_id)
+            entry.logged = True
+        record.write(folder)
+
+
+def _pipeline(folder: Path, launch: Launch, overrides: Sequence[str] = ()) -> dict[str, Any]:
+    started = time.time()
+    pipeline = read_pipeline_config(folder)
+    record = PipelineRecord.found(folder)
+    tracker = Tracker(record.tracking_uri, resumed=record.resumes > 0)
+    _open_run(tracker, pipeline, record, folder)
+
+    def work() -> tuple[dict[str, dict[str, float]], dict[str, float]]:
+        _run_stages(pipeline, record, folder, launch, overrides, tracker)
+        totals = _log_totals(tracker, pipeline, record)
         tracker.finish("FINISHED")
-        record.status = "finished"
-        record.write(folder)
-    except BaseException as exc:
-        for entry in record.stages.values():
-            if entry.status == "running":
-                entry.status = "failed"
-        record.status, record.error = "failed", f"{type(exc).__name__}: {exc}"[:2000]
-        record.write(folder)
-        tracker.finish("FAILED")
-        raise
+        return totals
+
+    def end(error: BaseException | None) -> None:
+        if error is not None:
+            for entry in record.stages.values():
+                if entry.status == "running":
+                    entry.status = "failed"
+        record.ended(error).write(folder)
+        if error is not None:
+            tracker.finish("FAILED")
+
+    metrics, totals = finish_or_fail(work, end)
     return {
         "pipeline_path": str(folder),
         "name": pipeline.name,
@@ -233,17 +240,55 @@ def pipeline_flow(pipeline_path: str, overrides: list[str] | None = None) -> dic
 
     Each stage is a ``bhfl-experiment`` subflow named after the stage.
     """
-    return _pipeline(Path(pipeline_path), PREFECT_RUNS, overrides or ())
+    folder = Path(pipeline_path)
+    launch = Launch.at(folder, PipelineRecord.found(folder), PREFECT_RUNS)
+    return _pipeline(folder, launch, overrides or ())
 
 
-def _invoke(folder: Path, orchestration: Orchestration, overrides: Sequence[str], resume: bool) -> dict[str, Any]:
-    if orchestration is not PREFECT_RUNS:
-        return _pipeline(folder, orchestration, overrides)
-    # as for an experiment (flows/experiment.py): heartbeats only help deployment runs
-    with temporary_settings(updates={"flows.heartbeat_frequency": None}):
-        name = f"resume {folder.name}" if resume else folder.name
-        flow_ = pipeline_flow.with_options(flow_run_name=name, task_runner=thread_task_runner())
-        return flow_(str(folder), list(overrides))
+@dataclass(frozen=True)
+class PipelineJob:
+    """A pipeline as a job of the lifecycle (flows/lifecycle.py); ``pipeline``: a new pipeline's stages (a
+    resume reads them from its folder)."""
+
+    pipeline: Pipeline | None = None
+    counted = True
+
+    def create(self, launch: Launch, folder: Path) -> None:
+        """``pipeline.yaml`` (every stage's resolved config) and ``pipeline.json`` with every stage pending."""
+        assert self.pipeline is not None, "a new pipeline folder needs the pipeline"
+        folder.mkdir(parents=True, exist_ok=True)
+        write_pipeline_config(folder, self.pipeline)
+        stages = {s.name: StageRecord() for s in self.pipeline}
+        PipelineRecord(name=self.pipeline.name, tracking_uri=launch.tracking_uri, stages=stages).write(folder)
+
+    def with_overrides(self, folder: Path, overrides: Sequence[str]) -> PipelineJob:
+        """The stages not started yet take the change now; the interrupted one when it resumes."""
+        record = PipelineRecord.found(folder)
+        pipeline = read_pipeline_config(folder)
+        for stage in pipeline:
+            entry = record.stages.get(stage.name)
+            if entry is None or not entry.run_path:
+                config = config_from_dict(dump(stage.config), overrides, source=f"{folder}: stages.{stage.name}")
+                pipeline = pipeline.replace_stage(Stage(stage.name, config, stage.source_stage))
+        write_pipeline_config(folder, pipeline)
+        return self
+
+    def invocation(self, launch: Launch, attempt: Attempt) -> Invocation[dict[str, Any]]:
+        parameters = {"pipeline_path": str(attempt.folder), "overrides": list(attempt.overrides)}
+        body = functools.partial(_pipeline, attempt.folder, launch, attempt.overrides)
+        return Invocation(pipeline_flow, parameters, body, attempt.flow_run_name(attempt.folder.name))
+
+
+def start_pipeline(pipeline: Pipeline, launch: Launch, folder: Path | None = None) -> dict[str, Any]:
+    """A new pipeline under ``launch``, in ``folder`` (default: a new ``<run_root>/<pipeline>/<timestamp>``).
+
+    Run-folder warm starts are checked (ConfigError) before anything is written.
+    """
+    pipeline = check_sources(pipeline, launch.run_root)
+    launch.run_root.mkdir(parents=True, exist_ok=True)
+    folder = (folder or new_run_path(launch.run_root, pipeline.name)).resolve()
+    # the stages' run folders and data cache: beside the pipeline folder (<run_root>/<pipeline>/<stamp>)
+    return lifecycle.run(PipelineJob(pipeline), replace(launch, run_root=folder.parents[1]), folder)
 
 
 def run_pipeline(
@@ -258,19 +303,7 @@ def run_pipeline(
     Run-folder warm starts are checked (ConfigError) before anything is written;
     ``folder`` (default: a new ``<run_root>/<pipeline>/<timestamp>``) is the pipeline folder.
     """
-    run_root = run_root.resolve()
-    pipeline = check_sources(pipeline, run_root)
-    run_root.mkdir(parents=True, exist_ok=True)
-    folder = (folder or new_run_path(run_root, pipeline.name)).resolve()
-    folder.mkdir(parents=True, exist_ok=True)
-    write_pipeline_config(folder, pipeline)
-    record = PipelineRecord(
-        name=pipeline.name,
-        tracking_uri=tracking_uri or default_tracking_uri(run_root),
-        stages={s.name: StageRecord() for s in pipeline},
-    )
-    record.write(folder)
-    return _invoke(folder, orchestration, (), resume=False)
+    return start_pipeline(pipeline, Launch.of(run_root, tracking_uri, orchestration), folder)
 
 
 def resume_pipeline(
@@ -282,23 +315,4 @@ def resume_pipeline(
     resume``): of the interrupted stage and of the stages still to run.
     """
     folder = folder.resolve()
-    record = resumable(folder)
-    for assignment in overrides:
-        if not assignment.split("=", 1)[0].strip().startswith(RESUME_OVERRIDABLE):
-            raise ConfigError(
-                f"--set {assignment}: a resumed pipeline keeps its config; only runtime.* and eval.batch_size "
-                "may change (they do not change results). Start a new pipeline instead."
-            )
-    if overrides:  # the stages not started yet take the change now; the interrupted one when it resumes
-        pipeline = read_pipeline_config(folder)
-        for stage in pipeline:
-            entry = record.stages.get(stage.name)
-            if entry is None or not entry.run_path:
-                config = config_from_dict(dump(stage.config), overrides, source=f"{folder}: stages.{stage.name}")
-                pipeline = pipeline.replace_stage(Stage(stage.name, config, stage.source_stage))
-        write_pipeline_config(folder, pipeline)
-    record = record.model_copy(
-        update={"status": "running", "pid": os.getpid(), "error": "", "resumes": record.resumes + 1}
-    )
-    record.write(folder)
-    return _invoke(folder, orchestration, overrides, resume=True)
+    return lifecycle.resume(PipelineJob(), folder, PipelineRecord.found(folder), orchestration, overrides)

@@ -12,15 +12,10 @@ Folders: ``<run_root>/<sweep>/<stamp>/`` holds ``sweep.yaml`` (every point's res
 config) and ``sweep.json`` (status, MLflow ids, label -> config hash, run folder,
 status; flows/records/sweep_record.py). Every point is an ordinary run folder.
 
-Where the points run: when every point runs on ``runtime.executor: local`` with the same
-``runtime`` settings, the sweep starts one local worker cluster and every point places
-its work on it (a worker serves any run: tasks/worker.py), so N experiments share N
-workers instead of starting N clusters on the same cores. ``parallel`` (default: the
-number of workers the points share; 1 when each point brings its own executor, e.g.
-``inprocess``, where two at once would only share this process's cores) bounds the
-experiments in flight: an experiment alternates between worker calls and its own server
-rounds, evaluation and bookkeeping here, so one per worker keeps every worker busy while
-each experiment waits on the others' calls no longer than one call per worker.
+Where the points run (flows/sweep_workers.py): on one set of workers they share where
+their ``runtime`` allows, ``parallel`` at a time (default: one per shared worker, so each
+experiment waits on the others' calls no longer than one call per worker; 1 when each
+point brings its own executor, e.g. ``inprocess``).
 
 MLflow: the sweep's run lives in an experiment named after the sweep; each point's parent
 run is created in that experiment, nested under it (sweep -> point -> root -> servers),
@@ -36,91 +31,48 @@ does not stop the others; the sweep then ends failed, naming them.
 
 from __future__ import annotations
 
-import os
+import functools
 import platform
 import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 from contextlib import ExitStack
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import torch
 from prefect import flow
-from prefect.settings import temporary_settings
 
 from bhfl_core.config.base import ConfigError
-from bhfl_core.config.schema import RuntimeConfig, dump
 from bhfl_core.config.sweep import Point, Sweep, sweep_from_dump, with_overrides
-from flows import progress
+from flows import lifecycle, progress
 from flows.creation_gate import run_in_thread
-from flows.experiment import resume_experiment, run_experiment
-from flows.node_runtime import Orchestration
+from flows.experiment import run_or_resume
+from flows.launch import Launch
+from flows.lifecycle import Attempt, finish_or_fail
+from flows.orchestration import PLAIN_CALLS, PREFECT_RUNS, Invocation, Orchestration
 from flows.records.environment import git_commit
-from flows.records.run_record import PipelineLink, RunRecord, default_tracking_uri, new_run_path
-from flows.records.run_state import RESUME_OVERRIDABLE
+from flows.records.run_record import PipelineLink, RunRecord, new_run_path
 from flows.records.sweep_record import (
     SWEEP_CONFIG,
     PointRecord,
     PointStatus,
     SweepRecord,
     read_sweep_config,
-    resumable,
     write_sweep_config,
 )
+from flows.run_attempt import orchestrator_threads
+from flows.sweep_workers import default_parallel, resolve_lazy_imports, shared_runtime
 from flows.tracking.sweep_report import REPORT_DIR, write_sweep_report
 from flows.tracking.tracker import Tracker
-from flows.training import PLAIN_CALLS, PREFECT_RUNS, thread_task_runner
 
-__all__ = ["PLAIN_CALLS", "PREFECT_RUNS", "SweepError", "resume_sweep", "run_sweep", "sweep_flow"]
+__all__ = ["PLAIN_CALLS", "PREFECT_RUNS", "SweepError", "SweepJob", "resume_sweep", "run_sweep", "sweep_flow"]
 
 
 class SweepError(RuntimeError):
     """Some points of a sweep failed (the others ran to the end); names them and how to go on."""
-
-
-def shared_runtime(sweep: Sweep, labels: Sequence[str]) -> RuntimeConfig | None:
-    """The ``runtime`` every point in ``labels`` has, if they can share one set of workers; else None.
-
-    Shareable: a local cluster (``executor: local``) or a given one (``executor: cluster``),
-    with identical ``runtime`` settings (a grid over ``runtime.workers`` gets a cluster per point).
-    """
-    runtimes = {repr(dump(sweep[label].config)["runtime"]): sweep[label].config.runtime for label in labels}
-    if len(runtimes) != 1:
-        return None
-    (runtime,) = runtimes.values()
-    return runtime if runtime.executor in ("local", "cluster") else None
-
-
-def default_parallel(runtime: RuntimeConfig | None, cluster: str | None) -> int:
-    """Experiments in flight by default: one per shared worker (module docstring); 1 without shared workers."""
-    if runtime is None:
-        return 1
-    if runtime.executor == "local":
-        from tasks.local_cluster import local_slots
-
-        return len(local_slots(runtime))
-    from tasks.executor import cluster_workers
-
-    return len(cluster_workers(cluster or runtime.cluster or "", runtime))
-
-
-def resolve_lazy_imports(sweep: Sweep) -> None:
-    """Resolve, in this thread, every transformers name the points' orchestration imports.
-
-    transformers resolves its top-level names lazily, and two threads resolving one name
-    at once can fail (``ImportError: cannot import name 'PreTrainedTokenizerFast'``: seen
-    when two experiments of a sweep prepared their data side by side). Once resolved, a
-    name is a plain module attribute.
-    """
-    import transformers
-
-    from bhfl_core.learning.task_kinds import get_task_kind
-
-    names = {"AutoConfig", "AutoTokenizer", "BertConfig", "PreTrainedTokenizerBase", "PreTrainedTokenizerFast"}
-    names |= {get_task_kind(p.config.data.task).auto_class for p in sweep}
-    for name in sorted(names):
-        getattr(transformers, name)
 
 
 def _fresh_path(run_root: Path, name: str, taken: set[str]) -> Path:
@@ -136,10 +88,9 @@ def _fresh_path(run_root: Path, name: str, taken: set[str]) -> Path:
 class _Sweeper:
     """One attempt at a sweep folder: runs its unfinished points, ``parallel`` at a time."""
 
-    def __init__(self, folder: Path, orchestration: Orchestration, overrides: Sequence[str]) -> None:
+    def __init__(self, folder: Path, launch: Launch, overrides: Sequence[str]) -> None:
         self.folder = folder
-        self.run_root = folder.parents[1]
-        self.orchestration = orchestration
+        self.launch = launch
         self.overrides = list(overrides)
         self.sweep = read_sweep_config(folder)
         record = SweepRecord.read(folder)
@@ -191,30 +142,16 @@ class _Sweeper:
             run_id=entry.run_id,
         )
 
-    def _run_point(self, point: Point, entry: PointRecord, cluster: str | None) -> None:
+    def _run_point(self, point: Point, entry: PointRecord, launch: Launch) -> None:
         """Run (or resume) one point in its run folder; its end goes into the record whatever happens."""
         path = Path(entry.run_path)
         status: PointStatus = "finished"
         error = ""
         try:
-            if RunRecord.read(path) is not None:  # started before: continue it from its checkpoints
-                progress.note(f"point {point.label}: resuming {path}")
-                resume_experiment(path, self.orchestration, self.overrides, cluster=cluster, flow_run_name=point.label)
-            else:
-                progress.note(f"point {point.label}: {point.config.name} in {path}")
-                link = PipelineLink(
-                    path=str(self.folder), stage=point.label, experiment=self.sweep.name, run_id=self.record.run_id
-                )
-                run_experiment(
-                    point.config,
-                    self.run_root,
-                    self.record.tracking_uri,
-                    self.orchestration,
-                    run_path=path,
-                    cluster=cluster,
-                    link=link,
-                    flow_run_name=point.label,
-                )
+            link = PipelineLink(
+                path=str(self.folder), stage=point.label, experiment=self.sweep.name, run_id=self.record.run_id
+            )
+            run_or_resume(link, "point", path, launch, lambda: point.config, self.overrides)
         except Exception as exc:  # the other points go on; the sweep ends failed, naming this one
             status, error = "failed", f"{type(exc).__name__}: {exc}"[:2000]
         with self.lock:
@@ -223,7 +160,7 @@ class _Sweeper:
             self._write()
         progress.note(f"point {point.label}: {status}" + (f" ({error})" if error else ""))
 
-    def run(self, parallel: int | None, cluster: str | None) -> dict[str, Any]:
+    def run(self, parallel: int | None) -> dict[str, Any]:
         started = time.time()
         record = self.record
         todo: list[Point] = []
@@ -237,16 +174,19 @@ class _Sweeper:
             else:
                 todo.append(point)
         runtime = shared_runtime(self.sweep, [p.label for p in todo]) if todo else None
+        launch = self.launch
         with ExitStack() as stack:
-            if runtime is not None and runtime.executor == "local" and cluster is None:
+            if runtime is not None and runtime.executor == "local" and launch.cluster is None:
                 from tasks.local_cluster import ClusterStart
 
-                starting = ClusterStart(runtime, self.folder)
+                starting = ClusterStart(runtime)
                 stack.callback(starting.close)
-                cluster = starting.address()
-            elif runtime is None:
-                cluster = None  # each point starts (or finds) its own executor
-            width = max(1, min(parallel or default_parallel(runtime, cluster), max(len(todo), 1)))
+                launch = launch.for_points(starting.address())
+            else:  # points of one runtime on a cluster given; or each point starts (or finds) its own executor
+                launch = launch.for_points(launch.cluster if runtime is not None else None)
+            local = runtime if runtime is not None and runtime.executor == "local" else None
+            torch.set_num_threads(orchestrator_threads(local))  # once: the points are threads of this process
+            width = max(1, min(parallel or default_parallel(runtime, launch.cluster), max(len(todo), 1)))
             record.parallel = width
             self._write()
             progress.note(
@@ -255,7 +195,7 @@ class _Sweeper:
             )
             if width > 1:
                 resolve_lazy_imports(self.sweep)
-            self._run_all(todo, width, cluster)
+            self._run_all(todo, width, launch)
         failed = [label for label, e in record.points.items() if e.status == "failed"]
         finished = sum(e.status == "finished" for e in record.points.values())
         report = write_sweep_report(self.folder, self.sweep, record)
@@ -288,7 +228,7 @@ class _Sweeper:
             "wall_time_s": time.time() - started,
         }
 
-    def _run_all(self, todo: list[Point], width: int, cluster: str | None) -> None:
+    def _run_all(self, todo: list[Point], width: int, launch: Launch) -> None:
         """Start the points in order, at most ``width`` in flight; wait for them all."""
         slots = threading.Semaphore(width)
         futures: list[Future[None]] = []
@@ -297,13 +237,13 @@ class _Sweeper:
             with self.lock:
                 entry = self.record.points[point.label]
                 if not entry.run_path:
-                    entry.run_path = str(_fresh_path(self.run_root, point.config.name, self.taken))
+                    entry.run_path = str(_fresh_path(self.launch.run_root, point.config.name, self.taken))
                 entry.status, entry.error = "running", ""
                 self._write()
 
             def work(point: Point = point, entry: PointRecord = entry) -> None:
                 try:
-                    self._run_point(point, entry, cluster)
+                    self._run_point(point, entry, launch)
                 finally:
                     slots.release()
 
@@ -312,45 +252,59 @@ class _Sweeper:
         for future in futures:
             future.result()
 
+    def end(self, error: BaseException | None) -> None:
+        """The sweep's end into ``sweep.json`` (points still running when it failed: failed too) and MLflow."""
+        with self.lock:
+            if error is not None:
+                for entry in self.record.points.values():
+                    if entry.status == "running":
+                        entry.status = "failed"
+            self.record = self.record.ended(error)
+            self._write()
+        self.tracker.log_text((self.folder / "sweep.json").read_text(), "sweep.json")
+        self.tracker.finish("FINISHED" if error is None else "FAILED")
 
-def _sweep(
-    folder: Path, orchestration: Orchestration, overrides: Sequence[str], parallel: int | None, cluster: str | None
-) -> dict[str, Any]:
-    sweeper = _Sweeper(folder, orchestration, overrides)
-    record = sweeper.record
+
+def _sweep(folder: Path, launch: Launch, overrides: Sequence[str], parallel: int | None) -> dict[str, Any]:
+    sweeper = _Sweeper(folder, launch, overrides)
     sweeper.open_run()
-    try:
-        result = sweeper.run(parallel, cluster)
-    except BaseException as exc:
-        with sweeper.lock:
-            for entry in record.points.values():
-                if entry.status == "running":
-                    entry.status = "failed"
-            record.status, record.error = "failed", f"{type(exc).__name__}: {exc}"[:2000]
-            sweeper._write()
-        sweeper.tracker.log_text((folder / "sweep.json").read_text(), "sweep.json")
-        sweeper.tracker.finish("FAILED")
-        raise
-    record.status = "finished"
-    sweeper._write()
-    sweeper.tracker.log_text((folder / "sweep.json").read_text(), "sweep.json")
-    sweeper.tracker.finish("FINISHED")
-    return result
+    return finish_or_fail(lambda: sweeper.run(parallel), sweeper.end)
 
 
-def new_sweep_folder(sweep: Sweep, run_root: Path, tracking_uri: str | None = None, folder: Path | None = None) -> Path:
-    """Write a new sweep folder (``sweep.yaml``, ``sweep.json`` with every point pending); its path."""
-    run_root = run_root.resolve()
-    folder = (folder or new_run_path(run_root, sweep.name)).resolve()
-    folder.mkdir(parents=True, exist_ok=True)
-    write_sweep_config(folder, sweep)
-    record = SweepRecord(
-        name=sweep.name,
-        tracking_uri=tracking_uri or default_tracking_uri(run_root),
-        points={p.label: PointRecord(config_hash=p.hash, values=p.values) for p in sweep},
-    )
-    record.write(folder)
-    return folder
+@dataclass(frozen=True)
+class SweepJob:
+    """A sweep as a job of the lifecycle (flows/lifecycle.py): ``sweep``, a new sweep's points (a resume reads
+    them from its folder), and ``parallel``, the experiments at once (None: ``default_parallel``)."""
+
+    sweep: Sweep | None = None
+    parallel: int | None = None
+    counted = True
+
+    def create(self, launch: Launch, folder: Path) -> None:
+        """``sweep.yaml`` (every point's resolved config) and ``sweep.json`` with every point pending."""
+        assert self.sweep is not None, "a new sweep folder needs the sweep"
+        folder.mkdir(parents=True, exist_ok=True)
+        write_sweep_config(folder, self.sweep)
+        points = {p.label: PointRecord(config_hash=p.hash, values=p.values) for p in self.sweep}
+        SweepRecord(name=self.sweep.name, tracking_uri=launch.tracking_uri, points=points).write(folder)
+
+    def with_overrides(self, folder: Path, overrides: Sequence[str]) -> SweepJob:
+        """Points not started take the change now; interrupted ones when they resume (their own run's resume)."""
+        record = SweepRecord.found(folder)
+        fresh = [label for label, e in record.points.items() if not e.run_path]
+        sweep = read_sweep_config(folder)
+        write_sweep_config(folder, with_overrides(sweep, overrides, fresh, str(folder / SWEEP_CONFIG)))
+        return self
+
+    def invocation(self, launch: Launch, attempt: Attempt) -> Invocation[dict[str, Any]]:
+        parameters = {
+            "sweep_path": str(attempt.folder),
+            "parallel": self.parallel,
+            "overrides": list(attempt.overrides),
+            "cluster": launch.cluster,
+        }
+        body = functools.partial(_sweep, attempt.folder, launch, attempt.overrides, self.parallel)
+        return Invocation(sweep_flow, parameters, body, attempt.flow_run_name(attempt.folder.name))
 
 
 @flow(name="bhfl-sweep", validate_parameters=False)
@@ -373,25 +327,12 @@ def sweep_flow(
         if sweep is None or run_root is None:
             raise ConfigError("bhfl-sweep: give sweep_path, or sweep and run_root (a new sweep)")
         resolved = sweep_from_dump(sweep, source="bhfl-sweep parameters")
-        sweep_path = str(new_sweep_folder(resolved, Path(run_root), tracking_uri))
-    return _sweep(Path(sweep_path), PREFECT_RUNS, overrides or (), parallel, cluster)
-
-
-def _invoke(
-    folder: Path,
-    orchestration: Orchestration,
-    overrides: Sequence[str],
-    parallel: int | None,
-    cluster: str | None,
-    resume: bool,
-) -> dict[str, Any]:
-    if orchestration is not PREFECT_RUNS:
-        return _sweep(folder, orchestration, overrides, parallel, cluster)
-    # as for an experiment (flows/experiment.py): heartbeats only help deployment runs
-    with temporary_settings(updates={"flows.heartbeat_frequency": None}):
-        name = f"resume {folder.name}" if resume else folder.name
-        flow_ = sweep_flow.with_options(flow_run_name=name, task_runner=thread_task_runner())
-        return flow_(str(folder), None, None, None, parallel, list(overrides), cluster)
+        new = Launch.of(Path(run_root), tracking_uri)
+        sweep_path = str(new_run_path(new.run_root, resolved.name))
+        SweepJob(resolved).create(new, Path(sweep_path))
+    folder = Path(sweep_path).resolve()
+    launch = Launch.at(folder, SweepRecord.found(folder), PREFECT_RUNS, cluster)
+    return _sweep(folder, launch, overrides or (), parallel)
 
 
 def _adopt(folder: Path, sweep: Sweep) -> None:
@@ -401,7 +342,7 @@ def _adopt(folder: Path, sweep: Sweep) -> None:
     is pending. Finished points the new spec drops stay in the folder (they are results);
     unfinished ones it drops are forgotten (their run folders stay on disk).
     """
-    record = resumable(folder)
+    record = SweepRecord.resumable(folder)
     if sweep.name != record.name:
         raise ConfigError(
             f"--resume {folder}: that folder holds sweep {record.name!r}, this spec is {sweep.name!r}; "
@@ -424,13 +365,21 @@ def _adopt(folder: Path, sweep: Sweep) -> None:
     record.write(folder)
 
 
-def _check_resume_overrides(overrides: Sequence[str]) -> None:
-    for assignment in overrides:
-        if not assignment.split("=", 1)[0].strip().startswith(RESUME_OVERRIDABLE):
-            raise ConfigError(
-                f"--set {assignment}: a resumed sweep keeps its configs; only runtime.* and eval.batch_size "
-                "may change (they do not change results). Start a new sweep instead."
-            )
+def start_sweep(
+    sweep: Sweep,
+    launch: Launch,
+    folder: Path | None = None,
+    parallel: int | None = None,
+    resume_from: Path | None = None,
+) -> dict[str, Any]:
+    """``sweep`` under ``launch`` (``run_sweep``'s arguments but the run identities, which ``launch`` holds)."""
+    if resume_from is not None:
+        resume_from = resume_from.resolve()
+        _adopt(resume_from, sweep)
+        return resume_sweep(resume_from, launch.orchestration, parallel=parallel, cluster=launch.cluster)
+    folder = (folder or new_run_path(launch.run_root, sweep.name)).resolve()
+    # the points' run folders and data cache: beside the sweep folder (<run_root>/<sweep>/<stamp>)
+    return lifecycle.run(SweepJob(sweep, parallel), replace(launch, run_root=folder.parents[1]), folder)
 
 
 def run_sweep(
@@ -451,12 +400,8 @@ def run_sweep(
     ``default_parallel``); ``cluster``: the address of a local cluster already started
     for the points (else the sweep starts one when they can share it).
     """
-    if resume_from is not None:
-        resume_from = resume_from.resolve()
-        _adopt(resume_from, sweep)
-        return resume_sweep(resume_from, orchestration, parallel=parallel, cluster=cluster)
-    folder = new_sweep_folder(sweep, run_root, tracking_uri, folder)
-    return _invoke(folder, orchestration, (), parallel, cluster, resume=False)
+    launch = Launch.of(run_root, tracking_uri, orchestration, cluster)
+    return start_sweep(sweep, launch, folder, parallel, resume_from)
 
 
 def resume_sweep(
@@ -472,17 +417,8 @@ def resume_sweep(
     resume``), of every point not finished yet.
     """
     folder = folder.resolve()
-    record = resumable(folder)
-    _check_resume_overrides(overrides)
-    if overrides:  # points not started take the change now; interrupted ones when they resume
-        sweep = read_sweep_config(folder)
-        fresh = [label for label, e in record.points.items() if not e.run_path]
-        write_sweep_config(folder, with_overrides(sweep, overrides, fresh, str(folder / SWEEP_CONFIG)))
-    record = record.model_copy(
-        update={"status": "running", "pid": os.getpid(), "error": "", "resumes": record.resumes + 1}
-    )
-    record.write(folder)
-    return _invoke(folder, orchestration, overrides, parallel, cluster, resume=True)
+    record = SweepRecord.found(folder)
+    return lifecycle.resume(SweepJob(parallel=parallel), folder, record, orchestration, overrides, cluster)
 
 
 def sweep_deployment(sweep: Sweep, cron: str, name: str, run_root: Path, tracking_uri: str) -> Any:

@@ -1,5 +1,10 @@
 """Training the tree: each internal node's execution, as a Prefect subflow run or a plain call.
 
+Every child execution and worker call goes through the run's orchestration
+(flows/orchestration.py: ``run_node``, ``call_task``, ``start_task``), the synchronous
+and the asynchronous ones alike, so each is a Prefect run with the run's retries under
+``PREFECT_RUNS`` and a plain call under ``PLAIN_CALLS``.
+
 Flow shape (what the Prefect UI shows under ``bhfl-experiment``)::
 
     node: root                         (subflow: one execution of the root = T_root rounds)
@@ -7,6 +12,8 @@ Flow shape (what the Prefect UI shows under ``bhfl-experiment``)::
         node: edge-<lang>
           train-clients x batches      (task per worker batch; the batch trains in that worker's process)
         proxy-train                    (task, where the server has proxy data)
+      node: <asynchronous server>
+        train-clients x calls          (task per client call, started and folded as each arrives)
 
 ``runtime.subflow_depth`` keeps deeper executions inside their parent's flow run.
 The server rounds (NODEOPT on flat vectors, checkpoints) run here, in the orchestrating
@@ -24,13 +31,9 @@ import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import replace
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
-from prefect import Task, flow
-from prefect.task_runners import ThreadPoolTaskRunner
-from prefect.utilities.annotations import quote
 
 from bhfl_core.algorithm.aggregation_rule import AggregationRule, rule_for
 from bhfl_core.algorithm.async_engine import execute_async_node
@@ -40,32 +43,20 @@ from bhfl_core.algorithm.node_state import NodeResult, RoundKey
 from bhfl_core.algorithm.residuals import needs
 from bhfl_core.algorithm.tree import Node, TrainParams, planned_steps
 from bhfl_core.algorithm.virtual_clock import ClockParams, client_call_s
-from bhfl_core.config.schema import ExperimentConfig
 from bhfl_core.placement import Job, place
 from bhfl_core.store.transfer import SentResult, TensorRef, Transfer, receive_result, send_result
-from data_prep.prepare import PreparedData, prepare_data
 from flows import progress
-from flows.creation_gate import run_gated, run_in_thread, signal_running
-from flows.data import run_prepare
+from flows.creation_gate import run_gated, run_in_thread
 from flows.evaluation import evaluate_step
-from flows.node_runtime import NodeRuntime, Orchestration, node_runtime, worker_utilisation
-from tasks import faults
+from flows.node_runtime import NodeRuntime, node_runtime, worker_utilisation
 from tasks.context import mark_once
-from tasks.executor import PendingCall, gather
+from tasks.executor import gather
 from tasks.time_model import load_time_model, record_timings
-from tasks.training import proxy_train, score_candidates, train_clients, with_retries
+from tasks.training import proxy_train, score_candidates, train_clients
 from tasks.worker import SentTrain
 
-TASK_THREADS = 64  # threads that wait on worker calls (cheap; the work is on the workers)
-
-
-def thread_task_runner() -> Any:
-    """The task runner of the run's flows: threads that wait on worker calls.
-
-    (Typed ``Any``: prefect's annotation of ``Flow.with_options(task_runner=...)`` accepts
-    no concrete runner without a cast.)
-    """
-    return ThreadPoolTaskRunner(max_workers=TASK_THREADS)
+if TYPE_CHECKING:
+    from flows.orchestration import Orchestration
 
 
 class FlowHooks:
@@ -164,7 +155,9 @@ class FlowHooks:
             return _ServerCall(run_gated(functools.partial(self._run_child, child, phi, plan)), sent)
         slots = rt.executor.slots()
         slot = slots[(plan.caller.round or 0) % len(slots)]
-        pending = rt.executor.submit(slot, "train_clients", rt.run_path, plan, [child.id], phi, False)
+        name = f"train {child.id} r{(plan.caller.round or 0) + 1} [async, on {slot.name}]"
+        batch = [(slot, [child.id])]  # one client, its own model back (not folded): the node folds it when it arrives
+        pending = rt.orchestration.start_task(rt, train_clients, name, batch, rt.run_path, plan, phi, 0, None, False)
         return _ClientCall(child.id, pending, rule_for(node.settings.aggregate), sent)
 
     def call_duration(self, node: Node, child: Node, plan: RoundPlan) -> float | None:
@@ -234,7 +227,7 @@ class FlowHooks:
             started = self.round_started.get(key.round, time.time())
             metrics = {**metrics, **worker_utilisation(rt, started, time.time())}
         if not node.is_leaf:  # committed, not yet logged: a resume logs it from the saved state (experiment.py)
-            faults.hit("round", f"{node.id} round {key.round + 1}")
+            rt.ctx.faults.hit("round", f"{node.id} round {key.round + 1}")
         rt.tracker.log_node(node.id, metrics, step=key.round + 1)
         progress.node_round(node.id, node.depth, key.round, metrics)
         every = rt.ctx.config.eval.every
@@ -306,14 +299,14 @@ class _Sent:
 class _ClientCall:
     """A one-client worker batch started by an asynchronous node; ``result`` waits for it (once)."""
 
-    def __init__(self, client_id: str, pending: PendingCall, rule: AggregationRule, sent: _Sent) -> None:
+    def __init__(self, client_id: str, pending: Future[list[SentResult]], rule: AggregationRule, sent: _Sent) -> None:
         self.client_id, self.rule = client_id, rule
         self.received: Future[ChildResult | None] = Future()
-        pending_result = pending.result  # waited for in ``result``: the call runs from now on
 
         def receive() -> ChildResult | None:
             try:
-                result = receive_result(pending_result(), rule)
+                (one,) = pending.result()  # the call runs from its start; waited for here
+                result = receive_result(one, rule)
             finally:
                 sent.done()
             if result.model is None:  # failed and dropped (runtime.on_client_failure: drop)
@@ -348,65 +341,3 @@ class _ServerCall:
             except BaseException as exc:
                 self.received.set_exception(exc)
         return self.received.result()
-
-
-@flow(name="node", validate_parameters=False)
-def node_flow(run_path: str, node_id: str, phi: TensorRef | None, plan: RoundPlan) -> SentResult:
-    """One execution of an internal node as a Prefect subflow."""
-    return execute_tree_node(run_path, node_id, phi, plan, PREFECT_RUNS)
-
-
-class PrefectRuns:
-    """Node executions as subflow runs, worker calls as task runs (with retries), data as a subflow.
-
-    Runs are *created* one at a time through the experiment's creation gate
-    (flows/creation_gate.py) and then go on concurrently.
-    """
-
-    name = "prefect"
-
-    def run_node(
-        self, run_path: str, node_id: str, phi: TensorRef | None, plan: RoundPlan, *, subflow: bool
-    ) -> SentResult:
-        if not subflow:  # inside this flow run: nothing to create, the next sibling may go
-            signal_running()
-            return execute_tree_node(run_path, node_id, phi, plan, self)
-        name = f"{node_id} <- {plan.caller}" if plan.caller.key else node_id
-        child_flow = node_flow.with_options(
-            flow_run_name=name,
-            on_running=[signal_running],  # type: ignore[list-item]
-            task_runner=thread_task_runner(),
-        )
-        return child_flow(run_path, node_id, phi, plan)
-
-    def call_task(self, rt: NodeRuntime, task_: Task[..., Any], name: str, *args: Any) -> Any:
-        named = with_retries(task_, rt.ctx.config.runtime, name, on_running=[signal_running])
-        return run_gated(functools.partial(named, quote(rt.executor), *args)).result()
-
-    def prepare(self, config: ExperimentConfig, cache_root: Path) -> PreparedData:
-        return run_prepare(config, cache_root)
-
-
-class PlainCalls:
-    """The very same node code without Prefect: plain recursion and direct executor calls.
-
-    No retries and nothing in the Prefect UI; tests use it, and benchmarks/orchestration.py
-    measures what the orchestration costs against it.
-    """
-
-    name = "plain"
-
-    def run_node(
-        self, run_path: str, node_id: str, phi: TensorRef | None, plan: RoundPlan, *, subflow: bool
-    ) -> SentResult:
-        return execute_tree_node(run_path, node_id, phi, plan, self)
-
-    def call_task(self, rt: NodeRuntime, task_: Task[..., Any], name: str, *args: Any) -> Any:
-        return task_.fn(rt.executor, *args)
-
-    def prepare(self, config: ExperimentConfig, cache_root: Path) -> PreparedData:
-        return prepare_data(config, cache_root, log=progress.note)
-
-
-PREFECT_RUNS = PrefectRuns()
-PLAIN_CALLS = PlainCalls()

@@ -38,7 +38,6 @@ from bhfl_core.learning.local_train import TrainResult, held_out_loss, split_hol
 from bhfl_core.learning.params import get_flat, set_flat
 from bhfl_core.rng import derive_seed
 from bhfl_core.store.node_store import CheckpointError, StateStore
-from tasks import faults
 from tasks.context import RunContext, mark_once
 
 log = logging.getLogger("bhfl.worker")
@@ -109,7 +108,7 @@ class LocalTrainer:
         """TRAIN; a client's local epochs are its plan's (Tempo) when the plan sets them."""
         params = _params(node, plan)
         if node.is_leaf:
-            faults.hit("client", node.id)
+            self.ctx.faults.hit("client", node.id)
             mark_once(self.ctx.run_path, "first_training")
         trained, result = self._fit(node, theta, params, derive_seed(self.ctx.config.seed, "train", *key.parts()))
         self.trained += 1

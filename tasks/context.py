@@ -4,9 +4,8 @@ The orchestrator's subflows and the worker processes receive only the run folder
 string: serialisable, valid in any process that sees the folder) and get everything
 else from here: the resolved config, the data manifest, the tree, the state store,
 and (workers) the data shards. Nothing of a run lives in a process-global registry;
-``open_run`` memoises the opened context per *file identity* (path and modification
-times of the run's config and data pointer), so a resumed run whose ``runtime.*``
-keys were changed is reopened, not served stale.
+``open_run`` keeps a few opened contexts in one bounded cache (``OpenedRuns``: its
+bound and invalidation), so the many calls of a run do not read its files again.
 """
 
 from __future__ import annotations
@@ -15,6 +14,7 @@ import json
 import os
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -35,7 +35,7 @@ from bhfl_core.store.transfer import Transfer, transfer_folder
 from bhfl_core.store.warm_start import load_backbone
 from data_prep.manifest import ClientEntry, Manifest
 from data_prep.prepare import load_shard
-from tasks import faults
+from tasks.faults import NO_FAULTS, FaultPlan
 
 
 @dataclass
@@ -44,6 +44,7 @@ class RunContext:
     config: ExperimentConfig
     data_root: Path
     manifest: Manifest
+    faults: FaultPlan = NO_FAULTS  # BHFL_FAULTS for this attempt, read by ``open`` (one built directly plans none)
     _proxy: dict[tuple[str, tuple[str, ...] | None], dict[str, torch.Tensor]] = field(default_factory=dict)
     _tests: tuple[list[str], dict[str, torch.Tensor], torch.Tensor] | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -54,7 +55,7 @@ class RunContext:
         if config is None:
             config = ExperimentConfig.model_validate(yaml.safe_load((run_path / CONFIG_FILE).read_text()))
         data_root = Path(json.loads((run_path / DATA_POINTER).read_text())["data_root"])
-        return cls(run_path, config, data_root, Manifest.read(data_root))
+        return cls(run_path, config, data_root, Manifest.read(data_root), FaultPlan.for_run(run_path))
 
     @cached_property
     def tree(self) -> Tree:
@@ -62,7 +63,7 @@ class RunContext:
 
     @cached_property
     def store(self) -> StateStore:
-        return StateStore(self.run_path / STATE_DIR, faults.checkpoint_hook())
+        return StateStore(self.run_path / STATE_DIR, self.faults.checkpoint_hook())
 
     @cached_property
     def transfer(self) -> Transfer:
@@ -167,30 +168,60 @@ class RunContext:
             return self._tests
 
 
-def _identity(run_path: Path) -> tuple[str, int, int]:
-    """What an opened context depends on: the folder and its config and data pointer files."""
-    return (str(run_path), (run_path / CONFIG_FILE).stat().st_mtime_ns, (run_path / DATA_POINTER).stat().st_mtime_ns)
+Stamp = tuple[int, int]  # modification times (ns) of a run's config and data pointer
 
 
-_OPENED: dict[tuple[str, int, int], RunContext] = {}
-_OPENED_LOCK = threading.Lock()
+class OpenedRuns:
+    """The run contexts this process has opened, by run folder, so a run's calls share one.
+
+    Bound: ``size`` runs, the least recently asked for dropped first; each context holds
+    tensors (the proxy and test splits, loaded on first use), so a long-lived process (a
+    user's Dask worker serving run after run, a sweep) must not keep them all.
+    Invalidation: an entry stands while its run's config and data pointer files keep their
+    modification times. A resume that changed ``runtime.*`` keys rewrites the config, and
+    every attempt rewrites the data pointer, so each attempt opens its run afresh (and its
+    fault plan, ``RunContext.faults``, is read again); the earlier attempt's context is
+    dropped then. ``forget`` drops a run's context when the run ends.
+    """
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+        self._lock = threading.Lock()
+        self._opened: OrderedDict[Path, tuple[Stamp, RunContext]] = OrderedDict()
+
+    def open(self, run_path: str | Path, config: ExperimentConfig | None = None) -> RunContext:
+        """The context of the run in ``run_path`` as its files are now (``config``: see ``open_run``)."""
+        path = Path(run_path).resolve()
+        stamp = ((path / CONFIG_FILE).stat().st_mtime_ns, (path / DATA_POINTER).stat().st_mtime_ns)
+        with self._lock:
+            kept = self._opened.pop(path, None)
+            ctx = kept[1] if kept is not None and kept[0] == stamp else RunContext.open(path, config)
+            self._opened[path] = (stamp, ctx)
+            while len(self._opened) > self._size:
+                self._opened.popitem(last=False)
+            return ctx
+
+    def forget(self, run_path: str | Path) -> None:
+        """Drop the context of the run in ``run_path``, if one is kept: the run has ended here."""
+        with self._lock:
+            self._opened.pop(Path(run_path).resolve(), None)
+
+
+_OPENED = OpenedRuns(size=4)  # a sweep's points run in threads of one orchestrator: a few at once
 
 
 def open_run(run_path: str | Path, config: ExperimentConfig | None = None) -> RunContext:
-    """The run's context, opened once per process while its files are unchanged (a few runs kept).
+    """The run's context, opened once per process and attempt (``OpenedRuns``).
 
     ``config``: the run's config, already validated by the caller (the experiment flow
     passes the one it wrote to ``config.yaml``), so it is not read and validated again.
     """
-    identity = _identity(Path(run_path).resolve())
-    with _OPENED_LOCK:
-        ctx = _OPENED.get(identity)
-        if ctx is None:
-            ctx = RunContext.open(Path(identity[0]), config)
-            while len(_OPENED) >= 4:
-                _OPENED.pop(next(iter(_OPENED)))
-            _OPENED[identity] = ctx
-        return ctx
+    return _OPENED.open(run_path, config)
+
+
+def forget_run(run_path: str | Path) -> None:
+    """Free this process's context of a run that has ended (its proxy and test tensors)."""
+    _OPENED.forget(run_path)
 
 
 def mark_once(run_path: Path, event: str) -> None:

@@ -1,15 +1,14 @@
-"""Prefect task for evaluation, and what to evaluate: node models and per-client baselines.
+"""The worker call for evaluation, and what to evaluate: node models and per-client baselines.
 
 The scoring itself runs on the workers (tasks/scoring.py); this module decides which
 models a final or intermediate evaluation scores and what each costs (for placement).
+``evaluate_models`` is a plain function: the run's orchestration calls it directly or as
+the Prefect task ``evaluate-models`` (flows/orchestration.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-
-from prefect import task
-from prefect.cache_policies import NO_CACHE
 
 from bhfl_core.analysis.evaluation import ModelRef
 from bhfl_core.placement import Slot
@@ -52,7 +51,6 @@ def baseline_models(ctx: RunContext) -> tuple[list[ModelRef], list[float]]:
     return models, loads
 
 
-@task(name="evaluate-models", cache_policy=NO_CACHE, persist_result=False)
 def evaluate_models(executor: Executor, batches: Sequence[tuple[Slot, list[ModelRef]]], run_path: str) -> Stats:
     """``{model: {client id or 'proxy': statistics}}``, each batch scored on its slot (tasks/scoring.py)."""
     stats: Stats = {}

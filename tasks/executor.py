@@ -33,7 +33,6 @@ files assume never happens.)
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import threading
@@ -349,14 +348,34 @@ class InProcessExecutor:
         return None
 
 
-@functools.lru_cache(maxsize=1)
-def _process_worker(device: str) -> WorkerRuntime:
-    return WorkerRuntime(INPROCESS, worker_device(device))
+class ProcessWorker:
+    """This process's own worker runtime (``runtime.executor: inprocess``), kept between node executions and runs.
+
+    Kept because it holds model instances, which cost a model build each: every node
+    execution of a run, and the next run of a sweep, reuse them, as a Dask worker does.
+    Bound: one runtime, for the device last asked for; another device replaces it (and
+    its models). Invalidation: nothing else, as nothing in it belongs to a run: each call
+    opens its run through ``open_run``, and the runtime's models (two at most) are keyed
+    by everything they depend on (``tasks.worker._model_key``).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._kept: tuple[str, WorkerRuntime] | None = None  # (device setting, its runtime)
+
+    def get(self, device: str) -> WorkerRuntime:
+        with self._lock:
+            if self._kept is None or self._kept[0] != device:
+                self._kept = (device, WorkerRuntime(INPROCESS, worker_device(device)))
+            return self._kept[1]
+
+
+_PROCESS_WORKER = ProcessWorker()
 
 
 def process_worker(runtime: RuntimeConfig) -> WorkerRuntime:
-    """This process's own worker runtime (``runtime.executor: inprocess``)."""
-    return _process_worker(str(resolve_devices(runtime.device)[0]))
+    """This process's own worker runtime (``runtime.executor: inprocess``): ``ProcessWorker``."""
+    return _PROCESS_WORKER.get(str(resolve_devices(runtime.device)[0]))
 
 
 @contextmanager

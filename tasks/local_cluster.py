@@ -107,7 +107,7 @@ def _stop_forkserver() -> None:
             os.kill(pid, signal.SIGTERM)
 
 
-def worker_env(run_path: Path) -> dict[str, str]:
+def worker_env() -> dict[str, str]:
     """What the run's local workers take from this process's environment: hub/offline settings, fault plans.
 
     (Workers fork from a server started once per process, so its environment may be
@@ -116,16 +116,13 @@ def worker_env(run_path: Path) -> dict[str, str]:
     from tasks import faults
 
     keep = ("HF_", "TRANSFORMERS_", "TOKENIZERS_", "CUDA_")
-    return {
-        **{k: v for k, v in os.environ.items() if k.startswith(keep)},
-        **faults.share_with_workers(run_path / ".faults"),
-    }
+    return {**{k: v for k, v in os.environ.items() if k.startswith(keep)}, **faults.share_with_workers()}
 
 
 def start_local_cluster(runtime: RuntimeConfig, env: Mapping[str, str]) -> Any:
     """A Dask cluster of a run's worker processes on 127.0.0.1 (a ``SpecCluster``; ``close()`` stops it).
 
-    ``env`` (``worker_env(run_path)``) is set in every worker process.
+    ``env`` (``worker_env()``) is set in every worker process.
     """
     import dask
     from distributed import Nanny, Scheduler, SpecCluster
@@ -161,9 +158,9 @@ def start_local_cluster(runtime: RuntimeConfig, env: Mapping[str, str]) -> Any:
 class ClusterStart:
     """A local cluster starting in the background (while Prefect, MLflow and the data get ready)."""
 
-    def __init__(self, runtime: RuntimeConfig, run_path: Path) -> None:
+    def __init__(self, runtime: RuntimeConfig) -> None:
         self._result: Future[Any] = Future()
-        env = worker_env(run_path)  # now, in this thread: it sets up the fault counter this process shares
+        env = worker_env()  # now: this process's environment as the run starts
         threading.Thread(target=self._start, args=(runtime, env), name="bhfl-cluster-start", daemon=True).start()
 
     def _start(self, runtime: RuntimeConfig, env: Mapping[str, str]) -> None:

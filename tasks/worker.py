@@ -129,16 +129,22 @@ class WorkerRuntime:
 
     @contextlib.contextmanager
     def _call(self, run_path: str) -> Iterator[RunContext]:
-        """Hold the worker for one call; log its busy interval in the run folder (utilisation)."""
+        """Hold the worker for one call at its run's torch threads; log its busy interval in the run folder.
+
+        The run's intra-op threads (default 1): CPU kernels split reductions by thread, so
+        the thread count is part of what makes a result bit-identical across workers. Set
+        for the call and restored after it, under the worker's lock: an in-process worker
+        shares its process (and a sweep's other runs) with the orchestrator's own math.
+        """
         with self._lock:
             started = time.time()
             ctx = open_run(run_path)
-            # The run's intra-op threads (default 1): CPU kernels split reductions by thread, so
-            # the thread count is part of what makes a result bit-identical across workers.
+            threads = torch.get_num_threads()
             torch.set_num_threads(ctx.config.runtime.torch_threads or 1)
             try:
                 yield ctx
             finally:
+                torch.set_num_threads(threads)
                 folder = ctx.run_path / BUSY_DIR
                 folder.mkdir(parents=True, exist_ok=True)
                 with open(folder / f"{self.name}.txt", "a") as fh:

@@ -8,18 +8,22 @@ one HEAD request to the hub's endpoint (``HF_ENDPOINT`` respected, through
 huggingface_hub's own HTTP client, so its proxies and certificates apply), bounded by
 a wall-clock deadline that covers a DNS lookup as well, and the config key's one
 clear paragraph when it fails. With ``HF_HUB_OFFLINE=1`` the libraries fail at once
-on their own, so no probe is made.
+on their own, so no probe is made. A probe's outcome is kept for ``PROBE_TTL_S``
+(``ProbeCache``): the CLI checks before it starts Prefect and again in the full
+preflight, seconds apart, and a hub that is down costs up to 4 s a probe.
 """
 
 from __future__ import annotations
 
 import threading
-from functools import cache
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from bhfl_core.config.base import ConfigError
 
 PROBE_TIMEOUT_S = 3.0
+PROBE_TTL_S = 60.0  # how long a probe's outcome stands for the process (``ProbeCache``)
 
 
 class HubUnreachableError(ConfigError):
@@ -45,9 +49,8 @@ def endpoint() -> str:
     return constants.ENDPOINT
 
 
-@cache  # once per process: the CLI checks before it starts Prefect, and again in the full preflight
-def unreachable(url: str, timeout_s: float = PROBE_TIMEOUT_S) -> str | None:
-    """Why ``url`` cannot be reached (None: it answered, with any HTTP status).
+def probe(url: str, timeout_s: float = PROBE_TIMEOUT_S) -> str | None:
+    """Why ``url`` cannot be reached (None: it answered, with any HTTP status); asks every time.
 
     Any answer counts: a proxy that intercepts every host answers too, and the load then
     fails as it would have without this check. The request runs in a daemon thread and
@@ -58,17 +61,52 @@ def unreachable(url: str, timeout_s: float = PROBE_TIMEOUT_S) -> str | None:
 
     outcome: list[str | None] = []
 
-    def probe() -> None:
+    def request() -> None:
         try:
             get_session().head(url, timeout=timeout_s, follow_redirects=False)
             outcome.append(None)
         except Exception as exc:  # httpx's connect/timeout/proxy errors, OSError: all mean "not reachable"
             outcome.append(f"{type(exc).__name__}: {str(exc).strip() or 'no detail'}"[:300])
 
-    thread = threading.Thread(target=probe, name="bhfl-hub-probe", daemon=True)
+    thread = threading.Thread(target=request, name="bhfl-hub-probe", daemon=True)
     thread.start()
     thread.join(timeout_s + 1.0)
     return outcome[0] if outcome else f"no answer within {timeout_s + 1.0:.0f} s"
+
+
+class ProbeCache:
+    """Probe outcomes by URL, each standing for ``ttl_s`` seconds; called like ``probe``.
+
+    Bound: one entry per URL (and timeout) probed in the last ``ttl_s``: older entries
+    are dropped at every look-up, and a process probes one endpoint. Invalidation: age.
+    Without it (a cache for the life of the process) a long-lived process, a sweep or a
+    served deployment, would take a hub that was down once for down until it exits, and
+    one that went away for still there. ``clock`` is injectable for tests.
+    """
+
+    def __init__(
+        self,
+        probe: Callable[[str, float], str | None],
+        ttl_s: float = PROBE_TTL_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._probe, self._ttl_s, self._clock = probe, ttl_s, clock
+        self._lock = threading.Lock()
+        self._outcomes: dict[tuple[str, float], tuple[float, str | None]] = {}  # (url, timeout) -> (when, outcome)
+
+    def __call__(self, url: str, timeout_s: float = PROBE_TIMEOUT_S) -> str | None:
+        with self._lock:
+            now = self._clock()
+            self._outcomes = {k: v for k, v in self._outcomes.items() if now - v[0] < self._ttl_s}
+            if (key := (url, timeout_s)) in self._outcomes:
+                return self._outcomes[key][1]
+        outcome = self._probe(url, timeout_s)  # outside the lock: a probe may take timeout_s + 1 s
+        with self._lock:
+            self._outcomes[key] = (self._clock(), outcome)
+        return outcome
+
+
+unreachable = ProbeCache(probe)  # what ``require_hub`` asks: this process's recent probes
 
 
 def require_hub(key: str, name: str, local_copy: str) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -19,18 +18,9 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from flows.cli.shell import (
-    console,
-    fail,
-    guarded,
-    hub_check,
-    open_ui,
-    out,
-    prefect_api,
-    preflight,
-    prepare_environment,
-    tracking_store_ready,
-)
+from flows.cli.jobs import JobKind, resumable, run_job, start_forkserver
+from flows.cli.prefect_link import PIPELINE_FLOW
+from flows.cli.shell import console, fail, open_ui, out, prepare_environment
 from flows.progress import RichReporter
 
 
@@ -65,13 +55,6 @@ def is_pipeline_file(path: Path) -> bool:
         return False
 
 
-def _start_forkserver(configs: Sequence[Any]) -> None:
-    from tasks.local_cluster import likely_cpu_workers, start_forkserver
-
-    if any(c.runtime.executor == "local" and likely_cpu_workers(c.runtime) for c in configs):
-        start_forkserver()  # local workers' imports start now, beside ours
-
-
 def run_pipeline_command(
     path: Path, overrides: list[str], run_dir: Path, tracking_uri: str | None, verbose: bool
 ) -> None:
@@ -84,8 +67,9 @@ def run_pipeline_command(
         pipeline = load_pipeline(path, overrides)
     except ConfigError as exc:
         fail(str(exc))
-    _start_forkserver([s.config for s in pipeline])
-    from flows.pipeline import check_sources, run_pipeline
+    configs = [s.config for s in pipeline]
+    start_forkserver(configs)
+    from flows.pipeline import check_sources, start_pipeline
     from flows.records.run_record import new_run_path
 
     try:
@@ -93,56 +77,31 @@ def run_pipeline_command(
     except ConfigError as exc:
         fail(f"{path}: {exc}")
     folder = new_run_path(run_dir.resolve(), pipeline.name)
-    for stage in pipeline:
-        hub_check(stage.config, run_dir)
-    with prefect_api(run_dir, full=False, resume=folder) as prefect_ready:
-        for stage in pipeline:
-            preflight(stage.config, run_dir)
-        console.print(
-            f"[bold]bhfl[/] running pipeline [cyan]{pipeline.name}[/] from {path}: stages "
-            + " -> ".join(pipeline.names),
-            highlight=False,
-        )
-        uri = tracking_store_ready(run_dir, tracking_uri, prefect_ready)
-        from flows.cli.prefect_link import PIPELINE_FLOW, flow_run_link
-
-        with (
-            flow_run_link(console, prefect_ready.own, folder.resolve(), PIPELINE_FLOW),
-            StageReporter(console).attached(),
-        ):
-            result = guarded(lambda: run_pipeline(pipeline, run_dir, uri, folder=folder), folder, verbose)
-    print_summary(result, run_dir)
+    announce = f"[bold]bhfl[/] running pipeline [cyan]{pipeline.name}[/] from {path}: stages " + " -> ".join(
+        pipeline.names
+    )
+    run_job(
+        PIPELINE,
+        folder,
+        run_dir,
+        verbose,
+        lambda launch: start_pipeline(pipeline, launch, folder),
+        announce,
+        configs,
+        tracking_uri,
+    )
 
 
 def resume_pipeline_command(folder: Path, overrides: list[str], run_dir: Path, verbose: bool) -> None:
     """Finish a pipeline: finished stages are kept, the interrupted stage resumes, the rest run."""
-    from bhfl_core.config.base import ConfigError
-    from flows.records.pipeline_record import PipelineRecord, read_pipeline_config, resumable
-    from flows.records.run_state import RunStateError
+    from flows.records.pipeline_record import PipelineRecord, read_pipeline_config
 
-    if (record := PipelineRecord.read(folder)) is not None and record.status == "finished":
-        console.print(f"[bold]bhfl[/] pipeline {folder} finished; nothing to resume", highlight=False)
-        return
-    try:
-        resumable(folder)  # before Prefect or any worker starts
-    except RunStateError as exc:
-        fail(str(exc))
-    _start_forkserver([s.config for s in read_pipeline_config(folder)])
-    console.print(f"[bold]bhfl[/] resuming pipeline {folder} ...", highlight=False)
-    from flows.cli.prefect_link import PIPELINE_FLOW, flow_run_link
+    resumable(PipelineRecord, folder)  # before Prefect or any worker starts
+    start_forkserver([s.config for s in read_pipeline_config(folder)])
     from flows.pipeline import resume_pipeline
 
-    try:
-        with prefect_api(run_dir, full=False, resume=folder) as prefect_ready:
-            prefect_ready()
-            with (
-                flow_run_link(console, prefect_ready.own, folder.resolve(), PIPELINE_FLOW),
-                StageReporter(console).attached(),
-            ):
-                result = guarded(lambda: resume_pipeline(folder, overrides=overrides), folder, verbose)
-    except ConfigError as exc:
-        fail(str(exc))
-    print_summary(result, run_dir)
+    announce = f"[bold]bhfl[/] resuming pipeline {folder} ..."
+    run_job(PIPELINE, folder, run_dir, verbose, lambda _: resume_pipeline(folder, overrides=overrides), announce)
 
 
 def _num(metrics: dict[str, float], key: str, digits: int = 3) -> str:
@@ -187,12 +146,15 @@ def print_summary(result: dict[str, Any], run_dir: Path) -> None:
     )
 
 
+PIPELINE = JobKind(PIPELINE_FLOW, lambda: StageReporter(console), print_summary)
+
+
 def _pipeline_folders(run_dir: Path) -> list[Path]:
     if not any(run_dir.glob("*/*/pipeline.json")):  # none: pipeline_record (and the configs' imports) not needed
         return []
-    from flows.records.pipeline_record import find_pipelines
+    from flows.records.pipeline_record import PipelineRecord
 
-    return find_pipelines(run_dir)
+    return PipelineRecord.find_all(run_dir)
 
 
 def pipeline_entry(folder: Path) -> dict[str, Any]:

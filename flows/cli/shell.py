@@ -132,7 +132,7 @@ def local_cluster(cfg: ExperimentConfig, run_path: Path) -> Iterator[ClusterStar
         return
     from tasks.local_cluster import ClusterStart
 
-    starting = ClusterStart(cfg.runtime, run_path)
+    starting = ClusterStart(cfg.runtime)
     try:
         yield starting
     finally:

@@ -15,32 +15,21 @@ import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from flows.cli.pipeline import _start_forkserver
-from flows.cli.shell import (
-    console,
-    exit_code,
-    fail,
-    hub_check,
-    open_ui,
-    out,
-    prefect_api,
-    preflight,
-    prepare_environment,
-    serve_on_schedule,
-    tracking_store_ready,
-)
+from flows.cli.jobs import JobKind, resumable, run_job, start_forkserver
+from flows.cli.options import DEFAULT_CONFIG, DEFAULT_RUN_DIR, RunDirOption, TrackingOption, VerboseOption
+from flows.cli.prefect_link import SWEEP_FLOW
+from flows.cli.shell import console, exit_code, fail, open_ui, out, prepare_environment, serve_on_schedule
 from flows.progress import RichReporter
 
 if TYPE_CHECKING:
-    from bhfl_core.config.schema import ExperimentConfig
-    from bhfl_core.config.sweep import Sweep
+    from flows.launch import Launch
 
 
 class SweepReporter(RichReporter):
@@ -106,17 +95,52 @@ def _guarded(work: Callable[[], dict[str, Any]], folder: Path | None, verbose: b
         raise typer.Exit(code=2 if isinstance(exc, ConfigError) else 1) from None
 
 
-def _preflight(sweep: Sweep, run_dir: Path, check: Callable[[ExperimentConfig, Path], None] = preflight) -> None:
-    """Model and data reachable (``check``: ``preflight`` or the quick ``hub_check``), once per (data, model)."""
-    from bhfl_core.config.schema import dump
-
-    seen: set[str] = set()
-    for point in sweep:
-        data = dump(point.config)
-        key = repr((data["data"], data["model"]))
-        if key not in seen:
-            seen.add(key)
-            check(point.config, run_dir)
+def sweep(
+    config: Annotated[
+        Path,
+        typer.Argument(
+            metavar="SPEC",
+            help="Sweep YAML (top-level grid:, seeds: or configs:; docs/sweeps.md), or an experiment YAML.",
+        ),
+    ] = DEFAULT_CONFIG,
+    grid: Annotated[
+        list[str],
+        typer.Option(
+            "--grid",
+            metavar="KEY=V1,V2",
+            help="Sweep a key over values, e.g. --grid tree.edge.eta_down=1.0,0.5 (repeatable).",
+        ),
+    ] = [],
+    seeds: Annotated[
+        str | None, typer.Option("--seeds", metavar="SEEDS", help="Run every point once per seed: 0,1,2 or 0-2.")
+    ] = None,
+    set_: Annotated[
+        list[str],
+        typer.Option(
+            "--set", metavar="KEY=VALUE", help="Override a config key of every point by dotted path (repeatable)."
+        ),
+    ] = [],
+    name: Annotated[
+        str | None, typer.Option("--name", show_default="the file's name", help="The sweep's name.")
+    ] = None,
+    parallel: Annotated[
+        int | None,
+        typer.Option("--parallel", show_default="one per shared worker, else 1", help="Experiments at once."),
+    ] = None,
+    resume_folder: Annotated[
+        str | None,
+        typer.Option(
+            "--resume",
+            metavar="FOLDER",
+            help="Finish this sweep folder instead: finished experiments (same config hash) are kept.",
+        ),
+    ] = None,
+    run_dir: RunDirOption = DEFAULT_RUN_DIR,
+    tracking_uri: TrackingOption = None,
+    verbose: VerboseOption = False,
+) -> None:
+    """Run a sweep: every point of a grid x seeds (x named variants) as an experiment, several at once."""
+    run_sweep_command(config, set_, grid, seeds, name, parallel, resume_folder, run_dir, tracking_uri, verbose)
 
 
 def run_sweep_command(
@@ -136,7 +160,7 @@ def run_sweep_command(
     from bhfl_core.config.base import ConfigError
     from bhfl_core.config.sweep import load_sweep, parse_seeds
     from flows.records.run_state import RunStateError
-    from flows.records.sweep_record import find_sweep, resumable
+    from flows.records.sweep_record import SweepRecord
 
     if parallel is not None and parallel < 1:
         fail(f"--parallel {parallel}: give at least 1 (or leave it out: one experiment per shared worker)")
@@ -146,77 +170,45 @@ def run_sweep_command(
         fail(str(exc))
     folder = None
     if resume is not None:
-        folder = find_sweep(resume, run_dir)
-        if folder is None:
+        if (folder := SweepRecord.find(resume, run_dir)) is None:
             fail(f"--resume {resume}: not a sweep folder (no sweep.json and sweep.yaml there or under {run_dir})")
             return
-        try:
-            resumable(folder)
+        try:  # (a finished one too: a changed spec may add points)
+            SweepRecord.resumable(folder)
         except RunStateError as exc:
             fail(str(exc))
-    _start_forkserver([p.config for p in sweep])
+    configs = [p.config for p in sweep]
+    start_forkserver(configs)
     from flows.records.run_record import new_run_path
-    from flows.sweep import run_sweep
+    from flows.sweep import start_sweep
 
     target = folder or new_run_path(run_dir.resolve(), sweep.name)
-    _preflight(sweep, run_dir, hub_check)
-    with prefect_api(run_dir, full=False, resume=target) as prefect_ready:
-        _preflight(sweep, run_dir)
-        console.print(
-            f"[bold]bhfl[/] sweep [cyan]{sweep.name}[/] from {path}: {len(sweep)} experiment(s) "
-            + (f"(resuming {folder})" if folder else f"in {target}"),
-            highlight=False,
-        )
-        uri = tracking_store_ready(run_dir, tracking_uri, prefect_ready)
 
-        def work() -> dict[str, Any]:
-            if folder is not None:
-                return run_sweep(sweep, run_dir, uri, parallel=parallel, resume_from=folder)
-            return run_sweep(sweep, run_dir, uri, folder=target, parallel=parallel)
+    def work(launch: Launch) -> dict[str, Any]:
+        return start_sweep(sweep, launch, target if folder is None else None, parallel, resume_from=folder)
 
-        from flows.cli.prefect_link import SWEEP_FLOW, flow_run_link
-
-        try:
-            with (
-                flow_run_link(console, prefect_ready.own, target.resolve(), SWEEP_FLOW),
-                SweepReporter(console, len(sweep)).attached(),
-            ):
-                result = _guarded(work, target, verbose)
-        except ConfigError as exc:
-            fail(str(exc))
-    print_summary(result, run_dir)
+    announce = f"[bold]bhfl[/] sweep [cyan]{sweep.name}[/] from {path}: {len(sweep)} experiment(s) " + (
+        f"(resuming {folder})" if folder else f"in {target}"
+    )
+    run_job(_kind(len(sweep)), target, run_dir, verbose, work, announce, configs, tracking_uri)
 
 
 def resume_sweep_command(folder: Path, overrides: list[str], run_dir: Path, verbose: bool) -> None:
     """Finish a sweep: finished experiments are kept, interrupted ones resume, the rest run."""
-    from bhfl_core.config.base import ConfigError
-    from flows.records.run_state import RunStateError
-    from flows.records.sweep_record import read_sweep_config, resumable
+    from flows.records.sweep_record import SweepRecord, read_sweep_config
 
-    try:
-        record = resumable(folder)  # before Prefect or any worker starts
-    except RunStateError as exc:
-        fail(str(exc))
-    if record.status == "finished":  # nothing to redo, and nothing of its record (MLflow, sweep.json) is touched
-        console.print(f"[bold]bhfl[/] sweep {folder} finished; nothing to resume", highlight=False)
-        return
+    resumable(SweepRecord, folder)  # before Prefect or any worker starts
     sweep = read_sweep_config(folder)
-    _start_forkserver([p.config for p in sweep])
-    console.print(f"[bold]bhfl[/] resuming sweep {folder} ...", highlight=False)
-    from flows.cli.prefect_link import SWEEP_FLOW, flow_run_link
+    start_forkserver([p.config for p in sweep])
     from flows.sweep import resume_sweep
 
-    try:
-        with prefect_api(run_dir, full=False, resume=folder) as prefect_ready:
-            prefect_ready()
-            with (
-                flow_run_link(console, prefect_ready.own, folder.resolve(), SWEEP_FLOW),
-                SweepReporter(console, len(sweep)).attached(),
-            ):
-                result = _guarded(lambda: resume_sweep(folder, overrides=overrides), folder, verbose)
-    except ConfigError as exc:
-        fail(str(exc))
-    print_summary(result, run_dir)
+    announce = f"[bold]bhfl[/] resuming sweep {folder} ..."
+    run_job(_kind(len(sweep)), folder, run_dir, verbose, lambda _: resume_sweep(folder, overrides=overrides), announce)
+
+
+def _kind(points: int) -> JobKind:
+    """A sweep at the terminal: a bar of its ``points`` experiments, failures that name the failed points."""
+    return JobKind(SWEEP_FLOW, lambda: SweepReporter(console, points), print_summary, _guarded)
 
 
 def _num(metrics: Mapping[str, float], key: str, digits: int = 3) -> str:

@@ -248,11 +248,13 @@ def resolve_run(spec: str, run_dir: Path) -> Path:
 
 def resolve_pipeline(spec: str, run_dir: Path) -> Path | None:
     """The pipeline folder ``spec`` names (a path, ``<name>/<stamp>``, or its MLflow run id or a prefix), else None."""
-    from flows.records.pipeline_record import PipelineRecord, find_pipeline, find_pipelines
+    from flows.records.pipeline_record import PipelineRecord
 
-    if (folder := find_pipeline(spec, run_dir)) is not None:
+    if (folder := PipelineRecord.find(spec, run_dir)) is not None:
         return folder
     if not is_id_prefix(spec):
         return None
-    ids = {folder: record.run_id for folder in find_pipelines(run_dir) if (record := PipelineRecord.read(folder))}
+    ids = {
+        folder: record.run_id for folder in PipelineRecord.find_all(run_dir) if (record := PipelineRecord.read(folder))
+    }
     return _by_run_id(spec, ids, "pipeline")

@@ -10,18 +10,15 @@ stage's own ``run.json`` stays the truth about that stage.
 
 from __future__ import annotations
 
-import json
-import time
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
 from bhfl_core.config.pipeline import Pipeline, pipeline_from_dict
 from bhfl_core.store.atomic import write_text_atomic
-from flows.records.run_record import ProcessRecord, process_alive
-from flows.records.run_state import RunStateError
+from flows.records.run_record import ProcessRecord, RunStateError
 
 PIPELINE_RECORD = "pipeline.json"
 PIPELINE_CONFIG = "pipeline.yaml"
@@ -38,40 +35,20 @@ class StageRecord(BaseModel):
 
 
 class PipelineRecord(ProcessRecord):
+    FILE: ClassVar[str] = PIPELINE_RECORD
+    CONFIG: ClassVar[str] = PIPELINE_CONFIG
+    NOUN: ClassVar[str] = "pipeline"
+
     run_id: str = ""  # the pipeline's MLflow run
     stages: dict[str, StageRecord] = Field(default_factory=dict)
 
-    @classmethod
-    def read(cls, folder: Path) -> PipelineRecord | None:
-        path = folder / PIPELINE_RECORD
-        return cls.model_validate_json(path.read_text()) if path.exists() else None
-
-    def write(self, folder: Path) -> None:
-        self.updated = time.time()
-        write_text_atomic(folder / PIPELINE_RECORD, json.dumps(self.model_dump(), indent=2))
-
-    @property
-    def effective_status(self) -> str:
-        """``running`` only while its process lives; a dead ``running`` pipeline was interrupted."""
-        if self.status == "running" and not process_alive(self.host, self.pid):
-            return "interrupted"
-        return self.status
-
-
-def resumable(folder: Path) -> PipelineRecord:
-    """The record of a pipeline that can be resumed now (RunStateError: not a pipeline, running, finished)."""
-    record = PipelineRecord.read(folder)
-    if record is None:
-        raise RunStateError(f"{folder} is not a pipeline folder (no {PIPELINE_RECORD})")
-    if record.effective_status == "running":
-        raise RunStateError(f"pipeline {folder} is still running (process {record.pid}); wait for it or stop it first")
-    if record.status == "finished":
-        raise RunStateError(f"pipeline {folder} finished: there is nothing to resume (`bhfl runs` lists its stages)")
-    return record
-
-
-def is_pipeline_folder(folder: Path) -> bool:
-    return (folder / PIPELINE_RECORD).is_file() and (folder / PIPELINE_CONFIG).is_file()
+    def check_resumable(self, folder: Path) -> None:
+        """As for any job (not while it runs), and a finished pipeline has nothing left to resume."""
+        super().check_resumable(folder)
+        if self.status == "finished":
+            raise RunStateError(
+                f"pipeline {folder} finished: there is nothing to resume (`bhfl runs` lists its stages)"
+            )
 
 
 def write_pipeline_config(folder: Path, pipeline: Pipeline) -> None:
@@ -83,17 +60,3 @@ def read_pipeline_config(folder: Path) -> Pipeline:
     return pipeline_from_dict(
         yaml.safe_load((folder / PIPELINE_CONFIG).read_text()), source=str(folder / PIPELINE_CONFIG)
     )
-
-
-def find_pipeline(spec: str, run_dir: Path) -> Path | None:
-    """The pipeline folder ``spec`` names (a path, or ``<name>/<stamp>`` under ``run_dir``), else None."""
-    for candidate in (Path(spec), run_dir / spec):
-        if is_pipeline_folder(candidate):
-            return candidate.resolve()
-    return None
-
-
-def find_pipelines(run_dir: Path) -> list[Path]:
-    """Pipeline folders under ``run_dir`` (``<name>/<stamp>/``), oldest first."""
-    found = [p.parent for p in run_dir.glob(f"*/*/{PIPELINE_RECORD}") if is_pipeline_folder(p.parent)]
-    return sorted(found, key=lambda p: (PipelineRecord.read(p) or PipelineRecord(name="")).started)

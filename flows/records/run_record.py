@@ -15,7 +15,7 @@ import time
 import uuid
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -57,9 +57,18 @@ class PipelineLink(BaseModel):
 
 
 class ProcessRecord(BaseModel):
-    """What a run's and a pipeline's record share: who runs it, its status, its MLflow store, its attempts."""
+    """What the records of a run, a sweep and a pipeline share: who runs it, its status, its MLflow store,
+    its attempts; read and written the same way (``FILE`` in the job's folder, atomically).
+
+    A job's lifecycle (flows/lifecycle.py) moves every kind of record through the same
+    states: written ``running`` when the job starts, ``resumed`` when an attempt continues
+    it, ``ended`` (finished, or failed with its error) when the attempt ends.
+    """
 
     model_config = ConfigDict(extra="ignore")
+    FILE: ClassVar[str] = RECORD_FILE
+    CONFIG: ClassVar[str] = "config.yaml"  # what the job runs, beside its record (bhfl_core/store/run_layout.py)
+    NOUN: ClassVar[str] = "run"  # how messages name the job: run, sweep, pipeline
 
     name: str
     status: Status = "running"
@@ -75,8 +84,88 @@ class ProcessRecord(BaseModel):
     resumes: int = 0
     error: str = ""
 
+    @classmethod
+    def read(cls, folder: Path) -> Self | None:
+        path = folder / cls.FILE
+        return cls.model_validate_json(path.read_text()) if path.exists() else None
+
+    def write(self, folder: Path) -> None:
+        self.updated = time.time()
+        write_text_atomic(folder / self.FILE, json.dumps(self.model_dump(), indent=2))
+
+    def process_alive(self) -> bool:
+        """Whether the process that last ran this job is still running (same host only)."""
+        return process_alive(self.host, self.pid)
+
+    @property
+    def effective_status(self) -> str:
+        """``running`` only while its process lives; a dead ``running`` job was interrupted."""
+        if self.status == "running" and not self.process_alive():
+            return "interrupted"
+        return self.status
+
+    @classmethod
+    def holds(cls, folder: Path) -> bool:
+        """Whether ``folder`` is a job folder of this kind (its record and its config)."""
+        return (folder / cls.FILE).is_file() and (folder / cls.CONFIG).is_file()
+
+    @classmethod
+    def find(cls, spec: str, run_dir: Path) -> Path | None:
+        """The job folder ``spec`` names (a path, or ``<name>/<stamp>`` under ``run_dir``), else None."""
+        return next((c.resolve() for c in (Path(spec), run_dir / spec) if cls.holds(c)), None)
+
+    @classmethod
+    def find_all(cls, run_dir: Path) -> list[Path]:
+        """The job folders of this kind under ``run_dir`` (``<name>/<stamp>/``), oldest first."""
+        found = [p.parent for p in run_dir.glob(f"*/*/{cls.FILE}") if cls.holds(p.parent)]
+        return sorted(found, key=lambda p: (cls.read(p) or cls(name="")).started)
+
+    @classmethod
+    def found(cls, folder: Path) -> Self:
+        """The record in ``folder`` (RunStateError: no job of this kind there)."""
+        record = cls.read(folder)
+        if record is None:
+            raise RunStateError(f"{folder} is not a {cls.NOUN} folder (no {cls.FILE})")
+        return record
+
+    @classmethod
+    def resumable(cls, folder: Path) -> Self:
+        """The record of a job that can be resumed now (RunStateError: no such job there, or ``check_resumable``)."""
+        record = cls.found(folder)
+        record.check_resumable(folder)
+        return record
+
+    def check_resumable(self, folder: Path) -> None:
+        """RunStateError if the job in ``folder`` still runs: two processes must not write one job."""
+        if self.effective_status == "running":
+            raise RunStateError(
+                f"{self.NOUN} {folder} is still running (process {self.pid}); wait for it or stop it first"
+            )
+
+    def resumed(self, counted: bool = True) -> Self:
+        """The record as an attempt that continues the job sees it: running in this process (``counted``: a resume)."""
+        resumes = self.resumes + int(counted)
+        return self.model_copy(update={"status": "running", "pid": os.getpid(), "error": "", "resumes": resumes})
+
+    def ended(self, error: BaseException | None = None) -> Self:
+        """The record once the attempt ended: finished, or failed with ``error``'s type and text."""
+        if error is None:
+            return self.model_copy(update={"status": "finished", "error": ""})
+        return self.model_copy(update={"status": "failed", "error": failure_text(error)})
+
+
+def failure_text(error: BaseException) -> str:
+    """How a record keeps an error: its type and text, cut to what a JSON record and a terminal hold."""
+    return f"{type(error).__name__}: {error}"[:2000]
+
+
+class RunStateError(RuntimeError):
+    """A job folder that cannot be resumed as asked (missing, still running, unreadable); says why."""
+
 
 class RunRecord(ProcessRecord):
+    """``run.json``: one experiment run's record (its MLflow runs, evaluations, workers, timeline)."""
+
     parent_run_id: str = ""
     node_runs: dict[str, str] = {}
     evaluated_steps: list[int] = []
@@ -96,28 +185,6 @@ class RunRecord(ProcessRecord):
     # first_training, last_aggregate, finished.
     timeline: dict[str, float] = {}
     pipeline: PipelineLink | None = None  # a pipeline's stage: its pipeline and MLflow nesting
-
-    @classmethod
-    def read(cls, run_path: Path) -> RunRecord | None:
-        path = run_path / RECORD_FILE
-        if not path.exists():
-            return None
-        return cls.model_validate_json(path.read_text())
-
-    def write(self, run_path: Path) -> None:
-        self.updated = time.time()
-        write_text_atomic(run_path / RECORD_FILE, json.dumps(self.model_dump(), indent=2))
-
-    def process_alive(self) -> bool:
-        """Whether the process that last ran this run is still running (same host only)."""
-        return process_alive(self.host, self.pid)
-
-    @property
-    def effective_status(self) -> str:
-        """``running`` only while its process lives; a dead ``running`` run was interrupted."""
-        if self.status == "running" and not self.process_alive():
-            return "interrupted"
-        return self.status
 
 
 def default_tracking_uri(run_root: Path) -> str:

@@ -12,13 +12,22 @@ from bhfl_core.config.loader import config_from_dict
 from bhfl_core.config.schema import ExperimentConfig, dump
 from bhfl_core.store.atomic import write_text_atomic
 from bhfl_core.store.run_layout import CONFIG_FILE
-from flows.records.run_record import RunRecord, default_tracking_uri
+from flows.records.run_record import RunRecord, RunStateError, default_tracking_uri
+
+__all__ = ["RESUME_OVERRIDABLE", "RunStateError", "check_resume_overrides", "load_run", "resume_config"]
 
 RESUME_OVERRIDABLE = ("runtime.", "eval.batch_size")  # where and how it runs, not what it computes
 
 
-class RunStateError(RuntimeError):
-    """A run folder that cannot be resumed as asked (missing, still running, unreadable); says why."""
+def check_resume_overrides(overrides: Sequence[str], noun: str = "run") -> None:
+    """The one rule for ``--set`` on a resume of any job (run, sweep, pipeline): only keys that do not change
+    results (``RESUME_OVERRIDABLE``); anything else is a ConfigError naming the assignment."""
+    for assignment in overrides:
+        if not assignment.split("=", 1)[0].strip().startswith(RESUME_OVERRIDABLE):
+            raise ConfigError(
+                f"--set {assignment}: a resumed {noun} keeps its config; only runtime.* and eval.batch_size "
+                f"may change (they do not change results). Start a new {noun} instead."
+            )
 
 
 def load_run(run_path: Path) -> tuple[ExperimentConfig, RunRecord]:
@@ -36,15 +45,10 @@ def load_run(run_path: Path) -> tuple[ExperimentConfig, RunRecord]:
 
 
 def resume_config(run_path: Path, config: ExperimentConfig, overrides: Sequence[str]) -> ExperimentConfig:
-    """The run's config with the ``runtime.*`` / ``eval.batch_size`` changes a resume may make (written back)."""
+    """The run's config with the changes a resume makes (written back), checked by ``check_resume_overrides``
+    (flows/lifecycle.py checks them once, before any kind of job applies them)."""
     if not overrides:
         return config
-    for assignment in overrides:
-        if not assignment.split("=", 1)[0].strip().startswith(RESUME_OVERRIDABLE):
-            raise ConfigError(
-                f"--set {assignment}: a resumed run keeps its config; only runtime.* and "
-                f"eval.batch_size may change (they do not change results). Start a new run instead."
-            )
     config = config_from_dict(dump(config), overrides, source=str(run_path / CONFIG_FILE))
     write_text_atomic(run_path / CONFIG_FILE, yaml.safe_dump(dump(config), sort_keys=False))
     return config

@@ -11,18 +11,15 @@ a point's own ``run.json`` stays the truth about that point.
 
 from __future__ import annotations
 
-import json
-import time
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
 from bhfl_core.config.sweep import Sweep, sweep_from_dump
 from bhfl_core.store.atomic import write_text_atomic
-from flows.records.run_record import ProcessRecord, RunRecord, process_alive
-from flows.records.run_state import RunStateError
+from flows.records.run_record import ProcessRecord, RunRecord
 
 SWEEP_RECORD = "sweep.json"
 SWEEP_CONFIG = "sweep.yaml"
@@ -46,42 +43,16 @@ class PointRecord(BaseModel):
 
 
 class SweepRecord(ProcessRecord):
+    FILE: ClassVar[str] = SWEEP_RECORD
+    CONFIG: ClassVar[str] = SWEEP_CONFIG
+    NOUN: ClassVar[str] = "sweep"
+
     run_id: str = ""  # the sweep's MLflow run
     parallel: int = 0  # experiments run at once in the latest attempt
     points: dict[str, PointRecord] = Field(default_factory=dict)
 
-    @classmethod
-    def read(cls, folder: Path) -> SweepRecord | None:
-        path = folder / SWEEP_RECORD
-        return cls.model_validate_json(path.read_text()) if path.exists() else None
-
-    def write(self, folder: Path) -> None:
-        self.updated = time.time()
-        write_text_atomic(folder / SWEEP_RECORD, json.dumps(self.model_dump(), indent=2))
-
-    @property
-    def effective_status(self) -> str:
-        """``running`` only while its process lives; a dead ``running`` sweep was interrupted."""
-        if self.status == "running" and not process_alive(self.host, self.pid):
-            return "interrupted"
-        return self.status
-
     def by_hash(self) -> dict[str, PointRecord]:
         return {p.config_hash: p for p in self.points.values()}
-
-
-def resumable(folder: Path) -> SweepRecord:
-    """The record of a sweep that can be resumed now (RunStateError: not a sweep, still running)."""
-    record = SweepRecord.read(folder)
-    if record is None:
-        raise RunStateError(f"{folder} is not a sweep folder (no {SWEEP_RECORD})")
-    if record.effective_status == "running":
-        raise RunStateError(f"sweep {folder} is still running (process {record.pid}); wait for it or stop it first")
-    return record
-
-
-def is_sweep_folder(folder: Path) -> bool:
-    return (folder / SWEEP_RECORD).is_file() and (folder / SWEEP_CONFIG).is_file()
 
 
 def write_sweep_config(folder: Path, sweep: Sweep) -> None:
@@ -92,17 +63,3 @@ def read_sweep_config(folder: Path) -> Sweep:
     """The resolved sweep of a sweep folder (every point's full config, validated again)."""
     path = folder / SWEEP_CONFIG
     return sweep_from_dump(yaml.safe_load(path.read_text()), source=str(path))
-
-
-def find_sweep(spec: str, run_dir: Path) -> Path | None:
-    """The sweep folder ``spec`` names (a path, or ``<name>/<stamp>`` under ``run_dir``), else None."""
-    for candidate in (Path(spec), run_dir / spec):
-        if is_sweep_folder(candidate):
-            return candidate.resolve()
-    return None
-
-
-def find_sweeps(run_dir: Path) -> list[Path]:
-    """Sweep folders under ``run_dir`` (``<name>/<stamp>/``), oldest first."""
-    found = [p.parent for p in run_dir.glob(f"*/*/{SWEEP_RECORD}") if is_sweep_folder(p.parent)]
-    return sorted(found, key=lambda p: (SweepRecord.read(p) or SweepRecord(name="")).started)

@@ -56,7 +56,6 @@ from flows.tracking.privacy_report import CLIENT_EPSILON_MAX, client_epsilons, e
 from flows.tracking.report_html import write_report_html
 from flows.tracking.report_markdown import RELATION_NAMES, ReportInputs, render_markdown
 from flows.tracking.tracker import Tracker
-from tasks import faults
 from tasks.context import RunContext
 
 REPORT_DIR = "report"
@@ -172,7 +171,7 @@ def write_report(
     write_report_html(folder / "report.md", f"{ctx.config.name}: report")  # the same, figures inline (MLflow UI)
 
     tracker.log_artifacts(folder)
-    faults.hit("report")
+    ctx.faults.hit("report")
     # (the evaluation's headlines are at this step already: log_evaluation)
     baselines = headline_metrics(ev, baseline) if baseline is not None else {}
     tracker.log_metrics(tracker.parent_id, {**proximity.headline(prox), **totals, **privacy, **baselines}, final_step)

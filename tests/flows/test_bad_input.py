@@ -52,7 +52,6 @@ def test_corrupt_parquet_mid_run_is_one_paragraph_and_the_run_resumes_once_fixed
 def test_a_client_that_keeps_failing_is_dropped_and_counted(tmp_path, monkeypatch):
     # the first client to train fails on both attempts (1 + runtime.retries) and is dropped;
     # a later client fails once and succeeds when retried in place
-    faults._counts.clear()
     monkeypatch.setenv(faults.ENV, "client@1:raise,client@2:raise,client@4:raise")
     cfg = small_config(
         "tree.root.rounds=1",

@@ -20,8 +20,15 @@ import pytest
 from rich.console import Console
 
 from bhfl_core.analysis import seeds
+from bhfl_core.analysis.comparison import (
+    CLIPPED_NOTE,
+    ByConfig,
+    by_config_csv,
+    by_config_json,
+    by_config_markdown,
+    headline,
+)
 from bhfl_core.config.sweep import load_sweep
-from flows.cli.compare import CLIPPED_NOTE, ByConfig, by_config_csv, by_config_json, by_config_markdown, headline
 from flows.cli.sweep import summary_table
 from tests.small import REPO, SMALL
 

@@ -1,0 +1,145 @@
+"""``bhfl runs``, ``bhfl sync`` and ``bhfl export``: what a run folder holds, read without running anything.
+
+``runs`` lists runs and pipelines with their status and what a resume would redo (from
+the records and the checkpoint headers: no torch, Prefect or MLflow imported); ``sync``
+delivers the tracking calls a run kept for its tracking server; ``export`` writes a
+node's model with its tokenizer.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from flows.cli.options import DEFAULT_RUN_DIR, JsonOption, RunDirOption, RunSpecArgument
+from flows.cli.shell import fail, out, prepare_environment, print_json
+
+
+def sync(
+    run_spec: RunSpecArgument,
+    run_dir: RunDirOption = DEFAULT_RUN_DIR,
+    wait: Annotated[
+        float | None,
+        typer.Option(
+            "--wait",
+            metavar="SECONDS",
+            show_default="$BHFL_TRACKING_WAIT_S, else 120",
+            help="How long to wait for the tracking server to answer.",
+        ),
+    ] = None,
+) -> None:
+    """Deliver the MLflow tracking calls a run kept because its tracking server was down (exit 3 if some are left)."""
+    prepare_environment(run_dir, verbose=False)
+    from flows.cli.sync import sync_run
+    from flows.records.listing import resolve_run
+    from flows.records.run_state import RunStateError
+
+    try:
+        run_path = resolve_run(run_spec, run_dir)
+    except RunStateError as exc:
+        fail(str(exc))
+    sync_run(run_path, wait)
+
+
+def export(
+    run_spec: RunSpecArgument,
+    to: Annotated[Path, typer.Option("--to", metavar="DIR", help="A new folder for the model and its tokenizer.")],
+    node: Annotated[str, typer.Option("--node", metavar="NODE", help="Whose model: a server or a client id.")] = "root",
+    run_dir: RunDirOption = DEFAULT_RUN_DIR,
+) -> None:
+    """Write a node's final model in save_pretrained layout with its tokenizer (LoRA adapters merged in)."""
+    prepare_environment(run_dir, verbose=False)
+    from bhfl_core.config.base import ConfigError
+    from flows.cli.export import export_model
+    from flows.records.listing import resolve_run
+    from flows.records.run_state import RunStateError
+
+    try:
+        written = export_model(resolve_run(run_spec, run_dir), node, to)
+    except (RunStateError, ConfigError) as exc:
+        fail(str(exc))
+    out.print(f"{node}'s model and tokenizer: {written}  (load with from_pretrained)", highlight=False, soft_wrap=True)
+
+
+def runs(
+    run_spec: Annotated[
+        str | None,
+        typer.Argument(
+            metavar="RUN",
+            help="Show one run's plan (or a pipeline's stages) in detail: a run folder, <name>/<stamp>, `latest`, "
+            "an MLflow run id (full or a unique prefix of 8+ characters) or a pipeline folder.",
+        ),
+    ] = None,
+    run_dir: RunDirOption = DEFAULT_RUN_DIR,
+    as_json: JsonOption = False,
+) -> None:
+    """List runs with their status (finished, failed at node X round Y, running) and what a resume would redo."""
+    prepare_environment(run_dir, verbose=False)
+    from bhfl_core.store.state_header import CheckpointError
+    from flows.cli.pipeline import pipeline_entry, print_pipelines
+    from flows.records.listing import find_runs, resolve_pipeline, resolve_run, run_entry, summarize
+    from flows.records.run_state import RunStateError
+
+    unreadable = (RunStateError, CheckpointError)  # a run folder's files, or a node checkpoint's header
+
+    if run_spec is not None:
+        try:
+            pipeline = resolve_pipeline(run_spec, run_dir)
+            if pipeline is not None:
+                if as_json:
+                    print_json([pipeline_entry(pipeline)])
+                else:
+                    print_pipelines(out, run_dir, only=pipeline)
+                return
+            path = resolve_run(run_spec, run_dir)
+            summary = summarize(path)
+        except unreadable as exc:
+            fail(str(exc))
+        if as_json:
+            print_json([run_entry(summary, with_plan=True)])
+            return
+        out.print(
+            f"[bold]{summary.name}[/] {path}\n  status: {summary.status} {summary.detail}\n"
+            f"  a resume would redo: {summary.redo}\n  MLflow run id: {summary.mlflow_run_id or '-'}",
+            highlight=False,
+        )
+        if (plan := summary.plan) is not None:
+            out.print(f"  root rounds saved: {plan.root_done} of {plan.root_rounds}", highlight=False)
+            for line in plan.lines:
+                out.print(f"    {line}", highlight=False)
+        return
+    paths = find_runs(run_dir)
+    if as_json:
+        from flows.cli.pipeline import pipeline_entries
+
+        entries = pipeline_entries(run_dir)
+        for path in paths:
+            try:
+                entries.append(run_entry(summarize(path)))
+            except unreadable as exc:
+                entries.append(run_entry(None, path=path, error=str(exc)))
+        print_json(entries)
+        return
+    print_pipelines(out, run_dir)  # pipelines first, then every run (stages included)
+    if not paths:
+        out.print(f"no runs under {run_dir}", highlight=False)
+    colour = {"finished": "green", "running": "cyan", "failed": "red", "interrupted": "yellow"}
+    for path in paths:  # one block per run: long error texts stay readable in a narrow terminal
+        try:
+            s = summarize(path)
+        except unreadable as exc:
+            out.print(f"{path}  unreadable: {exc}", highlight=False)
+            continue
+        started = datetime.fromtimestamp(s.started).strftime("%Y-%m-%d %H:%M")
+        out.print(
+            f"[bold]{s.name}/{path.name}[/]  [{colour.get(s.status, 'white')}]{s.status}[/]  "
+            f"started {started}  MLflow run {s.mlflow_run_id or '-'}",
+            highlight=False,
+        )
+        if s.detail:
+            out.print(f"    {s.detail}", highlight=False)
+        if s.status != "finished":
+            out.print(f"    a resume would redo: {s.redo}", highlight=False)

@@ -1,0 +1,148 @@
+"""One shape for every command that runs a job: ``bhfl run`` (an experiment or a pipeline), ``bhfl sweep``
+and ``bhfl resume RUN|SWEEP|PIPELINE``.
+
+A new job: its configs are checked before anything starts (one paragraph, exit 2); the
+hub is probed (seconds); then the command's Prefect server (and, for one experiment on
+``runtime.executor: local``, its workers) boot in the background while the full
+preflight runs and the MLflow store opens; the job runs with its Prefect flow run's
+address printed and its progress shown; the command ends with the kind's summary. A
+resume is the same without the checks a new job needs: its folder must hold a job that
+can be resumed (a finished one has nothing to resume: exit 0).
+
+What differs between the kinds is a ``JobKind`` (flows/cli/run.py, sweep.py,
+pipeline.py): its flow (to link its flow run), its progress reporter, how failures are
+told, and its summary. The jobs themselves go through the one lifecycle
+(flows/lifecycle.py). Heavy imports stay inside the functions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import typer
+
+from flows.cli.shell import (
+    console,
+    fail,
+    guarded,
+    hub_check,
+    local_cluster,
+    prefect_api,
+    preflight,
+    tracking_store_ready,
+)
+
+if TYPE_CHECKING:
+    from bhfl_core.config.schema import ExperimentConfig
+    from flows.launch import Launch
+    from flows.progress import RichReporter
+    from flows.records.run_record import ProcessRecord
+
+Result = dict[str, Any]
+Guard = Callable[[Callable[[], Result], Path | None, bool], Result]
+
+
+@dataclass(frozen=True)
+class JobKind:
+    """How one kind of job shows at the terminal."""
+
+    flow: tuple[str, str]  # its Prefect flow and the parameter naming its folder (flows/cli/prefect_link.py)
+    reporter: Callable[[], RichReporter]  # its progress on stderr
+    summary: Callable[[Result, Path], None]  # its results on stdout
+    guard: Guard = guarded  # failures as one paragraph and an exit code
+
+
+def start_forkserver(configs: Sequence[ExperimentConfig]) -> None:
+    """Local workers' imports (torch, transformers) start now, beside the command's, if any job will want them."""
+    from tasks.local_cluster import likely_cpu_workers, start_forkserver
+
+    if any(c.runtime.executor == "local" and likely_cpu_workers(c.runtime) for c in configs):
+        start_forkserver()
+
+
+def _distinct(configs: Sequence[ExperimentConfig]) -> list[ExperimentConfig]:
+    """One config per (data, model): what the hub and data checks look at."""
+    from bhfl_core.config.schema import dump
+
+    seen: dict[str, ExperimentConfig] = {}
+    for config in configs:
+        data = dump(config)
+        seen.setdefault(repr((data["data"], data["model"])), config)
+    return list(seen.values())
+
+
+def run_job(
+    kind: JobKind,
+    folder: Path,
+    run_dir: Path,
+    verbose: bool,
+    work: Callable[[Launch], Result],
+    announce: str,
+    configs: Sequence[ExperimentConfig] = (),
+    tracking_uri: str | None = None,
+    cluster: ExperimentConfig | None = None,
+) -> None:
+    """Run ``work(launch)`` for the job in ``folder`` (the shape: module docstring).
+
+    ``launch``: the run dir, the MLflow store (``tracking_uri`` or the run dir's), Prefect,
+    and the address of the workers started beside Prefect for ``cluster`` (one
+    experiment's config). ``configs``: a new job's configs (checked before Prefect starts,
+    and beside it); empty for a resume, which opens no MLflow store here: it takes its
+    launch from its record.
+    """
+    checked = _distinct(configs)
+    for config in checked:
+        hub_check(config, run_dir)
+    from bhfl_core.config.base import ConfigError
+
+    try:
+        with prefect_api(run_dir, full=False, resume=folder) as api, _cluster(cluster, folder) as starting:
+            for config in checked:
+                preflight(config, run_dir)
+            console.print(announce, highlight=False)
+            uri = None
+            if configs:  # the store opens while Prefect finishes starting
+                uri = tracking_store_ready(run_dir, tracking_uri, api)
+            else:
+                api()
+            from flows.cli.prefect_link import flow_run_link
+
+            def job() -> Result:
+                from flows.launch import Launch
+
+                return work(Launch.of(run_dir, uri, cluster=starting.address() if starting is not None else None))
+
+            with flow_run_link(console, api.own, folder.resolve(), kind.flow), kind.reporter().attached():
+                result = kind.guard(job, folder, verbose)
+    except ConfigError as exc:
+        fail(str(exc))
+    kind.summary(result, run_dir)
+
+
+@contextlib.contextmanager
+def _cluster(config: ExperimentConfig | None, folder: Path) -> Iterator[Any]:
+    """The experiment's local workers, booting beside Prefect (None: the job finds or starts its own)."""
+    if config is None:
+        yield None
+        return
+    with local_cluster(config, folder) as starting:
+        yield starting
+
+
+def resumable(record_type: type[ProcessRecord], folder: Path) -> ProcessRecord:
+    """The record of the job in ``folder`` if a resume has something to do; a finished job ends the command here
+    (nothing of its record is touched), one that cannot be resumed fails it (exit 2); before Prefect starts."""
+    from flows.records.run_state import RunStateError
+
+    if (record := record_type.read(folder)) is not None and record.status == "finished":
+        console.print(f"[bold]bhfl[/] {record.NOUN} {folder} finished; nothing to resume", highlight=False)
+        raise typer.Exit(0)
+    try:
+        return record_type.resumable(folder)
+    except RunStateError as exc:
+        fail(str(exc))
+        raise  # unreachable: fail exits

@@ -1,0 +1,59 @@
+"""Where a job runs and what it reports to: one frozen value, fixed when the job starts.
+
+A job (an experiment, a sweep, a pipeline) and every job it starts (a sweep's points, a
+pipeline's stages) need the same four facts: the folder of run folders (and of the
+shared data cache), the MLflow store, the orchestration, and the address of a worker
+cluster already started for it. They travel together as a ``Launch`` rather than one
+argument each through every signature; a job that starts its own cluster passes its
+points ``launch.on(address)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from flows.orchestration import PREFECT_RUNS, Orchestration
+from flows.records.run_record import ProcessRecord, default_tracking_uri
+
+
+@dataclass(frozen=True)
+class Launch:
+    """A job's run identities: ``run_root`` (``<run_root>/<name>/<stamp>`` folders, ``cache/``), ``tracking_uri``,
+    ``orchestration`` and ``cluster`` (a local cluster's address already started for it; None: the job finds or
+    starts its executor from its config)."""
+
+    run_root: Path
+    tracking_uri: str
+    orchestration: Orchestration = PREFECT_RUNS
+    cluster: str | None = None
+    # the job is the only one in its process: it may set the process's torch threads (a sweep's points
+    # run as threads of one process, and their sweep sets them once: ``for_points``)
+    sole: bool = True
+
+    @classmethod
+    def of(
+        cls,
+        run_root: Path,
+        tracking_uri: str | None = None,
+        orchestration: Orchestration = PREFECT_RUNS,
+        cluster: str | None = None,
+    ) -> Launch:
+        """A new job's launch: ``run_root`` made absolute, the MLflow store defaulting to ``<run_root>/mlflow.db``."""
+        root = run_root.resolve()
+        return cls(root, tracking_uri or default_tracking_uri(root), orchestration, cluster)
+
+    @classmethod
+    def at(
+        cls, folder: Path, record: ProcessRecord, orchestration: Orchestration, cluster: str | None = None
+    ) -> Launch:
+        """The launch of the job in ``folder`` (``<run_root>/<name>/<stamp>``), its record written: its MLflow store."""
+        return cls(folder.parents[1], record.tracking_uri, orchestration, cluster)
+
+    def on(self, cluster: str | None) -> Launch:
+        """The same launch with its jobs' workers at ``cluster``."""
+        return replace(self, cluster=cluster)
+
+    def for_points(self, cluster: str | None) -> Launch:
+        """The launch of a sweep's points: at ``cluster``, and sharing their process (``sole`` False)."""
+        return replace(self, cluster=cluster, sole=False)
