@@ -68,7 +68,8 @@ from bhfl_core.algorithm.engine import (
     train_metrics,
     tuned_metrics,
 )
-from bhfl_core.algorithm.node_state import AsyncProgress, Caller, InFlight, NodeResult, RoundKey
+from bhfl_core.algorithm.node_opt import Scorer
+from bhfl_core.algorithm.node_state import AsyncProgress, Caller, InFlight, NodeResult, NodeState, RoundKey
 from bhfl_core.algorithm.node_step import down_posts, node_down, node_up
 from bhfl_core.algorithm.residuals import Candidate
 from bhfl_core.algorithm.store_protocol import ExecutionStore
@@ -142,6 +143,29 @@ def execute_async_node(
     rule = rule_for(settings.aggregate)
     children = {c.id: c for c in tree.children(node.id)}
     members = {**children, node.id: node}  # the node itself: its asynchronous proxy TRAIN (``proxy_train: async``)
+    state, run = _begin(state, done, node, members, phi, scorer, hooks, store, seed, plan)
+    while state.rounds_done - state.exec_start < settings.rounds:
+        key = RoundKey(node.id, state.rounds_done, caller)
+        store.post(node.id, key.round, down_posts(state.theta, settings))
+        _fill_buffer(run, rule, key, node, children, members, state, params, hooks, store, seed, plan)
+        state = _flush(run, state, key, node, phi, scorer, hooks, store, seed, plan)
+    return saved_result(state, phi, settings)
+
+
+def _begin(
+    state: NodeState,
+    done: int,
+    node: Node,
+    members: Mapping[str, Node],
+    phi: torch.Tensor | None,
+    scorer: Scorer | None,
+    hooks: AsyncHooks,
+    store: ExecutionStore,
+    seed: int,
+    plan: RoundPlan,
+) -> tuple[NodeState, _Execution]:
+    """Start the execution (NODEOPT_down), or, after ``done`` flushes, resume it: the children in flight at the last
+    flush are sent again, with the same callers."""
     progress = state.pending or AsyncProgress()
     if done:  # interrupted after a flush: the children in flight then are sent again, with the same callers
         run = _Execution(progress.now, progress.dispatched, list(progress.in_flight))
@@ -151,66 +175,105 @@ def execute_async_node(
                 node, members[flight.child], flight, run.models, hooks, store, seed, plan
             )
     else:
-        state = node_down(state, phi, store.inbox(node.id, "down", state.res_seen), settings, caller, scorer)
+        state = node_down(state, phi, store.inbox(node.id, "down", state.res_seen), node.settings, plan.caller, scorer)
         state = replace(state, sent={})
         run = _Execution(dispatched=progress.dispatched, models={state.rounds_done: state.theta})
-    while state.rounds_done - state.exec_start < settings.rounds:
-        key = RoundKey(node.id, state.rounds_done, caller)
-        store.post(node.id, key.round, down_posts(state.theta, settings))
-        while len(run.buffered) < params.buffer:
-            _fill(run, node, list(children.values()), state.rounds_done, state.theta, hooks, store, seed, plan)
-            arrival = _await_next(run)
-            call = run.calls.pop(arrival.dispatch)
-            run.in_flight.remove(arrival)
-            run.now = max(run.now, arrival.finish or 0.0)
-            if call is _DROPPED_OUT:  # its slot frees up; a simulated dropout is no failure
-                run.dropped += 1
-                continue
-            result = call.result()
-            if not isinstance(call, _Saved):  # before the child can be dispatched again
-                store.save_result(node.id, arrival.dispatch, result)
-            if result is None or result.model is None:  # dropped: its slot frees up, nothing is buffered
-                run.dropped += 1
-                run.drops_in_a_row += 1
-                if run.drops_in_a_row >= len(children):
-                    raise RuntimeError(f"{node.id}: {run.drops_in_a_row} child results in a row were dropped (failed)")
-                continue
-            run.drops_in_a_row = 0
-            _buffer(run, rule, key, node, members[arrival.child], arrival, result, state.rounds_done, params)
-            _forget_unused_versions(run, state.rounds_done)
-        assert run.partial is not None
-        folded = FoldedRound(run.partial, run.candidates, {}, [])
-        state, posts = node_up(state, folded, store.inbox(node.id, "up", state.res_seen), settings, key, scorer)
-        del folded  # its partial is model-sized: not kept while the next flush fills
-        store.post(node.id, key.round, posts)
-        metrics = _flush_metrics(run, node, posts)
-        metrics.update(tuned_metrics(state))
-        if settings.train is not None and not settings.proxy_async:
-            trained = hooks.train(node, state.theta, key, plan)
-            state = replace(state, model=trained.theta)
-            metrics.update(train_metrics(node, trained))
-            run.now += float(trained.steps)  # speed 1, as in engine.round_virtual_s
-            metrics[VIRTUAL_TIME] = run.now
-        run.partial, run.buffered, run.candidates, run.staleness, run.sent, run.dropped = None, [], [], [], 0, 0
-        run.sent_bytes = 0
-        run.proxy_metrics = {}
-        if key.round + 1 - state.exec_start >= settings.rounds:  # an execution returns a model, not pending work
-            metrics["async/dropped_results"] = float(_await_in_flight(run))
-        run.models[key.round + 1] = state.theta
-        state = replace(
-            state,
-            rounds_done=key.round + 1,
-            metrics=metrics,
-            pending=_progress(run),
-            virtual_s=run.now,
-            loss=math.nan,
-            examples=0,
-        )
-        state = send_up(state, phi, settings, key, seed)
-        store.commit(node.id, state)
-        store.drop_results(node.id)
-        hooks.round_done(node, key, state.theta, metrics)
-    return saved_result(state, phi, settings)
+    return state, run
+
+
+def _fill_buffer(
+    run: _Execution,
+    rule: AggregationRule,
+    key: RoundKey,
+    node: Node,
+    children: Mapping[str, Node],
+    members: Mapping[str, Node],
+    state: NodeState,
+    params: AsyncParams,
+    hooks: AsyncHooks,
+    store: ExecutionStore,
+    seed: int,
+    plan: RoundPlan,
+) -> None:
+    """Keep children in flight and take their results in virtual-clock order until ``buffer`` are buffered.
+
+    Each result is saved before its child can be dispatched again; a dropout or a failed
+    child frees its slot and buffers nothing (``len(children)`` failures in a row stop the run).
+    """
+    while len(run.buffered) < params.buffer:
+        _fill(run, node, list(children.values()), state.rounds_done, state.theta, hooks, store, seed, plan)
+        arrival = _await_next(run)
+        call = run.calls.pop(arrival.dispatch)
+        run.in_flight.remove(arrival)
+        run.now = max(run.now, arrival.finish or 0.0)
+        if call is _DROPPED_OUT:  # its slot frees up; a simulated dropout is no failure
+            run.dropped += 1
+            continue
+        result = call.result()
+        if not isinstance(call, _Saved):  # before the child can be dispatched again
+            store.save_result(node.id, arrival.dispatch, result)
+        if result is None or result.model is None:  # dropped: its slot frees up, nothing is buffered
+            run.dropped += 1
+            run.drops_in_a_row += 1
+            if run.drops_in_a_row >= len(children):
+                raise RuntimeError(f"{node.id}: {run.drops_in_a_row} child results in a row were dropped (failed)")
+            continue
+        run.drops_in_a_row = 0
+        _buffer(run, rule, key, node, members[arrival.child], arrival, result, state.rounds_done, params)
+        _forget_unused_versions(run, state.rounds_done)
+
+
+def _flush(
+    run: _Execution,
+    state: NodeState,
+    key: RoundKey,
+    node: Node,
+    phi: torch.Tensor | None,
+    scorer: Scorer | None,
+    hooks: AsyncHooks,
+    store: ExecutionStore,
+    seed: int,
+    plan: RoundPlan,
+) -> NodeState:
+    """One flush: NODEOPT_up on the buffer, the flush's metrics, the node's TRAIN, then the commit.
+
+    The last flush of an execution first awaits the children still in flight (their
+    results are dropped), so the commit never runs behind a persistent child's state.
+    """
+    settings = node.settings
+    assert run.partial is not None
+    folded = FoldedRound(run.partial, run.candidates, {}, [])
+    state, posts = node_up(state, folded, store.inbox(node.id, "up", state.res_seen), settings, key, scorer)
+    del folded  # its partial is model-sized: not kept while the next flush fills
+    store.post(node.id, key.round, posts)
+    metrics = _flush_metrics(run, node, posts)
+    metrics.update(tuned_metrics(state))
+    if settings.train is not None and not settings.proxy_async:
+        trained = hooks.train(node, state.theta, key, plan)
+        state = replace(state, model=trained.theta)
+        metrics.update(train_metrics(node, trained))
+        run.now += float(trained.steps)  # speed 1, as in engine.round_virtual_s
+        metrics[VIRTUAL_TIME] = run.now
+    run.partial, run.buffered, run.candidates, run.staleness, run.sent, run.dropped = None, [], [], [], 0, 0
+    run.sent_bytes = 0
+    run.proxy_metrics = {}
+    if key.round + 1 - state.exec_start >= settings.rounds:  # an execution returns a model, not pending work
+        metrics["async/dropped_results"] = float(_await_in_flight(run))
+    run.models[key.round + 1] = state.theta
+    state = replace(
+        state,
+        rounds_done=key.round + 1,
+        metrics=metrics,
+        pending=_progress(run),
+        virtual_s=run.now,
+        loss=math.nan,
+        examples=0,
+    )
+    state = send_up(state, phi, settings, key, seed)
+    store.commit(node.id, state)
+    store.drop_results(node.id)
+    hooks.round_done(node, key, state.theta, metrics)
+    return state
 
 
 def _buffer(

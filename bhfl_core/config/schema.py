@@ -3,388 +3,68 @@
 Every model forbids unknown keys, so a typo is an error that names the key. Level
 settings (``tree.root``, ``tree.server``, ``tree.edge``, ``tree.client``) give the
 defaults of each level; ``tree.levels`` overrides ``tree.server`` for the intermediate
-servers of one depth; ``tree.nodes`` overrides them for single nodes by id. See
-docs/config.md for every key with an example.
+servers of one depth; ``tree.nodes`` overrides them for single nodes by id. The
+``tree`` section's classes live in ``tree_schema.py`` and are re-exported here, where
+callers find them. See docs/config.md for every key with an example.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from bhfl_core.algorithm.aggregation_rule import available_rules
-from bhfl_core.algorithm.node_opt import available_node_opts
-from bhfl_core.algorithm.residuals import SELECTORS
 from bhfl_core.config.base import Strict
 from bhfl_core.config.data import DataConfig, KMeansClustering
+from bhfl_core.config.tree_schema import (
+    AdaptiveClipSettings,
+    AggregateSettings,
+    ClockSettings,
+    CompressSettings,
+    DownResidual,
+    DpSgdSettings,
+    GroupSpec,
+    LevelSettings,
+    NodeOverride,
+    OptKind,
+    OptSettings,
+    PrivacySettings,
+    ResidualsConfig,
+    SecureAggregationSettings,
+    StalenessSettings,
+    TrainSettings,
+    TreeConfig,
+    UpResidual,
+)
 from bhfl_core.learning.model_config import ModelConfig as ModelConfig  # noqa: PLC0414 (where callers find it)
 
-# ---------------------------------------------------------------- tree
-
-OptKind = str
-
-
-class OptSettings(Strict):
-    """A NODEOPT: ``kind`` (fedavg, fedavgm, fedadagrad, fedadam, fedyogi, interp) and its hyperparameters.
-
-    ``alphas``: ``interp``'s grid; each step keeps ``alpha * own + (1 - alpha) * input``
-    for the alpha with the lowest loss on the node's held-out rows (``holdout``).
-    """
-
-    kind: OptKind = "fedavg"
-    beta1: Annotated[float, Field(ge=0, lt=1)] = 0.9
-    beta2: Annotated[float, Field(ge=0, lt=1)] = 0.99
-    tau: Annotated[float, Field(gt=0)] = 1e-3
-    alphas: Annotated[list[Annotated[float, Field(ge=0, le=1)]], Field(min_length=1)] = [0.0, 0.25, 0.5, 0.75, 1.0]
-
-    @field_validator("kind")
-    @classmethod
-    def _known(cls, v: str) -> str:
-        if v not in available_node_opts():
-            raise ValueError(f"unknown NODEOPT {v!r}; choose one of {available_node_opts()}")
-        return v
-
-
-class CompressSettings(Strict):
-    """What a server's children send it: their update compressed (``bhfl_core/algorithm/compression.py``).
-
-    ``int8``: stochastic 8-bit quantisation, one float32 scale per ``block`` values;
-    ``topk``: the ``fraction`` of entries largest in magnitude. ``error_feedback``: each
-    child adds what its earlier payloads left out (kept in its state) before compressing.
-    """
-
-    kind: Literal["int8", "topk"]
-    fraction: Annotated[float, Field(gt=0, le=1)] = 0.01
-    block: Annotated[int, Field(ge=1)] = 512
-    error_feedback: bool = True
-
-
-class AggregateSettings(Strict):
-    """How a server folds its children's models into the input its NODEOPT_up steps towards.
-
-    ``kind``: a registered aggregation rule (``bhfl_core/algorithm/aggregation_rule.py``);
-    ``mean`` (default) is the exact example-weighted mean. ``compress``: the children send
-    compressed updates instead of their models (none: models as they are).
-    """
-
-    kind: str = "mean"
-    compress: CompressSettings | None = None
-
-    @field_validator("kind")
-    @classmethod
-    def _known(cls, v: str) -> str:
-        if v not in available_rules():
-            raise ValueError(f"unknown aggregation rule {v!r}; choose one of {available_rules()}")
-        return v
-
-
-class AdaptiveClipSettings(Strict):
-    """Adaptive clipping (Andrew et al. 2021): the clipping norm follows a quantile of the update norms.
-
-    ``count_noise``: std of the noise on the count of unclipped updates (sigma_b); unset,
-    the paper's ``expected cohort / 20``. It must exceed ``noise_multiplier / 2``.
-    """
-
-    quantile: Annotated[float, Field(gt=0, lt=1)] = 0.5
-    lr: Annotated[float, Field(gt=0)] = 0.2
-    count_noise: Annotated[float, Field(gt=0)] | None = None
-
-
-class PrivacySettings(Strict):
-    """Client-level differential privacy at a server (DP-FedAvg; docs/privacy.md).
-
-    Each child's update (its model minus the model the server sent it) is clipped to L2
-    norm ``clip``; Gaussian noise of std ``noise_multiplier * clip`` is added to the sum;
-    the mean divides by the expected cohort size. ``delta``: the delta epsilon is reported at.
-    """
-
-    clip: Annotated[float, Field(gt=0)]
-    noise_multiplier: Annotated[float, Field(ge=0)]
-    adaptive: AdaptiveClipSettings | None = None
-    delta: Annotated[float, Field(gt=0, lt=1)] = 1e-5
-
-
-class SecureAggregationSettings(Strict):
-    """Secure aggregation at a server (simulated Bonawitz et al. 2017; docs/privacy.md).
-
-    Updates become fixed-point integers (``fraction_bits`` below the point) summed modulo
-    ``2**bits``; ``threshold``: how many of the round's children must send their masked
-    update for the masks to be removed (default: a majority of the cohort).
-    """
-
-    bits: Annotated[int, Field(ge=16, le=62)] = 48
-    fraction_bits: Annotated[int, Field(ge=0, le=60)] = 24
-    threshold: Annotated[int, Field(ge=1)] | None = None
-
-
-class DpSgdSettings(Strict):
-    """Sample-level DP-SGD in clients' TRAIN (Opacus; docs/privacy.md): per-example clipping and Gaussian noise."""
-
-    noise_multiplier: Annotated[float, Field(ge=0)]
-    max_grad_norm: Annotated[float, Field(gt=0)]
-    delta: Annotated[float, Field(gt=0, lt=1)] = 1e-5
-
-
-class TrainSettings(Strict):
-    lr: Annotated[float, Field(gt=0)] = 1e-3
-    epochs: Annotated[int, Field(ge=1)] = 1
-    max_steps: Annotated[int, Field(ge=1)] | None = None
-    batch_size: Annotated[int, Field(ge=1)] = 32
-    optimizer: Literal["adamw", "sgd"] = "adamw"
-    weight_decay: Annotated[float, Field(ge=0)] = 0.0
-    mu: Annotated[float, Field(ge=0)] = 0.0  # FedProx proximal coefficient (0: plain TRAIN)
-    # the forward pass under torch autocast: bf16 / fp16 mixed precision (fp16 with gradient scaling)
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
-    dp_sgd: DpSgdSettings | None = None  # clients: sample-level DP-SGD (per-example clipping, noise)
-
-
-class StalenessSettings(Strict):
-    """FedBuff's staleness weight ``w(s)`` (``bhfl_core/algorithm/asynchrony.py``)."""
-
-    kind: Literal["constant", "poly", "hinge"] = "poly"
-    a: Annotated[float, Field(gt=0)] = 0.5  # poly: exponent (0.5: 1/sqrt(1+s)); hinge: slope
-    b: Annotated[float, Field(ge=0)] = 4.0  # hinge: staleness counted fully up to b
-
-
-class LevelSettings(Strict):
-    """Settings of one level of the tree (all optional in YAML: defaults below)."""
-
-    rounds: Annotated[int, Field(ge=1)] = 1
-    cohort: Annotated[int, Field(ge=1)] | Annotated[float, Field(gt=0, le=1)] | None = None
-    eta_up: Annotated[float, Field(ge=0)] = 1.0  # 0 with fedavg: keep the own model
-    eta_down: Annotated[float, Field(ge=0)] = 1.0
-    opt_up: OptSettings = OptSettings()
-    opt_down: OptSettings = OptSettings()
-    persistent: bool = True
-    train: TrainSettings = TrainSettings()
-    # servers: TRAIN on the proxy split after aggregating (true), or alongside the children
-    # from the model they were sent, merged like one more child result ("async")
-    proxy_train: bool | Literal["async"] = False
-    holdout: Annotated[float, Field(ge=0, le=0.5)] = 0.0  # share of training rows kept out of TRAIN (interp tunes)
-    personal: TrainSettings | None = None  # clients: Ditto's personal model (its mu is Ditto's lambda)
-    mode: Literal["sync", "async"] = "sync"  # servers: async = FedBuff (rounds count buffer flushes)
-    concurrency: Annotated[int, Field(ge=1)] = 4  # async: children in flight
-    buffer: Annotated[int, Field(ge=1)] = 2  # async: results per NODEOPT_up step (FedBuff's K)
-    staleness: StalenessSettings = StalenessSettings()
-    aggregate: AggregateSettings = AggregateSettings()  # servers: how the children's models are folded
-    privacy: PrivacySettings | None = None  # servers: DP-FedAvg on the children's updates (docs/privacy.md)
-    secure_aggregation: SecureAggregationSettings | None = None  # servers: masked sums (docs/privacy.md)
-
-
-class NodeOverride(Strict):
-    """Per-node override: any subset of LevelSettings keys."""
-
-    rounds: Annotated[int, Field(ge=1)] | None = None
-    cohort: Annotated[int, Field(ge=1)] | Annotated[float, Field(gt=0, le=1)] | None = None
-    eta_up: Annotated[float, Field(ge=0)] | None = None
-    eta_down: Annotated[float, Field(ge=0)] | None = None
-    opt_up: OptSettings | None = None
-    opt_down: OptSettings | None = None
-    persistent: bool | None = None
-    train: TrainSettings | None = None
-    proxy_train: bool | Literal["async"] | None = None
-    holdout: Annotated[float, Field(ge=0, le=0.5)] | None = None
-    personal: TrainSettings | None = None
-    mode: Literal["sync", "async"] | None = None
-    concurrency: Annotated[int, Field(ge=1)] | None = None
-    buffer: Annotated[int, Field(ge=1)] | None = None
-    staleness: StalenessSettings | None = None
-    aggregate: AggregateSettings | None = None
-    privacy: PrivacySettings | None = None
-    secure_aggregation: SecureAggregationSettings | None = None
-
-
-class UpResidual(Strict):
-    """Up-residual rule: each ``from`` server sends K of its children's models to ``to``.
-
-    ``from`` / ``to`` name a level (``root``, ``server``, ``edge``) or a node id; ``to``
-    must be an ancestor of ``from`` (the selected child models skip ``from``'s aggregation).
-    ``combine: each`` sends the K models with their example weights; ``mean`` sends
-    their plain mean as one model of weight 1 (one vote per sending server).
-    ``opt`` / ``eta`` configure the receiving node's optimiser for this input kind;
-    unset, they copy the receiver's ``opt_up`` / ``eta_up`` (with a state of their own).
-    """
-
-    source: str = Field(alias="from")
-    to: str
-    k: Annotated[int, Field(ge=1)] = 1
-    select: str = "l2"
-    combine: Literal["each", "mean"] = "each"
-    eta: Annotated[float, Field(gt=0)] | None = None
-    opt: OptSettings | None = None
-
-    @field_validator("select")
-    @classmethod
-    def _known_selector(cls, v: str) -> str:
-        if v not in SELECTORS:
-            raise ValueError(f"unknown residual selection {v!r}; choose one of {list(SELECTORS)}")
-        return v
-
-
-class DownResidual(Strict):
-    """Down-residual rule: each ``from`` server sends its round-start model to ``to``.
-
-    ``to`` (a level or node id) must be a descendant of ``from``. The receiver
-    folds it into its next down-aggregation with ``opt`` / ``eta`` (default: its
-    ``opt_down`` / ``eta_down``, with a state of their own).
-    """
-
-    source: str = Field(alias="from")
-    to: str
-    eta: Annotated[float, Field(gt=0)] | None = None
-    opt: OptSettings | None = None
-
-
-class ResidualsConfig(Strict):
-    up: list[UpResidual] = []
-    down: list[DownResidual] = []
-
-
-@dataclass(frozen=True)
-class GroupSpec:
-    """One intermediate server of ``tree.groups``, flattened out of the nesting.
-
-    ``key``: where it is written (``tree.groups.europe.west``); ``depth``: its depth in
-    the tree (root = 0, so a top-level group is 1); ``parent``: ``root`` or the
-    enclosing group; ``members``: the languages / clusters whose edge servers it holds
-    (``leaf``), or its sub-groups' names.
-    """
-
-    name: str
-    key: str
-    depth: int
-    parent: str
-    members: tuple[str, ...]
-    leaf: bool
-
-
-def _walk_groups(groups: dict[str, Any], key: str, depth: int, parent: str, out: list[GroupSpec]) -> None:
-    for name, value in groups.items():
-        here = f"{key}.{name}"
-        if isinstance(value, dict):
-            out.append(GroupSpec(name, here, depth, parent, tuple(value), leaf=False))
-            _walk_groups(value, here, depth + 1, name, out)
-        else:
-            out.append(GroupSpec(name, here, depth, parent, tuple(value), leaf=True))
-
-
-class ClockSettings(Strict):
-    """The virtual clock of asynchronous nodes (``bhfl_core/algorithm/virtual_clock.py``).
-
-    Client speeds (optimizer steps per virtual second) are log-normal with median 1 and
-    spread ``sigma``, one per client or per ``group`` (language / cluster); a call
-    lasts its steps over the speed (``straggler_factor`` times longer with probability
-    ``straggler_p``) plus ``comm_s`` per model moved (two per call). With probability
-    ``dropout_p`` a call drops out: the client does not train, and its parent (sync or
-    async) learns of it when the call would have finished.
-    """
-
-    sigma: Annotated[float, Field(ge=0)] = 0.0
-    per: Literal["client", "group"] = "client"
-    comm_s: Annotated[float, Field(ge=0)] = 0.0
-    straggler_p: Annotated[float, Field(ge=0, le=1)] = 0.0
-    straggler_factor: Annotated[float, Field(ge=1)] = 10.0
-    dropout_p: Annotated[float, Field(ge=0, lt=1)] = 0.0  # chance a client call drops out (its result never arrives)
-
-
-class TreeConfig(Strict):
-    """root -> intermediate servers (``groups``, nested to any depth) -> edge servers -> clients.
-
-    ``groups`` maps each intermediate server either to the languages (edge servers)
-    under it or to a mapping of sub-groups (intermediate servers one level deeper),
-    e.g. ``{europe: {west: [en, fr], east: [de]}, asia: [zh]}``; siblings may differ
-    (a leaf group's edge servers are one level below it, wherever it is). Leave it
-    empty for root -> edges directly. ``flat: true`` puts every client directly under
-    the root (classic one-server FL: FedAvg / FedOPT baselines).
-
-    Settings of a node: its level's block (``root``, ``server``, ``edge``, ``client``),
-    then for intermediate servers ``levels.<depth>`` (root = 0), then ``nodes.<id>``.
-
-    ``tempo: true`` (seeds/001): after every root round the root retunes the client
-    epochs of each edge server (institution) for the next round with Eq. 9
-    (``bhfl_core/algorithm/tempo.py``); only for root -> edge servers -> clients.
-    """
-
-    flat: bool = False
-    groups: dict[str, Any] = {}  # name -> list of languages/clusters, or name -> {sub-group: ...}
-    root: LevelSettings = LevelSettings(rounds=4, proxy_train=True)
-    server: LevelSettings = LevelSettings()
-    levels: dict[int, NodeOverride] = {}  # depth -> overrides of ``server`` for intermediate servers there
-    edge: LevelSettings = LevelSettings(rounds=2)
-    client: LevelSettings = LevelSettings()
-    nodes: dict[str, NodeOverride] = {}
-    residuals: ResidualsConfig = ResidualsConfig()
-    tempo: bool = False  # Tempo: the root retunes each edge's client epochs per root round (Eq. 9)
-    clock: ClockSettings = ClockSettings()  # virtual clock of asynchronous nodes
-
-    @field_validator("groups")
-    @classmethod
-    def _group_shape(cls, groups: dict[str, Any]) -> dict[str, Any]:
-        """Each group: a non-empty list of names, or a non-empty mapping of sub-groups; names unique."""
-        seen: dict[str, str] = {}
-
-        def check(mapping: dict[Any, Any], key: str) -> None:
-            for name, value in mapping.items():
-                here = f"{key}.{name}"
-                if not isinstance(name, str):
-                    raise ValueError(f"{here}: a group name must be a string, got {name!r}")
-                if name == "root":
-                    raise ValueError(f"{here}: a group cannot be called 'root' (the root server's id)")
-                if name in seen:
-                    raise ValueError(f"{here}: group name {name!r} is already used at {seen[name]}")
-                seen[name] = here
-                if isinstance(value, dict):
-                    if not value:
-                        raise ValueError(f"{here}: an intermediate server needs at least one language below it")
-                    check(value, here)
-                elif isinstance(value, list):
-                    if not value:
-                        raise ValueError(f"{here}: an intermediate server needs at least one language")
-                    bad = [v for v in value if not isinstance(v, str)]
-                    if bad:
-                        raise ValueError(f"{here}: {bad[0]!r} is not a language/cluster name")
-                else:
-                    raise ValueError(
-                        f"{here}: a group holds a list of languages (e.g. [en, fr]) "
-                        f"or a mapping of sub-groups (e.g. {{west: [en, fr]}}), got {value!r}"
-                    )
-
-        check(groups, "tree.groups")
-        return groups
-
-    def group_specs(self) -> list[GroupSpec]:
-        """Every group of ``groups``, in pre-order (a group before its sub-groups, config order)."""
-        out: list[GroupSpec] = []
-        _walk_groups(self.groups, "tree.groups", 1, "root", out)
-        return out
-
-    @model_validator(mode="after")
-    def _tempo(self) -> TreeConfig:
-        if self.tempo and self.root.mode == "async":
-            raise ValueError("tree.tempo: Tempo retunes epochs per synchronous root round; tree.root.mode is async")
-        if self.tempo and (self.flat or self.groups):
-            shape = "tree.flat is true (root -> clients)" if self.flat else "tree.groups puts servers between them"
-            raise ValueError(
-                f"tree.tempo: Tempo needs the root's children to be edge servers (root -> edge servers -> "
-                f"clients, tree.groups: {{}}), but {shape}"
-            )
-        return self
-
-    @model_validator(mode="after")
-    def _levels(self) -> TreeConfig:
-        depths = sorted({g.depth for g in self.group_specs()})
-        for depth in self.levels:
-            if depth == 0:
-                raise ValueError("tree.levels.0: depth 0 is the root; its settings are tree.root")
-            if depth not in depths:
-                where = f"at depths {depths}" if depths else "(tree.groups is empty)"
-                raise ValueError(
-                    f"tree.levels.{depth}: no intermediate server at depth {depth} (root = 0); "
-                    f"tree.groups has intermediate servers {where}"
-                )
-        return self
+__all__ = [  # the tree section's classes too (tree_schema.py): callers import them from here
+    "AdaptiveClipSettings",
+    "AggregateSettings",
+    "ClockSettings",
+    "CompressSettings",
+    "DownResidual",
+    "DpSgdSettings",
+    "EvalConfig",
+    "ExperimentConfig",
+    "GroupSpec",
+    "LevelSettings",
+    "LocalAdaptation",
+    "LocalOnlyBaseline",
+    "ModelConfig",
+    "NodeOverride",
+    "OptKind",
+    "OptSettings",
+    "PrivacySettings",
+    "ResidualsConfig",
+    "RuntimeConfig",
+    "SecureAggregationSettings",
+    "StalenessSettings",
+    "TrainSettings",
+    "TreeConfig",
+    "UpResidual",
+    "dump",
+]
 
 
 # ---------------------------------------------------------------- runtime / eval

@@ -1,0 +1,185 @@
+"""A node's aggregation settings resolved: its NODEOPTs, and how a server folds its children's models.
+
+``topology.py`` merges a node's settings from its level, ``tree.levels`` and
+``tree.nodes``; ``values`` / ``origin`` below are that merge (each key's value, and
+where it was written, so every error names the key). What cannot be combined (DP or
+secure aggregation at a client or an asynchronous server, DP-SGD at a server, ...) is
+rejected here, as is a tuned NODEOPT without held-out data.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bhfl_core.algorithm.aggregation_rule import AggregateParams
+from bhfl_core.algorithm.compression import CompressParams
+from bhfl_core.algorithm.node_opt import NodeOptParams, is_tuned
+from bhfl_core.algorithm.privacy_params import AdaptiveClip, PrivacyParams, SecAggParams
+from bhfl_core.algorithm.tree import Role
+from bhfl_core.config.base import ConfigError
+from bhfl_core.config.schema import ExperimentConfig
+from bhfl_core.config.tree_schema import (
+    AggregateSettings,
+    PrivacySettings,
+    SecureAggregationSettings,
+    TrainSettings,
+)
+from bhfl_core.rng import derive_seed
+
+
+def node_opt(
+    values: dict[str, Any], origin: dict[str, str], direction: str, node_id: str, has_data: bool
+) -> NodeOptParams:
+    """The node's NODEOPT for ``direction`` (``up`` or ``down``): its ``opt_<direction>`` and ``eta_<direction>``."""
+    o = values[f"opt_{direction}"]
+    if is_tuned(o.kind):
+        check_tuned(origin[f"opt_{direction}"], node_id, has_data, values["holdout"], origin["holdout"])
+    return NodeOptParams(
+        kind=o.kind,
+        eta=values[f"eta_{direction}"],
+        beta1=o.beta1,
+        beta2=o.beta2,
+        tau=o.tau,
+        alphas=tuple(o.alphas),
+    )
+
+
+def check_tuned(key: str, node_id: str, has_data: bool, holdout: float, holdout_key: str) -> None:
+    """A tuned NODEOPT (``interp``) needs held-out rows at its node: its own data and ``holdout > 0``."""
+    if not has_data:
+        raise ConfigError(
+            f"{key}: NODEOPT interp tunes alpha on the node's held-out data, but {node_id!r} has none "
+            "(clients have their private split; servers need a proxy split: data.proxy.servers)"
+        )
+    if holdout <= 0:
+        raise ConfigError(
+            f"{key}: NODEOPT interp tunes alpha on held-out rows of {node_id!r}'s training data; "
+            f"set {holdout_key} (e.g. 0.2, the share of rows kept out of TRAIN)"
+        )
+
+
+def aggregate_params(
+    config: ExperimentConfig,
+    node_id: str,
+    role: Role,
+    values: dict[str, Any],
+    origin: dict[str, str],
+    cohort: int | None,
+    num_children: int,
+) -> AggregateParams:
+    """How ``node_id`` folds its children: rule, DP, secure aggregation and compression (checked in that order)."""
+    return AggregateParams(
+        values["aggregate"].kind,
+        _privacy(config, node_id, role, values, origin, cohort or num_children, num_children),
+        _secagg(config, node_id, role, values, origin, cohort or num_children),
+        _compress(node_id, role, values, origin),
+    )
+
+
+def _privacy(
+    config: ExperimentConfig,
+    node_id: str,
+    role: Role,
+    values: dict[str, object],
+    origin: dict[str, str],
+    expected: int,
+    population: int,
+) -> PrivacyParams | None:
+    """A server's ``privacy`` settings resolved for its cohort (``expected`` of ``population`` children) and with its
+    noise seed; errors name the key."""
+    settings = values["privacy"]
+    if settings is None:
+        return None
+    assert isinstance(settings, PrivacySettings)
+    key = origin["privacy"]
+    _check_server_fold(key, "client-level DP", node_id, role, values)
+    adaptive = None
+    if settings.adaptive is not None:
+        a = settings.adaptive
+        adaptive = AdaptiveClip(a.quantile, a.lr, a.count_noise if a.count_noise is not None else expected / 20)
+    params = PrivacyParams(
+        clip=settings.clip,
+        noise_multiplier=settings.noise_multiplier,
+        expected=expected,
+        population=population,
+        noise_seed=derive_seed(config.seed, "privacy", node_id),
+        delta=settings.delta,
+        adaptive=adaptive,
+    )
+    try:
+        params.update_noise_multiplier  # noqa: B018  (validates the split of the budget)
+    except ValueError as exc:
+        raise ConfigError(f"{key}.adaptive.count_noise: {exc}") from None
+    return params
+
+
+def _compress(node_id: str, role: Role, values: dict[str, object], origin: dict[str, str]) -> CompressParams | None:
+    """A server's ``aggregate.compress`` (what its children send it); a client has no children to compress."""
+    aggregate = values["aggregate"]
+    assert isinstance(aggregate, AggregateSettings)
+    settings = aggregate.compress
+    if settings is None:
+        return None
+    if role is Role.CLIENT:
+        raise ConfigError(
+            f"{origin['aggregate']}.compress: compression is set where updates are received (the parent); "
+            f"{node_id!r} is a client and has no children"
+        )
+    return CompressParams(settings.kind, settings.fraction, settings.block, settings.error_feedback)
+
+
+def _check_server_fold(key: str, what: str, node_id: str, role: Role, values: dict[str, object]) -> None:
+    """DP and secure aggregation change how a server folds a round's cohort of children: not for clients, for
+    asynchronous servers (no cohort: children arrive one by one) or for a proxy TRAIN folded like a child."""
+    if role is Role.CLIENT:
+        raise ConfigError(f"{key}: {what} is a server's (it folds its children's updates); {node_id!r} is a client")
+    if values["mode"] == "async":
+        raise ConfigError(f"{key}: {what} at an asynchronous server is not supported yet ({node_id!r} has mode: async)")
+    if values["proxy_train"] == "async":
+        raise ConfigError(
+            f"{key}: {node_id!r} trains on its proxy split alongside its children (proxy_train: async), which "
+            f"{what} would fold as one of them; use proxy_train: true (after aggregating) or false"
+        )
+
+
+def _secagg(
+    config: ExperimentConfig, node_id: str, role: Role, values: dict[str, object], origin: dict[str, str], cohort: int
+) -> SecAggParams | None:
+    """A server's ``secure_aggregation`` settings resolved (threshold, mask seed); errors name the key."""
+    settings = values["secure_aggregation"]
+    if settings is None:
+        return None
+    assert isinstance(settings, SecureAggregationSettings)
+    key = origin["secure_aggregation"]
+    _check_server_fold(key, "secure aggregation", node_id, role, values)
+    if settings.fraction_bits >= settings.bits - 1:
+        raise ConfigError(
+            f"{key}.fraction_bits: {settings.fraction_bits} leaves no integer part in {settings.bits} bits"
+        )
+    privacy = values["privacy"]
+    if isinstance(privacy, PrivacySettings) and privacy.adaptive is not None:
+        raise ConfigError(
+            f"{key}: adaptive clipping with secure aggregation is not supported yet (the unclipped count would need "
+            f"its own masked sum); set a fixed {origin['privacy']}.clip without adaptive"
+        )
+    threshold = settings.threshold if settings.threshold is not None else cohort // 2 + 1
+    if threshold > cohort:
+        raise ConfigError(f"{key}.threshold: {threshold} is more than the {cohort} children {node_id!r} calls a round")
+    return SecAggParams(threshold, derive_seed(config.seed, "secagg", node_id), settings.bits, settings.fraction_bits)
+
+
+def check_dp_sgd(train: TrainSettings, key: str, node_id: str, role: Role) -> None:
+    """DP-SGD protects a client's examples; what it cannot be combined with is rejected here."""
+    if train.dp_sgd is None:
+        return
+    if role is not Role.CLIENT:
+        raise ConfigError(
+            f"{key}.dp_sgd: sample-level DP-SGD protects clients' private examples; {node_id!r} trains on the proxy "
+            "split (use privacy: at a server for client-level DP)"
+        )
+    if train.mu > 0:
+        raise ConfigError(
+            f"{key}.dp_sgd: FedProx's term (mu: {train.mu}) would be overwritten by the DP optimizer; set mu: 0"
+        )
+    if train.precision != "fp32":
+        raise ConfigError(f"{key}.dp_sgd: DP-SGD runs in fp32 only (precision is {train.precision!r})")
