@@ -36,6 +36,7 @@ from bhfl_core.store.warm_start import load_backbone
 from data_prep.manifest import ClientEntry, Manifest
 from data_prep.prepare import load_shard
 from tasks.faults import NO_FAULTS, FaultPlan
+from tasks.local_cluster import CPU_WORKERS_AUTO_MAX
 
 
 @dataclass
@@ -207,7 +208,10 @@ class OpenedRuns:
             self._opened.pop(Path(run_path).resolve(), None)
 
 
-_OPENED = OpenedRuns(size=4)  # a sweep's points run in threads of one orchestrator: a few at once
+# A sweep's points run in threads of one orchestrator, as many at once as it has local workers
+# (at most CPU_WORKERS_AUTO_MAX with `workers: auto`): every point running keeps its context.
+# Finished runs leave through ``forget_run``, so the bound is only reached by runs in progress.
+_OPENED = OpenedRuns(size=CPU_WORKERS_AUTO_MAX)
 
 
 def open_run(run_path: str | Path, config: ExperimentConfig | None = None) -> RunContext:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from matplotlib.figure import Figure
 
-from bhfl_core.analysis.seeds import GroupStats
+from bhfl_core.analysis.seeds import Bounds, GroupStats, Summary, interval
 from data_prep.figures import MIN_FONT_PT, save_png
 
 Settings = Mapping[str, Mapping[str, str]]  # config id -> swept key -> its value there
@@ -37,13 +37,15 @@ def metric_vs_key(
     key: str,
     metrics: Sequence[str],
     titles: Mapping[str, str] | None = None,
+    bounds: Mapping[str, Bounds | None] | None = None,
 ) -> Figure:
     """One panel per metric: the metric (mean, 95% interval bars) against ``key``, a line per other-key combination.
 
     ``settings``: each config's values of the swept keys (configs without ``key`` are
     left out, e.g. a baseline outside the grid); the other keys in it make the lines.
     Numeric values are placed on a numeric axis, others in first-seen order.
-    ``titles``: metric -> panel title (default: the metric).
+    ``titles``: metric -> panel title (default: the metric). ``bounds``: metric -> the values
+    it can take; its bars stop there, as the tables' intervals do (``seeds.interval``).
     """
     points = [g for g in groups if key in settings.get(g.config, {})]
     if not points:
@@ -69,7 +71,7 @@ def metric_vs_key(
             ax.errorbar(
                 [x for x, _ in drawn],
                 [s.mean for _, s in drawn],
-                yerr=[s.half_width if s.has_interval else 0.0 for _, s in drawn],
+                yerr=_bars([s for _, s in drawn], (bounds or {}).get(metric)),
                 marker="o",
                 markersize=4,
                 capsize=3,
@@ -88,6 +90,14 @@ def metric_vs_key(
     return fig
 
 
+def _bars(summaries: Sequence[Summary], bounds: Bounds | None) -> list[list[float]]:
+    """Error bars below and above each mean: to its interval's ends, clipped to ``bounds`` (none from one seed)."""
+    ends = [interval(s, bounds) if s.has_interval else None for s in summaries]
+    below = [s.mean - i.lo if i is not None else 0.0 for s, i in zip(summaries, ends, strict=True)]
+    above = [i.hi - s.mean if i is not None else 0.0 for s, i in zip(summaries, ends, strict=True)]
+    return [below, above]
+
+
 def save_metric_plots(
     groups: Sequence[GroupStats],
     settings: Settings,
@@ -95,12 +105,13 @@ def save_metric_plots(
     metrics: Sequence[str],
     folder: Path,
     titles: Mapping[str, str] | None = None,
+    bounds: Mapping[str, Bounds | None] | None = None,
 ) -> list[Path]:
     """``metric_vs_key`` for each swept key, saved as ``folder/seeds_<key>.png``; returns the paths."""
     folder.mkdir(parents=True, exist_ok=True)
     paths = []
     for key in keys:
         path = folder / f"seeds_{re.sub(r'[^A-Za-z0-9_.-]+', '_', key)}.png"
-        save_png(metric_vs_key(groups, settings, key, metrics, titles), path, tight=False)
+        save_png(metric_vs_key(groups, settings, key, metrics, titles, bounds), path, tight=False)
         paths.append(path)
     return paths

@@ -22,7 +22,7 @@ from pathlib import Path
 from mlflow import MlflowClient
 
 from bhfl_core.analysis import seeds
-from bhfl_core.analysis.comparison import HEADERS, by_config_csv, by_config_markdown, paired_csv
+from bhfl_core.analysis.comparison import HEADERS, by_config_csv, by_config_markdown, column_bounds, paired_csv
 from bhfl_core.config.sweep import Sweep, config_label
 from bhfl_core.store.atomic import write_text_atomic
 from flows.records.sweep_record import SweepRecord
@@ -61,7 +61,9 @@ def write_sweep_report(folder: Path, sweep: Sweep, record: SweepRecord) -> Path 
     }
     keys = [k for k in dict.fromkeys(k for s in settings.values() for k in s) if _values(settings, k) > 1]
     titles = {m: HEADERS[m] for m in PLOTTED}
-    plots = save_metric_plots(result.groups, settings, keys, PLOTTED, out, titles) if keys else []
+    metric = next(iter(result.metric.values()), "")
+    bounds = {m: column_bounds(m, metric) for m in PLOTTED}  # bars stop where the tables' intervals do
+    plots = save_metric_plots(result.groups, settings, keys, PLOTTED, out, titles, bounds) if keys else []
 
     lines = [f"# Sweep `{sweep.name}`", ""]
     lines += [

@@ -207,5 +207,13 @@ def test_plot_of_each_metric_against_each_swept_key(tmp_path):
     assert [p.name for p in paths] == ["seeds_tree.edge.eta_down.png", "seeds_tree.root.opt_up.kind.png"]
     assert all(p.read_bytes().startswith(PNG) for p in paths)
     assert all(p.with_suffix(".svg").read_text().startswith("<?xml") for p in paths)  # vector copies beside them
+
+    def top_of_bars(figure):
+        return max(y for c in figure.axes[0].collections for seg in c.get_segments() for _, y in seg)
+
+    # (0.3, fedavg): 0.53, 0.6, 0.6 -> mean 0.5767, t-interval up to 0.677; with the metric bounded at 0.61, cut there
+    assert top_of_bars(fig) == pytest.approx(0.677, abs=1e-3)
+    bounded = metric_vs_key(groups, settings, "tree.edge.eta_down", ["acc"], bounds={"acc": (0.0, 0.61)})
+    assert top_of_bars(bounded) == pytest.approx(0.61)
     with pytest.raises(ValueError, match=r"no config has a value for 'tree.client.mu'"):
         metric_vs_key(groups, settings, "tree.client.mu", ["acc"])
