@@ -11,7 +11,8 @@ so what bhfl writes in the background is hidden behind it, as in a real run.
 
 - **bhfl**: the real worker code: ``tasks.client_training.train_clients`` (the engine's
   EXECUTENODE per client, the parent's aggregation rule folding on the worker into a
-  shared-memory file, checkpoints written in the background), ``send_result`` /
+  shared-memory file and closing it to the round's mean there, as the one worker that
+  holds a whole round does; checkpoints written in the background), ``send_result`` /
   ``receive_result`` (what crosses the process boundary), the parent's ``fold_results``
   and ``node_up`` (finalize and NODEOPT). One worker, in this process.
 - **loop**: a plain single-process FedAvg loop: the global model in memory, clients'
@@ -151,7 +152,7 @@ def bhfl_rounds(
         phi = ctx.transfer.put("root.down", state.theta)  # the parent's model, once per round
         allocated: dict[str, tuple] = {}
         allocate = functools.partial(_allocate, ctx.transfer, allocated) if device.type == "cpu" else None
-        result = train_clients(ctx, trainer, plan, ids, Transfer.get(phi), True, 0, None, allocate)  # type: ignore[arg-type]
+        result = train_clients(ctx, trainer, plan, ids, Transfer.get(phi), True, 0, None, allocate, True)  # type: ignore[arg-type]
         sent = send_result(result, rule, ctx.transfer, "w0", allocated)
         del result
         received = receive_result(sent, rule)

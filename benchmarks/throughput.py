@@ -168,12 +168,21 @@ def _bhfl_env(api_url: str | None) -> dict[str, str]:
 
 
 def run_bhfl(
-    config: Path, name: str, trainings: int, overrides: list[str], api_url: str | None, folder: Path
+    config: Path,
+    name: str,
+    trainings: int,
+    overrides: list[str],
+    api_url: str | None,
+    folder: Path,
+    profile: Path | None = None,
 ) -> Result:
+    """One ``bhfl run``; ``profile``: under py-spy, every process's stacks (idle threads too) in that file."""
     from bhfl_core.store.node_store import load_tensors
 
     run_dir = folder / "runs"
+    spy = ["py-spy", "record", "--subprocesses", "--idle", "--threads", "--format", "raw", "-o", str(profile), "--"]
     cmd = [
+        *(spy if profile else []),
         str(Path(sys.executable).with_name("bhfl")),
         "run",
         str(config),
@@ -333,6 +342,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--other-data", action="store_true", help="go on when this numpy generates other data than the spec's"
     )
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        metavar="DIR",
+        help="run bhfl under py-spy (installed separately): collapsed stacks of every process and thread, idle "
+        "time included, in DIR/<setting>-<repeat>.txt (sampling slows it slightly: not for the figures)",
+    )
     parser.add_argument("--loop-child", nargs=3, metavar=("DATA", "DRAWS", "OUT"), help=argparse.SUPPRESS)
     parser.add_argument("--model-size", default="{}", help=argparse.SUPPRESS)
     return parser.parse_args()
@@ -356,7 +372,8 @@ def main() -> None:
                 folder = root / f"{setting}-{i}"
                 folder.mkdir()
                 loops.append(run_loop(data, draws, k * rounds, args.device, size, folder))
-                bhfls.append(run_bhfl(config, name, k * rounds, args.overrides, args.prefect_api_url, folder))
+                profile = args.profile / f"{setting}-{i}.txt" if args.profile else None
+                bhfls.append(run_bhfl(config, name, k * rounds, args.overrides, args.prefect_api_url, folder, profile))
             report(setting, loops, bhfls, test, size)
 
 

@@ -90,7 +90,13 @@ class FlowHooks:
             sent = gather([run_gated(functools.partial(self._run_child, c, phi, plans[c.id])) for c in servers])
         return [receive_result(s, None) for s in sent]
 
-    def _run_clients(self, node: Node, leaves: list[Node], phi: TensorRef, plan: RoundPlan) -> list[ChildResult]:
+    def _run_clients(
+        self, node: Node, leaves: list[Node], phi: TensorRef, plan: RoundPlan, alone: bool
+    ) -> list[ChildResult]:
+        """The round's clients as worker batches; ``alone``: nothing else (child servers, proxy TRAIN) joins their fold.
+
+        When one batch holds them all, its worker closes the fold (``AggregationRule.close``).
+        """
         runtime = self.rt.ctx.config.runtime
         keep, select = needs(node.settings.res_up)
 
@@ -102,6 +108,7 @@ class FlowHooks:
         placed = place(jobs, self.rt.executor.slots(), runtime.placement, model)
         spread = ", ".join(f"{len(a.jobs)} on {a.slot.name}" for a in placed)
         name = f"train {node.id} r{(plan.caller.round or 0) + 1} [{len(jobs)} clients: {spread}]"
+        whole_round = alone and len(placed) == 1
         sent: list[SentResult] = self.rt.orchestration.call_task(
             self.rt,
             train_clients,
@@ -112,6 +119,8 @@ class FlowHooks:
             phi,
             keep,
             select,
+            True,
+            whole_round,
         )
         rule = rule_for(node.settings.aggregate)
         results = [receive_result(s, rule) for s in sent]
@@ -134,7 +143,8 @@ class FlowHooks:
         try:
             results = self._run_servers(servers, phi, plans)
             if leaves:  # one plan for all of them: the node's children share its round and its epochs
-                results += self._run_clients(node, leaves, phi, plans[leaves[0].id])
+                alone = not servers and not node.settings.proxy_async
+                results += self._run_clients(node, leaves, phi, plans[leaves[0].id], alone)
         finally:
             self.rt.ctx.transfer.done_with(phi)  # every child has read it (a retried batch ran inside _run_clients)
         return results

@@ -150,14 +150,17 @@ def train_clients(
     keep: int = 0,
     select: str | None = None,
     allocate: Allocator | None = None,
+    whole_round: bool = False,
 ) -> ChildResult:
     """Execute ``client_ids`` from the parent model ``phi`` under ``plan``; return what goes up to the parent.
 
     ``fold``: the clients' models are contributed to the parent's aggregation rule here
     (a partial in the result; ``allocate`` gives its storage); otherwise the batch has
     one client and its model goes up as it is (an asynchronous parent weighs it by
-    staleness first). With ``keep > 0`` the worker also returns its ``keep`` best
-    residual candidates by ``select``, a running top-K so memory stays at K models.
+    staleness first). ``whole_round``: this batch is all the parent's round will fold, so
+    the rule may close the partial here, on the worker's device (``AggregationRule.close``).
+    With ``keep > 0`` the worker also returns its ``keep`` best residual candidates by
+    ``select``, a running top-K so memory stays at K models.
     """
     if not fold and len(client_ids) != 1:
         raise ValueError(f"an unfolded batch carries one client's model, not {len(client_ids)}")
@@ -195,6 +198,8 @@ def train_clients(
                 found = Candidate(client_id, result.theta.cpu(), node.weight, result.loss)
                 candidates = keep_top(candidates, found, phi, keep, select)
             del result  # folded: the next client's model must not meet this one in memory
+    if whole_round and partial is not None and not partial.empty:
+        rule.close(partial)
     return ChildResult(
         tuple(members),
         model,

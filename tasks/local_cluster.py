@@ -5,7 +5,9 @@ one per CPU core), each running one call at a time on its own device (``BHFL_DEV
 Workers are forked from a server process that imported torch, transformers and the
 worker code once (multiprocessing's forkserver), so N workers
 cost one import, not N (CPU workers; GPU workers are spawned, so that no worker
-inherits a process that touched the CUDA driver). Worker processes exit when the process that started the
+inherits a process that touched the CUDA driver). Every worker warms up (imports, CUDA
+context: ``tasks/worker_warmup.py``) before it registers, so the cluster is ready only
+with warm workers. Worker processes exit when the process that started the
 cluster dies, even by SIGKILL (Dask watches the parent).
 
 This module stays light (no worker code imported here), so the CLI can start the
@@ -77,7 +79,7 @@ def start_forkserver() -> None:
     import multiprocessing.forkserver
 
     # tiny-bert's modeling code too: transformers imports model classes lazily (~2 s per process)
-    preload = ["distributed", "tasks.worker", "transformers.models.bert.modeling_bert"]
+    preload = ["distributed", "tasks.worker", "transformers.models.bert.modeling_bert", "datasets"]  # datasets: shards
     multiprocessing.get_context("forkserver").set_forkserver_preload(preload)
     if _forkserver_pid() is None:
         atexit.register(_stop_forkserver)
@@ -143,6 +145,7 @@ def start_local_cluster(runtime: RuntimeConfig, env: Mapping[str, str]) -> Any:
                 "memory_limit": 0,
                 "dashboard": False,
                 "silence_logs": logging.CRITICAL,  # a failed call surfaces in the orchestrator, once
+                "preload": ["tasks.worker_warmup"],  # imports and CUDA context before the worker takes work
                 "env": {"BHFL_DEVICE": device, **env},
             },
         }

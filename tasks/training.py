@@ -40,16 +40,21 @@ def train_clients(
     keep: int = 0,
     select: str | None = None,
     fold: bool = True,
+    whole_round: bool = False,
 ) -> list[SentResult]:
     """Execute each batch of clients on its slot from the parent model ``phi`` under ``plan``; one result per batch.
 
     Each batch comes back folded by the parent's rule (``fold``; else one client's own
     model: an asynchronous node's call), its tensors by reference (``receive_result`` maps
     them): a Prefect task's return value stays in memory until the flow ends, so it must
-    not hold models.
+    not hold models. ``whole_round``: one batch that is all its parent's round folds
+    (the worker may close the fold: ``AggregationRule.close``).
     """
+    if whole_round and len(batches) != 1:
+        raise ValueError(f"a whole round in one batch, not {len(batches)}")
     futures = [
-        executor.submit(slot, "train_clients", run_path, plan, ids, phi, fold, keep, select) for slot, ids in batches
+        executor.submit(slot, "train_clients", run_path, plan, ids, phi, fold, keep, select, whole_round)
+        for slot, ids in batches
     ]
     return gather(futures)
 

@@ -159,12 +159,13 @@ class WorkerRuntime:
         fold: bool = True,
         keep: int = 0,
         select: str | None = None,
+        whole_round: bool = False,
     ) -> SentResult:
         """A batch of clients from the parent model ``phi`` (``client_training.train_clients``), sent back by reference.
 
         On a CPU worker the batch is folded straight into files of the run's transfer
         folder, so nothing is copied to send it; a GPU worker folds on its device and
-        copies the fold out once.
+        copies the fold out once (``whole_round``: the round's mean, closed on the device).
         """
         with self._call(run_path) as ctx:
             allocated: dict[str, tuple[TensorRef, torch.Tensor]] = {}
@@ -176,14 +177,20 @@ class WorkerRuntime:
             in_files = allocate if self.device.type == "cpu" else None
             trainer = self._trainer(ctx)
             try:
-                result = train_clients(ctx, trainer, plan, client_ids, Transfer.get(phi), fold, keep, select, in_files)
+                result = train_clients(
+                    ctx, trainer, plan, client_ids, Transfer.get(phi), fold, keep, select, in_files, whole_round
+                )
             except BaseException:
                 for ref, _ in allocated.values():  # a failed batch's fold goes nowhere: its memory back now
                     Transfer.drop(ref)
                 raise
             rule = rule_for(ctx.tree[plan.caller.node_id].settings.aggregate)
             batch = f"{plan.caller}.{self.name}.{secrets.token_hex(4)}"  # a worker may hold two batches of a round
-            return send_result(result, rule, ctx.transfer, batch, allocated)
+            sent = send_result(result, rule, ctx.transfer, batch, allocated)
+            for ref, _ in allocated.values():  # a closed fold's sum: folded into, then replaced by its mean
+                if ref not in (sent.partial or {}).values():
+                    Transfer.drop(ref)
+            return sent
 
     def proxy_train(self, run_path: str, node_id: str, key: RoundKey, theta: TensorRef) -> SentTrain:
         """TRAIN a server's model (``theta``) on its proxy split; the trained model goes back by reference."""

@@ -82,6 +82,7 @@ class WeightedSum:
         self.lo: torch.Tensor | None = None if self.hi is None else torch.zeros_like(self.hi)
         self.weight = float(weight)
         self._allocate = allocate
+        self._closed: torch.Tensor | None = None  # the mean, once ``close`` replaced the sum by it
 
     @classmethod
     def of(cls, hi: torch.Tensor, lo: torch.Tensor, weight: float) -> WeightedSum:
@@ -90,9 +91,33 @@ class WeightedSum:
         out.hi, out.lo = hi, lo
         return out
 
+    @classmethod
+    def closed_of(cls, mean: torch.Tensor, weight: float) -> WeightedSum:
+        """A closed sum from its mean as ``parts`` gave it (taken over, not copied)."""
+        out = cls(weight=weight)
+        out._closed = mean
+        return out
+
     def parts(self) -> dict[str, torch.Tensor]:
-        """``hi`` and ``lo`` by name (empty for an empty sum): what travels between processes."""
+        """``hi`` and ``lo`` by name, or a closed sum's ``mean`` (empty for an empty sum): what travels."""
+        if self._closed is not None:
+            return {"mean": self._closed}
         return {} if self.hi is None or self.lo is None else {"hi": self.hi, "lo": self.lo}
+
+    def close(self) -> None:
+        """Replace the sum by its mean: for the one partial of a whole round, where it was folded.
+
+        The mean is the same float32 wherever it is computed (exact float64 operations,
+        the same on a CPU and a GPU), so a worker that trained all of a round's children
+        computes it on its device and sends 4 bytes per parameter instead of the sum's 16,
+        and the parent has no mean to compute. A closed sum takes no more contributions;
+        merged into an empty one it is taken over as it is.
+        """
+        if self._closed is not None or self.hi is None:
+            return
+        out = self._allocate("mean", self.hi.numel(), torch.float32) if self._allocate is not None else None
+        self._closed = self.mean(out)
+        self.hi = self.lo = None
 
     def add(self, vector: torch.Tensor, weight: float) -> None:
         """Fold one float32 input with weight ``weight`` (its number of training examples).
@@ -101,6 +126,7 @@ class WeightedSum:
         """
         if not weight > 0:
             raise ValueError(f"aggregation weight must be positive, got {weight}")
+        self._check_open()
         if self.hi is None or self.lo is None:
             n = vector.numel()
             if self._allocate is not None:
@@ -124,6 +150,12 @@ class WeightedSum:
         ``consume``: ``other`` is not used afterwards, so an empty sum takes over its
         storage instead of copying it (a parent folding its workers' sums).
         """
+        if other._closed is not None:
+            if not self.empty:
+                raise ValueError("a closed sum (a whole round's mean) cannot join other contributions")
+            self._closed, self.weight = other._closed, other.weight
+            return
+        self._check_open()
         if other.hi is None or other.lo is None:
             return
         if self.hi is None or self.lo is None:
@@ -138,7 +170,7 @@ class WeightedSum:
 
     @property
     def empty(self) -> bool:
-        return self.hi is None
+        return self.hi is None and self._closed is None
 
     @property
     def total(self) -> torch.Tensor | None:
@@ -147,10 +179,11 @@ class WeightedSum:
         What is stored (bhfl_core/store/node_store.py); ``WeightedSum(total, weight)`` reads
         it back as exactly that float64 value, so a stored sum stays deterministic.
         """
+        self._check_open()
         return None if self.hi is None or self.lo is None else self.hi + self.lo
 
-    def mean(self) -> torch.Tensor:
-        """The float32 nearest to (exact sum) / (total weight), ties to even.
+    def mean(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The float32 nearest to (exact sum) / (total weight), ties to even (into ``out``, if given).
 
         Per element: ``s = RN(hi + lo)`` depends on the exact sum only (it is that sum
         rounded once), so ``q = s / w`` is a function of the exact sum, within 2**-52 |q|
@@ -162,12 +195,16 @@ class WeightedSum:
         is, the others (rare) are rounded with exact rational arithmetic. Bit tests on
         ``q`` keep the common path to a few passes over each cache-sized chunk.
         """
+        if self._closed is not None:
+            return self._closed
         if self.hi is None or self.lo is None:
             raise ValueError("cannot average an empty WeightedSum")
         w = self.weight
         w_hi = w * _SPLITTER - (w * _SPLITTER - w)
         w_lo = w - w_hi
-        out = torch.empty(self.hi.shape, dtype=torch.float32, device=self.hi.device)
+        if out is None:
+            out = torch.empty(self.hi.shape, dtype=torch.float32, device=self.hi.device)
+        out = out.view(self.hi.shape)
         n = min(_CHUNK, self.hi.numel())
         q_buf = torch.empty(n, dtype=torch.float64, device=self.hi.device)
         bits_buf = torch.empty(n, dtype=torch.int64, device=self.hi.device)
@@ -187,6 +224,10 @@ class WeightedSum:
                 ]
                 f[inexact] = torch.tensor(exact_mean, dtype=torch.float32, device=f.device)
         return out
+
+    def _check_open(self) -> None:
+        if self._closed is not None:
+            raise ValueError("a closed sum (a whole round's mean) takes no more contributions")
 
     def _check_shape(self, vector: torch.Tensor) -> None:
         assert self.hi is not None

@@ -89,6 +89,16 @@ class AggregationRule(Protocol):
         """Fold ``other`` (consumed) into ``into``."""
         ...
 
+    def close(self, partial: Partial) -> bool:
+        """Turn a whole round's only partial into what ``finalize`` will return, where it was folded, if the
+        rule can (it draws nothing and keeps nothing from the parent); returns whether it did.
+
+        A worker that trained all of a round's children (one batch, no child server, no proxy
+        TRAIN alongside) closes its fold on its own device: less to send, nothing left to
+        compute at the parent. ``finalize`` must then give the same bits it would have.
+        """
+        ...
+
     def finalize(self, partial: Partial, key: RoundKey) -> torch.Tensor:
         """The round's ``mean_input`` (float32); ``key`` seeds any draw the rule makes."""
         ...
@@ -169,6 +179,10 @@ class MeanRule:
     def merge(self, into: Partial, other: Partial) -> None:
         _sum(into).merge(_sum(other), consume=True)
 
+    def close(self, partial: Partial) -> bool:
+        _sum(partial).close()  # the correctly rounded mean: the same bits on any device
+        return True
+
     def finalize(self, partial: Partial, key: RoundKey) -> torch.Tensor:
         return _sum(partial).mean()
 
@@ -181,6 +195,8 @@ class MeanRule:
 
         if not tensors:
             return WeightedSum()
+        if "mean" in tensors:
+            return WeightedSum.closed_of(tensors["mean"], float(numbers["weight"]))
         return WeightedSum.of(tensors["hi"], tensors["lo"], float(numbers["weight"]))
 
 
@@ -220,6 +236,9 @@ class DpMeanRule:
             raise ValueError(f"a fold clipped at {theirs.clip} cannot join one clipped at {mine.clip}")
         mine.total.merge(theirs.total, consume=True)
         mine.clipped += theirs.clipped
+
+    def close(self, partial: Partial) -> bool:
+        return False  # the noise is the server's to add
 
     def finalize(self, partial: Partial, key: RoundKey) -> torch.Tensor:
         from bhfl_core.algorithm.privacy import noised_mean
@@ -273,6 +292,9 @@ class SecAggRule:
 
     def merge(self, into: Partial, other: Partial) -> None:
         _masked(into).merge(_masked(other))
+
+    def close(self, partial: Partial) -> bool:
+        return False  # only the server unmasks
 
     def finalize(self, partial: Partial, key: RoundKey) -> torch.Tensor:
         return _masked(partial).finalize(key)

@@ -15,6 +15,7 @@ from bhfl_core.algorithm.asynchrony import BufferedResult, StalenessParams, buff
 from bhfl_core.algorithm.contract import ChildResult, MemberLoss, RoundPlan
 from bhfl_core.algorithm.engine import execute_node, proxy_child
 from bhfl_core.algorithm.node_state import Caller, NodeResult, NodeState, RoundKey
+from bhfl_core.algorithm.privacy_params import PrivacyParams
 from bhfl_core.algorithm.residuals import Candidate
 from bhfl_core.algorithm.tempo import omega, tempo_epochs
 from bhfl_core.algorithm.tree import Tree
@@ -235,3 +236,41 @@ def test_a_client_keeps_state_only_where_something_reads_it_again(tmp_path):
     tree = two_edge_tree(settings(train=True), root_rounds=2)
     execute_node(tree, tree.root, None, plain, AddVectorHooks(tree, plain), seed=0)
     assert torch.equal(runs["replaced"].load_model("root"), plain.load_model("root"))
+
+
+def test_a_whole_round_closed_where_it_was_folded_finalizes_to_the_same_bits():
+    """One batch that is the whole round: its worker closes the fold (4 bytes per parameter, the mean), the parent
+    takes it over; the round's mean_input is bit for bit the one the parent would compute from the open sum."""
+    rule = MeanRule(AggregateParams())
+    g = torch.Generator().manual_seed(1)
+    models = [torch.randn(5000, generator=g) * 10.0 ** torch.randint(-8, 8, (5000,), generator=g) for _ in range(3)]
+    weights = [3.0, 5.0, 7.0]
+
+    def batch() -> ChildResult:
+        partial = rule.start(Caller("A", 0))
+        for i, (m, w) in enumerate(zip(models, weights)):
+            rule.contribute(partial, f"c{i}", m, w)
+        return ChildResult(("c0", "c1", "c2"), partial=partial)
+
+    opened, closed = batch(), batch()
+    assert rule.close(closed.partial) and set(rule.wire(closed.partial)[0]) == {"mean"}
+    tensors, numbers = rule.wire(closed.partial)
+    assert tensors["mean"].dtype == torch.float32 and numbers == {"weight": 15.0}
+    received = replace(closed, partial=rule.unwire(tensors, numbers))  # what the parent maps back
+    expected = rule.finalize(fold_results(rule, KEY, [opened], ["c0", "c1", "c2", "A"]).partial, KEY)
+    folded = fold_results(rule, KEY, [received], ["c0", "c1", "c2", "A"])
+    assert folded.partial.weight == 15.0 and torch.equal(rule.finalize(folded.partial, KEY), expected)
+    exact = sum(w * m.double() for m, w in zip(models, weights)) / 15.0
+    assert (rule.finalize(folded.partial, KEY) != exact.float()).sum() <= 1  # within float64's own rounding here
+    # a closed fold is the whole round: nothing joins it, and it joins nothing
+    with pytest.raises(ValueError, match="closed sum"):
+        rule.contribute(folded.partial, "c3", models[0], 1.0)
+    with pytest.raises(ValueError, match="closed sum"):
+        fold_results(rule, KEY, [batch(), replace(closed, partial=rule.unwire(tensors, numbers))], ["c0", "A"])
+    # DP finalizes at the server (its noise is the server's): it never closes
+    dp = rule_for(
+        AggregateParams(privacy=PrivacyParams(clip=1.0, noise_multiplier=1.0, expected=3, population=3, noise_seed=0))
+    )
+    partial = dp.start(Caller("A", 0), reference=torch.zeros(3), clip=1.0)
+    dp.contribute(partial, "c0", torch.ones(3), 1.0)
+    assert not dp.close(partial) and "mean" not in dp.wire(partial)[0]

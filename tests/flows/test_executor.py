@@ -35,3 +35,24 @@ def test_a_user_started_cluster_is_set_up_and_its_workers_listed(dask_cluster):
     assert len({w["pid"] for w in workers}) == 2  # separate processes
     one = cluster_workers(dask_cluster, RuntimeConfig(executor="cluster", cluster=dask_cluster, workers=1))
     assert [w["name"] for w in one] == ["w0"]
+
+
+def test_local_workers_are_warm_before_they_take_work():
+    """Each worker runs the warm-up preload before it registers; in a fresh process it imports what calls need."""
+    import subprocess
+    import sys
+
+    from distributed import Client
+
+    cluster = local_cluster.start_local_cluster(RuntimeConfig(workers=1), {})
+    try:
+        with Client(cluster.scheduler_address, set_as_default=False) as client:
+            preloads = client.run(lambda dask_worker: [p.name for p in dask_worker.preloads])
+            assert list(preloads.values()) == [["tasks.worker_warmup"]]
+    finally:
+        cluster.close()
+    fresh = "import sys; from tasks.worker_warmup import dask_setup; dask_setup(None); " + (
+        "print(*(m in sys.modules for m in ('tasks.worker', 'transformers.models.bert.modeling_bert', 'datasets')))"
+    )
+    out = subprocess.run([sys.executable, "-c", fresh], capture_output=True, text=True, check=True, timeout=120)
+    assert out.stdout.split() == ["True", "True", "True"]

@@ -8,6 +8,7 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from mlflow import MlflowClient
@@ -16,6 +17,7 @@ from typer.testing import CliRunner
 
 from bhfl_core.analysis.evaluation import ModelRef
 from bhfl_core.analysis.time_to_accuracy import CurvePoint
+from bhfl_core.store.transfer import Transfer
 from data_prep.figures import MIN_FONT_PT, PNG_DPI
 from flows.cli.app import app
 from flows.tracking import plots
@@ -304,3 +306,31 @@ def test_the_run_list_view_shows_the_headline_metrics_as_columns(evaluated_runs)
     assert set(columns) <= set(run.data.metrics)  # each column has a value on the parent run
     link = runs_link(tree["tracking_uri"], experiment.experiment_id)
     assert link.endswith(f"/runs?viewStateShareKey={HEADLINE_VIEW_KEY}&workflowType=machine_learning")
+
+
+def test_a_batch_that_is_its_whole_round_sends_the_closed_mean(evaluated_runs):
+    """A worker that trains all of a round's clients closes the fold on its device: it sends the float32 mean
+    (not the 16-byte sum), leaves no other file, and the parent's mean_input is bit for bit the open fold's."""
+    from bhfl_core.algorithm.aggregation_rule import fold_results, rule_for
+    from bhfl_core.algorithm.contract import RoundPlan
+    from bhfl_core.algorithm.node_state import RoundKey
+    from bhfl_core.store.transfer import receive_result
+
+    _, tree, _ = evaluated_runs
+    ctx = open_run(tree["run_path"])
+    edge = next(n for n in ctx.tree.nodes.values() if n.children and ctx.tree[n.children[0]].is_leaf)
+    clients, key = list(edge.children), RoundKey(edge.id, 0)
+    rule = rule_for(edge.settings.aggregate)
+    phi = ctx.transfer.put("test.down", ctx.store.load_model(edge.id))
+    runtime = WorkerRuntime("test", worker_device("cpu"))
+    means, sizes = [], []
+    for whole in (False, True):
+        sent = runtime.train_clients(tree["run_path"], RoundPlan(key.as_caller()), clients, phi, True, 0, None, whole)
+        sizes.append({part: Path(ref.path).stat().st_size for part, ref in sent.partial.items()})
+        folded = fold_results(rule, key, [receive_result(sent, rule)], [*clients, edge.id])
+        means.append(rule.finalize(folded.partial, key))
+    numel = means[0].numel()
+    assert sizes == [{"hi": 8 * numel, "lo": 8 * numel}, {"mean": 4 * numel}]
+    assert torch.equal(means[0], means[1])
+    assert [p.name for p in ctx.transfer.folder.iterdir()] == ["test.down"]  # the closed sum's files are gone
+    Transfer.drop(phi)
