@@ -180,7 +180,8 @@ def run_bhfl(
     from bhfl_core.store.node_store import load_tensors
 
     run_dir = folder / "runs"
-    spy = ["py-spy", "record", "--subprocesses", "--idle", "--threads", "--format", "raw", "-o", str(profile), "--"]
+    spy = ["py-spy", "record", "--subprocesses", "--idle", "--threads", "--nonblocking", "--rate", "50"]
+    spy += ["--format", "raw", "-o", str(profile), "--"]
     cmd = [
         *(spy if profile else []),
         str(Path(sys.executable).with_name("bhfl")),
