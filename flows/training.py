@@ -233,9 +233,10 @@ class FlowHooks:
     def round_done(self, node: Node, key: RoundKey, theta: torch.Tensor, metrics: dict[str, float]) -> None:
         rt = self.rt
         is_root = node.parent is None
-        if is_root:
-            started = self.round_started.get(key.round, time.time())
-            metrics = {**metrics, **worker_utilisation(rt, started, time.time())}
+        if is_root:  # a round ends where the next one starts (its commit may be settled later: RoundCommits)
+            ended = self.round_started.get(key.round + 1, time.time())
+            started = self.round_started.get(key.round, ended)
+            metrics = {**metrics, **worker_utilisation(rt, started, ended)}
         if not node.is_leaf:  # committed, not yet logged: a resume logs it from the saved state (experiment.py)
             rt.ctx.faults.hit("round", f"{node.id} round {key.round + 1}")
         rt.tracker.log_node(node.id, metrics, step=key.round + 1)

@@ -23,7 +23,10 @@ Allocator = Callable[[str, int, torch.dtype], torch.Tensor]
 """Zeroed storage for a sum's part: ``(name, numel, dtype) -> tensor``."""
 
 _CHUNK = 1 << 18
-"""Elements per pass: an ``add`` works in 3 scratch buffers of 2 MiB (cache-sized) whatever the model size."""
+"""Elements per pass on a CPU: an ``add`` works in 3 scratch buffers of 2 MiB (cache-sized) whatever the model size."""
+_GPU_CHUNK = 1 << 24
+"""Elements per pass on a GPU: 128 MiB scratch buffers, so a 110M-parameter fold is 7 passes of ~10 kernels each,
+not 420 (kernel launches, not memory, bound a GPU fold in small chunks; ``mean`` waits for the GPU once per pass)."""
 
 _BELOW_FLOAT32 = (1 << 29) - 1
 """The 29 bits of a float64 significand below float32's 23: the part a float32 cast rounds away."""
@@ -135,7 +138,8 @@ class WeightedSum:
             else:
                 self.hi = torch.empty(vector.shape, dtype=torch.float64, device=vector.device)
                 self.lo = torch.zeros(vector.shape, dtype=torch.float64, device=vector.device)
-            for hi, x in zip(_chunked(self.hi), _chunked(vector)):
+            size = _chunk_size(self.hi)
+            for hi, x in zip(_chunked(self.hi, size), _chunked(vector, size)):
                 hi.copy_(x).mul_(weight)  # exact: float32 x integer < 2**29
         else:
             self._check_shape(vector)
@@ -162,7 +166,8 @@ class WeightedSum:
             self.hi, self.lo = (other.hi, other.lo) if consume else (other.hi.clone(), other.lo.clone())
         else:
             self._check_shape(other.hi)
-            for (hi, lo, x, (p, s, t)), y in zip(_chunks(self.hi, self.lo, other.hi), _chunked(other.lo)):
+            size = _chunk_size(self.hi)
+            for (hi, lo, x, (p, s, t)), y in zip(_chunks(self.hi, self.lo, other.hi), _chunked(other.lo, size)):
                 p.copy_(x)
                 _two_sum_into(hi, lo, p, s, t)
                 lo.add_(t.copy_(y))  # through the scratch: ``other`` may live on another device
@@ -205,10 +210,11 @@ class WeightedSum:
         if out is None:
             out = torch.empty(self.hi.shape, dtype=torch.float32, device=self.hi.device)
         out = out.view(self.hi.shape)
-        n = min(_CHUNK, self.hi.numel())
+        size = _chunk_size(self.hi)
+        n = min(size, self.hi.numel())
         q_buf = torch.empty(n, dtype=torch.float64, device=self.hi.device)
         bits_buf = torch.empty(n, dtype=torch.int64, device=self.hi.device)
-        for hi, lo, f in zip(_chunked(self.hi), _chunked(self.lo), _chunked(out)):
+        for hi, lo, f in zip(_chunked(self.hi, size), _chunked(self.lo, size), _chunked(out, size)):
             q, low = q_buf[: hi.numel()], bits_buf[: hi.numel()]
             torch.add(hi, lo, out=q).div_(w)
             f.copy_(q)
@@ -237,17 +243,24 @@ class WeightedSum:
             )
 
 
-def _chunked(tensor: torch.Tensor) -> list[torch.Tensor]:
-    """Consecutive flat views of ``_CHUNK`` elements (the last one shorter)."""
-    return list(torch.split(tensor.reshape(-1), _CHUNK))
+def _chunk_size(tensor: torch.Tensor) -> int:
+    """Elements per pass over a sum living where ``tensor`` lives (the results do not depend on it: every
+    operation is elementwise)."""
+    return _CHUNK if tensor.device.type == "cpu" else _GPU_CHUNK
+
+
+def _chunked(tensor: torch.Tensor, size: int) -> list[torch.Tensor]:
+    """Consecutive flat views of ``size`` elements (the last one shorter)."""
+    return list(torch.split(tensor.reshape(-1), size))
 
 
 def _chunks(
     hi: torch.Tensor, lo: torch.Tensor, x: torch.Tensor
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]]:
     """(hi, lo, x) chunk views with three float64 scratch buffers of the chunk's length, allocated once."""
-    scratch = [torch.empty(min(_CHUNK, hi.numel()), dtype=torch.float64, device=hi.device) for _ in range(3)]
-    for h, low, v in zip(_chunked(hi), _chunked(lo), _chunked(x)):
+    size = _chunk_size(hi)
+    scratch = [torch.empty(min(size, hi.numel()), dtype=torch.float64, device=hi.device) for _ in range(3)]
+    for h, low, v in zip(_chunked(hi, size), _chunked(lo, size), _chunked(x, size)):
         yield h, low, v, [b[: h.numel()] for b in scratch]
 
 

@@ -68,6 +68,7 @@ from bhfl_core.algorithm.node_step import (
     reads_own_model,
 )
 from bhfl_core.algorithm.privacy import privacy_metrics
+from bhfl_core.algorithm.round_commits import RoundCommits, commits_behind
 from bhfl_core.algorithm.secure_aggregation import MaskedSum
 from bhfl_core.algorithm.store_protocol import ExecutionStore
 from bhfl_core.algorithm.tempo import omega, tempo_epochs
@@ -155,8 +156,9 @@ def execute_node(
         state = node_down(state, phi, store.inbox(node.id, "down", state.res_seen), settings, caller, scorer)
         state = replace(state, virtual_s=0.0, sent={})
     persist = keeps_state(settings, node.is_leaf)
-    for _ in range(done, settings.rounds):
-        state = _round(tree, node, state, plan, store, hooks, seed, scorer, persist, phi)
+    with RoundCommits(store, hooks, node, behind=commits_behind(tree, node)) as commits:
+        for _ in range(done, settings.rounds):
+            state = _round(tree, node, state, plan, store, hooks, seed, scorer, persist, phi, commits)
     return saved_result(state, phi, settings)
 
 
@@ -171,8 +173,9 @@ def _round(
     scorer: Scorer | None,
     persist: bool,
     phi: torch.Tensor | None,
+    commits: RoundCommits,
 ) -> NodeState:
-    """One synchronous round, committed; returns the committed state (``phi``: the model the parent sent).
+    """One synchronous round, committed (``commits``); returns its state (``phi``: the model the parent sent).
 
     A function of its own so that what the round held — its children's results and
     their folded partial, model-sized each — is released when it returns, before the
@@ -188,6 +191,7 @@ def _round(
     plans = {c.id: replace(child_plan(plan, key, state, c, settings), peers=peers) for c in cohort}
     proxy = hooks.start_train(node, state.theta, key) if settings.proxy_async else None
     results = hooks.run_children(node, present, state.theta, plans) if present else []
+    commits.settle()  # the previous round's commit, if it was written while these children trained
     absent = [c for c in cohort if c not in present]  # dropped out: never trained, known when the call would end
     mine = [proxy_child(node, proxy.result())] if proxy is not None else []
     order = [c.id for c in children] + [node.id]
@@ -232,8 +236,7 @@ def _round(
         state, rounds_done=key.round + 1, metrics=metrics, virtual_s=virtual_s, loss=loss, examples=examples
     )
     state = send_up(state, phi, settings, key, seed)
-    store.commit(node.id, state, persist)
-    hooks.round_done(node, key, state.theta, metrics)
+    commits.commit(state, persist, key, metrics)
     return state
 
 
