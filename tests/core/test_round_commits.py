@@ -87,7 +87,7 @@ def test_a_round_is_written_behind_the_next_one_logged_once_durable_and_the_resu
 
 
 def test_a_failed_commit_behind_fails_the_round_that_waits_for_it_and_logs_nothing(tmp_path):
-    tree, events = flat_tree(persistent=False), []
+    tree = flat_tree(persistent=False)
 
     class Failing(StateStore):
         def commit(self, node_id, state, persist=True):
