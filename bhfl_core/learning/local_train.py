@@ -168,7 +168,8 @@ def train_model(
             optimizer,
         )
     ):
-        steps, seen, loss_sum = 0, 0, 0.0
+        steps = 0
+        losses: list[tuple[torch.Tensor, int]] = []  # (batch loss on the device, batch size): read once, at the end
         for _ in range(params.epochs):
             for raw in _batches(data, torch.randperm(n, generator=generator), params.batch_size):
                 batch = transform(raw, generator) if transform is not None else raw
@@ -180,13 +181,29 @@ def train_model(
                     proximal.add_gradient()
                 precision.step(optimizer)
                 optimizer.zero_grad(set_to_none=True)
-                size = len(batch["labels"])
-                loss_sum += float(out.loss.detach()) * size
-                seen += size
+                losses.append((out.loss.detach(), len(batch["labels"])))
                 steps += 1
                 if params.max_steps is not None and steps >= params.max_steps:
-                    return TrainResult(loss_sum / seen, steps, seen)
-    return TrainResult(loss_sum / seen, steps, seen)
+                    return _result(losses)
+    return _result(losses)
+
+
+def _result(losses: list[tuple[torch.Tensor, int]]) -> TrainResult:
+    """The example-weighted mean loss of a TRAIN call, read from the device once.
+
+    Reading each batch's loss as it comes (``float(loss)``) would make the CPU wait for
+    the GPU every step, so the GPU would idle while the next step's kernels are queued:
+    at BERT-base size and small batches, about half the GPU's time. The sum is the same
+    float64 sum over the same float32 values, in the same order.
+    """
+    if not losses:
+        return TrainResult(float("nan"), 0, 0)
+    values = torch.stack([loss for loss, _ in losses]).tolist()
+    loss_sum, seen = 0.0, 0
+    for value, (_, size) in zip(values, losses):
+        loss_sum += value * size
+        seen += size
+    return TrainResult(loss_sum / seen, len(losses), seen)
 
 
 def split_holdout(
