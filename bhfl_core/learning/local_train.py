@@ -191,11 +191,18 @@ def train_model(
 def _to_device(batch: Batch, device: torch.device) -> Batch:
     """A batch on the training device; to a GPU through pinned memory, without waiting.
 
+    An attention mask of ones masks nothing: it is left out (checked here, on the CPU),
+    since transformers would otherwise look at it on the GPU in every forward
+    (``padding_mask.all()`` to skip building a mask), a wait per step; the model takes
+    the very same path either way.
+
     A plain copy from pageable memory makes the CPU wait for every kernel queued before
     it (PyTorch synchronizes the stream after such a copy), so each step would start only
     once the GPU finished the last one. From pinned memory, with ``non_blocking``, the copy
     is queued like a kernel (the pinned block is kept until the copy has run). Same data.
     """
+    if "attention_mask" in batch and bool(batch["attention_mask"].all()):
+        batch = {k: v for k, v in batch.items() if k != "attention_mask"}
     if device.type != "cuda":
         return {k: v.to(device) for k, v in batch.items()}
     return {k: v.pin_memory().to(device, non_blocking=True) for k, v in batch.items()}
