@@ -10,9 +10,10 @@ sleep standing for a GPU's forward and backward: time in which a CPU thread is f
 so what bhfl writes in the background is hidden behind it, as in a real run.
 
 - **bhfl**: the real worker code: ``tasks.client_training.train_clients`` (the engine's
-  EXECUTENODE per client, the parent's aggregation rule folding on the worker into a
-  shared-memory file and closing it to the round's mean there, as the one worker that
-  holds a whole round does; checkpoints written in the background), ``send_result`` /
+  EXECUTENODE per client, the parent's aggregation rule folding on the worker into the
+  buffers it reuses (tasks/fold_storage.py) and closing the fold to the round's mean
+  there, as the one worker that holds a whole round does; checkpoints written in the
+  background), ``send_result`` /
   ``receive_result`` (what crosses the process boundary), the parent's ``fold_results``
   and ``node_up`` (finalize and NODEOPT). One worker, in this process.
 - **loop**: a plain single-process FedAvg loop: the global model in memory, clients'
@@ -36,7 +37,6 @@ Run:  .venv/bin/python benchmarks/datapath.py [--sizes 10 110 350] [--clients 4]
 from __future__ import annotations
 
 import argparse
-import functools
 import gc
 import math
 import shutil
@@ -130,6 +130,7 @@ def bhfl_rounds(
     from bhfl_core.learning.params import get_flat, set_flat
     from bhfl_core.store.transfer import Transfer, receive_result, send_result
     from tasks.client_training import LocalTrainer, train_clients
+    from tasks.fold_storage import FoldStorage
 
     class Trainer(LocalTrainer):
         def train(self, node, theta, key, plan):  # type: ignore[no-untyped-def]
@@ -143,6 +144,7 @@ def bhfl_rounds(
     ctx = BenchContext(folder, star(clients, persistent), cfg)
     rule = rule_for(ctx.tree.root.settings.aggregate)
     trainer = Trainer(ctx, Flat(size).to(device), device)  # type: ignore[arg-type]
+    folds = FoldStorage()
     state = NodeState(model=torch.zeros(size), exec_caller="")
     ids = list(ctx.tree.root.children)
     timings = []
@@ -150,9 +152,9 @@ def bhfl_rounds(
         started = time.perf_counter()
         plan = RoundPlan(RoundKey("root", r).as_caller())
         phi = ctx.transfer.put("root.down", state.theta)  # the parent's model, once per round
-        allocated: dict[str, tuple] = {}
-        allocate = functools.partial(_allocate, ctx.transfer, allocated) if device.type == "cpu" else None
-        result = train_clients(ctx, trainer, plan, ids, Transfer.get(phi), True, 0, None, allocate, True)  # type: ignore[arg-type]
+        allocate, allocated = folds.allocator(ctx.transfer, "root.w0", True)  # as tasks/worker.py does
+        on_cpu = allocate if device.type == "cpu" else None
+        result = train_clients(ctx, trainer, plan, ids, Transfer.get(phi), True, 0, None, on_cpu, True)  # type: ignore[arg-type]
         sent = send_result(result, rule, ctx.transfer, "w0", allocated)
         del result
         received = receive_result(sent, rule)
@@ -163,12 +165,6 @@ def bhfl_rounds(
         timings.append(time.perf_counter() - started - clients * train_s)
     ctx.transfer.clear()
     return sum(timings[1:]) / (len(timings) - 1) / clients
-
-
-def _allocate(transfer, allocated: dict, part: str, numel: int, dtype: torch.dtype) -> torch.Tensor:  # type: ignore[no-untyped-def]
-    """As the worker does: the fold's storage in a transfer file, remembered so it is sent by reference."""
-    allocated[part] = transfer.allocate(f"w0.{part}", numel, dtype)
-    return allocated[part][1]
 
 
 # ---------------------------------------------------------------- the plain loop

@@ -39,6 +39,7 @@ from bhfl_core.learning.params import get_flat
 from bhfl_core.store.transfer import SentResult, TensorRef, Transfer, send_result
 from tasks.client_training import LocalTrainer, device_kind, train_clients
 from tasks.context import TIMELINE_DIR, RunContext, open_run
+from tasks.fold_storage import FoldStorage
 from tasks.scoring import Stats, score_models
 
 PLUGIN = "bhfl"
@@ -105,6 +106,7 @@ class WorkerRuntime:
         self.name, self.device, self.kind = name, device, device_kind(device)
         self._lock = threading.Lock()  # one call at a time, even on a worker with several threads
         self._models: OrderedDict[str, nn.Module] = OrderedDict()
+        self._folds = FoldStorage()  # a CPU worker's fold buffers (reused for whole rounds)
 
     def describe(self) -> dict[str, str]:
         """Who this worker is: what placement needs (name, device, kind) and where it runs (host, pid)."""
@@ -164,21 +166,25 @@ class WorkerRuntime:
         """A batch of clients from the parent model ``phi`` (``client_training.train_clients``), sent back by reference.
 
         On a CPU worker the batch is folded straight into files of the run's transfer
-        folder, so nothing is copied to send it; a GPU worker folds on its device and
-        copies the fold out once (``whole_round``: the round's mean, closed on the device).
+        folder, so nothing is copied to send it, or, when it is the whole round, into
+        memory the worker reuses (tasks/fold_storage.py); a GPU worker folds on its device
+        and copies the fold out once (``whole_round``: the round's mean, closed on the device).
         """
         with self._call(run_path) as ctx:
-            allocated: dict[str, tuple[TensorRef, torch.Tensor]] = {}
-
-            def allocate(part: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
-                allocated[part] = ctx.transfer.allocate(f"{plan.caller}.{self.name}.{part}", numel, dtype)
-                return allocated[part][1]
-
-            in_files = allocate if self.device.type == "cpu" else None
+            allocate, allocated = self._folds.allocator(ctx.transfer, f"{plan.caller}.{self.name}", whole_round)
             trainer = self._trainer(ctx)
             try:
                 result = train_clients(
-                    ctx, trainer, plan, client_ids, Transfer.get(phi), fold, keep, select, in_files, whole_round
+                    ctx,
+                    trainer,
+                    plan,
+                    client_ids,
+                    Transfer.get(phi),
+                    fold,
+                    keep,
+                    select,
+                    allocate if self.device.type == "cpu" else None,
+                    whole_round,
                 )
             except BaseException:
                 for ref, _ in allocated.values():  # a failed batch's fold goes nowhere: its memory back now

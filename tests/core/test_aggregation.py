@@ -1,9 +1,14 @@
-"""WeightedSum: exact double-double sums whose float32 mean does not depend on order or grouping."""
+"""WeightedSum: exact double-double sums whose float32 mean does not depend on order or grouping.
+
+Every exactness test runs through both implementations: torch's chunked passes and the fused
+CPU loops (bhfl_core/algorithm/exact_kernels.py), which large sums take.
+"""
 
 import random
 from fractions import Fraction
 from unittest import mock
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -37,6 +42,17 @@ def exact_mean(vectors, weights) -> list[float]:
         nearest_float32(sum(Fraction(float(v[i])) * w for v, w in zip(vectors, weights)) / total)
         for i in range(len(vectors[0]))
     ]
+
+
+def path(fused: bool):
+    """Sums of any size take the fused loops (``fused``) or torch's passes."""
+    return mock.patch.object(aggregation, "_FUSED_MIN", 0 if fused else 1 << 62)
+
+
+@pytest.fixture(params=["torch", "fused"])
+def either_path(request):
+    with path(request.param == "fused"):
+        yield
 
 
 def bits(t: torch.Tensor) -> list[int]:
@@ -98,12 +114,17 @@ def weighted_inputs(draw):
 
 
 @settings(max_examples=400, deadline=None)
-@given(data=weighted_inputs(), seed=st.integers(0, 2**32 - 1), chunk=st.sampled_from([1, 2, 4, 1 << 20]))
-def test_mean_is_bit_identical_for_any_order_and_grouping_and_correctly_rounded(data, seed, chunk):
+@given(
+    data=weighted_inputs(),
+    seed=st.integers(0, 2**32 - 1),
+    chunk=st.sampled_from([1, 2, 4, 1 << 20]),
+    fused=st.booleans(),
+)
+def test_mean_is_bit_identical_for_any_order_and_grouping_and_correctly_rounded(data, seed, chunk, fused):
     vectors, weights = data
     n = len(vectors)
     rng = random.Random(seed)
-    with mock.patch.object(aggregation, "_CHUNK", chunk):  # chunk boundaries inside the vectors too
+    with mock.patch.object(aggregation, "_CHUNK", chunk), path(fused):  # chunk boundaries inside the vectors too
         reference = combine(vectors, weights, range(n), [0] * n, [])
         assert reference.tolist() == exact_mean(vectors, weights)  # correctly rounded: 0 ulp from the exact mean
         for workers in (2, 3, 4):
@@ -134,17 +155,19 @@ def near_tie_inputs(draw):
 
 
 @settings(max_examples=300, deadline=None)
-@given(data=near_tie_inputs(), seed=st.integers(0, 2**32 - 1))
-def test_means_a_hair_from_a_float32_tie_are_correctly_rounded_in_any_order(data, seed):
+@given(data=near_tie_inputs(), seed=st.integers(0, 2**32 - 1), fused=st.booleans())
+def test_means_a_hair_from_a_float32_tie_are_correctly_rounded_in_any_order(data, seed, fused):
     vectors, weights = data
     rng = random.Random(seed)
     expected = exact_mean(vectors, weights)
     for workers in (1, 2, 3):
         order = rng.sample(range(3), 3)
-        assert combine(vectors, weights, order, [rng.randrange(workers) for _ in order], [1, 0]).tolist() == expected
+        with path(fused):
+            mean = combine(vectors, weights, order, [rng.randrange(workers) for _ in order], [1, 0])
+        assert mean.tolist() == expected
 
 
-def test_model_sized_sums_agree_across_1_2_and_4_workers_where_float64_sums_do_not():
+def test_model_sized_sums_agree_across_1_2_and_4_workers_where_float64_sums_do_not(either_path):
     """Parameters of one element spread over six decades across clients: float64 sums then round, by grouping."""
     gen = torch.Generator().manual_seed(0)
     n = 200_000
@@ -172,7 +195,36 @@ def test_model_sized_sums_agree_across_1_2_and_4_workers_where_float64_sums_do_n
     ]
 
 
-def test_near_ties_are_rounded_exactly():
+def test_fused_loops_keep_the_bits_of_torch_passes_and_stop_at_a_full_batch_of_near_ties():
+    """Both paths, every part of the sum: the same hi, lo and mean; a fused mean with more near ties than
+    it collects at once (exact ties: means of neighbouring floats, to even) settles them all."""
+    gen = torch.Generator().manual_seed(1)
+    n = 50_000
+    clients = [torch.randn(n, generator=gen) * 10 ** (torch.rand(n, generator=gen) * 8 - 8) for _ in range(6)]
+    weights = [37, 61, 89, 113, 151, 173]
+    sums = {}
+    for fused in (False, True):
+        with path(fused):
+            a, b = WeightedSum(), WeightedSum()
+            for i, (x, w) in enumerate(zip(clients, weights)):
+                (a if i % 2 else b).add(x, w)
+            a.merge(b)
+            sums[fused] = (a.hi, a.lo, a.mean())
+    assert all(torch.equal(t, f) for t, f in zip(sums[False], sums[True]))
+    assert int((sums[True][1] != 0).sum()) > n // 10  # the lo part matters in these sums
+    low = torch.tensor([1.0, 3.0, 5.0] * 7, dtype=torch.float32)
+    high = torch.nextafter(low, torch.tensor(10.0))
+    with path(True), mock.patch.object(aggregation, "_NEAR_CAPACITY", 4):
+        ties = WeightedSum()
+        ties.add(low, 1)
+        ties.add(high, 1)
+        mean = ties.mean()
+    even = [lo_ if int(np.array(lo_, dtype=np.float32).view(np.int32)) % 2 == 0 else hi_
+            for lo_, hi_ in zip(low.tolist(), high.tolist())]  # fmt: skip
+    assert mean.tolist() == even
+
+
+def test_near_ties_are_rounded_exactly(either_path):
     # 3 * (1 + 2**-23) / 4 lies exactly half-way between two float32s; -2**-80 tips it down, which
     # rounding the float64 quotient (a tie, so to even: up) would miss
     a, tiny = torch.tensor([1 + 2**-23, -(1 + 2**-23)]), torch.tensor([-(2.0**-80), 2.0**-80])
@@ -187,7 +239,7 @@ def test_near_ties_are_rounded_exactly():
     assert exact_tie.mean().tolist() == [1.0, 1 + 2**-22]
 
 
-def test_total_round_trip_errors_and_inputs_left_alone():
+def test_total_round_trip_errors_and_inputs_left_alone(either_path):
     x64 = torch.tensor([0.5, -3.0], dtype=torch.float64)
     s = WeightedSum()
     s.add(x64, 2)
@@ -210,7 +262,7 @@ def test_total_round_trip_errors_and_inputs_left_alone():
         s.add(torch.ones(3), 1)
 
 
-def test_inputs_and_stored_totals_of_any_memory_layout():
+def test_inputs_and_stored_totals_of_any_memory_layout(either_path):
     x = torch.arange(12.0).reshape(3, 4).t()  # not contiguous: chunks of a flat view must still line up
     for start in (WeightedSum(), WeightedSum(x.double(), 1.0)):
         start.add(x, 2)

@@ -324,13 +324,13 @@ def test_a_batch_that_is_its_whole_round_sends_the_closed_mean(evaluated_runs):
     phi = ctx.transfer.put("test.down", ctx.store.load_model(edge.id))
     runtime = WorkerRuntime("test", worker_device("cpu"))
     means, sizes = [], []
-    for whole in (False, True):
+    for whole in (False, True, True):  # the second whole round folds into the buffers of the first, zeroed
         sent = runtime.train_clients(tree["run_path"], RoundPlan(key.as_caller()), clients, phi, True, 0, None, whole)
         sizes.append({part: Path(ref.path).stat().st_size for part, ref in sent.partial.items()})
         folded = fold_results(rule, key, [receive_result(sent, rule)], [*clients, edge.id])
         means.append(rule.finalize(folded.partial, key))
     numel = means[0].numel()
-    assert sizes == [{"hi": 8 * numel, "lo": 8 * numel}, {"mean": 4 * numel}]
-    assert torch.equal(means[0], means[1])
+    assert sizes == [{"hi": 8 * numel, "lo": 8 * numel}, {"mean": 4 * numel}, {"mean": 4 * numel}]
+    assert torch.equal(means[0], means[1]) and torch.equal(means[0], means[2])
     assert [p.name for p in ctx.transfer.folder.iterdir()] == ["test.down"]  # the closed sum's files are gone
     Transfer.drop(phi)

@@ -1,0 +1,54 @@
+"""Where a CPU worker folds a batch: into files its parent maps, or into memory the worker reuses.
+
+A batch's fold (the parent's aggregation rule's partial, e.g. ``WeightedSum``'s ``hi``
+and ``lo``) goes up to the parent. When the parent folds several batches, the fold lives
+in transfer files the parent maps, so sending it copies nothing. When the batch is the
+whole round (``whole_round``), the mean rule closes it on the worker and only the mean
+goes up: the sum never leaves the process. It is then folded in memory the worker keeps
+from call to call, because fresh pages are what a large fold costs on a CPU: each first
+touch of a new shared-memory page is a fault that allocates and zeroes it (measured on
+2 CPU cores in a VM: ~1.1 s for the 880 MB ``lo`` part of a 110M-parameter sum, against
+0.07 s for the fold's arithmetic), while zeroing pages already held takes ~0.03 s.
+Whatever of a reused buffer travels (the closed mean; a sum that a rule does not close,
+such as DP's or secure aggregation's) is written to a file by ``send_result`` before the
+call ends, as any tensor that was not folded in place: the next call may reuse it.
+
+Memory: a worker keeps one set of buffers (the latest model size; ~20 bytes per parameter
+for the mean rule) between calls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from bhfl_core.store.transfer import TensorRef, Transfer
+
+Allocator = Callable[[str, int, torch.dtype], torch.Tensor]
+InFiles = dict[str, tuple[TensorRef, torch.Tensor]]
+
+
+class FoldStorage:
+    """One worker's fold buffers: transfer files for a batch the parent folds, reused memory for a whole round."""
+
+    def __init__(self) -> None:
+        self._kept: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+
+    def allocator(self, transfer: Transfer, prefix: str, whole_round: bool) -> tuple[Allocator, InFiles]:
+        """``(allocate, in_files)`` for one batch: ``allocate(part, numel, dtype)`` is the rule's zeroed storage;
+        ``in_files`` (filled as it allocates) names the parts that already lie in transfer files."""
+        in_files: InFiles = {}
+
+        def to_file(part: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+            in_files[part] = transfer.allocate(f"{prefix}.{part}", numel, dtype)
+            return in_files[part][1]
+
+        return (self._reused if whole_round else to_file), in_files
+
+    def _reused(self, part: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        kept = self._kept.get((part, dtype))
+        if kept is None or kept.numel() != numel:
+            self._kept = {k: t for k, t in self._kept.items() if t.numel() == numel}  # one model size at a time
+            kept = self._kept[(part, dtype)] = torch.empty(numel, dtype=dtype)
+        return kept.zero_()

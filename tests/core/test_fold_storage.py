@@ -1,0 +1,35 @@
+"""FoldStorage: a batch the parent folds goes into transfer files; a whole round into buffers the worker reuses."""
+
+import torch
+
+from bhfl_core.algorithm.aggregation import WeightedSum
+from bhfl_core.store.transfer import Transfer
+from tasks.fold_storage import FoldStorage
+
+
+def test_a_whole_round_folds_into_zeroed_reused_memory_and_other_batches_into_files(tmp_path):
+    transfer, storage = Transfer(tmp_path / "transfer"), FoldStorage()
+    x = torch.arange(6, dtype=torch.float32)
+    tiny = torch.full((6,), 2.0**-60)  # below hi's last bit: what float64 rounds away goes to lo
+    pointers, errors = [], []
+    for _ in range(2):
+        allocate, in_files = storage.allocator(transfer, "edge.w0", whole_round=True)
+        fold = WeightedSum(allocate=allocate)
+        fold.add(x + 1, 2)
+        fold.add(tiny, 1)
+        pointers.append((fold.hi.data_ptr(), fold.lo.data_ptr()))
+        errors.append(fold.lo.clone())
+        fold.close()
+        assert torch.equal(fold.mean(), (x + 1) * 2 / 3)
+        assert in_files == {}  # nothing of a whole round is a file until it is sent
+    assert pointers[0] == pointers[1]  # the second round reused the first's buffers ...
+    assert errors[0].tolist() == errors[1].tolist() == [2.0**-60] * 6  # ... zeroed: no error carried over
+    assert not (tmp_path / "transfer").exists()
+    allocate, in_files = storage.allocator(transfer, "edge.w0", whole_round=False)
+    fold = WeightedSum(allocate=allocate)
+    fold.add(x, 3)
+    assert sorted(in_files) == ["hi", "lo"]  # a batch among several: straight into files the parent maps
+    assert torch.equal(Transfer.get(in_files["hi"][0]), (x * 3).double())
+    allocate, _ = storage.allocator(transfer, "edge.w0", whole_round=True)
+    assert allocate("hi", 4, torch.float64).numel() == 4  # another model size replaces the kept buffers
+    assert all(t.numel() == 4 for t in storage._kept.values())
