@@ -4,17 +4,18 @@ A batch's fold (the parent's aggregation rule's partial, e.g. ``WeightedSum``'s 
 and ``lo``) goes up to the parent. When the parent folds several batches, the fold lives
 in transfer files the parent maps, so sending it copies nothing. When the batch is the
 whole round (``whole_round``), the mean rule closes it on the worker and only the mean
-goes up: the sum never leaves the process. It is then folded in memory the worker keeps
-from call to call, because fresh pages are what a large fold costs on a CPU: each first
-touch of a new shared-memory page is a fault that allocates and zeroes it (measured on
-2 CPU cores in a VM: ~1.1 s for the 880 MB ``lo`` part of a 110M-parameter sum, against
-0.07 s for the fold's arithmetic), while zeroing pages already held takes ~0.03 s.
-Whatever of a reused buffer travels (the closed mean; a sum that a rule does not close,
-such as DP's or secure aggregation's) is written to a file by ``send_result`` before the
-call ends, as any tensor that was not folded in place: the next call may reuse it.
+goes up (``aggregation.CLOSED``, allocated in a file as before): the sum never leaves
+the process. It is then folded in memory the worker keeps from call to call, because
+fresh pages are what a large fold costs on a CPU: each first touch of a new
+shared-memory page is a fault that allocates and zeroes it (measured on 2 CPU cores in a
+VM: ~1.1 s for the 880 MB ``lo`` part of a 110M-parameter sum, against 0.07 s for the
+fold's arithmetic), while zeroing pages already held takes ~0.03 s. A sum that its rule
+does not close after all (DP's, secure aggregation's) is written to a file by
+``send_result`` before the call ends, as any tensor that was not folded in place: the
+next call may reuse its buffers.
 
-Memory: a worker keeps one set of buffers (the latest model size; ~20 bytes per parameter
-for the mean rule) between calls.
+Memory: a worker keeps one sum's buffers (the latest model size; 16 bytes per
+parameter for the mean rule) between calls.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from collections.abc import Callable
 
 import torch
 
+from bhfl_core.algorithm.aggregation import CLOSED
 from bhfl_core.store.transfer import TensorRef, Transfer
 
 Allocator = Callable[[str, int, torch.dtype], torch.Tensor]
@@ -44,7 +46,10 @@ class FoldStorage:
             in_files[part] = transfer.allocate(f"{prefix}.{part}", numel, dtype)
             return in_files[part][1]
 
-        return (self._reused if whole_round else to_file), in_files
+        def whole(part: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+            return to_file(part, numel, dtype) if part == CLOSED else self._reused(part, numel, dtype)
+
+        return (whole if whole_round else to_file), in_files
 
     def _reused(self, part: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
         kept = self._kept.get((part, dtype))

@@ -24,6 +24,8 @@ from bhfl_core.algorithm.exact_kernels import array
 
 Allocator = Callable[[str, int, torch.dtype], torch.Tensor]
 """Zeroed storage for a sum's part: ``(name, numel, dtype) -> tensor``."""
+CLOSED = "mean"
+"""The part a closed sum consists of (``close``), and sends: ``hi`` and ``lo`` may never leave their process."""
 
 _CHUNK = 1 << 18
 """Elements per pass on a CPU: an ``add`` works in 3 scratch buffers of 2 MiB (cache-sized) whatever the model size."""
@@ -114,7 +116,7 @@ class WeightedSum:
     def parts(self) -> dict[str, torch.Tensor]:
         """``hi`` and ``lo`` by name, or a closed sum's ``mean`` (empty for an empty sum): what travels."""
         if self._closed is not None:
-            return {"mean": self._closed}
+            return {CLOSED: self._closed}
         return {} if self.hi is None or self.lo is None else {"hi": self.hi, "lo": self.lo}
 
     def close(self) -> None:
@@ -128,7 +130,7 @@ class WeightedSum:
         """
         if self._closed is not None or self.hi is None:
             return
-        out = self._allocate("mean", self.hi.numel(), torch.float32) if self._allocate is not None else None
+        out = self._allocate(CLOSED, self.hi.numel(), torch.float32) if self._allocate is not None else None
         self._closed = self.mean(out)
         self.hi = self.lo = None
 

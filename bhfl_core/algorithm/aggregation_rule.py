@@ -191,12 +191,12 @@ class MeanRule:
         return total.parts(), {"weight": total.weight}
 
     def unwire(self, tensors: Mapping[str, torch.Tensor], numbers: Mapping[str, float]) -> WeightedSum:
-        from bhfl_core.algorithm.aggregation import WeightedSum
+        from bhfl_core.algorithm.aggregation import CLOSED, WeightedSum
 
         if not tensors:
             return WeightedSum()
-        if "mean" in tensors:
-            return WeightedSum.closed_of(tensors["mean"], float(numbers["weight"]))
+        if CLOSED in tensors:
+            return WeightedSum.closed_of(tensors[CLOSED], float(numbers["weight"]))
         return WeightedSum.of(tensors["hi"], tensors["lo"], float(numbers["weight"]))
 
 

@@ -19,12 +19,13 @@ def test_a_whole_round_folds_into_zeroed_reused_memory_and_other_batches_into_fi
         fold.add(tiny, 1)
         pointers.append((fold.hi.data_ptr(), fold.lo.data_ptr()))
         errors.append(fold.lo.clone())
+        assert in_files == {}  # the sum is no file ...
         fold.close()
         assert torch.equal(fold.mean(), (x + 1) * 2 / 3)
-        assert in_files == {}  # nothing of a whole round is a file until it is sent
+        assert list(in_files) == ["mean"]  # ... what it closes to, and sends, is
+        assert torch.equal(Transfer.get(in_files["mean"][0]), fold.mean())
     assert pointers[0] == pointers[1]  # the second round reused the first's buffers ...
     assert errors[0].tolist() == errors[1].tolist() == [2.0**-60] * 6  # ... zeroed: no error carried over
-    assert not (tmp_path / "transfer").exists()
     allocate, in_files = storage.allocator(transfer, "edge.w0", whole_round=False)
     fold = WeightedSum(allocate=allocate)
     fold.add(x, 3)
