@@ -120,6 +120,23 @@ class _Execution:
     proxy_metrics: dict[str, float] = field(default_factory=dict)  # of the last proxy TRAIN buffered
 
 
+@dataclass(frozen=True)
+class _Scope:
+    """What stays fixed through one execution of a node, handed to each phase of its loop as one value."""
+
+    node: Node
+    children: Mapping[str, Node]
+    members: Mapping[str, Node]  # the children and the node itself (its proxy TRAIN with ``proxy_train: async``)
+    rule: AggregationRule
+    params: AsyncParams
+    phi: torch.Tensor | None
+    scorer: Scorer | None
+    hooks: AsyncHooks
+    store: ExecutionStore
+    seed: int
+    plan: RoundPlan
+
+
 def execute_async_node(
     tree: Tree,
     node: Node,
@@ -140,30 +157,19 @@ def execute_async_node(
     if done >= settings.rounds:
         return saved_result(state, phi, settings)
     scorer = functools.partial(hooks.score, node) if settings.tunes else None
-    rule = rule_for(settings.aggregate)
     children = {c.id: c for c in tree.children(node.id)}
-    members = {**children, node.id: node}  # the node itself: its asynchronous proxy TRAIN (``proxy_train: async``)
-    state, run = _begin(state, done, node, members, phi, scorer, hooks, store, seed, plan)
+    members = {**children, node.id: node}
+    scope = _Scope(node, children, members, rule_for(settings.aggregate), params, phi, scorer, hooks, store, seed, plan)
+    state, run = _begin(state, done, scope)
     while state.rounds_done - state.exec_start < settings.rounds:
         key = RoundKey(node.id, state.rounds_done, caller)
         store.post(node.id, key.round, down_posts(state.theta, settings))
-        _fill_buffer(run, rule, key, node, children, members, state, params, hooks, store, seed, plan)
-        state = _flush(run, state, key, node, phi, scorer, hooks, store, seed, plan)
+        _fill_buffer(run, key, state, scope)
+        state = _flush(run, state, key, scope)
     return saved_result(state, phi, settings)
 
 
-def _begin(
-    state: NodeState,
-    done: int,
-    node: Node,
-    members: Mapping[str, Node],
-    phi: torch.Tensor | None,
-    scorer: Scorer | None,
-    hooks: AsyncHooks,
-    store: ExecutionStore,
-    seed: int,
-    plan: RoundPlan,
-) -> tuple[NodeState, _Execution]:
+def _begin(state: NodeState, done: int, scope: _Scope) -> tuple[NodeState, _Execution]:
     """Start the execution (NODEOPT_down), or, after ``done`` flushes, resume it: the children in flight at the last
     flush are sent again, with the same callers."""
     progress = state.pending or AsyncProgress()
@@ -171,37 +177,24 @@ def _begin(
         run = _Execution(progress.now, progress.dispatched, list(progress.in_flight))
         run.models = {**progress.versions, state.rounds_done: state.theta}
         for flight in run.in_flight:
-            run.calls[flight.dispatch] = _start(
-                node, members[flight.child], flight, run.models, hooks, store, seed, plan
-            )
+            run.calls[flight.dispatch] = _start(scope, scope.members[flight.child], flight, run.models)
     else:
-        state = node_down(state, phi, store.inbox(node.id, "down", state.res_seen), node.settings, plan.caller, scorer)
+        node, inbox = scope.node, scope.store.inbox(scope.node.id, "down", state.res_seen)
+        state = node_down(state, scope.phi, inbox, node.settings, scope.plan.caller, scope.scorer)
         state = replace(state, sent={})
         run = _Execution(dispatched=progress.dispatched, models={state.rounds_done: state.theta})
     return state, run
 
 
-def _fill_buffer(
-    run: _Execution,
-    rule: AggregationRule,
-    key: RoundKey,
-    node: Node,
-    children: Mapping[str, Node],
-    members: Mapping[str, Node],
-    state: NodeState,
-    params: AsyncParams,
-    hooks: AsyncHooks,
-    store: ExecutionStore,
-    seed: int,
-    plan: RoundPlan,
-) -> None:
+def _fill_buffer(run: _Execution, key: RoundKey, state: NodeState, scope: _Scope) -> None:
     """Keep children in flight and take their results in virtual-clock order until ``buffer`` are buffered.
 
     Each result is saved before its child can be dispatched again; a dropout or a failed
     child frees its slot and buffers nothing (``len(children)`` failures in a row stop the run).
     """
-    while len(run.buffered) < params.buffer:
-        _fill(run, node, list(children.values()), state.rounds_done, state.theta, hooks, store, seed, plan)
+    node = scope.node
+    while len(run.buffered) < scope.params.buffer:
+        _fill(run, scope, state.rounds_done, state.theta)
         arrival = _await_next(run)
         call = run.calls.pop(arrival.dispatch)
         run.in_flight.remove(arrival)
@@ -211,45 +204,35 @@ def _fill_buffer(
             continue
         result = call.result()
         if not isinstance(call, _Saved):  # before the child can be dispatched again
-            store.save_result(node.id, arrival.dispatch, result)
+            scope.store.save_result(node.id, arrival.dispatch, result)
         if result is None or result.model is None:  # dropped: its slot frees up, nothing is buffered
             run.dropped += 1
             run.drops_in_a_row += 1
-            if run.drops_in_a_row >= len(children):
+            if run.drops_in_a_row >= len(scope.children):
                 raise RuntimeError(f"{node.id}: {run.drops_in_a_row} child results in a row were dropped (failed)")
             continue
         run.drops_in_a_row = 0
-        _buffer(run, rule, key, node, members[arrival.child], arrival, result, state.rounds_done, params)
+        _buffer(run, key, scope.members[arrival.child], arrival, result, state.rounds_done, scope)
         _forget_unused_versions(run, state.rounds_done)
 
 
-def _flush(
-    run: _Execution,
-    state: NodeState,
-    key: RoundKey,
-    node: Node,
-    phi: torch.Tensor | None,
-    scorer: Scorer | None,
-    hooks: AsyncHooks,
-    store: ExecutionStore,
-    seed: int,
-    plan: RoundPlan,
-) -> NodeState:
+def _flush(run: _Execution, state: NodeState, key: RoundKey, scope: _Scope) -> NodeState:
     """One flush: NODEOPT_up on the buffer, the flush's metrics, the node's TRAIN, then the commit.
 
     The last flush of an execution first awaits the children still in flight (their
     results are dropped), so the commit never runs behind a persistent child's state.
     """
+    node, store, hooks = scope.node, scope.store, scope.hooks
     settings = node.settings
     assert run.partial is not None
     folded = FoldedRound(run.partial, run.candidates, {}, [])
-    state, posts = node_up(state, folded, store.inbox(node.id, "up", state.res_seen), settings, key, scorer)
+    state, posts = node_up(state, folded, store.inbox(node.id, "up", state.res_seen), settings, key, scope.scorer)
     del folded  # its partial is model-sized: not kept while the next flush fills
     store.post(node.id, key.round, posts)
     metrics = _flush_metrics(run, node, posts)
     metrics.update(tuned_metrics(state))
     if settings.train is not None and not settings.proxy_async:
-        trained = hooks.train(node, state.theta, key, plan)
+        trained = hooks.train(node, state.theta, key, scope.plan)
         state = replace(state, model=trained.theta)
         metrics.update(train_metrics(node, trained))
         run.now += float(trained.steps)  # speed 1, as in engine.round_virtual_s
@@ -269,7 +252,7 @@ def _flush(
         loss=math.nan,
         examples=0,
     )
-    state = send_up(state, phi, settings, key, seed)
+    state = send_up(state, scope.phi, settings, key, scope.seed)
     store.commit(node.id, state)
     store.drop_results(node.id)
     hooks.round_done(node, key, state.theta, metrics)
@@ -277,22 +260,14 @@ def _flush(
 
 
 def _buffer(
-    run: _Execution,
-    rule: AggregationRule,
-    key: RoundKey,
-    node: Node,
-    member: Node,
-    arrival: InFlight,
-    result: ChildResult,
-    version: int,
-    params: AsyncParams,
+    run: _Execution, key: RoundKey, member: Node, arrival: InFlight, result: ChildResult, version: int, scope: _Scope
 ) -> None:
     """Fold an arrived result into the buffer: ``theta_v + w(s) (y - theta_{v_i})`` with the child's weight."""
     assert result.model is not None
+    node, rule = scope.node, scope.rule
     staleness = version - arrival.version
-    stale = stale_model(
-        run.models[version], result.model, run.models[arrival.version], staleness_weight(staleness, params.staleness)
-    )
+    weight = staleness_weight(staleness, scope.params.staleness)
+    stale = stale_model(run.models[version], result.model, run.models[arrival.version], weight)
     if run.partial is None:
         run.partial = rule.start(key.as_caller())
     rule.contribute(run.partial, member.id, stale, result.weight)
@@ -330,25 +305,17 @@ class _ProxyCall:
         return proxy_child(self.node, self.pending.result())
 
 
-def _start(
-    node: Node,
-    member: Node,
-    flight: InFlight,
-    models: Mapping[int, torch.Tensor],
-    hooks: AsyncHooks,
-    store: ExecutionStore,
-    seed: int,
-    plan: RoundPlan,
-) -> PendingResult:
+def _start(scope: _Scope, member: Node, flight: InFlight, models: Mapping[int, torch.Tensor]) -> PendingResult:
     """Start ``flight`` (a child's execution, or the node's own proxy TRAIN), or hand back its saved result."""
-    if drops_out(member.settings.dropout, seed, member.id, flight.dispatch):
+    node, store, hooks = scope.node, scope.store, scope.hooks
+    if drops_out(member.settings.dropout, scope.seed, member.id, flight.dispatch):
         return _DROPPED_OUT
     if store.has_result(node.id, flight.dispatch):
         return _Saved(store.load_result(node.id, flight.dispatch))
     theta, caller = models[flight.version], Caller(node.id, flight.dispatch)
     if member.id == node.id:
         return _ProxyCall(node, hooks.start_train(node, theta, RoundKey(node.id, flight.version, caller)))
-    return hooks.start_child(node, member, theta, plan.for_child(caller))
+    return hooks.start_child(node, member, theta, scope.plan.for_child(caller))
 
 
 def _progress(run: _Execution) -> AsyncProgress:
@@ -365,48 +332,27 @@ def _await_in_flight(run: _Execution) -> int:
     return dropped
 
 
-def _fill(
-    run: _Execution,
-    node: Node,
-    children: list[Node],
-    version: int,
-    theta: torch.Tensor,
-    hooks: AsyncHooks,
-    store: ExecutionStore,
-    seed: int,
-    plan: RoundPlan,
-) -> None:
+def _fill(run: _Execution, scope: _Scope, version: int, theta: torch.Tensor) -> None:
     """Send the newest model out: to the node's own proxy TRAIN if it is idle (``proxy_train: async``),
     then to idle children until ``concurrency`` are in flight (or none is idle)."""
-    params = node.settings.asynchronous
-    assert params is not None
+    node, children = scope.node, list(scope.children.values())
     run.models.setdefault(version, theta)
     if node.settings.proxy_async and all(f.child != node.id for f in run.in_flight):
-        _dispatch(run, node, node, version, None, hooks, store, seed, plan)
-    while sum(f.child != node.id for f in run.in_flight) < params.concurrency:
+        _dispatch(run, scope, node, version, None)
+    while sum(f.child != node.id for f in run.in_flight) < scope.params.concurrency:
         busy = {f.child for f in run.in_flight}
-        child = pick_idle(children, busy, seed, node.id, run.dispatched)
+        child = pick_idle(children, busy, scope.seed, node.id, run.dispatched)
         if child is None:
             return
-        duration = hooks.call_duration(node, child, plan.for_child(Caller(node.id, run.dispatched)))
+        duration = scope.hooks.call_duration(node, child, scope.plan.for_child(Caller(node.id, run.dispatched)))
         finish = None if duration is None else run.now + duration
-        _dispatch(run, node, child, version, finish, hooks, store, seed, plan)
+        _dispatch(run, scope, child, version, finish)
         run.sent += 1
 
 
-def _dispatch(
-    run: _Execution,
-    node: Node,
-    member: Node,
-    version: int,
-    finish: float | None,
-    hooks: AsyncHooks,
-    store: ExecutionStore,
-    seed: int,
-    plan: RoundPlan,
-) -> None:
+def _dispatch(run: _Execution, scope: _Scope, member: Node, version: int, finish: float | None) -> None:
     flight = InFlight(member.id, run.dispatched, version, run.now, finish)
-    run.calls[flight.dispatch] = _start(node, member, flight, run.models, hooks, store, seed, plan)
+    run.calls[flight.dispatch] = _start(scope, member, flight, run.models)
     run.in_flight.append(flight)
     run.dispatched += 1
 
