@@ -21,6 +21,7 @@ import secrets
 import socket
 import threading
 import time
+import warnings
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -45,6 +46,7 @@ from tasks.scoring import Stats, score_models
 PLUGIN = "bhfl"
 DEVICE_ENV = "BHFL_DEVICE"  # cpu, cuda, cuda:N (unset: the process's CUDA device when there is one)
 _MODELS_KEPT = 2
+_CUBLAS_CONFIG_WARNING = r"Deterministic behavior was enabled .* CuBLAS"  # see gpu_deterministic
 BUSY_DIR = Path(TIMELINE_DIR) / "busy"  # one file of (start, end) lines per worker
 
 
@@ -70,18 +72,34 @@ def worker_device(setting: str | None = None) -> torch.device:
 
 
 def gpu_deterministic() -> None:
-    """Make this process's CUDA kernels give the same bits on every run (before its first cuBLAS call).
+    """Make this process's CUDA kernels give the same bits on every run.
 
     Some CUDA kernels are nondeterministic by default (scatter-adds in backward passes
-    add with atomics in whatever order threads finish; cuBLAS may pick reduction splits
-    by workspace), so two runs of one seed could part in the last bits and, over rounds,
-    much further. torch's deterministic algorithms, with the fixed cuBLAS workspace they
-    require, are PyTorch's documented remedy (its "Reproducibility" notes); ``warn_only``:
-    an op without a deterministic kernel warns, naming itself, instead of stopping a run.
-    CPU workers are left alone: their kernels are deterministic at a fixed thread count.
+    add with atomics in whatever order threads finish), so two runs of one seed could
+    part in the last bits and, over rounds, much further. torch's deterministic
+    algorithms are PyTorch's documented remedy (its "Reproducibility" notes);
+    ``warn_only``: an op without a deterministic kernel warns, naming itself, instead of
+    stopping a run. CPU workers are left alone: their kernels are deterministic at a
+    fixed thread count.
+
+    Two of that mode's defaults cost a GPU worker more than they give it (H200, BERT-base
+    TRAIN at batch 16, where the CPU queues kernels as fast as the GPU runs them):
+
+    - cuBLAS's debug variable ``CUBLAS_WORKSPACE_CONFIG=:4096:8``, which PyTorch asks
+      for, made every step of the plain loop 2.1x slower (21 -> 45 ms). cuBLAS gives the
+      same bits on every run when one stream is active, and also on several streams when
+      each has its own workspace (cuBLAS documentation, "Results reproducibility"):
+      PyTorch gives each (handle, stream) pair its own. A worker trains on one stream, so
+      the variable is not set here (one the user sets is kept), and PyTorch's warning
+      about it is silenced.
+    - Filling every new uninitialised tensor with NaN (``fill_uninitialized_memory``), a
+      guard against code that reads memory it never wrote: one more kernel per
+      allocation. No torch op and no bhfl code reads such memory (CPU workers, which never
+      fill, give the same bits on every run), so the fill is off.
     """
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = False  # type: ignore[attr-defined]
+    warnings.filterwarnings("ignore", message=_CUBLAS_CONFIG_WARNING, category=UserWarning)
     torch.backends.cudnn.benchmark = False
 
 

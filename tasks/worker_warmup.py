@@ -24,7 +24,7 @@ def dask_setup(worker: Any) -> None:
 
     from tasks.worker import worker_device
 
-    device = worker_device()  # deterministic kernels and cuBLAS workspace before the first cuBLAS call
+    device = worker_device()  # deterministic kernels
     if device.type == "cuda":
         square = torch.ones(8, 8, device=device)
         float((square @ square).sum())  # waits for the device: the context and the handle exist
