@@ -4,8 +4,11 @@ A node's state (persistent model ``W_q``, up/down optimiser states, one optimise
 per residual kind it receives, rounds done, and which execution it belongs to) is one
 file, so a crash can never leave a model from round t beside optimiser moments from
 round t-1. Files are written to a temporary name, fsync'ed and renamed; every tensor's
-CRC-32 is kept in the file's metadata and checked on load, so a truncated or damaged
-file is reported with its name instead of silently feeding garbage into a run. Loads
+checksum (XXH3-64) is kept in the file's metadata and checked on load, so a truncated or
+damaged file is reported with its name instead of silently feeding garbage into a run.
+XXH3 reads memory ~5x faster than zlib's CRC-32 (440 MB: 0.013 s against 0.065 s, on
+every checkpoint written and every state loaded); files of earlier versions carry CRC-32s
+and are checked against those. Loads
 use safetensors (no unpickling). Memory is bounded by what callers load, not by the
 number of nodes. Residual accumulators use the same atomic writer; models sent between
 processes are not state (``transfer.py``). Header-only reads (round counter,
@@ -23,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import xxhash
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
@@ -32,8 +36,10 @@ from bhfl_core.algorithm.node_state import AsyncProgress, NodeState
 from bhfl_core.algorithm.node_step import Inbox, PendingResidual, ResidualPost
 from bhfl_core.store.atomic import atomic_path
 from bhfl_core.store.state_header import (
+    CHECKSUMS,
     FEEDBACK,
     INFO,
+    LEGACY_CHECKSUMS,
     MODEL,
     PERSONAL,
     SENT,
@@ -93,9 +99,18 @@ def _progress_info(progress: AsyncProgress) -> dict[str, Any]:
     return {"dispatched": progress.dispatched, "now": progress.now, "in_flight": flights}
 
 
+def _bytes(tensor: torch.Tensor) -> memoryview:
+    return tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().data
+
+
+def _digest(tensor: torch.Tensor) -> str:
+    """The tensor's XXH3-64 checksum, as written into a file's metadata (hex)."""
+    return xxhash.xxh3_64_hexdigest(_bytes(tensor))
+
+
 def _crc(tensor: torch.Tensor) -> int:
-    data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
-    return zlib.crc32(data.data)
+    """The tensor's CRC-32: the checksum files of earlier versions carry."""
+    return zlib.crc32(_bytes(tensor))
 
 
 def atomic_save(
@@ -106,13 +121,13 @@ def atomic_save(
 ) -> None:
     """Write a checksummed safetensors file so that readers see the old file or the new one, never half.
 
-    ``info`` (JSON-able) and the tensors' CRC-32s go in one metadata entry with sorted
+    ``info`` (JSON-able) and the tensors' checksums go in one metadata entry with sorted
     keys: safetensors writes its metadata map in no fixed order, and identical states
     must give identical bytes.
     """
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
-    crcs = {k: _crc(v) for k, v in tensors.items()}
-    meta = {INFO: json.dumps({**(info or {}), "crc32": crcs}, sort_keys=True)}
+    digests = {k: _digest(v) for k, v in tensors.items()}
+    meta = {INFO: json.dumps({**(info or {}), CHECKSUMS: digests}, sort_keys=True)}
     with atomic_path(path, before_replace=before_replace) as tmp:
         save_file(tensors, str(tmp), metadata=meta)
 
@@ -134,11 +149,15 @@ def load_tensors(
             tensors = {k: fh.get_tensor(k) for k in keys}
     except (SafetensorError, OSError, ValueError) as exc:
         raise damaged(path, f"unreadable: {exc}") from None
-    expected = info.pop("crc32", {})
+    expected = info.pop(CHECKSUMS, None)
+    legacy = info.pop(LEGACY_CHECKSUMS, {})
+    checksum: Callable[[torch.Tensor], str | int] = _digest
+    if expected is None:  # a file of an earlier version
+        expected, checksum = legacy, _crc
     for name, tensor in tensors.items():
         if name in unchecked:
             continue
-        if name not in expected or expected[name] != _crc(tensor):
+        if name not in expected or expected[name] != checksum(tensor):
             raise damaged(path, f"checksum mismatch in tensor {name!r}")
     return tensors, info
 

@@ -24,7 +24,9 @@ if TYPE_CHECKING:
 
     from bhfl_core.algorithm.node_opt import OptState
 
-INFO = "bhfl"  # the metadata entry holding a file's info and its tensors' CRC-32s
+INFO = "bhfl"  # the metadata entry holding a file's info and its tensors' checksums
+CHECKSUMS = "xxh3"  # the info's map of tensor name -> XXH3-64 (hex)
+LEGACY_CHECKSUMS = "crc32"  # ... of tensor name -> CRC-32, in files of earlier versions
 MODEL = "model"
 PERSONAL = "personal"
 VERSION = "async.v"  # + the version: a model an asynchronous node's in-flight child was sent
@@ -71,7 +73,8 @@ def read_info(path: Path) -> dict[str, Any]:
         info = json.loads((_header(path).get("__metadata__") or {}).get(INFO, "{}"))
     except (OSError, ValueError, struct.error, KeyError, TypeError, IndexError) as exc:
         raise damaged(path, f"unreadable: {exc}") from None
-    info.pop("crc32", None)
+    info.pop(CHECKSUMS, None)
+    info.pop(LEGACY_CHECKSUMS, None)
     return dict(info)
 
 

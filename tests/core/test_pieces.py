@@ -199,6 +199,36 @@ def test_damaged_checkpoints_are_reported_with_the_file_named(tmp_path):
     assert store.load("edge-x").rounds_done == 3 and torch.equal(store.load_model("edge-x"), torch.arange(64.0))
 
 
+def test_checkpoints_of_earlier_versions_are_checked_against_their_crc32s(tmp_path):
+    """Files now carry XXH3-64 checksums; a file written before (CRC-32s) still loads, and damage in it is found."""
+    import json
+    import zlib
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from bhfl_core.store.node_store import CheckpointError
+    from bhfl_core.store.state_header import INFO
+
+    store = StateStore(tmp_path)
+    store.save("edge-x", NodeState(torch.arange(64.0), {"m": torch.ones(64)}, rounds_done=3))
+    path = store.node_path("edge-x")
+    with safe_open(str(path), framework="pt") as fh:
+        info = json.loads(fh.metadata()[INFO])
+        tensors = {k: fh.get_tensor(k) for k in fh.keys()}
+    assert set(info["xxh3"]) == set(tensors) and "crc32" not in info
+    info["crc32"] = {k: zlib.crc32(t.contiguous().view(torch.uint8).numpy().data) for k, t in tensors.items()}
+    del info["xxh3"]
+    save_file(tensors, str(path), metadata={INFO: json.dumps(info, sort_keys=True)})
+    assert store.load("edge-x").rounds_done == 3 and torch.equal(store.load_model("edge-x"), torch.arange(64.0))
+
+    flipped = bytearray(path.read_bytes())
+    flipped[-5] ^= 0x01
+    path.write_bytes(bytes(flipped))
+    with pytest.raises(CheckpointError, match=r"edge-x.safetensors is damaged \(checksum mismatch in tensor"):
+        store.load("edge-x")
+
+
 def test_the_suite_collects_without_xdist():
     """`pytest -p no:xdist` (one process, the plugin off) must work: tests/conftest.py's xdist hook is optional."""
     repo = Path(__file__).resolve().parents[2]
