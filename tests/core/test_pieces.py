@@ -215,7 +215,8 @@ def test_checkpoints_of_earlier_versions_are_checked_against_their_crc32s(tmp_pa
     path = store.node_path("edge-x")
     with safe_open(str(path), framework="pt") as fh:
         info = json.loads(fh.metadata()[INFO])
-        tensors = {k: fh.get_tensor(k) for k in fh.keys()}
+        names = list(fh.keys())
+        tensors = {k: fh.get_tensor(k) for k in names}
     assert set(info["xxh3"]) == set(tensors) and "crc32" not in info
     info["crc32"] = {k: zlib.crc32(t.contiguous().view(torch.uint8).numpy().data) for k, t in tensors.items()}
     del info["xxh3"]
