@@ -4,20 +4,22 @@ and ``bhfl resume RUN|SWEEP|PIPELINE``.
 A new job: its configs are checked before anything starts (one paragraph, exit 2); the
 hub is probed (seconds); then the command's Prefect server (and, for one experiment on
 ``runtime.executor: local``, its workers) boot in the background while the full
-preflight runs and the MLflow store opens; the job runs with its Prefect flow run's
-address printed and its progress shown; the command ends with the kind's summary. A
-resume is the same without the checks a new job needs: its folder must hold a job that
-can be resumed (a finished one has nothing to resume: exit 0).
+preflight runs, the MLflow store opens and the job's flow module is imported; the job
+runs with its Prefect flow run's address printed and its progress shown; the command
+ends with the kind's summary. A resume is the same without the checks a new job needs:
+its folder must hold a job that can be resumed (a finished one has nothing to resume:
+exit 0).
 
 What differs between the kinds is a ``JobKind`` (flows/cli/run.py, sweep.py,
-pipeline.py): its flow (to link its flow run), its progress reporter, how failures are
-told, and its summary. The jobs themselves go through the one lifecycle
-(flows/lifecycle.py). Heavy imports stay inside the functions.
+pipeline.py): its flow (to link its flow run) and the module that defines it, its
+progress reporter, how failures are told, and its summary. The jobs themselves go
+through the one lifecycle (flows/lifecycle.py). Heavy imports stay inside the functions.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,6 +53,7 @@ class JobKind:
     """How one kind of job shows at the terminal."""
 
     flow: tuple[str, str]  # its Prefect flow and the parameter naming its folder (flows/cli/prefect_link.py)
+    module: str  # the module of its flow: imported while the Prefect server boots (seconds of CPU otherwise after)
     reporter: Callable[[], RichReporter]  # its progress on stderr
     summary: Callable[[Result, Path], None]  # its results on stdout
     guard: Guard = guarded  # failures as one paragraph and an exit code
@@ -105,9 +108,10 @@ def run_job(
                 preflight(config, run_dir)
             console.print(announce, highlight=False)
             uri = None
-            if configs:  # the store opens while Prefect finishes starting
-                uri = tracking_store_ready(run_dir, tracking_uri, api)
+            if configs:  # the store opens and the flow's code loads while Prefect finishes starting
+                uri = tracking_store_ready(run_dir, tracking_uri, api, kind.module)
             else:
+                importlib.import_module(kind.module)
                 api()
             from flows.cli.prefect_link import flow_run_link
 
@@ -116,7 +120,8 @@ def run_job(
 
                 return work(Launch.of(run_dir, uri, cluster=starting.address() if starting is not None else None))
 
-            with flow_run_link(console, api.own, folder.resolve(), kind.flow), kind.reporter().attached():
+            link = flow_run_link(console, api.own, folder.resolve(), kind.flow, new=bool(configs))
+            with link, kind.reporter().attached():
                 result = kind.guard(job, folder, verbose)
     except ConfigError as exc:
         fail(str(exc))

@@ -146,7 +146,7 @@ def print_summary(result: dict[str, Any], run_dir: Path) -> None:
     )
 
 
-PIPELINE = JobKind(PIPELINE_FLOW, lambda: StageReporter(console), print_summary)
+PIPELINE = JobKind(PIPELINE_FLOW, "flows.pipeline", lambda: StageReporter(console), print_summary)
 
 
 def _pipeline_folders(run_dir: Path) -> list[Path]:

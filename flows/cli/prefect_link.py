@@ -35,9 +35,9 @@ POLL_S = 1.0
 class _FlowRuns:
     """Runs of ``flow`` whose folder parameter is ``path`` that appear after it was made."""
 
-    def __init__(self, flow: tuple[str, str], path: Path) -> None:
+    def __init__(self, flow: tuple[str, str], path: Path, new: bool) -> None:
         (self.flow, self.parameter), self.path = flow, str(path)
-        self.before = {run.id for run in self._matching()}
+        self.before = set() if new else {run.id for run in self._matching()}
 
     def _matching(self) -> list[Any]:
         from prefect.client.orchestration import get_client
@@ -71,15 +71,17 @@ def _flow_run_url(flow_run_id: str) -> str | None:
 
 @contextmanager
 def flow_run_link(
-    console: Console, own_server: bool, path: Path, flow: tuple[str, str] = EXPERIMENT_FLOW
+    console: Console, own_server: bool, path: Path, flow: tuple[str, str] = EXPERIMENT_FLOW, new: bool = False
 ) -> Iterator[None]:
     """Print where the flow run of the folder ``path`` can be seen (see the module docstring); the API must be up.
 
     ``flow``: EXPERIMENT_FLOW (``path`` a run folder), PIPELINE_FLOW or SWEEP_FLOW (their folders).
+    ``new``: the folder is a new job's, so no run of it exists yet (no API call before the job
+    starts: it would delay the first client training).
     """
     runs: _FlowRuns | None = None
     with contextlib.suppress(Exception):  # an API that does not answer as expected: the run itself will say so
-        runs = _FlowRuns(flow, path)
+        runs = _FlowRuns(flow, path, new)
     if runs is None:
         yield
         return

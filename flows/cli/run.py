@@ -80,7 +80,7 @@ def _summary_and_exit(result: dict, run_dir: Path) -> None:
     exit_if_undelivered(result)
 
 
-EXPERIMENT = JobKind(EXPERIMENT_FLOW, _reporter, _summary_and_exit)
+EXPERIMENT = JobKind(EXPERIMENT_FLOW, "flows.experiment", _reporter, _summary_and_exit)
 
 
 def run(
@@ -120,14 +120,16 @@ def run(
     prepare_environment(run_dir, verbose)
     cfg = load_config(config, set_)
     start_forkserver([cfg])
-    from bhfl_core.config.base import ConfigError
     from flows.records.run_record import new_run_path
-    from flows.records.warm_source import resolve_init_from
 
-    try:  # a warm start's source run: found and checked before anything starts
-        cfg = resolve_init_from(cfg, run_dir.resolve())
-    except ConfigError as exc:
-        fail(str(exc))
+    if cfg.model.init_from is not None:  # its checks import torch (~1 s): only for a warm start
+        from bhfl_core.config.base import ConfigError
+        from flows.records.warm_source import resolve_init_from
+
+        try:  # a warm start's source run: found and checked before anything starts
+            cfg = resolve_init_from(cfg, run_dir.resolve())
+        except ConfigError as exc:
+            fail(str(exc))
     run_path = new_run_path(run_dir.resolve(), cfg.name)
 
     def work(launch: Launch) -> dict[str, Any]:

@@ -208,7 +208,7 @@ def resume_sweep_command(folder: Path, overrides: list[str], run_dir: Path, verb
 
 def _kind(points: int) -> JobKind:
     """A sweep at the terminal: a bar of its ``points`` experiments, failures that name the failed points."""
-    return JobKind(SWEEP_FLOW, lambda: SweepReporter(console, points), print_summary, _guarded)
+    return JobKind(SWEEP_FLOW, "flows.sweep", lambda: SweepReporter(console, points), print_summary, _guarded)
 
 
 def _num(metrics: Mapping[str, float], key: str, digits: int = 3) -> str:

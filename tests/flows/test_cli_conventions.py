@@ -420,6 +420,96 @@ def test_the_own_servers_flow_run_is_named_with_how_to_browse_it(tmp_path, monke
     assert line.endswith(f"/runs/flow-run/{flow_run_id}")
 
 
+def test_a_new_jobs_flow_run_is_looked_up_only_at_its_end(tmp_path, monkeypatch):
+    """A new job's folder has no flow run yet: no API read before the job starts (it would delay the first
+    client training); the run it starts is still found at the end, and a resumed folder's earlier runs are not."""
+    from prefect import flow
+    from rich.console import Console
+
+    from flows.cli import prefect_link
+
+    @flow(name="bhfl-link-new-test")
+    def fake(run_path: str) -> None:
+        """Stands in for the experiment flow (a name of its own: other tests count bhfl-experiment runs)."""
+
+    reads: list[str] = []
+    matching = prefect_link._FlowRuns._matching
+
+    def counted(self):  # the real lookup, counted
+        reads.append(self.path)
+        return matching(self)
+
+    monkeypatch.setattr(prefect_link._FlowRuns, "_matching", counted)
+    monkeypatch.setenv("PREFECT_HOME", str(tmp_path / ".prefect"))
+    for new, reads_before in ((True, 0), (False, 1)):
+        reads.clear()
+        console = Console(file=io.StringIO(), width=60, soft_wrap=True)
+        path = tmp_path / "itest" / f"20260101-000000-00{int(new)}"
+        if not new:
+            fake(str(path))  # the earlier attempt of a resumed run: not the one the command starts
+        with prefect_link.flow_run_link(console, True, path, ("bhfl-link-new-test", "run_path"), new=new):
+            assert len(reads) == reads_before
+            flow_run_id = fake(str(path), return_state=True).state_details.flow_run_id
+        assert len(reads) == reads_before + 1
+        assert console.file.getvalue().startswith(f"Prefect flow run {flow_run_id}: ")
+
+
+def test_run_starts_prefect_before_importing_torch(tmp_path):
+    """Without a warm start, nothing ``bhfl run`` does before its Prefect server starts imports torch (~1 s of
+    CPU the server's boot would otherwise wait behind). The job is stopped where it would start the server."""
+    code = (
+        "import sys\n"
+        "import flows.cli.run as run\n"
+        "def server_starts_here(*args, **kwargs):\n"
+        "    sys.exit(3 if 'torch' in sys.modules else 0)\n"
+        "run.run_job = server_starts_here\n"
+        "from flows.cli.app import app\n"
+        "app(sys.argv[1:])\n"
+    )
+    sets = [arg for assignment in (*SMALL, "runtime.executor=inprocess") for arg in ("--set", assignment)]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    out = subprocess.run(
+        [sys.executable, "-c", code, "run", *sets, "--run-dir", str(tmp_path)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert out.returncode == 0, f"exit {out.returncode} (3: torch was imported)\n{out.stderr[-3000:]}"
+
+
+def test_the_flow_module_loads_while_prefect_boots(tmp_path, monkeypatch):
+    """``tracking_store_ready`` imports the job's flow module before it waits for the Prefect API, and opens the
+    MLflow store meanwhile."""
+    from flows.cli.shell import tracking_store_ready
+
+    module = f"bhfl_probe_{uuid.uuid4().hex[:8]}"
+    (tmp_path / f"{module}.py").write_text("LOADED = True\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    seen: list[bool] = []
+    uri = tracking_store_ready(tmp_path, None, lambda: seen.append(module in sys.modules), module)
+    assert seen == [True]
+    assert uri == f"sqlite:///{(tmp_path / 'mlflow.db').resolve()}" and (tmp_path / "mlflow.db").is_file()
+
+
+def test_each_job_kind_loads_the_module_of_its_flow():
+    """What a job imports while Prefect boots is where its flow is defined (a moved flow: the load would miss it)."""
+    import importlib
+
+    from prefect import Flow
+
+    from flows.cli.pipeline import PIPELINE
+    from flows.cli.run import EXPERIMENT
+    from flows.cli.sweep import _kind
+
+    for kind in (EXPERIMENT, PIPELINE, _kind(1)):
+        module = importlib.import_module(kind.module)
+        flows_there = [v for v in vars(module).values() if isinstance(v, Flow)]
+        assert kind.flow[0] in [f.name for f in flows_there], kind.module
+
+
 def test_the_links_name_each_flow_and_its_folder_parameter():
     """The pipeline and sweep commands find their flow run by these names (a renamed flow or parameter: no link)."""
     import inspect
