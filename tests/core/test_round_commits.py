@@ -23,16 +23,23 @@ def flat_tree(persistent: bool, rounds: int = 3) -> Tree:
 
 
 class SlowStore(StateStore):
-    """A store whose root commits wait until the next round's children have trained (or the execution ends)."""
+    """A store whose root commit of round r waits until round r + 1's children have trained (the last round's
+    commit, with no next round, does not wait)."""
 
     def __init__(self, root, events):
         super().__init__(root)
-        self.events, self.children_ran = events, threading.Event()
+        self.events, self.children_rounds, self.trained = events, 0, threading.Condition()
+
+    def children_done(self) -> None:
+        with self.trained:
+            self.children_rounds += 1
+            self.trained.notify_all()
 
     def commit(self, node_id, state, persist=True):
         if node_id == "root" and state.rounds_done < 3:  # not the last: its "next round" exists
-            assert self.children_ran.wait(10), "the commit was not written behind the next round"
-            self.children_ran.clear()
+            with self.trained:
+                behind = self.trained.wait_for(lambda: self.children_rounds > state.rounds_done, timeout=10)
+            assert behind, "the commit was not written behind the next round"
         super().commit(node_id, state, persist)
         self.events.append(("committed", node_id, state.rounds_done))
 
@@ -45,7 +52,7 @@ class Hooks(AddVectorHooks):
     def run_children(self, node, cohort, theta, plans):
         results = super().run_children(node, cohort, theta, plans)
         self.events.append(("children", node.id))
-        self.store.children_ran.set()
+        self.store.children_done()
         return results
 
     def round_done(self, node, key, theta, metrics):
