@@ -464,19 +464,10 @@ def test_run_starts_prefect_before_importing_torch(tmp_path):
         "    sys.exit(3 if 'torch' in sys.modules else 0)\n"
         "run.run_job = server_starts_here\n"
         "from flows.cli.app import app\n"
-        "app(sys.argv[1:])\n"
+        "app(sys.argv[3:])\n"  # after the "-m flows.cli.app" that ``cli`` puts behind the interpreter's options
     )
     sets = [arg for assignment in (*SMALL, "runtime.executor=inprocess") for arg in ("--set", assignment)]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    out = subprocess.run(
-        [sys.executable, "-c", code, "run", *sets, "--run-dir", str(tmp_path)],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    out = cli("run", *sets, "--run-dir", str(tmp_path), python=["-c", code])
     assert out.returncode == 0, f"exit {out.returncode} (3: torch was imported)\n{out.stderr[-3000:]}"
 
 
