@@ -210,13 +210,14 @@ def _pipeline(folder: Path, launch: Launch, overrides: Sequence[str] = ()) -> di
         return totals
 
     def end(error: BaseException | None) -> None:
+        ended = record.ended(error)
         if error is not None:
-            for entry in record.stages.values():
+            for entry in ended.stages.values():
                 if entry.status == "running":
-                    entry.status = "failed"
-        record.ended(error).write(folder)
+                    entry.status = ended.status  # failed, or interrupted (a stop)
+        ended.write(folder)
         if error is not None:
-            tracker.finish("FAILED")
+            tracker.finish(ended.mlflow_status)
 
     metrics, totals = finish_or_fail(work, end)
     return {

@@ -197,7 +197,7 @@ class _Attempt:
         self.record = current
         tracker = self.tracker
         if error is not None and tracker is not None and tracker.parent_id:
-            tracker.finish("FAILED")
+            tracker.finish(current.mlflow_status)
             if isinstance(error, Exception):  # (not after Ctrl-C) a remote server: its status on its way
                 tracker.close(wait=FAILED_RUN_WAIT_S)
 

@@ -253,16 +253,16 @@ class _Sweeper:
             future.result()
 
     def end(self, error: BaseException | None) -> None:
-        """The sweep's end into ``sweep.json`` (points still running when it failed: failed too) and MLflow."""
+        """The sweep's end into ``sweep.json`` (points still running end as it does) and MLflow."""
         with self.lock:
+            self.record = self.record.ended(error)
             if error is not None:
                 for entry in self.record.points.values():
                     if entry.status == "running":
-                        entry.status = "failed"
-            self.record = self.record.ended(error)
+                        entry.status = self.record.status  # failed, or interrupted (a stop)
             self._write()
         self.tracker.log_text((self.folder / "sweep.json").read_text(), "sweep.json")
-        self.tracker.finish("FINISHED" if error is None else "FAILED")
+        self.tracker.finish(self.record.mlflow_status)
 
 
 def _sweep(folder: Path, launch: Launch, overrides: Sequence[str], parallel: int | None) -> dict[str, Any]:

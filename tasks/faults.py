@@ -19,7 +19,11 @@ another file instead (a test counting across a sweep's runs or a pipeline's stag
 - ``die``: SIGKILL only the process that hit it (a worker lost mid-batch: the run goes on);
 - ``raise``: a RuntimeError (a transient task failure);
 - ``oom``: ``torch.OutOfMemoryError`` (what CUDA raises when the GPU is full);
-- ``enospc``: ``OSError(ENOSPC)`` (disk full).
+- ``enospc``: ``OSError(ENOSPC)`` (disk full);
+- ``pause``: the process that hits it stops itself (SIGSTOP), as at a breakpoint: a test
+  acts on the run held at that point (kills its server, sends it a signal, ...), then lets
+  it go on with SIGCONT. Where a test would otherwise act at a moment found by polling a
+  log (anywhere in the seconds after), it acts at the same point on every run.
 
 Points: ``prepare`` (data preparation, before the manifest is written), ``checkpoint``
 (a node state written to its temporary file, not yet renamed), ``round`` (a server
@@ -48,7 +52,7 @@ ENV = "BHFL_FAULTS"
 COUNTER_ENV = "BHFL_FAULTS_COUNTER"  # a hits file of the test's choosing, instead of the run attempt's
 KILL_PID_ENV = "BHFL_FAULTS_KILL_PID"  # the orchestrating process, killed with the worker that hits ``kill``
 POINTS = ("prepare", "checkpoint", "round", "client", "eval", "tracking", "artefacts", "report")
-ACTIONS = ("kill", "die", "raise", "oom", "enospc")
+ACTIONS = ("kill", "die", "raise", "oom", "enospc", "pause")
 # in a folder of the timeline: the timeline's plain files are its marks (tasks/context.py, read_marks)
 HITS_FILE = Path(TIMELINE_DIR) / "faults" / "hits.txt"
 
@@ -126,6 +130,9 @@ def _carry_out(actions: tuple[tuple[int, str], ...], point: str, n: int, what: s
                 os.kill(kill_pid, signal.SIGKILL)
             if action in ("kill", "die"):
                 os.kill(os.getpid(), signal.SIGKILL)
+            if action == "pause":
+                os.kill(os.getpid(), signal.SIGSTOP)  # every thread stops here until a SIGCONT
+                continue
             if action == "oom":
                 raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate 2.00 GiB ({detail})")
             if action == "enospc":

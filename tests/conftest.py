@@ -46,6 +46,7 @@ LONGEST_FIRST = (
     "test_resume",
     "test_resume_async",
     "test_faults",  # about 60 s idle, 80 s busy (one process): runs killed mid-way, two resumes
+    "test_signals",  # about 65 s idle: commands stopped at chosen points, a run stopped and resumed
     "test_sweep",
     "test_pipeline",
     "dask-cluster",

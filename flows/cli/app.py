@@ -79,4 +79,6 @@ for command in (
 
 
 if __name__ == "__main__":
-    app()
+    from flows.cli.main import main as _main
+
+    _main(app)

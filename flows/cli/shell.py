@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING
 import typer
 from rich.console import Console
 
+from flows.cli.stopping import STOP
+
 if TYPE_CHECKING:
     from bhfl_core.config.schema import ExperimentConfig
     from tasks.local_cluster import ClusterStart
@@ -32,6 +34,7 @@ if TYPE_CHECKING:
 # they print, so test runners that swap the streams see the output.
 console = Console(stderr=True, soft_wrap=True)
 out = Console(soft_wrap=True)
+STOP.say = lambda text: console.print(text, highlight=False, soft_wrap=True)
 
 
 def print_json(data: object) -> None:
@@ -179,30 +182,7 @@ class PrefectApi:
 
     def __call__(self) -> None:
         self.wait()
-
-
-class Stopped(KeyboardInterrupt):
-    """SIGTERM or SIGHUP (``kill``, a supervisor, a closed terminal): unwound like Ctrl-C, so the servers and
-    workers the command started stop with it; the command exits with 128 + the signal's number."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
-def _stopped_by(interrupt: BaseException) -> Stopped | None:
-    """The ``Stopped`` behind an interrupt (an event loop it passed through may raise a KeyboardInterrupt of its
-    own, ``Stopped`` then in its context); None for Ctrl-C."""
-    seen: BaseException | None = interrupt
-    while seen is not None and not isinstance(seen, Stopped):
-        seen = seen.__cause__ or seen.__context__
-    return seen
-
-
-def exit_code(interrupt: KeyboardInterrupt) -> int:
-    """128 + the signal that stopped the command (SIGINT for Ctrl-C): 130, 143 (SIGTERM), 129 (SIGHUP)."""
-    stopped = _stopped_by(interrupt)
-    return 128 + (stopped.signum if stopped is not None else signal.SIGINT)
+        STOP.watch_prefect()  # before the command's first flow run
 
 
 def how_to_go_on(resume: Path | None) -> str:
@@ -215,29 +195,27 @@ def how_to_go_on(resume: Path | None) -> str:
     return "Nothing was trained yet: run the command again."
 
 
+def exit_if_stopped(ended: BaseException, line: str) -> None:
+    """If the command was told to stop (flows/cli/stopping.py), whatever ``ended`` the work is the stop: say
+    ``line`` (unless the command said how it stopped already) and exit 128 + the signal; else return."""
+    if STOP.signal_of(ended) is None:
+        return
+    STOP.tell(line)
+    raise typer.Exit(code=STOP.exit_code) from None
+
+
 @contextmanager
 def stopped_by_signals(resume: Path | None = None) -> Iterator[None]:
-    """SIGTERM and SIGHUP raise ``Stopped`` in the main thread while the block runs (their default would end
-    the process at once, and the servers it started would outlive it).
-
-    The guarded work (``guarded``) says "interrupted." itself; a stop that comes outside it
-    (start-up, the summary) ends here: one line, exit 128 + the signal.
-    """
-
-    def stop(signum: int, _frame: object) -> None:
-        raise Stopped(signum)
-
-    previous = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGHUP)}
+    """A stop (Ctrl-C, SIGTERM, SIGHUP) that comes outside the guarded work (start-up, the summary) ends here:
+    one line, with how to go on from ``resume``, and exit 128 + the signal. (``guarded`` says "interrupted."
+    for the work itself; the command's entry installed the handlers.)"""
+    STOP.hint = lambda: how_to_go_on(resume)
     try:
         yield
-    except KeyboardInterrupt as exc:
-        if (stopped := _stopped_by(exc)) is None:
-            raise  # Ctrl-C: as it always was
-        console.print(f"\n[bold yellow]stopped by {stopped}.[/] {how_to_go_on(resume)}", highlight=False)
-        raise typer.Exit(code=exit_code(exc)) from None
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+    except BaseException as exc:
+        name = signal.Signals(STOP.signal_of(exc) or signal.SIGTERM).name
+        exit_if_stopped(exc, f"\n[bold yellow]stopped by {name}.[/] {how_to_go_on(resume)}")
+        raise
 
 
 EXIT_SERVER_DIED = 75  # EX_TEMPFAIL: try again later, here `bhfl resume` (docs/runtime.md, "Faults")
@@ -250,8 +228,8 @@ def prefect_api(run_dir: Path, full: bool, resume: Path | None = None) -> Iterat
     (Prefect's own temporary server would outlive a killed run and hold its database.)
     ``full``: ``prefect server start`` with UI and scheduler, for ``bhfl serve``. The
     server boots in the background: call what this yields before the first Prefect
-    request (it waits until the server answers). SIGTERM and SIGHUP stop the command
-    like Ctrl-C (``stopped_by_signals``). Should the server die under the command, the
+    request (it waits until the server answers). A stop signal outside the guarded
+    work ends the command here (``stopped_by_signals``). Should the server die under the command, the
     command stops at once (``server_died``); ``resume`` is the run, pipeline or sweep
     folder that ``bhfl resume`` then continues.
     """
@@ -289,21 +267,11 @@ def server_died(pid: int, code: int, log_file: Path, resume: Path | None) -> Non
     """
     how = f"exit status {code}" if code >= 0 else f"killed by {signal.Signals(-code).name}"
     console.show_cursor(True)  # a live progress bar hid it
-    console.print(
-        f"\n[bold red]error:[/] the Prefect server this command started died (pid {pid}, {how}; its log: "
-        f"{log_file}). Without it nothing can be recorded in Prefect, so the command stops now. "
-        + how_to_go_on(resume),
-        highlight=False,
-        soft_wrap=True,
+    STOP.end_now(
+        f"error: the Prefect server this command started died (pid {pid}, {how}; its log: {log_file}). Without "
+        "it nothing can be recorded in Prefect, so the command stops now. " + how_to_go_on(resume),
+        code=EXIT_SERVER_DIED,
     )
-    sys.stderr.flush()
-    sys.stdout.flush()
-    import psutil
-
-    for child in psutil.Process().children(recursive=True):  # workers, forkserver: as after a kill
-        with contextlib.suppress(psutil.Error):
-            child.kill()
-    os._exit(EXIT_SERVER_DIED)
 
 
 def serve_on_schedule(run_dir: Path, cron: str, deployment: str, note: str, serve: Callable[[], None]) -> None:
@@ -355,14 +323,14 @@ def tracking_store_ready(
 
 def guarded(work: Callable[[], dict], run_path: Path | None, verbose: bool) -> dict:
     """Run ``work``; known failures become one paragraph (cause, fix, how to resume) and a non-zero exit."""
-    from flows.cli.errors import explain, resume_hint
+    from flows.cli.errors import explain
 
     try:
         return work()
-    except KeyboardInterrupt as exc:
-        console.print(f"\n[bold yellow]interrupted.[/] {resume_hint(run_path)}", highlight=False, soft_wrap=True)
-        raise typer.Exit(code=exit_code(exc)) from None
-    except Exception as exc:
+    except BaseException as exc:
+        exit_if_stopped(exc, f"\n[bold yellow]interrupted.[/] {how_to_go_on(run_path)}")
+        if not isinstance(exc, Exception):
+            raise
         message = explain(exc, run_path)
         if message is None or verbose:
             raise

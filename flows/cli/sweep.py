@@ -25,7 +25,7 @@ from rich.text import Text
 from flows.cli.jobs import JobKind, resumable, run_job, start_forkserver
 from flows.cli.options import DEFAULT_CONFIG, DEFAULT_RUN_DIR, RunDirOption, TrackingOption, VerboseOption
 from flows.cli.prefect_link import SWEEP_FLOW
-from flows.cli.shell import console, exit_code, fail, open_ui, out, prepare_environment, serve_on_schedule
+from flows.cli.shell import console, exit_if_stopped, fail, open_ui, out, prepare_environment, serve_on_schedule
 from flows.progress import RichReporter
 
 if TYPE_CHECKING:
@@ -81,13 +81,13 @@ def _guarded(work: Callable[[], dict[str, Any]], folder: Path | None, verbose: b
     )
     try:
         return work()
-    except KeyboardInterrupt as exc:
-        console.print(f"\n[bold yellow]interrupted.[/]{hint}", highlight=False, soft_wrap=True)
-        raise typer.Exit(code=exit_code(exc)) from None
-    except SweepError as exc:
-        console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
-        raise typer.Exit(code=1) from None
-    except Exception as exc:
+    except BaseException as exc:
+        exit_if_stopped(exc, f"\n[bold yellow]interrupted.[/]{hint}")
+        if isinstance(exc, SweepError):
+            console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+            raise typer.Exit(code=1) from None
+        if not isinstance(exc, Exception):
+            raise
         message = explain(exc, None)
         if message is None or verbose:
             raise

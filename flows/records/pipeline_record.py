@@ -22,7 +22,7 @@ from flows.records.run_record import ProcessRecord, RunStateError
 
 PIPELINE_RECORD = "pipeline.json"
 PIPELINE_CONFIG = "pipeline.yaml"
-StageStatus = Literal["pending", "running", "finished", "failed"]
+StageStatus = Literal["pending", "running", "finished", "failed", "interrupted"]
 
 
 class StageRecord(BaseModel):

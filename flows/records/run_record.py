@@ -3,7 +3,8 @@
 Written atomically (temporary file + rename) at every change of status, so a run
 killed at any moment leaves a readable record: ``bhfl runs`` and ``bhfl resume``
 start from it. A record saying ``running`` whose process is gone is a run that was
-killed (SIGKILL, power loss, OOM killer).
+killed (SIGKILL, power loss, OOM killer); one stopped by a signal it could act on
+(Ctrl-C, SIGTERM, SIGHUP) says ``interrupted`` itself.
 """
 
 from __future__ import annotations
@@ -15,15 +16,17 @@ import time
 import uuid
 from datetime import UTC, datetime
 from pathlib import Path
+from signal import Signals
 from typing import ClassVar, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from bhfl_core.store.atomic import write_text_atomic
+from flows.stop_signals import signal_behind
 
 RECORD_FILE = "run.json"
 LOGGED_FILES = "run_files"  # RunRecord.logged: the parent run's config, data report and package list
-Status = Literal["running", "finished", "failed"]
+Status = Literal["running", "finished", "failed", "interrupted"]
 
 
 def new_run_path(run_root: Path, name: str) -> Path:
@@ -148,10 +151,18 @@ class ProcessRecord(BaseModel):
         return self.model_copy(update={"status": "running", "pid": os.getpid(), "error": "", "resumes": resumes})
 
     def ended(self, error: BaseException | None = None) -> Self:
-        """The record once the attempt ended: finished, or failed with ``error``'s type and text."""
+        """The record once the attempt ended: finished; interrupted if ``error`` is a stop (Ctrl-C, SIGTERM,
+        SIGHUP: flows/stop_signals.py); else failed with ``error``'s type and text."""
         if error is None:
             return self.model_copy(update={"status": "finished", "error": ""})
+        if (signum := signal_behind(error)) is not None:
+            return self.model_copy(update={"status": "interrupted", "error": f"stopped by {Signals(signum).name}"})
         return self.model_copy(update={"status": "failed", "error": failure_text(error)})
+
+    @property
+    def mlflow_status(self) -> str:
+        """The status its MLflow runs end with: FINISHED, KILLED (interrupted) or FAILED."""
+        return {"finished": "FINISHED", "interrupted": "KILLED"}.get(self.status, "FAILED")
 
 
 def failure_text(error: BaseException) -> str:

@@ -23,7 +23,7 @@ from flows.records.run_record import ProcessRecord, RunRecord
 
 SWEEP_RECORD = "sweep.json"
 SWEEP_CONFIG = "sweep.yaml"
-PointStatus = Literal["pending", "running", "finished", "failed"]
+PointStatus = Literal["pending", "running", "finished", "failed", "interrupted"]
 
 
 class PointRecord(BaseModel):

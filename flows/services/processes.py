@@ -19,6 +19,8 @@ from collections.abc import Mapping, Sequence
 from types import FrameType
 from typing import Any
 
+from flows.stop_signals import STOP_SIGNALS
+
 _PR_SET_PDEATHSIG = 1
 _prctl: Any = None  # libc's prctl where there is one
 # resolved here, not in the forked child: no dlopen between fork and exec (threads may hold its lock);
@@ -26,7 +28,6 @@ _prctl: Any = None  # libc's prctl where there is one
 with contextlib.suppress(OSError, AttributeError):
     _prctl = ctypes.CDLL(None, use_errno=True).prctl
 
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 STOP_GRACE_S = 15.0  # a stopped server's time to shut down gracefully before its process group is killed
 
 

@@ -6,7 +6,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,11 +26,15 @@ def own_servers_env(**extra: str) -> dict[str, str]:
     return {**env, "HF_HUB_OFFLINE": "1", **extra}
 
 
-def start(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
-    """`bhfl ARGS` in a session of its own (its pid is the session id), stdout and stderr to ``log``."""
+def start(args: list[str], env: dict[str, str], log: Path, signal_at: Sequence[str] = ()) -> subprocess.Popen:
+    """`bhfl ARGS` in a session of its own (its pid is the session id), stdout and stderr to ``log``.
+
+    ``signal_at``: where the command signals itself (tests/flows/signal_at.py's specs).
+    """
+    entry = ["tests.flows.signal_at", *signal_at, "--"] if signal_at else ["flows.cli.app"]
     with open(log, "w") as out:
         return subprocess.Popen(
-            [sys.executable, "-m", "flows.cli.app", *args],
+            [sys.executable, "-m", *entry, *args],
             cwd=REPO,
             env=env,
             stdout=out,

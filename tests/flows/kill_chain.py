@@ -61,5 +61,15 @@ def leftovers(session: int, grace_s: float = 15.0) -> list[str]:
         time.sleep(0.5)
 
 
+def uninterrupted(run_dir: Path) -> dict[str, bytes]:
+    """The node files of a run of the small experiment (tests/small.py) that never stopped: in one process,
+    without Prefect (what a stopped and resumed run must end with, byte for byte)."""
+    from flows.experiment import PLAIN_CALLS, run_experiment
+    from tests.small import small_config
+
+    result = run_experiment(small_config("runtime.executor=inprocess"), run_dir, orchestration=PLAIN_CALLS)
+    return node_files(Path(result["run_path"]))
+
+
 def node_files(run_path: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted((run_path / "state" / "nodes").glob("*.safetensors"))}

@@ -16,42 +16,49 @@ tests/flows/test_signals.py.
 import os
 import re
 import signal
-from pathlib import Path
 
 import psutil
 import pytest
 from mlflow import MlflowClient
 
-from flows.experiment import PLAIN_CALLS, run_experiment
 from flows.records.run_record import RunRecord
 from tests.flows.commands import own_servers_env, sets, start, wait_for
 from tests.flows.dask_cluster import user_cluster
-from tests.flows.kill_chain import cli, leftovers, node_files
-from tests.small import small_config
+from tests.flows.kill_chain import cli, leftovers, node_files, uninterrupted
 
 pytestmark = pytest.mark.integration
 
 ROOT_ROUND_1 = "root round 1/2 done"
 
 
+def _dead(process: psutil.Process) -> bool:
+    try:
+        return process.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> dict[str, bytes]:
     """The node files of a run of the small experiment that never stopped (in one process, no Prefect)."""
-    run_dir = tmp_path_factory.mktemp("faults-reference")
-    result = run_experiment(small_config("runtime.executor=inprocess"), run_dir, orchestration=PLAIN_CALLS)
-    return node_files(Path(result["run_path"]))
+    return uninterrupted(tmp_path_factory.mktemp("faults-reference"))
 
 
 def test_a_lost_local_worker_is_told_and_a_dead_prefect_server_stops_the_run_for_a_resume(tmp_path, reference):
     """Two faults of one run: a worker SIGKILLed in root round 1 (the run goes on), then the run's own Prefect
     server SIGKILLed after it (the command stops at once); `bhfl resume` finishes bit-identically."""
     run_dir, log = tmp_path / "runs", tmp_path / "run.log"
-    # client@3: the third client trained anywhere, in root round 1 (6 clients), its worker's batch not finished
-    proc = start(["run", *sets(), "--run-dir", str(run_dir)], own_servers_env(BHFL_FAULTS="client@3:die"), log)
+    # client@3: the third client trained anywhere, in root round 1 (6 clients), its worker's batch not finished;
+    # eval@1: the run holds still (SIGSTOP) at its first evaluation, after root round 1, while its server is killed
+    faults = own_servers_env(BHFL_FAULTS="client@3:die,eval@1:pause")
+    proc = start(["run", *sets(), "--run-dir", str(run_dir)], faults, log)
     try:
-        wait_for(ROOT_ROUND_1, lambda: ROOT_ROUND_1 in log.read_text(), proc, log)
+        wait_for("the pause", lambda: psutil.Process(proc.pid).status() == psutil.STATUS_STOPPED, proc, log)
+        assert ROOT_ROUND_1 in log.read_text()
         (server,) = [p for p in psutil.Process(proc.pid).children() if "prefect.server" in " ".join(p.cmdline())]
         server.kill()
+        wait_for("the server's death", lambda: _dead(server), proc, log)  # a zombie: its parent is stopped
+        proc.send_signal(signal.SIGCONT)
         code = proc.wait(timeout=60)  # stops at once, not after minutes of retries against the dead server
     finally:
         if proc.poll() is None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import os
+import signal
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +33,7 @@ from flows.records.pipeline_record import PipelineRecord
 from flows.records.run_record import RunStateError
 from flows.records.run_state import check_resume_overrides
 from flows.records.sweep_record import SWEEP_CONFIG, SweepRecord
+from flows.stop_signals import Stopped
 
 pytestmark = pytest.mark.integration
 
@@ -115,6 +117,26 @@ def test_a_failed_body_ends_its_record_failed_and_the_error_goes_on(tmp_path):
     assert ended.status == "failed" and ended.error == "ValueError: broken"
     resumed = ended.resumed()
     assert (resumed.status, resumed.error, resumed.resumes, resumed.pid) == ("running", "", 1, os.getpid())
+
+
+def test_a_stopped_body_ends_its_record_interrupted_whatever_the_unwinding_raised(tmp_path):
+    """A stop is not a failure: the record says interrupted (its MLflow runs KILLED), also when what the work
+    ended with is an error raised while it unwound (Prefect's crash report failing, with the stop as its context)."""
+    folder = tmp_path / "toy" / "20260101-000000-003"
+    ToyJob().create(Launch.of(tmp_path), folder)
+    record = SweepRecord.found(folder)
+
+    def work() -> None:
+        try:
+            raise Stopped(signal.SIGTERM)
+        except Stopped:
+            raise ValueError("Task run is not set")  # noqa: B904  (as Prefect's handle_crash raises it)
+
+    with pytest.raises(ValueError):
+        finish_or_fail(work, lambda error: record.ended(error).write(folder))
+    ended = SweepRecord.found(folder)
+    assert (ended.status, ended.error, ended.mlflow_status) == ("interrupted", "stopped by SIGTERM", "KILLED")
+    assert record.ended(ValueError("broken")).mlflow_status == "FAILED"
 
 
 def test_one_resume_rule_and_one_record_shape_for_every_kind(tmp_path):
