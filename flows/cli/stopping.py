@@ -44,7 +44,7 @@ import time
 from collections.abc import Callable
 from types import FrameType
 
-from flows.stop_signals import STOP_SIGNALS, Stopped, signal_behind
+from flows.services.stop_signals import STOP_SIGNALS, Stopped, signal_behind
 
 GRACE_ENV = "BHFL_STOP_GRACE_S"
 DEFAULT_GRACE_S = 60.0

@@ -22,7 +22,7 @@ from typing import ClassVar, Literal, Self
 from pydantic import BaseModel, ConfigDict, Field
 
 from bhfl_core.store.atomic import write_text_atomic
-from flows.stop_signals import signal_behind
+from flows.services.stop_signals import signal_behind
 
 RECORD_FILE = "run.json"
 LOGGED_FILES = "run_files"  # RunRecord.logged: the parent run's config, data report and package list
@@ -152,7 +152,7 @@ class ProcessRecord(BaseModel):
 
     def ended(self, error: BaseException | None = None) -> Self:
         """The record once the attempt ended: finished; interrupted if ``error`` is a stop (Ctrl-C, SIGTERM,
-        SIGHUP: flows/stop_signals.py); else failed with ``error``'s type and text."""
+        SIGHUP: flows/services/stop_signals.py); else failed with ``error``'s type and text."""
         if error is None:
             return self.model_copy(update={"status": "finished", "error": ""})
         if (signum := signal_behind(error)) is not None:

@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from types import FrameType
 from typing import Any
 
-from flows.stop_signals import STOP_SIGNALS
+from flows.services.stop_signals import STOP_SIGNALS
 
 _PR_SET_PDEATHSIG = 1
 _prctl: Any = None  # libc's prctl where there is one

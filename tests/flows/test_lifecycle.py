@@ -33,7 +33,7 @@ from flows.records.pipeline_record import PipelineRecord
 from flows.records.run_record import RunStateError
 from flows.records.run_state import check_resume_overrides
 from flows.records.sweep_record import SWEEP_CONFIG, SweepRecord
-from flows.stop_signals import Stopped
+from flows.services.stop_signals import Stopped
 
 pytestmark = pytest.mark.integration
 

@@ -27,7 +27,7 @@ from prefect.settings import PREFECT_API_URL
 
 from data_prep.prepare import cached_data
 from flows.records.run_record import RunRecord
-from flows.stop_signals import Stopped, signal_behind
+from flows.services.stop_signals import Stopped, signal_behind
 from tests.flows.commands import left_behind, own_servers_env, sets, start, wait_for
 from tests.flows.kill_chain import cli, node_files, uninterrupted
 from tests.small import small_config
