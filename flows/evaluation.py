@@ -5,14 +5,13 @@ from __future__ import annotations
 import time
 
 from bhfl_core.algorithm.engine import VIRTUAL_TIME
-from bhfl_core.analysis.evaluation import Evaluation, ModelRef
+from bhfl_core.analysis.evaluation import Evaluation, ModelRef, ModelValues
 from bhfl_core.learning.metrics import task_metrics
 from bhfl_core.placement import Job, place
 from flows import progress
 from flows.node_runtime import NodeRuntime
 from flows.records.run_record import RunRecord
 from tasks.evaluation import baseline_models, evaluate_models, node_models
-from tasks.scoring import Stats
 
 
 def evaluate_all(rt: NodeRuntime, step: int, final: bool = False) -> Evaluation:
@@ -23,7 +22,7 @@ def evaluate_all(rt: NodeRuntime, step: int, final: bool = False) -> Evaluation:
     phase spread over the workers; both phases' wall times go to MLflow.
     """
     ctx = rt.ctx
-    stats: Stats = {}
+    values: list[ModelValues] = []
     seconds: dict[str, float] = {}
     nodes = node_models(ctx, servers_only=not final and ctx.config.eval.during == "servers")
     phases: list[tuple[str, list[ModelRef], list[float]]] = [("time/eval_s", nodes, [1.0] * len(nodes))]
@@ -38,9 +37,9 @@ def evaluate_all(rt: NodeRuntime, step: int, final: bool = False) -> Evaluation:
         plan = place(jobs, rt.executor.slots(), "lpt")
         batches = [(a.slot, [by_name[j] for j in a.jobs]) for a in plan]
         name = f"evaluate {len(models)} models on " + ", ".join(a.slot.name for a in plan)
-        stats.update(rt.orchestration.call_task(rt, evaluate_models, name, batches, rt.run_path))
+        values += rt.orchestration.call_task(rt, evaluate_models, name, batches, rt.run_path)
         seconds[timer] = time.time() - started
-    evaluation = Evaluation.from_stats(ctx.tree, task_metrics(ctx.manifest.task), stats)
+    evaluation = Evaluation(ctx.tree, task_metrics(ctx.manifest.task), values, ctx.eval_plan.population)
     # the root's virtual clock at this evaluation: the x axis of time-to-accuracy (report, `bhfl compare`)
     root = ctx.store.load_header(ctx.tree.root_id)
     if root.rounds_done:
@@ -48,7 +47,7 @@ def evaluate_all(rt: NodeRuntime, step: int, final: bool = False) -> Evaluation:
     from flows.tracking.report import log_evaluation  # matplotlib and the report code: not needed at start-up
 
     log_evaluation(rt.tracker, evaluation, step, seconds)
-    progress.note(f"evaluated {len(stats)} models after root round {step}")
+    progress.note(f"evaluated {len(values)} models after root round {step}")
     return evaluation
 
 

@@ -24,6 +24,8 @@ import yaml
 from torch import nn
 
 from bhfl_core.algorithm.tree import Tree
+from bhfl_core.analysis.eval_plan import EvalPlan
+from bhfl_core.analysis.evaluation import MatrixBuilder
 from bhfl_core.config.base import ConfigError
 from bhfl_core.config.schema import ExperimentConfig
 from bhfl_core.config.topology import build_tree
@@ -48,6 +50,7 @@ class RunContext:
     faults: FaultPlan = NO_FAULTS  # BHFL_FAULTS for this attempt, read by ``open`` (one built directly plans none)
     _proxy: dict[tuple[str, tuple[str, ...] | None], dict[str, torch.Tensor]] = field(default_factory=dict)
     _tests: tuple[list[str], dict[str, torch.Tensor], torch.Tensor] | None = None
+    _scoring: ScoringTable | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     @classmethod
@@ -167,6 +170,45 @@ class RunContext:
                 groups = torch.cat([torch.full((len(p["input_ids"]),), i, dtype=torch.int64) for i, p in parts])
                 self._tests = (names, data, groups)
             return self._tests
+
+    def scoring_table(self, proxy_name: str) -> ScoringTable:
+        """``test_sets`` as the task's scorer reads it, and where each split's rows are (built once).
+
+        The task kind prepares the table once (masked LM: the evaluation masks, drawn from
+        the run seed over the whole table), so every model, and every subset of clients a
+        model is scored on, sees the same rows the same way.
+        """
+        names, data, groups = self.test_sets(proxy_name)
+        with self._lock:
+            if self._scoring is None:
+                prepare = self.task_kind.scoring_table
+                table = prepare(data, self.task_facts) if prepare is not None else dict(data)
+                sizes = torch.bincount(groups, minlength=len(names))
+                starts = torch.cumsum(sizes, 0) - sizes  # the rows are concatenated split after split
+                self._scoring = ScoringTable(names, table, groups, starts, sizes)
+            return self._scoring
+
+    @cached_property
+    def matrix_builder(self) -> MatrixBuilder:
+        """What reduces a scored model's blocks to its metrics, for the plan's population."""
+        return MatrixBuilder(self.tree, self.task_kind.metrics, self.eval_plan.population)
+
+    @cached_property
+    def eval_plan(self) -> EvalPlan:
+        """Which client test splits each model is scored on (``eval.clients``, ``eval.client_model_sample``)."""
+        return EvalPlan(self.tree, self.config.seed, *self.config.eval.sample_sizes())
+
+
+@dataclass(frozen=True)
+class ScoringTable:
+    """Every client test split and the proxy's as one table: ``names[i]``'s rows are ``starts[i]`` to
+    ``starts[i] + sizes[i]``, tagged ``i`` in ``groups``."""
+
+    names: list[str]
+    data: dict[str, torch.Tensor]
+    groups: torch.Tensor
+    starts: torch.Tensor
+    sizes: torch.Tensor
 
 
 Stamp = tuple[int, int]  # modification times (ns) of a run's config and data pointer

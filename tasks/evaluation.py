@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from bhfl_core.analysis.evaluation import ModelRef
+from bhfl_core.analysis.evaluation import ModelRef, ModelValues
 from bhfl_core.placement import Slot
 from tasks.context import RunContext
 from tasks.executor import Executor, gather
-from tasks.scoring import Stats, local_only_rounds
+from tasks.scoring import local_only_rounds
 
 
 def node_models(ctx: RunContext, servers_only: bool = False) -> list[ModelRef]:
@@ -22,7 +22,8 @@ def node_models(ctx: RunContext, servers_only: bool = False) -> list[ModelRef]:
     client model and Ditto personal model."""
     nodes = [ModelRef.of_node(n.id) for n in ctx.tree.servers()]
     if ctx.config.eval.client_models and not servers_only:
-        clients = [n for n in ctx.tree.clients() if ctx.store.has(n.id)]
+        population = set(ctx.eval_plan.population)
+        clients = [n for n in ctx.tree.clients() if n.id in population and ctx.store.has(n.id)]
         nodes += [ModelRef.of_node(n.id) for n in clients if n.settings.persistent]
         nodes += [ModelRef.personal(n.id) for n in clients if n.settings.personal is not None]
     return nodes
@@ -38,7 +39,10 @@ def baseline_models(ctx: RunContext) -> tuple[list[ModelRef], list[float]]:
     loads: list[float] = []
     ev = ctx.config.eval
     test_rows = sum(c.test.size for c in ctx.manifest.clients) + ctx.manifest.proxy_test.size
+    population = set(ctx.eval_plan.population)
     for client in ctx.tree.clients():
+        if client.id not in population:
+            continue
         train = client.settings.train
         assert train is not None
         rows = ctx.clients[client.id].train.size * train.epochs
@@ -51,9 +55,12 @@ def baseline_models(ctx: RunContext) -> tuple[list[ModelRef], list[float]]:
     return models, loads
 
 
-def evaluate_models(executor: Executor, batches: Sequence[tuple[Slot, list[ModelRef]]], run_path: str) -> Stats:
-    """``{model: {client id or 'proxy': statistics}}``, each batch scored on its slot (tasks/scoring.py)."""
-    stats: Stats = {}
-    for part in gather([executor.submit(slot, "evaluate", run_path, models) for slot, models in batches]):
-        stats.update(part)
-    return stats
+def evaluate_models(
+    executor: Executor, batches: Sequence[tuple[Slot, list[ModelRef]]], run_path: str
+) -> list[ModelValues]:
+    """Every model's metrics on its test sets, each batch scored on its slot (tasks/scoring.py)."""
+    return [
+        values
+        for part in gather([executor.submit(slot, "evaluate", run_path, m) for slot, m in batches])
+        for values in part
+    ]

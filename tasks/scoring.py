@@ -1,10 +1,11 @@
 """Scoring inside a worker process: models on every test split, as additive statistics.
 
 A worker loads a flat vector into its model instance, model after model, and scores
-every client test split and the proxy test split in one batched pass over the
-pre-tokenised tables. What comes back are statistics that add up (confusion matrices,
-or masked-token NLL sums and counts), so the orchestrator forms every subtree union and
-the global union by summing, without re-running models. The scorer is that of the
+the client test splits the run's evaluation plan gives the model (every client, or a
+sample: bhfl_core/analysis/eval_plan.py) and the proxy test split, in one batched pass
+over the pre-tokenised tables. What comes back are statistics that add up (confusion
+matrices, or masked-token NLL sums and counts), one block per split, so the orchestrator
+forms every subtree union and the global union by summing, without re-running models. The scorer is that of the
 data manifest's ``task`` kind (``bhfl_core.learning.task_kinds``).
 
 Besides node models (``<node id>``: the saved model of a server or persistent client)
@@ -24,12 +25,10 @@ import torch
 
 from bhfl_core.algorithm.contract import RoundPlan
 from bhfl_core.algorithm.node_state import Caller, RoundKey
-from bhfl_core.analysis.evaluation import PROXY, ModelRef
+from bhfl_core.analysis.evaluation import PROXY, ModelRef, ModelValues, Scored, client_order
 from bhfl_core.learning.params import get_flat, set_flat
 from tasks.client_training import LocalTrainer
-from tasks.context import RunContext
-
-Stats = dict[ModelRef, dict[str, torch.Tensor]]
+from tasks.context import RunContext, ScoringTable
 
 
 def local_only_rounds(ctx: RunContext, client_id: str) -> int:
@@ -76,17 +75,29 @@ class _Baselines:
         return theta
 
 
-def score_models(ctx: RunContext, trainer: LocalTrainer, models: Sequence[ModelRef]) -> Stats:
-    """``{model: {client id or 'proxy': statistics}}`` for every client test split and the proxy test split.
+def score_models(ctx: RunContext, trainer: LocalTrainer, models: Sequence[ModelRef]) -> list[ModelValues]:
+    """Each model's statistics on the client test splits the run's evaluation plan gives it, and on the proxy.
 
     ``models`` are node models and Ditto personal models (their saved models; missing
-    ones are skipped) and the local-only / adapted baselines of clients (trained here first).
+    ones are skipped) and the local-only / adapted baselines of clients (trained here
+    first). Servers are scored on the population (every client, or ``eval.clients``);
+    a client's models on their plan's clients (bhfl_core/analysis/eval_plan.py; a model
+    of a client outside the population is skipped). The whole table is scored in one
+    batched pass where a model's plan is every client; otherwise only its clients' rows.
+    Each model's blocks are reduced here to its metrics (``MatrixBuilder``): what goes
+    back is a few numbers per test set it was scored on.
     """
-    names, data, groups = ctx.test_sets(PROXY)
+    table = ctx.scoring_table(PROXY)
+    plan, tree = ctx.eval_plan, ctx.tree
     score, facts, batch_size = ctx.task_kind.score, ctx.task_facts, ctx.config.eval.batch_size
+    order = _tree_order(ctx, table)
     baselines = _Baselines(ctx, trainer)
-    out: Stats = {}
+    builder = ctx.matrix_builder
+    out: list[ModelValues] = []
     for ref in models:
+        targets = plan.server_targets() if not tree[ref.node].is_leaf else plan.client_targets(ref.node)
+        if targets is None:
+            continue
         theta: torch.Tensor | None
         if ref.kind in ("node", "personal"):
             theta = ctx.store.load_model(ref.node, personal=ref.kind == "personal")
@@ -97,5 +108,27 @@ def score_models(ctx: RunContext, trainer: LocalTrainer, models: Sequence[ModelR
         if theta is None:
             continue
         set_flat(trainer.model, theta)
-        out[ref] = dict(zip(names, score(trainer.model, data, groups, len(names), batch_size, trainer.device, facts)))
+        if plan.complete and targets.weights is None:  # every client: the whole table in one pass
+            stats = score(trainer.model, table.data, table.groups, len(table.names), batch_size, trainer.device, facts)
+            blocks = stats[order]  # tree order, then the proxy (a copy: no view of the whole result travels)
+        else:
+            splits = torch.cat([order[torch.from_numpy(targets.clients)], order[-1:]])
+            rows, groups = _rows_of(table, splits)
+            data = {k: v[rows] for k, v in table.data.items()}
+            blocks = score(trainer.model, data, groups, len(splits), batch_size, trainer.device, facts)
+        out.append(builder.values(Scored(ref, targets.clients, targets.weights, blocks)))
     return out
+
+
+def _tree_order(ctx: RunContext, table: ScoringTable) -> torch.Tensor:
+    """The table's split index of each client in tree order (``client_order``), then the proxy's."""
+    index = {name: i for i, name in enumerate(table.names)}
+    return torch.tensor([index[c] for c in client_order(ctx.tree)] + [len(table.names) - 1], dtype=torch.int64)
+
+
+def _rows_of(table: ScoringTable, splits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows of ``splits`` (table split indices), in that order, and each row's position among them."""
+    sizes = table.sizes[splits]
+    rows = torch.cat([torch.arange(int(a), int(a) + int(n)) for a, n in zip(table.starts[splits], sizes)])
+    groups = torch.repeat_interleave(torch.arange(len(splits)), sizes)
+    return rows, groups

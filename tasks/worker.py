@@ -35,13 +35,13 @@ from torch import nn
 from bhfl_core.algorithm.aggregation_rule import rule_for
 from bhfl_core.algorithm.contract import RoundPlan
 from bhfl_core.algorithm.node_state import RoundKey
-from bhfl_core.analysis.evaluation import ModelRef
+from bhfl_core.analysis.evaluation import ModelRef, ModelValues
 from bhfl_core.learning.params import get_flat
 from bhfl_core.store.transfer import SentResult, TensorRef, Transfer, send_result
 from tasks.client_training import LocalTrainer, device_kind, train_clients
 from tasks.context import TIMELINE_DIR, RunContext, open_run
 from tasks.fold_storage import FoldStorage
-from tasks.scoring import Stats, score_models
+from tasks.scoring import score_models
 
 PLUGIN = "bhfl"
 DEVICE_ENV = "BHFL_DEVICE"  # cpu, cuda, cuda:N (unset: the process's CUDA device when there is one)
@@ -228,7 +228,7 @@ class WorkerRuntime:
         with self._call(run_path) as ctx:
             return self._trainer(ctx).score(ctx.tree[node_id], [Transfer.get(c) for c in candidates])
 
-    def evaluate(self, run_path: str, models: list[ModelRef]) -> Stats:
+    def evaluate(self, run_path: str, models: list[ModelRef]) -> list[ModelValues]:
         with self._call(run_path) as ctx:
             return score_models(ctx, self._trainer(ctx), models)
 

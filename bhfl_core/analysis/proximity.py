@@ -29,6 +29,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from bhfl_core.analysis.evaluation import PROXY, UNION, Evaluation
@@ -36,12 +37,23 @@ from bhfl_core.store.tables import table_csv
 
 
 @dataclass(frozen=True)
-class Pair:
-    model: str
-    client: str
-    distance: int
-    on_path: bool  # the model is the client's own or one of its ancestors'
-    value: float
+class Pairs:
+    """Every (node model, client) pair scored, as columns: ``models[model[i]]`` scored on ``clients[client[i]]``.
+
+    Linear in what was scored (servers x clients plus each client model's plan), never
+    models x clients: a persistent population of 10,000 is ~10^6 pairs, ~20 MB here.
+    """
+
+    models: list[str]
+    clients: list[str]
+    model: np.ndarray  # int32 index into models
+    client: np.ndarray  # int32 index into clients
+    distance: np.ndarray  # int32 tree edges between the model's node and the client
+    on_path: np.ndarray  # bool: the model is the client's own or one of its ancestors'
+    value: np.ndarray  # float64 metric (as is, not signed)
+
+    def __len__(self) -> int:
+        return len(self.value)
 
 
 @dataclass(frozen=True)
@@ -73,7 +85,7 @@ class GlobalProximity:
 class Proximity:
     metric: str
     higher_is_better: bool
-    pairs: list[Pair]
+    pairs: Pairs
     curve: list[CurvePoint]
     clients: list[ClientProximity]
     share_rank: float
@@ -115,50 +127,89 @@ def _share(flags: Sequence[bool | None]) -> float:
     return sum(defined) / len(defined) if defined else float("nan")
 
 
+def _pairs(ev: Evaluation, metric: str) -> Pairs:
+    """The pairs of the node models, model by model over the clients each was scored on."""
+    tree = ev.tree
+    models = ev.node_models()
+    clients = ev.clients
+    index = {c: i for i, c in enumerate(clients)}
+    depth = {c: tree[c].depth for c in clients}
+    columns: dict[str, list[float]] = {"distance": [], "on_path": [], "value": []}
+    model_column: list[int] = []
+    client_column: list[int] = []
+    for m, model in enumerate(models):
+        node = tree[model]
+        scored, values = ev.scored(model, metric)
+        keep = [(c, v) for c, v in zip(scored, values) if c in index and not math.isnan(v)]
+        if node.is_leaf:  # a client's model: distance 2 x the levels up to the common ancestor
+            lineage = {a: i for i, a in enumerate([model, *tree.ancestors(model)])}
+            for c, _ in keep:
+                up = next(a for a in [c, *tree.ancestors(c)] if a in lineage)
+                columns["distance"].append(lineage[up] + depth[c] - tree[up].depth)
+                columns["on_path"].append(c == model)
+        else:  # a server: the client's depth below it if under it, else through their common ancestor
+            below = set(tree.leaves_under(model))
+            ancestors = {a: i for i, a in enumerate([model, *tree.ancestors(model)])}
+            for c, _ in keep:
+                if c in below:
+                    columns["distance"].append(depth[c] - node.depth)
+                    columns["on_path"].append(True)
+                else:
+                    up = next(a for a in tree.ancestors(c) if a in ancestors)
+                    columns["distance"].append(ancestors[up] + depth[c] - tree[up].depth)
+                    columns["on_path"].append(False)
+        model_column += [m] * len(keep)
+        client_column += [index[c] for c, _ in keep]
+        columns["value"] += [v for _, v in keep]
+    model_ids, client_ids = np.array(model_column, dtype=np.int32), np.array(client_column, dtype=np.int32)
+    order = np.lexsort((model_ids, client_ids))  # by client, then model: every mean below sums in this order
+    return Pairs(
+        models,
+        clients,
+        model_ids[order],
+        client_ids[order],
+        np.array(columns["distance"], dtype=np.int32)[order],
+        np.array(columns["on_path"], dtype=bool)[order],
+        np.array(columns["value"], dtype=np.float64)[order],
+    )
+
+
+def _curve(pairs: Pairs) -> list[CurvePoint]:
+    """Mean and median of the metric per distance: all pairs, the own path, the rest."""
+    curve: list[CurvePoint] = []
+    for relation, keep in (("all", None), ("path", pairs.on_path), ("off_path", ~pairs.on_path)):
+        distance = pairs.distance if keep is None else pairs.distance[keep]
+        value = pairs.value if keep is None else pairs.value[keep]
+        for d in sorted(set(distance.tolist())):
+            vals = value[distance == d].tolist()  # in pair order: the mean sums as it always has
+            ordered = sorted(vals)
+            mid = len(ordered) // 2
+            median = ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+            curve.append(CurvePoint(relation, d, len(vals), sum(vals) / len(vals), median))
+    return curve
+
+
 def analyse(ev: Evaluation, metric: str | None = None) -> Proximity:
     """Distances, the metric-vs-distance curve and the hypothesis shares of an evaluation."""
     metric = metric or ev.task.primary
     sign = 1.0 if ev.task.better(metric) else -1.0
     tree = ev.tree
     models = ev.node_models()
-    pairs: list[Pair] = []
-    for client in ev.clients:
-        own_path = {client, *tree.ancestors(client)}
-        for model in models:
-            value = ev.value(model, client, metric)
-            if value is not None and not math.isnan(value):
-                pairs.append(Pair(model, client, tree.distance(model, client), model in own_path, value))
+    pairs = _pairs(ev, metric)
 
-    curve: list[CurvePoint] = []
-    for relation, keep in (
-        ("all", lambda p: True),
-        ("path", lambda p: p.on_path),
-        ("off_path", lambda p: not p.on_path),
-    ):
-        by_d: dict[int, list[float]] = {}
-        for p in pairs:
-            if keep(p):
-                by_d.setdefault(p.distance, []).append(p.value)
-        for d in sorted(by_d):
-            vals = sorted(by_d[d])
-            mid = len(vals) // 2
-            median = vals[mid] if len(vals) % 2 else (vals[mid - 1] + vals[mid]) / 2
-            curve.append(CurvePoint(relation, d, len(vals), sum(vals) / len(vals), median))
-
-    by_client: dict[str, list[Pair]] = {}
-    for p in pairs:
-        by_client.setdefault(p.client, []).append(p)
+    bounds = np.searchsorted(pairs.client, np.arange(len(ev.clients) + 1))  # pairs are by client, then model
     clients: list[ClientProximity] = []
     steps: dict[int, list[bool]] = {}
-    for client in ev.clients:
-        mine = by_client.get(client, [])
-        distances = [float(p.distance) for p in mine]
-        rho = spearman(distances, [sign * p.value for p in mine]) if len(set(distances)) > 1 else float("nan")
-        path = sorted((p for p in mine if p.on_path), key=lambda p: p.distance)
-        chain = [sign * p.value for p in path]
+    for i, client in enumerate(ev.clients):
+        mine = np.arange(bounds[i], bounds[i + 1])
+        distances = pairs.distance[mine].astype(float).tolist()
+        values = (sign * pairs.value[mine]).tolist()
+        rho = spearman(distances, values) if len(set(distances)) > 1 else float("nan")
+        path = sorted((int(pairs.distance[j]), sign * float(pairs.value[j])) for j in mine if pairs.on_path[j])
+        chain = [v for _, v in path]
         holds = all(a >= b for a, b in itertools.pairwise(chain)) if len(chain) > 1 else None
-        for lower, (a, b) in zip(path, itertools.pairwise(chain)):
-            steps.setdefault(lower.distance, []).append(a >= b)
+        for (lower, _), (a, b) in zip(path, itertools.pairwise(chain)):
+            steps.setdefault(lower, []).append(a >= b)
         clients.append(ClientProximity(client, len(mine), rho, holds))
 
     globals_: dict[str, GlobalProximity] = {}
@@ -182,7 +233,7 @@ def analyse(ev: Evaluation, metric: str | None = None) -> Proximity:
         metric,
         sign > 0,
         pairs,
-        curve,
+        _curve(pairs),
         clients,
         _share([None if math.isnan(c.rho) else c.rho < 0 for c in clients]),
         _share([c.path_holds for c in clients]),

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from bhfl_core.analysis.evaluation import PROXY, UNION, EvalRow, Evaluation
+from bhfl_core.analysis.evaluation import PROXY, UNION, Evaluation
 from bhfl_core.learning.mlm import IGNORE_INDEX, mask_tokens
 from bhfl_core.learning.task_kinds import TaskFacts, TaskMetrics
 from bhfl_core.rng import derive_seed
@@ -157,12 +157,8 @@ def as_evaluation(ev: Evaluation, baseline: TrivialBaseline) -> Evaluation:
     Every model is then the trivial one, on exactly the (model, test set) pairs the run
     scored, so the evaluation's own headlines give the baseline's over the same clients.
     """
-    rows = [
-        EvalRow(r.node, r.level, r.test_set, r.metric, baseline.scores[r.test_set][r.metric])
-        for r in ev.rows
-        if r.test_set in baseline.scores
-    ]
-    return Evaluation(ev.tree, ev.task, rows, ev.refs.values())
+    scores = baseline.scores
+    return ev.with_values(lambda test_set, metric: scores[test_set][metric] if test_set in scores else None)
 
 
 def headline_metrics(ev: Evaluation, baseline: TrivialBaseline) -> dict[str, float]:

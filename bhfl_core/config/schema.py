@@ -169,6 +169,16 @@ class EvalConfig(Strict):
     during: Literal["servers", "all"] = "servers"  # the models those evaluations score (the final one: all)
     batch_size: Annotated[int, Field(ge=1)] = 256
     client_models: bool = True  # also evaluate persistent client models
+    # the population every model is scored on: every client, or a seeded sample of N (docs/evaluation.md "At scale")
+    clients: Literal["all"] | Annotated[int, Field(ge=1)] = "all"
+    # a client's models: its own split and up to K clients per ring of the tree around it ("all": every client)
+    client_model_sample: Literal["all"] | Annotated[int, Field(ge=1)] = 16
+
+    def sample_sizes(self) -> tuple[int | None, int | None]:
+        """``(clients, client_model_sample)`` with ``all`` as None (bhfl_core/analysis/eval_plan.py)."""
+        clients, per_ring = self.clients, self.client_model_sample
+        return (None if clients == "all" else clients), (None if per_ring == "all" else per_ring)
+
     local_only: LocalOnlyBaseline | None = None  # final evaluation: the local-only baseline (off: null)
     local_adaptation: LocalAdaptation | None = None  # final evaluation: locally fine-tuned models (off: null)
 

@@ -7,8 +7,9 @@ for classification and MLM. ``grouped_lm_stats`` is the MLM counterpart of
 NLL, masked-token count), which add up over unions of groups exactly like confusion
 matrices do; loss = sum / count and perplexity = exp(loss) are computed from them.
 
-Evaluation masks are drawn once per call from ``seed`` over the whole table, so every
-model scored on the same table with the same seed sees the same masked positions.
+Evaluation masks are drawn once from ``seed`` over the whole table (``with_eval_masks``,
+once per run), so every model scored on the same table with the same seed, on all of it
+or on some clients' rows, sees the same masked positions.
 """
 
 from __future__ import annotations
@@ -119,6 +120,28 @@ def _masked_logits(model: nn.Module, inputs: dict[str, torch.Tensor], positions:
         handle.remove()
 
 
+MASK_TARGETS = "mlm_targets"  # a prepared table's column: each position's target id, IGNORE_INDEX where unmasked
+
+
+def with_eval_masks(data: Mapping[str, torch.Tensor], seed: int, masking: MaskingSpec) -> dict[str, torch.Tensor]:
+    """``data`` with its evaluation masks applied: ``input_ids`` masked, ``MASK_TARGETS`` the original ids there.
+
+    Drawn once from ``seed`` over the whole table, so a slice of the result (the clients a
+    model is scored on) carries exactly the masks those rows have in the whole table.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    masked_ids, targets = mask_tokens(
+        data["input_ids"],
+        data.get("attention_mask"),
+        masking.special_ids,
+        masking.mask_token_id,
+        masking.vocab_size,
+        masking.probability,
+        gen,
+    )
+    return {**data, "input_ids": masked_ids, MASK_TARGETS: targets}
+
+
 @torch.no_grad()
 def grouped_lm_stats(
     model: nn.Module,
@@ -134,26 +157,19 @@ def grouped_lm_stats(
     """``stats[group] = [summed NLL over masked tokens, number of masked tokens]`` (float64).
 
     Masked positions are drawn once from ``seed`` for the whole table (so they do not
-    depend on the batch size or on which model is scored); rows are batched sorted by
-    length, like ``grouped_confusions``. A ``labels`` column in ``data`` (class labels)
-    is ignored.
+    depend on the batch size or on which model is scored), unless the table carries them
+    already (``with_eval_masks``: prepared once per run, sliced to a model's clients);
+    rows are batched sorted by length, like ``grouped_confusions``. A ``labels`` column in
+    ``data`` (class labels) is ignored.
     """
     model.eval()
-    gen = torch.Generator().manual_seed(seed)
-    masked_ids, targets = mask_tokens(
-        data["input_ids"],
-        data.get("attention_mask"),
-        masking.special_ids,
-        masking.mask_token_id,
-        masking.vocab_size,
-        masking.probability,
-        gen,
-    )
+    if MASK_TARGETS not in data:
+        data = with_eval_masks(data, seed, masking)
+    targets = data[MASK_TARGETS]
     lengths = data["attention_mask"].sum(dim=1) if "attention_mask" in data else torch.zeros(len(groups))
     order = torch.argsort(lengths, stable=True)
     stats = torch.zeros(num_groups, 2, dtype=torch.float64)
-    inputs_all = {k: v for k, v in data.items() if k != "labels"}
-    inputs_all["input_ids"] = masked_ids
+    inputs_all = {k: v for k, v in data.items() if k not in ("labels", MASK_TARGETS)}
     for start in range(0, len(order), batch_size):
         idx = order[start : start + batch_size]
         batch = {k: v[idx] for k, v in inputs_all.items()}

@@ -90,6 +90,8 @@ class TaskKind:
     batch_transform: Callable[[TaskFacts], BatchTransform | None]  # the train_model transform of a run
     score: Scorer
     metrics: TaskMetrics
+    # the test table as ``score`` reads it, prepared once per run (masked LM: its evaluation masks); None: as it is
+    scoring_table: Callable[[Mapping[str, torch.Tensor], TaskFacts], dict[str, torch.Tensor]] | None = None
     needs_labels: bool = False  # trains and scores on class labels (a proxy corpus must name its label column)
     needs_mask_token: bool = False  # the tokenizer must have a mask token
 
@@ -193,6 +195,14 @@ def _masking_transform(facts: TaskFacts) -> BatchTransform:
     return mlm_transform(facts.masking())
 
 
+def _lm_scoring_table(data: Mapping[str, torch.Tensor], facts: TaskFacts) -> dict[str, torch.Tensor]:
+    """The test table with its evaluation masks applied (drawn once from the run seed over the whole table)."""
+    from bhfl_core.learning.mlm import with_eval_masks
+    from bhfl_core.rng import derive_seed
+
+    return with_eval_masks(data, derive_seed(facts.seed, "eval", "mlm-masks"), facts.masking())
+
+
 def _lm_stats(
     model: nn.Module,
     data: Mapping[str, torch.Tensor],
@@ -223,6 +233,7 @@ register_task_kind(
         head=_no_head,
         batch_transform=_masking_transform,
         score=_lm_stats,
+        scoring_table=_lm_scoring_table,
         metrics=TaskMetrics(
             "mlm", _lm_metrics, ("loss", "perplexity"), {"loss": False, "perplexity": False}, "perplexity"
         ),

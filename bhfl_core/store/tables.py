@@ -13,6 +13,9 @@ from __future__ import annotations
 import csv
 import io
 from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+from bhfl_core.store.atomic import atomic_path
 
 
 def table_csv(header: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
@@ -26,6 +29,16 @@ def table_csv(header: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
     writer.writerow(header)
     writer.writerows(rows)
     return out.getvalue()
+
+
+def write_csv_atomic(path: Path, header: Sequence[str], rows: Iterable[Sequence[object]]) -> None:
+    """``table_csv`` written as ``rows`` come (a table of millions of rows never held as one string), to a
+    temporary file that becomes ``path`` once complete."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_path(path) as tmp, open(tmp, "w", newline="") as fh:
+        writer = csv.writer(fh, lineterminator="\n", quoting=csv.QUOTE_MINIMAL)
+        writer.writerow(header)
+        writer.writerows(rows)
 
 
 def _markdown_cell(value: object) -> str:

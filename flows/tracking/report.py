@@ -16,7 +16,7 @@ then to the parent run's artefacts (same layout):
     eval/proximity_clients.csv    per client: Spearman rho(distance, quality), path monotone
     eval/communication.csv        models and bytes per server, round, direction, kind
     eval/communication_levels.csv the same summed per level
-    eval/heatmap.png, eval/proximity.png (and an SVG beside each)
+    eval/heatmap.png, eval/proximity.png, eval/clients_histogram.png (and an SVG beside each)
 
 Communication and evaluation time are read back from MLflow metric histories (not
 in-process counters), so a resumed run reports the whole run. The trivial baseline of
@@ -38,17 +38,18 @@ from bhfl_core.analysis import communication as comm
 from bhfl_core.analysis import proximity
 from bhfl_core.analysis import time_to_accuracy as tta
 from bhfl_core.analysis.evaluation import (
+    MATRIX_HEADER,
     PROXY,
     UNION,
     Evaluation,
     clients_csv,
     distribution,
     distribution_csv,
-    matrix_csv,
+    matrix_lines,
 )
 from bhfl_core.analysis.trivial_baselines import TrivialBaseline, headline_metrics
 from bhfl_core.store.atomic import write_text_atomic
-from bhfl_core.store.tables import table_csv
+from bhfl_core.store.tables import table_csv, write_csv_atomic
 from data_prep.figures import save_png
 from flows.tracking import plots
 from flows.tracking.baselines import trivial_baseline
@@ -119,8 +120,8 @@ def _write_tables(
     levels: Sequence[comm.LevelSummary],
 ) -> None:
     """The CSV tables and the two figures under ``folder``."""
+    write_csv_atomic(folder / "eval" / "matrix.csv", MATRIX_HEADER, matrix_lines(ev.rows()))  # streamed: it is large
     files = {
-        "eval/matrix.csv": matrix_csv(ev.rows),
         "eval/distribution.csv": distribution_csv(ev.distribution_rows()),
         "eval/clients.csv": clients_csv(ev.client_rows()),
         "eval/proximity.csv": proximity.curve_csv(prox),
@@ -132,6 +133,7 @@ def _write_tables(
         write_text_atomic(folder / name, text)
     save_figure(plots.heatmap(ev), folder / "eval" / "heatmap.png")
     save_figure(plots.proximity_plot(ev, prox), folder / "eval" / "proximity.png")
+    save_figure(plots.clients_histogram(ev), folder / "eval" / "clients_histogram.png")
 
 
 def write_report(

@@ -18,6 +18,7 @@ from bhfl_core.analysis import time_to_accuracy as tta
 from bhfl_core.analysis.evaluation import PROXY, UNION, Evaluation, distribution
 from bhfl_core.analysis.trivial_baselines import TrivialBaseline
 from bhfl_core.store.tables import table_markdown
+from flows.tracking.plots import MAX_LABELS
 from flows.tracking.privacy_report import HEADERS as PRIVACY_HEADERS
 from flows.tracking.privacy_report import PrivacyRow, client_lines
 from tasks.context import RunContext
@@ -99,10 +100,11 @@ def _clients(r: ReportInputs) -> list[str]:
         scored = [ev.value(m, c) for c in ev.clients for rel, m in ev.relatives(c) if rel == relation]
         values = [v for v in scored if v is not None]
         if values:
-            d = distribution(values, better)
+            d = distribution(values, better, round(len(values) * len(ev.all_clients) / len(ev.clients)))
             g = h.get(f"gain_vs_local/{relation}/{metric}_mean", math.nan)
             share = h.get(f"gain_vs_local/{relation}/{metric}_share_better", math.nan)
-            rows.append([relation_name, d.n, d.mean, d.median, d.best10, d.worst10, g, share])
+            mean: object = f"{d.mean:.4f} [{d.mean_low:.4f}, {d.mean_high:.4f}]" if ev.sampled else d.mean
+            rows.append([relation_name, d.n, mean, d.median, d.best10, d.worst10, g, share])
     if r.baseline is not None:
         d = distribution(r.baseline.per_client(ev.clients, metric), better)
         rows.append(
@@ -113,7 +115,13 @@ def _clients(r: ReportInputs) -> list[str]:
         f"## Each client's test split ({metric}, {'higher' if better else 'lower'} is better)",
         "",
         "Every client's own test split, scored with each model that belongs to the client; "
-        "mean / median / best and worst 10% over clients.",
+        "mean / median / best and worst 10% over clients."
+        + (
+            f" Over a seeded sample of {len(ev.clients):,} of the {len(ev.all_clients):,} clients (`eval.clients`): "
+            "the mean's 95% interval over all clients in brackets."
+            if ev.sampled
+            else ""
+        ),
         "",
         _table([*header, "share better than local-only"], rows),
         "",
@@ -197,16 +205,27 @@ def _proximity(r: ReportInputs) -> list[str]:
     ]
 
 
-def _heatmap() -> list[str]:
+def _heatmap(ev: Evaluation) -> list[str]:
+    if len(ev.clients) > MAX_LABELS or len(ev.node_models()) > MAX_LABELS:
+        what = (
+            f"{len(ev.clients):,} clients are too many for a cell each: rows are the servers, then each edge "
+            "server's client models together; columns each edge server's clients, then the subtree unions, the "
+            "union of all clients, the proxy test; a cell is the mean over the (model, client) pairs it covers."
+        )
+    else:
+        what = (
+            "Rows: node models in tree order; columns: client test splits (same order), subtree unions, "
+            "the union of all clients, the proxy test."
+        )
     return [
         "## Heatmap",
         "",
-        "Rows: node models in tree order; columns: client test splits (same order), subtree unions, "
-        "the union of all clients, the proxy test.",
+        what,
         "",
         "![heatmap](eval/heatmap.png)",
         "",
-        "Vector copy: [eval/heatmap.svg](eval/heatmap.svg).",
+        "Vector copy: [eval/heatmap.svg](eval/heatmap.svg). How the clients fare under their own model, edge server "
+        "and root: [eval/clients_histogram.png](eval/clients_histogram.png).",
         "",
     ]
 
@@ -307,7 +326,7 @@ def render_markdown(r: ReportInputs) -> str:
         _clients(r),
         _servers(r),
         _proximity(r),
-        _heatmap(),
+        _heatmap(r.ev),
         _communication(r),
         _time_to_accuracy(r),
         _privacy(r),

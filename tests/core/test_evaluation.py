@@ -9,11 +9,12 @@ import torch
 
 from bhfl_core.analysis import communication as comm
 from bhfl_core.analysis.evaluation import (
-    EvalSets,
     Evaluation,
+    MatrixBuilder,
     ModelRef,
     all_test_sets,
     distribution,
+    scored_from_stats,
 )
 from bhfl_core.analysis.proximity import analyse, average_ranks, spearman
 from bhfl_core.config.schema import EvalConfig
@@ -53,10 +54,11 @@ def test_test_sets_and_unions_are_sums_of_client_blocks():
     t = tree()
     assert all_test_sets(t) == ["a1", "a2", "b1", "b2", "subtree:A", "subtree:B", "union", "proxy"]
     blocks = {"a1": conf(3, 1), "a2": conf(1, 3), "b1": conf(2, 0), "b2": conf(0, 2), "proxy": conf(9, 1)}
-    full = dict(zip(all_test_sets(t), EvalSets(t).stack(blocks)))
-    assert torch.equal(full["subtree:A"], conf(4, 4).double())
-    assert torch.equal(full["union"], conf(6, 6).double()) and torch.equal(full["b2"], conf(0, 2).double())
-    assert torch.equal(full["proxy"], conf(9, 1).double())
+    (scored,) = scored_from_stats(t, {N("root"): blocks})
+    builder = MatrixBuilder(t, CLS)
+    sums = dict(zip(builder._unions.names, builder._unions.members @ scored.blocks[:4].double().reshape(4, -1)))
+    assert torch.equal(sums["subtree:A"], conf(4, 4).double().flatten())
+    assert torch.equal(sums["union"], conf(6, 6).double().flatten())
     ev = Evaluation.from_stats(t, CLS, {N("root"): blocks})
     assert ev.value("root", "subtree:A") == pytest.approx(4 / 8)
     assert ev.value("root", "subtree:B") == pytest.approx(2 / 4)
@@ -64,7 +66,7 @@ def test_test_sets_and_unions_are_sums_of_client_blocks():
     assert ev.value("root", "a1") == pytest.approx(0.75) and ev.value("root", "proxy") == pytest.approx(0.9)
     # macro-F1 on the union: class 0 F1 = 2*6/(12+6), class 1 F1 = 0 (predicted, never true)
     assert ev.value("root", "union", "macro_f1") == pytest.approx((2 * 6 / 18 + 0.0) / 2)
-    assert len(ev.rows) == 8 * 2  # 8 test sets x 2 metrics
+    assert len(list(ev.rows())) == 8 * 2  # 8 test sets x 2 metrics
     empty = classification_metrics(torch.zeros(2, 2, dtype=torch.int64))
     assert math.isnan(empty["accuracy"]) and math.isnan(empty["macro_f1"])
 
@@ -184,10 +186,15 @@ def test_proximity_distances_and_hypothesis_shares():
         }
     )
     p = analyse(ev)
-    pair = {(x.model, x.client): x for x in p.pairs}
-    assert pair[("A", "a1")].distance == 1 and pair[("B", "a1")].distance == 3
-    assert pair[("b1", "a1")].distance == 4 and not pair[("b1", "a1")].on_path
-    assert pair[("root", "b2")].on_path and pair[("root", "b2")].distance == 2
+    pairs = p.pairs
+    pair = {
+        (pairs.models[pairs.model[i]], pairs.clients[pairs.client[i]]): (int(pairs.distance[i]), bool(pairs.on_path[i]))
+        for i in range(len(pairs))
+    }
+    assert pair[("A", "a1")] == (1, True) and pair[("B", "a1")] == (3, False)
+    assert pair[("b1", "a1")] == (4, False) and pair[("a1", "a1")] == (0, True)
+    assert pair[("root", "b2")] == (2, True)
+    assert all(int(pairs.distance[i]) == ev.tree.distance(*key) for i, key in enumerate(pair))  # as Tree.distance
     per = {c.client: c for c in p.clients}
     assert per["a1"].rho == pytest.approx(spearman([0, 1, 2, 3, 4], [0.9, 0.7, 0.5, 0.3, 0.0]))
     assert per["a1"].rho == pytest.approx(-1.0) and per["a1"].path_holds is True
