@@ -6,7 +6,10 @@ trainings per root round (``--cohorts``), on the embedded experiment
 edge server per language -> clients) changed only through ``--set`` overrides: clients per
 language = population / languages, ``data.sizes: {median: 40, sigma: 0.8, min: 10, max:
 200}``, root without proxy training, intermediate servers and edge servers 1 round per
-execution, non-persistent clients (``--persistent``: persistent, their states on disk),
+execution, non-persistent clients (``--persistent``: persistent with ``tree.client.eta_down:
+0.5``, so each keeps a state on disk that its next execution reads; with the embedded 1.0
+a persistent client adopts its parent's model and bhfl writes nothing for it unless
+``--eval-client-models``),
 ``eval: {every: 0, client_models: false}`` (``--eval-client-models``: true). The cohort is
 per edge server (``tree.edge.cohort``), so it is solved from the resolved tree: clients
 trained per root round = edge cohort x (what one unit of edge cohort gives per root round:
@@ -61,9 +64,12 @@ is left out (folded into evaluate s). The trainings are counted from the edge se
 The loop (``--skip-loop`` leaves it out): the same amount of work in one plain Python
 process with no Prefect, MLflow or Dask, on the data bhfl prepared for the case (the run
 folder is opened with the project's own loaders, tasks/context.py's ``RunContext``: data
-generation stays outside its timing): per round, the same number of clients per edge
-server drawn at random (not bhfl's draws), each trained from the current global model on
-its training rows with the case's client ``train`` settings through bhfl's
+generation stays outside its timing; a client's training rows as bhfl's worker loads them,
+``LocalTrainer._data``, and the test rows as bhfl's evaluation does, ``RunContext.test_sets``,
+so it keeps working when the shards' layout on disk changes): per round, the same number of
+clients per edge server drawn at random (the same amount of work, not bhfl's draws), each
+trained from the current global model on its training rows with the case's client
+``train`` settings through bhfl's
 ``train_model`` (pure torch: same model, optimiser, epochs, batch size and padding trim,
 1 torch thread like a bhfl worker), the new global = the example-weighted mean of the
 round's models (FedAvg over all of them at once); then the final model scored once on
@@ -72,9 +78,11 @@ Its phases: start-up = its imports, prepare = opening the run's data (manifest, 
 set-up = building the model, then train, evaluate and report as above. Its peak PSS is
 sampled the same way; one process training on one core (bhfl: 2 workers on 2 cores).
 
-Run (the issue's cases; the large ones take minutes and GBs):
-    python benchmarks/scale.py --populations 100 1000 10000 --cohorts 100 1000 --rounds 10
-    python benchmarks/scale.py --populations 10000 --cohorts 100 200 500 1000 --trainings 10000
+The harness and the processes it starts import bhfl from the checkout that holds this
+file. Run (the issue's cases; the large ones take minutes and GBs):
+    .venv/bin/python benchmarks/scale.py --populations 100 1000 10000 --cohorts 100 1000 --rounds 10
+    .venv/bin/python benchmarks/scale.py --populations 10000 --cohorts 100 200 500 1000 --trainings 10000
+    .venv/bin/python benchmarks/scale.py --populations 1000 --cohorts 100 --persistent --skip-loop
 """
 
 from __future__ import annotations
@@ -165,6 +173,9 @@ def base_overrides(args: argparse.Namespace) -> list[str]:
         "tree.server.rounds=1",
         "tree.edge.rounds=1",
         f"tree.client.persistent={str(args.persistent).lower()}",
+        # a persistent client with eta_down 1.0 adopts its parent's model: nothing of it is read again, so bhfl
+        # writes no state for it (unless its model is scored); 0.5 mixes its own model in, read from disk
+        *(["tree.client.eta_down=0.5"] if args.persistent else []),
         "eval.every=0",
         f"eval.client_models={str(args.eval_client_models).lower()}",
     ]
@@ -646,6 +657,8 @@ def main() -> None:
         loop_child(Path(args.loop_child[0]), json.loads(args.loop_child[1]))
         return
     offline_quiet()
+    if str(REPO) not in sys.path:  # bhfl from this checkout here too (an editable install may point elsewhere)
+        sys.path.insert(1, str(REPO))
     from bhfl_core.config.loader import load_config
 
     languages = len(load_config(args.config, [*base_overrides(args), *args.overrides]).data.source.languages)
@@ -687,9 +700,11 @@ def main() -> None:
     extras = "".join(
         [", persistent clients" if args.persistent else "", ", client models scored" if args.eval_client_models else ""]
     )
+    config = args.config.resolve()
+    shown = config.relative_to(REPO) if config.is_relative_to(REPO) else config
     title = (
-        f"bhfl run on configs/embedded.yaml ({'; '.join(args.overrides) or 'no extra --set'}{extras}); "
-        f"median of {args.repeats}; peak PSS of the process tree sampled every {args.interval:g} s"
+        f"bhfl run on {shown} ({'; '.join(args.overrides) or 'no extra --set'}{extras}); {os.cpu_count()} CPUs, "
+        f"{time.strftime('%Y-%m-%d')}; median of {args.repeats}; peak PSS of the process tree every {args.interval:g} s"
     )
     text = "\n".join([title, "", table(rows, args.persistent), "", *memory_lines(rows)])
     print("\n" + text)
