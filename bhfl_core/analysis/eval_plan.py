@@ -9,7 +9,7 @@ scores. Two settings of ``eval`` bound it (docs/evaluation.md, "At scale"):
   clients at every evaluation). Models are scored on the population's test splits only;
   distributions over clients, the headlines over clients and the ``subtree:``/``union``
   values are then over the sample (the report gives the sample size and 95% intervals).
-- ``client_model_sample: all | K`` (default 16) — a model that belongs to one client
+- ``client_model_sample: all | K`` (default 20) — a model that belongs to one client
   (its persistent model, its Ditto personal model, its local-only and adapted
   baselines) is scored on the client's own split and on up to K clients of each *ring*
   around it: the other clients under its edge server, then those under each further
@@ -17,7 +17,7 @@ scores. Two settings of ``eval`` bound it (docs/evaluation.md, "At scale"):
   is drawn from ``(seed, "eval-ring", client, ring)``: the same at every evaluation.
   Its values on its ancestors' subtrees and on ``union`` weigh each sampled client by
   ``ring size / sampled`` (a ratio estimate of the whole ring). Where every ring has at
-  most K clients (the embedded default's have at most 12) the sample is every client:
+  most K clients (the embedded default's have at most 18) the sample is every client:
   exactly what scoring on everything gives. Cost: 1 + K x depth splits per client model.
 
 Servers are scored on the whole population. The plan is a pure function of the tree,

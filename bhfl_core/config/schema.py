@@ -172,7 +172,7 @@ class EvalConfig(Strict):
     # the population every model is scored on: every client, or a seeded sample of N (docs/evaluation.md "At scale")
     clients: Literal["all"] | Annotated[int, Field(ge=1)] = "all"
     # a client's models: its own split and up to K clients per ring of the tree around it ("all": every client)
-    client_model_sample: Literal["all"] | Annotated[int, Field(ge=1)] = 16
+    client_model_sample: Literal["all"] | Annotated[int, Field(ge=1)] = 20
 
     def sample_sizes(self) -> tuple[int | None, int | None]:
         """``(clients, client_model_sample)`` with ``all`` as None (bhfl_core/analysis/eval_plan.py)."""
