@@ -55,7 +55,7 @@ def test_figures_do_not_grow_with_the_clients(tmp_path):
     many = drawn(evaluation(1000), large)  # 4,000 clients, 4,000 client models, ~10^5 (model, client) pairs
     assert len(client_order(big_tree(2, 2, 1000))) == 4000
     for name, ((width, height), svg) in many.items():
-        (w0, h0), svg0 = few[name]
+        (w0, h0), _ = few[name]
         assert width <= 1.05 * w0 and height <= 1.05 * h0, (name, few[name], many[name])
         # a scatter shows at most MAX_POINTS points (4,000 pairs reach it): a few MB of SVG at most
         assert width * height <= 12_000_000 and svg <= 3_000_000, (name, few[name], many[name])

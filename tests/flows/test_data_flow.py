@@ -15,9 +15,12 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowFilter, FlowFilterName, FlowRunFilter, FlowRunFilterId
 from prefect.settings import PREFECT_API_URL
 
+from bhfl_core.analysis.evaluation import client_order
 from flows.data import prepare_data_flow, run_prepare
 from flows.experiment import run_experiment
+from tasks.context import open_run
 from tests.data.xglue_fixtures import write_xglue_nc
+from tests.flows.commands import scored_on_a_ring_sample
 from tests.small import small_config
 
 pytestmark = pytest.mark.integration
@@ -71,6 +74,19 @@ def test_masked_lm_experiment_on_local_xglue_parquet(mlm_run):
         ).read_text()
     )
     assert manifest["task"] == "mlm" and manifest["mask_token_id"] == 4 and manifest["source"].startswith("xglue/nc")
+
+
+def test_masked_lm_masks_stay_with_their_rows_when_a_model_is_scored_on_a_sample(mlm_run):
+    """A client model scored on its ring sample (its clients' rows only) meets the masks those rows have in the
+    whole table: the same perplexity as the full evaluation gave on each of those clients."""
+    _cfg, _root, result = mlm_run
+    matrix = (Path(result["run_path"]) / "report" / "eval" / "matrix.csv").read_text().splitlines()
+    value = {(n, t, m): float(v) for n, _, t, m, v in (line.split(",") for line in matrix[1:])}
+    sampled = scored_on_a_ring_sample(result["run_path"], "en-01", per_ring=1)
+    clients = client_order(open_run(result["run_path"]).tree)
+    assert len(sampled.clients) == 1 + 3
+    for position, (loss, _) in zip(sampled.clients, sampled.on_clients):
+        assert loss == pytest.approx(value[("en-01", clients[position], "loss")], abs=1e-6)
 
 
 def test_partition_report_is_logged_to_the_parent_run(mlm_run):

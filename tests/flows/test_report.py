@@ -5,6 +5,7 @@ import csv
 import io
 import json
 import math
+import pickle
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ from mlflow import MlflowClient
 from PIL import Image
 from typer.testing import CliRunner
 
-from bhfl_core.analysis.evaluation import Evaluation, ModelRef
+from bhfl_core.analysis.evaluation import Evaluation, ModelRef, client_order
 from bhfl_core.analysis.time_to_accuracy import CurvePoint
 from bhfl_core.learning.metrics import task_metrics
 from bhfl_core.store.transfer import Transfer
@@ -26,6 +27,7 @@ from flows.tracking.links import HEADLINE_VIEW_KEY, SHARED_VIEW_TAG, runs_link
 from flows.tracking.tracker import Tracker
 from tasks.context import open_run
 from tasks.worker import WorkerRuntime, worker_device
+from tests.flows.commands import scored_on_a_ring_sample
 
 pytestmark = pytest.mark.integration
 
@@ -121,6 +123,24 @@ def test_baselines_are_reproducible(evaluated_runs, tmp_path):
     for model, (name, split) in zip(models, (("local:en-00", "en-00"), ("adapt:fr-01", "proxy"))):
         assert model.name == name
         assert ev.value(name, split) == pytest.approx(value[(name, split, "accuracy")], abs=1e-6)
+    # what the worker sent back for a model: two numbers a test set it scored, never a whole table's blocks
+    for values in again:
+        sets = len(values.clients) + len(values.on_sets)
+        assert len(pickle.dumps(values)) <= sets * 2 * 8 + 1200 + 40 * len(values.on_sets), values
+
+
+def test_a_client_model_scored_on_a_ring_sample_scores_those_clients_as_the_full_evaluation(evaluated_runs, tmp_path):
+    """The same rows, scored apart from the rest of the table (its clients' rows only), give the same metrics."""
+    _, tree, _ = evaluated_runs
+    _, value = _matrix(MlflowClient(tree["tracking_uri"]), tree["run_id"], tmp_path)
+    sampled = scored_on_a_ring_sample(tree["run_path"], "en-01", per_ring=1)
+    clients = client_order(open_run(tree["run_path"]).tree)
+    assert sampled.on_clients.shape == (1 + 3, 2)  # its own split and one client of each of its three rings
+    for position, (accuracy, f1) in zip(sampled.clients, sampled.on_clients):
+        client = clients[position]
+        assert accuracy == pytest.approx(value[("en-01", client, "accuracy")], abs=1e-6)
+        assert f1 == pytest.approx(value[("en-01", client, "macro_f1")], abs=1e-6)
+    assert sampled.on_sets["proxy"][0] == pytest.approx(value[("en-01", "proxy", "accuracy")], abs=1e-6)
 
 
 def test_per_round_curves_for_every_node(evaluated_runs):
