@@ -31,3 +31,15 @@ def config_args(doc: str) -> argparse.Namespace:
     parser.add_argument("config", nargs="?", default=str(REPO / "configs" / "embedded.yaml"))
     parser.add_argument("--set", dest="overrides", action="append", default=[])
     return parser.parse_args()
+
+
+def add_set_option(parser: argparse.ArgumentParser) -> None:
+    """``--set KEY=VALUE`` (repeatable): a bhfl config override passed through to every bhfl run."""
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra bhfl config override (repeatable), e.g. runtime.workers=1",
+    )

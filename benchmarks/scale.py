@@ -104,7 +104,7 @@ from pathlib import Path
 from typing import IO, Any
 
 import psutil
-from _env import REPO, offline_quiet
+from _env import REPO, add_set_option, offline_quiet
 from _proc import TreeSampler
 
 SIZES = "{median: 40, sigma: 0.8, min: 10, max: 200}"
@@ -607,14 +607,7 @@ def parse_args() -> argparse.Namespace:
     rounds.add_argument("--trainings", type=int, help="client trainings in all: root rounds = this / clients per round")
     parser.add_argument("--persistent", action="store_true", help="persistent clients (their states on disk)")
     parser.add_argument("--eval-client-models", action="store_true", help="eval.client_models: true")
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="extra bhfl config override (repeatable), e.g. runtime.workers=1",
-    )
+    add_set_option(parser)
     parser.add_argument("--config", type=Path, default=REPO / "configs" / "embedded.yaml", help="the base config")
     parser.add_argument("--skip-loop", action="store_true", help="no plain-loop reference")
     parser.add_argument("--repeats", type=int, default=1, help="runs of each case (figures: medians)")

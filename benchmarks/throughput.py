@@ -57,7 +57,7 @@ from typing import Any
 
 import numpy as np
 import psutil
-from _env import REPO, offline_quiet
+from _env import REPO, add_set_option, offline_quiet
 from _proc import GpuSampler, TreeSampler
 
 BASE_MODEL = {"hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12, "intermediate_size": 3072}
@@ -332,14 +332,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--prefect-api-url", help="run bhfl against this running Prefect server (PREFECT_API_URL)")
     parser.add_argument("--device", default="cpu", help="the loop's device (cpu, cuda); give bhfl --set runtime.device")
     parser.add_argument("--model", choices=["tiny", "base"], default="tiny", help="base: BERT-base dimensions")
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="extra bhfl config override (repeatable), e.g. runtime.workers=1",
-    )
+    add_set_option(parser)
     parser.add_argument(
         "--other-data", action="store_true", help="go on when this numpy generates other data than the spec's"
     )

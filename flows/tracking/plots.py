@@ -9,6 +9,7 @@ picture.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 from matplotlib.axes import Axes
@@ -62,11 +63,26 @@ def heatmap(ev: Evaluation) -> Figure:
     for i, m in enumerate(rows):
         if not ev.tree[m].is_leaf:
             ax.axhline(i - 0.5, color="white", linewidth=0.5)
+    return _labelled(
+        fig,
+        ax,
+        image,
+        ev,
+        "",
+        "test set: client test splits | subtree unions, union of all clients, proxy",
+        "model (tree order: servers in bold, each followed by its subtree)",
+        f"{metric.capitalize()} of each model on each test set",
+    )
+
+
+def _labelled(fig: Figure, ax: Axes, image: Any, ev: Evaluation, unit: str, x: str, y: str, title: str) -> Figure:
+    """A heatmap's colour bar (the primary metric, which way is better, ``unit``), axis labels and title."""
+    metric = ev.task.primary
     direction = "higher is better" if ev.task.better(metric) else "lower is better"
-    fig.colorbar(image, ax=ax, fraction=0.03, pad=0.01).set_label(f"{metric} ({direction})")
-    ax.set_xlabel("test set: client test splits | subtree unions, union of all clients, proxy")
-    ax.set_ylabel("model (tree order: servers in bold, each followed by its subtree)")
-    ax.set_title(f"{metric.capitalize()} of each model on each test set")
+    fig.colorbar(image, ax=ax, fraction=0.03, pad=0.01).set_label(f"{metric} ({direction}){unit}")
+    ax.set_xlabel(x)
+    ax.set_ylabel(y)
+    ax.set_title(title)
     return fig
 
 
@@ -119,12 +135,16 @@ def summary_heatmap(ev: Evaluation) -> Figure:
     ax.set_xticks(range(len(cols)), cols, rotation=90, fontsize=MIN_FONT_PT)
     ax.set_yticks(range(len(groups)), [label for label, _ in groups], fontsize=MIN_FONT_PT)
     ax.axvline(len(edges) - 0.5, color="white", linewidth=1.5)
-    direction = "higher is better" if ev.task.better(metric) else "lower is better"
-    fig.colorbar(image, ax=ax, fraction=0.03, pad=0.01).set_label(f"{metric} ({direction}), mean per cell")
-    ax.set_xlabel("test set: each edge server's clients (mean over their splits) | subtree unions, union, proxy")
-    ax.set_ylabel("model: servers, then each edge server's client models (mean)")
-    ax.set_title(f"{metric.capitalize()} by edge server ({len(ev.clients):,} clients: a cell per edge server)")
-    return fig
+    return _labelled(
+        fig,
+        ax,
+        image,
+        ev,
+        ", mean per cell",
+        "test set: each edge server's clients (mean over their splits) | subtree unions, union, proxy",
+        "model: servers, then each edge server's client models (mean)",
+        f"{metric.capitalize()} by edge server ({len(ev.clients):,} clients: a cell per edge server)",
+    )
 
 
 def _sample(n: int, limit: int, rng: np.random.Generator) -> np.ndarray:
