@@ -220,11 +220,14 @@ def clients_histogram(ev: Evaluation) -> Figure:
     bins = np.linspace(low, high if high > low else low + 1, 31).tolist()
     for relation, values in by_relation.items():
         ax.hist(values, bins=bins, histtype="step", linewidth=1.5, label=f"{relations[relation]} (n={len(values):,})")
+    if not by_relation:  # e.g. prepared data without client test splits
+        ax.text(0.5, 0.5, "no client test split was scored", ha="center", va="center", transform=ax.transAxes)
     ax.set_xlabel(f"{metric} on the client's own test split")
     ax.set_ylabel("clients")
     sample = f" (a sample of {len(ev.clients):,} of {len(ev.all_clients):,})" if ev.sampled else ""
     ax.set_title(f"Clients by {metric} of the models that serve them{sample}", fontsize=10)
-    _legend_below(ax)
+    if by_relation:
+        _legend_below(ax)
     return fig
 
 
