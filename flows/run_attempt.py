@@ -31,6 +31,7 @@ from flows.evaluation import evaluate_all, evaluate_step
 from flows.launch import Launch
 from flows.lifecycle import finish_or_fail
 from flows.node_runtime import NodeRuntime, node_runtime, worker_utilisation
+from flows.records.disk_usage import run_folder_figures
 from flows.records.environment import peak_rss_mb
 from flows.records.run_record import LOGGED_FILES, RunRecord
 from flows.records.warm_source import warm_start
@@ -177,11 +178,15 @@ class _Attempt:
         from flows.tracking.report import write_report  # matplotlib and the report code: not needed at start-up
 
         headline = write_report(tracker, rt.ctx, evaluation, timings, step=eval_step)  # report.md, tables, figures
+        # the run folder as the run leaves it (report included; only run.json is rewritten after): one walk
+        disk = run_folder_figures(self.path, len(rt.ctx.tree.clients()))
+        if not self.force_eval:
+            tracker.log_metrics(tracker.parent_id, disk, step=0)
         markdown = summary_markdown(
             self.cfg, self.path, record.tracking_uri, tracker.experiment_id, tracker.parent_id, headline
         )
         self.launch.orchestration.publish(self.cfg, markdown)  # the headlines and the MLflow link
-        self.summary = {"headline": headline, "timings": timings, "memory": peaks, "utilisation": usage}
+        self.summary = {"headline": headline, "timings": timings, "memory": peaks, "utilisation": usage, "disk": disk}
         tracker.finish("FINISHED")
 
     def end(self, error: BaseException | None) -> None:

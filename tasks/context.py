@@ -67,7 +67,8 @@ class RunContext:
 
     @cached_property
     def store(self) -> StateStore:
-        return StateStore(self.run_path / STATE_DIR, self.faults.checkpoint_hook())
+        clients = frozenset(n.id for n in self.tree.clients())  # read once, written once: not kept in the page cache
+        return StateStore(self.run_path / STATE_DIR, self.faults.checkpoint_hook(), uncached=clients.__contains__)
 
     @cached_property
     def transfer(self) -> Transfer:

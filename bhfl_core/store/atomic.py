@@ -6,6 +6,10 @@ run after a kill) may open while it is being rewritten goes through it: checkpoi
 files and figures, SQLite store templates. Its temporary files are hidden siblings
 named ``.<name>.<random>.tmp``, so ``StateStore.remove_partial_writes`` (``**/.*.tmp``)
 finds what a killed process left behind.
+
+A file that nobody will read soon (a client's state: read once per participation,
+written once) can leave the page cache once it is durable (``drop_cache``): after the
+fsync its pages are clean, and ``drop_cached`` asks the kernel to let them go.
 """
 
 from __future__ import annotations
@@ -32,9 +36,38 @@ def _reserve_temp(path: Path) -> Path:
             continue
 
 
-def _fsync(path: Path) -> None:
-    with open(path, "rb") as fh:
-        os.fsync(fh.fileno())
+def _fsync(path: Path, drop_cache: bool = False) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        if drop_cache:
+            _drop(fd)  # clean now: the kernel can let its pages go at once
+    finally:
+        os.close(fd)
+
+
+def _drop(fd: int) -> None:
+    if hasattr(os, "posix_fadvise"):  # (not on macOS: the pages stay until the kernel needs them)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+
+def drop_cached(path: str | Path) -> None:
+    """Ask the kernel to drop ``path``'s pages from the page cache (a file read or written, not needed soon).
+
+    Only clean pages that no process maps are dropped: call it once the file is
+    durable (``atomic_path`` does, after its fsync) and after what was read from it is
+    no longer mapped; pages still mapped stay, and dropping a page that is read again
+    later only costs reading it from disk. A filesystem that holds its files in memory
+    (tmpfs) keeps them. A file that is gone is left alone.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return
+    try:
+        _drop(fd)
+    finally:
+        os.close(fd)
 
 
 def _link_into_place(tmp: Path, path: Path) -> None:
@@ -55,6 +88,7 @@ def atomic_path(
     *,
     before_replace: BeforeReplace | None = None,
     overwrite: bool = True,
+    drop_cache: bool = False,
 ) -> Iterator[Path]:
     """Yield a temporary sibling of ``path`` to write; on success it becomes ``path`` in one step.
 
@@ -67,13 +101,16 @@ def atomic_path(
     ``overwrite=False`` never replaces a file: the new one is hard-linked into place, and
     FileExistsError is raised (temporary file removed) when ``path`` exists, even if it
     appeared while the block ran.
+
+    ``drop_cache``: once fsync'ed, the file's pages are dropped from the page cache
+    (``drop_cached``), for a file that will not be read soon.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = _reserve_temp(path)
     try:
         yield tmp
-        _fsync(tmp)
+        _fsync(tmp, drop_cache)
         if before_replace is not None:
             before_replace(tmp)
         if overwrite:

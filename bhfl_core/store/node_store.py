@@ -13,6 +13,16 @@ use safetensors (no unpickling). Memory is bounded by what callers load, not by 
 number of nodes. Residual accumulators use the same atomic writer; models sent between
 processes are not state (``transfer.py``). Header-only reads (round counter,
 execution, metrics) go through ``state_header.py``, which needs no torch.
+
+Clients' states at scale (docs/runtime.md, "Client states at scale"): a population of
+10,000 persistent clients keeps 10,000 files, each read once when its client is
+sampled and written once at the end of that execution. The store touches a node's
+file only when asked for that node (nothing lists the folder), keeps no file open
+between calls, and, for the nodes its ``uncached`` filter names (the run's clients),
+lets their pages leave the page cache: a state written is dropped once durable, a
+model or header read for scoring is dropped once read (``load_model`` hands back a
+copy), and a state the engine read goes with its file when the next commit replaces
+it. Servers' files, read again every round, stay cached.
 """
 
 from __future__ import annotations
@@ -34,7 +44,7 @@ from bhfl_core.algorithm.aggregation import WeightedSum
 from bhfl_core.algorithm.contract import ChildResult, MemberLoss
 from bhfl_core.algorithm.node_state import AsyncProgress, NodeState
 from bhfl_core.algorithm.node_step import Inbox, PendingResidual, ResidualPost
-from bhfl_core.store.atomic import atomic_path
+from bhfl_core.store.atomic import atomic_path, drop_cached
 from bhfl_core.store.state_header import (
     CHECKSUMS,
     FEEDBACK,
@@ -46,7 +56,6 @@ from bhfl_core.store.state_header import (
     VERSION,
     damaged,
     node_file,
-    read_header,
     read_info,
     state_from_file,
 )
@@ -56,6 +65,13 @@ from bhfl_core.store.state_header import CheckpointError as CheckpointError  # n
 
 WriteHook = Callable[[Path], None]
 """Called with the temporary file after it is written and fsync'ed, before the rename."""
+
+NodeFilter = Callable[[str], bool]
+"""Says, by node id, which nodes a ``StateStore`` treats in some way (``uncached``: the run's clients)."""
+
+
+def _nothing(node_id: str) -> bool:
+    return False
 
 
 def state_tensors(state: NodeState) -> dict[str, torch.Tensor]:
@@ -118,17 +134,19 @@ def atomic_save(
     path: Path,
     info: dict[str, Any] | None = None,
     before_replace: WriteHook | None = None,
+    drop_cache: bool = False,
 ) -> None:
     """Write a checksummed safetensors file so that readers see the old file or the new one, never half.
 
     ``info`` (JSON-able) and the tensors' checksums go in one metadata entry with sorted
     keys: safetensors writes its metadata map in no fixed order, and identical states
-    must give identical bytes.
+    must give identical bytes. ``drop_cache``: the file's pages leave the page cache once
+    it is durable (``atomic.drop_cached``).
     """
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
     digests = {k: _digest(v) for k, v in tensors.items()}
     meta = {INFO: json.dumps({**(info or {}), CHECKSUMS: digests}, sort_keys=True)}
-    with atomic_path(path, before_replace=before_replace) as tmp:
+    with atomic_path(path, before_replace=before_replace, drop_cache=drop_cache) as tmp:
         save_file(tensors, str(tmp), metadata=meta)
 
 
@@ -167,13 +185,25 @@ class StateStore:
 
     ``before_replace`` (optional) runs between writing a checkpoint and renaming it into
     place; the fault-injection tests use it to kill a run in the middle of a write.
+
+    ``uncached`` (optional) names the nodes whose state files should not stay in the
+    page cache: whoever builds the store passes the run's clients (tasks/context.py),
+    whose states are read once per participation and written once. Their files are
+    dropped from the cache once written (after the fsync) and once read for scoring
+    (``load_model``, ``load_info``, ``load_header``). Other nodes' files (servers: read
+    again every round) are left to the kernel.
     """
 
     def __init__(
-        self, root: str | Path, before_replace: WriteHook | None = None, writer: ThreadPoolExecutor | None = None
+        self,
+        root: str | Path,
+        before_replace: WriteHook | None = None,
+        writer: ThreadPoolExecutor | None = None,
+        uncached: NodeFilter | None = None,
     ) -> None:
         self.root = Path(root)
         self.before_replace = before_replace
+        self.uncached: NodeFilter = uncached or _nothing
         self._writer = writer
         self._writes: list[Future[None]] = []
 
@@ -188,7 +218,7 @@ class StateStore:
         parent's commit still comes after its children's, as with plain commits.
         """
         with ThreadPoolExecutor(1, thread_name_prefix="bhfl-commit") as writer:
-            view = StateStore(self.root, self.before_replace, writer)
+            view = StateStore(self.root, self.before_replace, writer, self.uncached)
             try:
                 yield view
             finally:
@@ -220,22 +250,39 @@ class StateStore:
     def load_info(self, node_id: str) -> dict[str, Any]:
         """A node's round counter, execution and last metrics, without loading its tensors."""
         path = self.node_path(node_id)
-        return read_info(path) if path.exists() else {}
+        if not path.exists():
+            return {}
+        info = read_info(path)
+        if self.uncached(node_id):
+            drop_cached(path)  # the header's page, and what the kernel read ahead of it
+        return info
 
     def load_header(self, node_id: str) -> NodeState:
         """A node's state without its tensors (``model`` is None): cheap progress reads."""
-        return read_header(self.root, node_id)
+        return state_from_file({}, self.load_info(node_id))
 
     def load_model(self, node_id: str, personal: bool = False) -> torch.Tensor | None:
-        """A node's model ``W_q`` (or, ``personal``, a Ditto client's personal model); None if it has none."""
+        """A node's model ``W_q`` (or, ``personal``, a Ditto client's personal model); None if it has none.
+
+        The model is mapped from the file; for an ``uncached`` node it is copied out of
+        the mapping instead, and the file's pages are dropped: a client's model is read
+        once for scoring, and 10,000 of them would otherwise stay in the page cache.
+        """
         path = self.node_path(node_id)
         if not path.exists():
             return None
         name = PERSONAL if personal else MODEL
-        return load_tensors(path, [name])[0].get(name)
+        model = load_tensors(path, [name])[0].get(name)
+        if model is None or not self.uncached(node_id):
+            return model
+        copy = model.clone()
+        del model  # unmapped: nothing maps the file's pages now (a mapped page would stay)
+        drop_cached(path)
+        return copy
 
     def save(self, node_id: str, state: NodeState) -> None:
-        atomic_save(state_tensors(state), self.node_path(node_id), state_info(state), self.before_replace)
+        path, drop = self.node_path(node_id), self.uncached(node_id)
+        atomic_save(state_tensors(state), path, state_info(state), self.before_replace, drop_cache=drop)
 
     def commit(self, node_id: str, state: NodeState, persist: bool = True) -> None:
         """The round's one commit point: save the state, then delete the residuals it consumed.
