@@ -49,6 +49,17 @@ def _reporter() -> Any:
     return RichReporter(console)
 
 
+def _on_disk(result: dict) -> str:
+    """`` (12.3 MB, 41 KB a client)``: the run folder's size, as the run measured it at its end."""
+    from flows.records.disk_usage import RUN_FOLDER_BYTES, RUN_FOLDER_BYTES_PER_CLIENT
+
+    disk = result.get("disk") or {}
+    if RUN_FOLDER_BYTES not in disk:
+        return ""
+    total, per_client = disk[RUN_FOLDER_BYTES], disk[RUN_FOLDER_BYTES_PER_CLIENT]
+    return f" ({total / 1e6:,.1f} MB, {per_client / 1e3:,.1f} KB a client)"
+
+
 def print_summary(result: dict, run_dir: Path) -> None:
     """The end of a run, on stdout: the headline table, where everything went, how to open it."""
     from rich.table import Table
@@ -62,7 +73,7 @@ def print_summary(result: dict, run_dir: Path) -> None:
     uri = result["tracking_uri"]
     out.print(
         f"\n[bold green]done[/] in {result['wall_time_s']:.0f} s\n"
-        f"  run files (node models, optimiser states): {result['run_path']}\n"
+        f"  run files (node models, optimiser states): {result['run_path']}{_on_disk(result)}\n"
         f"  MLflow store: {uri}\n"
         f"  MLflow run id: {result['run_id']}  (evaluation matrix: artefact eval/matrix.csv)\n"
         f"  report: {Path(result['run_path']) / 'report' / 'report.html'}  "
