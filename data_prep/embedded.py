@@ -18,10 +18,14 @@ Everything derives from the seed: the same seed gives the same corpus, byte for 
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
+import pyarrow as pa
 from datasets import ClassLabel, Dataset, Features, Value
+from datasets.table import InMemoryTable
 
 from bhfl_core.rng import generator
 
@@ -250,7 +254,15 @@ def language_model(seed: int, language: str) -> LanguageModel:
 
 
 def generate_pool(seed: int, language: str, size: int, cue_strength: float, topic_strength: float) -> Dataset:
-    """``size`` documents of one language, labels drawn from the language prior."""
+    """``size`` documents of one language, labels drawn from the language prior.
+
+    The draws are whole-pool arrays in a fixed order (labels, lengths, then one array
+    per token-level decision), so the corpus is a function of (seed, language, size,
+    strengths). Memory stays a few bytes per token: uniform draws are taken in chunks
+    (the same stream as one call), integer draws are narrowed as soon as they are
+    drawn, words are ids into one vocabulary table, and the texts are assembled as
+    Arrow strings without a Python object per token (``_join_words``).
+    """
     lm = language_model(seed, language)
     cues, neutral = _shared_vocab(seed)
     rng = generator(seed, "embedded", "documents", language)
@@ -259,40 +271,96 @@ def generate_pool(seed: int, language: str, size: int, cue_strength: float, topi
     title_len = rng.integers(4, 9, size=size)
     body_len = rng.integers(20, 41, size=size)
     doc_len = title_len + body_len
-    token_label = np.repeat(labels, doc_len)
+    token_label = np.repeat(labels.astype(np.int8), doc_len)
     n = len(token_label)
 
     # Each token is a shared cue (18%), a language topic word (12%), a shared neutral
     # word (15%) or language filler (55%); cues and topics point at the document's
     # label with probability cue_strength / topic_strength, else at a random category.
-    kind = rng.random(n)
-    noisy = rng.integers(k, size=n)
-    cue_slot = np.where(rng.random(n) < cue_strength, lm.cue_slot_of_category[token_label], noisy)
-    topic = np.where(rng.random(n) < topic_strength, token_label, noisy)
+    kind = _uniform_chunks(rng, n, lambda u: np.searchsorted(_KIND_EDGES, u, side="right"))
+    noisy = rng.integers(k, size=n).astype(np.int8)
+    slot_of_category = lm.cue_slot_of_category.astype(np.int8)
+    cue = _uniform_chunks(rng, n, lambda u: u < cue_strength, dtype=np.bool_)
+    cue_slot = np.where(cue, slot_of_category[token_label], noisy)
+    del cue
+    topic = np.where(_uniform_chunks(rng, n, lambda u: u < topic_strength, dtype=np.bool_), token_label, noisy)
+    del noisy, token_label
+    # one table of every word: cue slots (a row each), topics (a row per category), neutral, filler
+    tables = [np.array(t, dtype=object) for t in (cues, lm.topics, neutral, lm.filler)]
+    widths = [t.shape[-1] for t in tables]
+    starts = np.cumsum([0] + [t.size for t in tables])
+    vocabulary = [str(w) for t in tables for w in t.ravel()]
     pick = rng.integers(1 << 30, size=n)
-    cue_table = np.array(cues, dtype=object)
-    topic_table = np.array(lm.topics, dtype=object)
-    tokens = np.where(
-        kind < 0.18,
-        cue_table[cue_slot, pick % cue_table.shape[1]],
-        np.where(
-            kind < 0.30,
-            topic_table[topic, pick % topic_table.shape[1]],
+    np.remainder(pick, math.lcm(*widths), out=pick)  # pick % width for every width: each divides the lcm
+    pick = pick.astype(np.int32)
+    word = np.empty(n, dtype=np.int32)
+    for i in range(0, n, _CHUNK):
+        s = slice(i, i + _CHUNK)
+        p, kd = pick[s], kind[s]
+        word[s] = np.where(
+            kd == 0,
+            starts[0] + cue_slot[s].astype(np.int32) * widths[0] + p % widths[0],
             np.where(
-                kind < 0.45,
-                np.array(neutral, dtype=object)[pick % len(neutral)],
-                np.array(lm.filler, dtype=object)[pick % len(lm.filler)],
+                kd == 1,
+                starts[1] + topic[s].astype(np.int32) * widths[1] + p % widths[1],
+                np.where(kd == 2, starts[2] + p % widths[2], starts[3] + p % widths[3]),
             ),
-        ),
-    )
+        )
+    del pick, kind, cue_slot, topic
 
-    titles, bodies = [], []
-    ends = np.cumsum(doc_len)
-    for end, length, t_len in zip(ends, doc_len, title_len):
-        doc = tokens[end - length : end]
-        titles.append(" ".join(doc[:t_len]))
-        bodies.append(" ".join(doc[t_len:]))
-    return Dataset.from_dict(
-        {"news_title": titles, "news_body": bodies, "news_category": labels.tolist(), "language": [language] * size},
-        features=FEATURES,
-    )
+    # a document is its title (first title_len tokens), then its body
+    edges = np.zeros(n + 1, dtype=np.int8)  # +1 where a document starts, -1 where its body starts
+    doc_start = np.cumsum(doc_len) - doc_len
+    edges[doc_start] = 1
+    edges[doc_start + title_len] = -1
+    in_title = np.cumsum(edges[:-1], dtype=np.int8).astype(bool)
+    del edges
+    titles = _join_words(vocabulary, word[in_title], np.cumsum(title_len))
+    bodies = _join_words(vocabulary, word[~in_title], np.cumsum(body_len))
+    del word, in_title
+    columns = [titles, bodies, pa.array(labels, pa.int64()), pa.array([language] * size, pa.string())]
+    return Dataset(InMemoryTable(pa.Table.from_arrays(columns, schema=FEATURES.arrow_schema)))
+
+
+_KIND_EDGES = np.array([0.18, 0.30, 0.45])  # cue < 0.18 <= topic < 0.30 <= neutral < 0.45 <= filler
+_CHUNK = 1 << 20  # draws per step of the chunked draws
+_JOIN_CHUNK = 1 << 17  # tokens per step of the text assembly (its index arrays take 8 bytes per text byte)
+
+
+def _uniform_chunks(rng: np.random.Generator, n: int, fn: Callable[[np.ndarray], np.ndarray], dtype=np.int8):
+    """``fn(rng.random(n))`` narrowed to ``dtype``, drawn a chunk at a time (doubles: the same stream as one call)."""
+    out = np.empty(n, dtype=dtype)
+    for i in range(0, n, _CHUNK):
+        out[i : i + _CHUNK] = fn(rng.random(min(_CHUNK, n - i)))
+    return out
+
+
+def _join_words(vocabulary: list[str], word: np.ndarray, ends: np.ndarray) -> pa.StringArray:
+    """The strings ``" ".join(vocabulary[w] for w in word[a:b])`` for consecutive ``[a, b)`` ending at ``ends``.
+
+    Byte for byte what Python's join gives, built as one Arrow string array: each
+    token is its word's UTF-8 bytes followed by a space, or without the space where a
+    string ends, gathered by index from one table of both forms, a chunk of tokens at
+    a time. Strings are non-empty.
+    """
+    encoded = [w.encode() for w in vocabulary]
+    forms = [w + b" " for w in encoded] + encoded  # id v: the word and a space; id V + v: the word alone
+    form_len = np.array([len(f) for f in forms], dtype=np.int64)
+    form_start = np.cumsum(form_len) - form_len
+    form_bytes = np.frombuffer(b"".join(forms), dtype=np.uint8)
+    form = word.astype(np.int32)
+    form[ends - 1] += len(encoded)
+    data = np.empty(int(np.bincount(form, minlength=len(forms)) @ form_len), dtype=np.uint8)
+    offsets = np.zeros(len(ends) + 1, dtype=np.int64)
+    written = 0  # bytes written before the chunk
+    for i in range(0, len(form), _JOIN_CHUNK):
+        f = form[i : i + _JOIN_CHUNK]
+        length = form_len[f]
+        token_end = np.cumsum(length)
+        # byte j of the chunk is form_bytes[form_start[f] + j - (where its token starts in the chunk)]
+        gather = np.repeat(form_start[f] - (token_end - length), length) + np.arange(int(token_end[-1]))
+        data[written : written + len(gather)] = form_bytes[gather]
+        here = slice(*np.searchsorted(ends, [i, i + len(f)], side="right"))  # the strings that end in the chunk
+        offsets[1:][here] = written + token_end[ends[here] - 1 - i]
+        written += len(gather)
+    return pa.StringArray.from_buffers(len(ends), pa.py_buffer(offsets.astype(np.int32)), pa.py_buffer(data))
