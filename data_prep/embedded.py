@@ -258,10 +258,10 @@ def generate_pool(seed: int, language: str, size: int, cue_strength: float, topi
 
     The draws are whole-pool arrays in a fixed order (labels, lengths, then one array
     per token-level decision), so the corpus is a function of (seed, language, size,
-    strengths). Memory stays a few bytes per token: uniform draws are taken in chunks
-    (the same stream as one call), integer draws are narrowed as soon as they are
-    drawn, words are ids into one vocabulary table, and the texts are assembled as
-    Arrow strings without a Python object per token (``_join_words``).
+    strengths). Memory stays a few bytes per token: the token-level arrays are drawn
+    in chunks (the same stream as one call: ``_draws``) and narrowed to int8 as they
+    are drawn, words are 2-byte ids into one vocabulary table, and the texts are
+    assembled as Arrow strings without a Python object per token (``_join_words``).
     """
     lm = language_model(seed, language)
     cues, neutral = _shared_vocab(seed)
@@ -277,35 +277,23 @@ def generate_pool(seed: int, language: str, size: int, cue_strength: float, topi
     # Each token is a shared cue (18%), a language topic word (12%), a shared neutral
     # word (15%) or language filler (55%); cues and topics point at the document's
     # label with probability cue_strength / topic_strength, else at a random category.
-    kind = _uniform_chunks(rng, n, lambda u: np.searchsorted(_KIND_EDGES, u, side="right"))
-    noisy = rng.integers(k, size=n).astype(np.int8)
+    kind = _draws(rng.random, n, lambda u: np.searchsorted(_KIND_EDGES, u, side="right"), np.int8)
+    noisy = _draws(lambda m: rng.integers(k, size=m, dtype=np.int32), n, lambda v: v, np.int8)
     slot_of_category = lm.cue_slot_of_category.astype(np.int8)
-    cue = _uniform_chunks(rng, n, lambda u: u < cue_strength, dtype=np.bool_)
+    cue = _draws(rng.random, n, lambda u: u < cue_strength, np.bool_)
     cue_slot = np.where(cue, slot_of_category[token_label], noisy)
     del cue
-    topic = np.where(_uniform_chunks(rng, n, lambda u: u < topic_strength, dtype=np.bool_), token_label, noisy)
+    topic = np.where(_draws(rng.random, n, lambda u: u < topic_strength, np.bool_), token_label, noisy)
     del noisy, token_label
     # one table of every word: cue slots (a row each), topics (a row per category), neutral, filler
     tables = [np.array(t, dtype=object) for t in (cues, lm.topics, neutral, lm.filler)]
     widths = [t.shape[-1] for t in tables]
     starts = np.cumsum([0] + [t.size for t in tables])
     vocabulary = [str(w) for t in tables for w in t.ravel()]
-    pick = rng.integers(1 << 30, size=n)
-    np.remainder(pick, math.lcm(*widths), out=pick)  # pick % width for every width: each divides the lcm
-    pick = pick.astype(np.int32)
-    word = np.empty(n, dtype=np.int32)
-    for i in range(0, n, _CHUNK):
-        s = slice(i, i + _CHUNK)
-        p, kd = pick[s], kind[s]
-        word[s] = np.where(
-            kd == 0,
-            starts[0] + cue_slot[s].astype(np.int32) * widths[0] + p % widths[0],
-            np.where(
-                kd == 1,
-                starts[1] + topic[s].astype(np.int32) * widths[1] + p % widths[1],
-                np.where(kd == 2, starts[2] + p % widths[2], starts[3] + p % widths[3]),
-            ),
-        )
+    # pick % width for every width from one remainder (each width divides the lcm), and the word it picks
+    lcm = math.lcm(*widths)
+    pick = _draws(lambda m: rng.integers(1 << 30, size=m, dtype=np.int32), n, lambda v: v % lcm, _small(lcm))
+    word = _choose_words(kind, cue_slot, topic, pick, starts, widths, _small(len(vocabulary)))
     del pick, kind, cue_slot, topic
 
     # a document is its title (first title_len tokens), then its body
@@ -315,9 +303,12 @@ def generate_pool(seed: int, language: str, size: int, cue_strength: float, topi
     edges[doc_start + title_len] = -1
     in_title = np.cumsum(edges[:-1], dtype=np.int8).astype(bool)
     del edges
-    titles = _join_words(vocabulary, word[in_title], np.cumsum(title_len))
-    bodies = _join_words(vocabulary, word[~in_title], np.cumsum(body_len))
+    title_words, body_words = word[in_title], word[~in_title]
     del word, in_title
+    titles = _join_words(vocabulary, title_words, np.cumsum(title_len))
+    del title_words
+    bodies = _join_words(vocabulary, body_words, np.cumsum(body_len))
+    del body_words
     columns = [titles, bodies, pa.array(labels, pa.int64()), pa.array([language] * size, pa.string())]
     return Dataset(InMemoryTable(pa.Table.from_arrays(columns, schema=FEATURES.arrow_schema)))
 
@@ -327,11 +318,50 @@ _CHUNK = 1 << 20  # draws per step of the chunked draws
 _JOIN_CHUNK = 1 << 17  # tokens per step of the text assembly (its index arrays take 8 bytes per text byte)
 
 
-def _uniform_chunks(rng: np.random.Generator, n: int, fn: Callable[[np.ndarray], np.ndarray], dtype=np.int8):
-    """``fn(rng.random(n))`` narrowed to ``dtype``, drawn a chunk at a time (doubles: the same stream as one call)."""
+def _choose_words(
+    kind: np.ndarray,
+    cue_slot: np.ndarray,
+    topic: np.ndarray,
+    pick: np.ndarray,
+    starts: np.ndarray,
+    widths: list[int],
+    dtype: type[np.signedinteger],
+) -> np.ndarray:
+    """Each token's word id: row ``cue_slot`` of the cue table, ``topic`` of the topics, or neutral or filler."""
+    word = np.empty(len(kind), dtype=dtype)
+    for i in range(0, len(kind), _CHUNK):
+        s = slice(i, i + _CHUNK)
+        p, kd = pick[s].astype(np.int32), kind[s]
+        word[s] = np.where(
+            kd == 0,
+            starts[0] + cue_slot[s].astype(np.int32) * widths[0] + p % widths[0],
+            np.where(
+                kd == 1,
+                starts[1] + topic[s].astype(np.int32) * widths[1] + p % widths[1],
+                np.where(kd == 2, starts[2] + p % widths[2], starts[3] + p % widths[3]),
+            ),
+        )
+    return word
+
+
+def _small(bound: int) -> type[np.signedinteger]:
+    """The integer type for values below ``bound`` (2 bytes when they fit)."""
+    return np.int16 if bound < 1 << 15 else np.int32
+
+
+def _draws(draw: Callable[[int], np.ndarray], n: int, fn: Callable[[np.ndarray], np.ndarray], dtype) -> np.ndarray:
+    """``fn`` of ``n`` draws, narrowed to ``dtype``, drawn a chunk at a time.
+
+    ``draw(m)`` is ``rng.random(m)`` or ``rng.integers(high, size=m, dtype=np.int32)``
+    with ``high`` < 2**32: drawn in chunks, both give the same stream as one call (numpy
+    draws each double from one 64-bit output, and keeps the other half of a 64-bit
+    output for the next 32-bit draw in the bit generator itself; the int32 dtype draws
+    the same values as the default int64: tests/data/test_embedded.py), without an
+    8-byte temporary per token.
+    """
     out = np.empty(n, dtype=dtype)
     for i in range(0, n, _CHUNK):
-        out[i : i + _CHUNK] = fn(rng.random(min(_CHUNK, n - i)))
+        out[i : i + _CHUNK] = fn(draw(min(_CHUNK, n - i)))
     return out
 
 
@@ -341,19 +371,20 @@ def _join_words(vocabulary: list[str], word: np.ndarray, ends: np.ndarray) -> pa
     Byte for byte what Python's join gives, built as one Arrow string array: each
     token is its word's UTF-8 bytes followed by a space, or without the space where a
     string ends, gathered by index from one table of both forms, a chunk of tokens at
-    a time. Strings are non-empty.
+    a time. Strings are non-empty. ``word`` is overwritten (with the form ids).
     """
     encoded = [w.encode() for w in vocabulary]
     forms = [w + b" " for w in encoded] + encoded  # id v: the word and a space; id V + v: the word alone
     form_len = np.array([len(f) for f in forms], dtype=np.int64)
     form_start = np.cumsum(form_len) - form_len
     form_bytes = np.frombuffer(b"".join(forms), dtype=np.uint8)
-    form = word.astype(np.int32)
+    form = word if len(forms) <= np.iinfo(word.dtype).max else word.astype(np.int32)
     form[ends - 1] += len(encoded)
-    data = np.empty(int(np.bincount(form, minlength=len(forms)) @ form_len), dtype=np.uint8)
+    steps = range(0, len(form), _JOIN_CHUNK)
+    data = np.empty(sum(int(form_len[form[i : i + _JOIN_CHUNK]].sum()) for i in steps), dtype=np.uint8)
     offsets = np.zeros(len(ends) + 1, dtype=np.int64)
     written = 0  # bytes written before the chunk
-    for i in range(0, len(form), _JOIN_CHUNK):
+    for i in steps:
         f = form[i : i + _JOIN_CHUNK]
         length = form_len[f]
         token_end = np.cumsum(length)

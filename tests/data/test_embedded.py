@@ -125,14 +125,19 @@ def test_joined_words_are_pythons_join_byte_for_byte(lengths, seed, chunk):
     word = np.random.default_rng(seed).integers(len(vocabulary), size=sum(lengths)).astype(np.int32)
     ends = np.cumsum(lengths)
     with mock.patch.object(embedded, "_JOIN_CHUNK", chunk):  # chunks that cut strings anywhere
-        joined = embedded._join_words(vocabulary, word, ends).to_pylist()
+        joined = embedded._join_words(vocabulary, word.copy(), ends).to_pylist()  # (it overwrites the ids)
     assert joined == [" ".join(vocabulary[w] for w in word[e - n : e]) for e, n in zip(ends, lengths)]
 
 
-def test_chunked_uniform_draws_are_one_call(monkeypatch):
+def test_chunked_draws_are_one_call(monkeypatch):
+    """generate_pool draws its token-level arrays in chunks: the stream it relies on is numpy's of one call."""
     from data_prep import embedded
 
     monkeypatch.setattr(embedded, "_CHUNK", 7)
     rng, reference = np.random.default_rng(5), np.random.default_rng(5)
-    drawn = embedded._uniform_chunks(rng, 50, lambda u: u < 0.3, dtype=np.bool_)
-    assert drawn.tolist() == (reference.random(50) < 0.3).tolist() and rng.random() == reference.random()
+    drawn = embedded._draws(rng.random, 50, lambda u: u < 0.3, np.bool_)
+    assert drawn.tolist() == (reference.random(50) < 0.3).tolist()
+    for high in (10, 1 << 30):  # int32 draws in chunks: the values of one default (int64) call
+        chunked = embedded._draws(lambda m, h=high: rng.integers(h, size=m, dtype=np.int32), 51, lambda v: v, np.int64)
+        assert chunked.tolist() == reference.integers(high, size=51).tolist()
+    assert rng.random() == reference.random()
