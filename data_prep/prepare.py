@@ -23,6 +23,7 @@ check) reads the manifest only.
 
 from __future__ import annotations
 
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -52,6 +53,7 @@ from data_prep.steps import (
 )
 
 REPORT_DIR = "report"
+SCRATCH = ".scratch"
 Step = Callable[..., Any]
 __all__ = ["PreparedData", "cached_data", "load_shard", "preflight", "prepare_data", "prepared_folder"]
 
@@ -187,7 +189,7 @@ def prepare_data(
             return hit
         log(f"preparing data (fingerprint {fp}) in {final}")
         with building(final) as work:
-            pool = step("load-pool", load_pool, config)
+            pool = step("load-pool", load_pool, config, work / SCRATCH)
             part = step("partition", partition_step, config, pool)
             proxy = step("proxy-split", proxy_step, config, pool, part)
             tokenizer, tokenizer_ref = step("tokenizer", tokenizer_step, config, proxy, work)
@@ -199,6 +201,8 @@ def prepare_data(
                 *(config, pool, part, proxy, tokenizer, tokenizer_ref, shards, edges, work),
             )
             step("partition-report", write_report, manifest, work / REPORT_DIR)
+            if (work / SCRATCH).exists():  # a large generated pool (data_prep/sources.py), not part of the entry
+                shutil.rmtree(work / SCRATCH)
     seconds = time.time() - started
     log(
         f"prepared {len(manifest.clients)} clients on {len({c.edge for c in manifest.clients})} edge servers, "

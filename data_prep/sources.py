@@ -72,16 +72,38 @@ def column(data: Dataset, name: str) -> np.ndarray:
 # ---------------------------------------------------------------- the client pool
 
 
-def load_pool(config: ExperimentConfig) -> TextTable:
+def load_pool(config: ExperimentConfig, scratch: Path | None = None) -> TextTable:
+    """The labelled client pool; ``scratch``: a folder for a large generated pool (see ``SPILL_BYTES``)."""
     source = config.data.source
     if isinstance(source, EmbeddedSource):
-        return _embedded_pool(config, source)
+        return _embedded_pool(config, source, scratch)
     if isinstance(source, XglueSource):
         return _xglue_pool(source)
     raise ValueError(f"data.source kind {source.kind!r} has no client pool to load (it is prepared already)")
 
 
-def _embedded_pool(config: ExperimentConfig, source: EmbeddedSource) -> TextTable:
+SPILL_BYTES = 64 << 20  # a generated language larger than this is written to ``scratch`` and memory-mapped
+
+
+def _spill(part: Dataset, path: Path) -> Dataset:
+    """``part`` written to the Arrow file ``path`` and opened from it, memory-mapped (the same rows and features)."""
+    import pyarrow as pa
+    from datasets import Dataset
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    table = part.data.table
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table, max_chunksize=1 << 16)
+    return Dataset.from_file(str(path))
+
+
+def _embedded_pool(config: ExperimentConfig, source: EmbeddedSource, scratch: Path | None) -> TextTable:
+    """The generated pool, language after language; a large language is kept on disk, not in memory.
+
+    At 100,000 clients the pool is ~1.9 GB of text: each language is written to
+    ``scratch`` as soon as it is generated and read back memory-mapped, so the process
+    holds one language's generation at a time.
+    """
     from datasets import concatenate_datasets
 
     from data_prep.embedded import CATEGORIES, generate_pool
@@ -89,11 +111,12 @@ def _embedded_pool(config: ExperimentConfig, source: EmbeddedSource) -> TextTabl
     parts = []
     for lang in source.languages:
         need = pool_size_needed(config.data, config.seed, lang)
-        parts.append(
-            generate_pool(config.seed, lang, int(need * 1.3) + 50, source.shared_cue_strength, source.topic_strength)
-        )
+        part = generate_pool(config.seed, lang, int(need * 1.3) + 50, source.shared_cue_strength, source.topic_strength)
+        if scratch is not None and part.data.nbytes > SPILL_BYTES:
+            part = _spill(part, scratch / f"{lang}.arrow")
+        parts.append(part)
     pool = concatenate_datasets(parts)
-    languages = column(pool, "language").astype(str)
+    languages = np.repeat(np.array(source.languages), [len(p) for p in parts])
     data = pool.select_columns(["news_title", "news_body", "news_category"]).rename_columns(
         {"news_title": TEXT, "news_body": PAIR, "news_category": LABEL}
     )
