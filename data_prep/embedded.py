@@ -18,6 +18,8 @@ Everything derives from the seed: the same seed gives the same corpus, byte for 
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -310,7 +312,10 @@ def generate_pool(seed: int, language: str, size: int, cue_strength: float, topi
     bodies = _join_words(vocabulary, body_words, np.cumsum(body_len))
     del body_words
     columns = [titles, bodies, pa.array(labels, pa.int64()), pa.array([language] * size, pa.string())]
-    return Dataset(InMemoryTable(pa.Table.from_arrays(columns, schema=FEATURES.arrow_schema)))
+    table = InMemoryTable(pa.Table.from_arrays(columns, schema=FEATURES.arrow_schema))
+    # named by its arguments: without a fingerprint, datasets would pickle the whole table to hash it
+    key = json.dumps(["embedded", seed, language, size, cue_strength, topic_strength])
+    return Dataset(table, fingerprint=hashlib.sha256(key.encode()).hexdigest()[:16])
 
 
 _KIND_EDGES = np.array([0.18, 0.30, 0.45])  # cue < 0.18 <= topic < 0.30 <= neutral < 0.45 <= filler
