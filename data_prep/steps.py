@@ -167,9 +167,9 @@ class Encoder:
     max_length=..., padding="max_length")`` returns. A fast tokenizer is called once so
     that transformers configures its backend (truncation, padding, special tokens) as
     for every call; then each thread encodes with its own copy of that backend
-    (``encode_batch`` releases the GIL), and the columns transformers would return
-    (``model_input_names``) are read from the encodings directly. Other tokenizers are
-    called as they are.
+    (``encode_batch_fast``: the same encodings without character offsets; it releases
+    the GIL), and the columns transformers would return (``model_input_names``) are
+    read from the encodings directly. Other tokenizers are called as they are.
 
     ``token_type_ids`` are the tokenizer's when it returns them, zeros when it does not
     but the model has token-type embeddings (what the model would assume anyway), and
@@ -201,7 +201,9 @@ class Encoder:
             backend = getattr(self._local, "backend", None)
             if backend is None:
                 backend = self._local.backend = copy.deepcopy(self._backend)
-            encodings = backend.encode_batch(list(zip(texts, pairs)) if pairs is not None else texts)
+            # encode_batch_fast: encode_batch without the character offsets (unused here), ~25% faster
+            encode = getattr(backend, "encode_batch_fast", backend.encode_batch)
+            encodings = encode(list(zip(texts, pairs)) if pairs is not None else texts)
             attribute = {"input_ids": "ids", "attention_mask": "attention_mask", "token_type_ids": "type_ids"}
             out = {c: self._array([getattr(e, attribute[c]) for e in encodings]) for c in self._returned}
         else:
