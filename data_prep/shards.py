@@ -191,6 +191,8 @@ def load_shards(root: Path, paths: Sequence[str]) -> dict[str, torch.Tensor]:
     """Several shards' rows concatenated, in order (consecutive row ranges of one file are read as one)."""
     import torch
 
+    if not paths:
+        raise ValueError("load_shards needs at least one shard")
     reads: list[tuple[str, int, int] | str] = []  # merged ranges of files, or folders
     for path in paths:
         file, rows = parse_path(path)
