@@ -82,17 +82,35 @@ def pool_size_needed(spec: DataConfig, seed: int, language: str) -> int:
     return sum(_pool_proxy(spec)) + int(client_sizes(spec.sizes, spec.clients_per_language, seed, language).sum())
 
 
-def _draw_client(rng: np.random.Generator, by_label: list[list[int]], q: np.ndarray, size: int) -> list[int]:
-    taken: list[int] = []
-    q = q.copy()
-    for _ in range(size):
-        available = np.array([len(b) > 0 for b in by_label])
+def _draw_labels(rng: np.random.Generator, left: np.ndarray, q: np.ndarray, size: int) -> np.ndarray:
+    """The labels of a client's ``size`` rows, in draw order; ``left`` (rows left per label) is updated.
+
+    Row by row, the rule is: draw a label from ``q`` restricted to the labels with rows
+    left (uniform over them if ``q`` gives those none), take one of its rows. It is
+    drawn here a stretch at a time, with the stream of ``rng.choice(K, p=...)`` called
+    once per row (one uniform each, inverted through the cdf): all uniforms first, then
+    each stretch of rows that share the same available labels is inverted at once; a
+    stretch ends with the row that takes a label's last row (at most K stretches).
+    """
+    u = rng.random(size)
+    labels = np.empty(size, dtype=np.int64)
+    k = len(q)
+    done = 0
+    while done < size:
+        available = left > 0
         weights = q * available
         if weights.sum() <= 0:
             weights = available.astype(float)
-        label = int(rng.choice(len(q), p=weights / weights.sum()))
-        taken.append(by_label[label].pop())
-    return taken
+        cdf = (weights / weights.sum()).cumsum()  # as Generator.choice: cumsum of p, then / its last value
+        cdf /= cdf[-1]
+        drawn = cdf.searchsorted(u[done:], side="right")
+        taken = np.cumsum(drawn[:, None] == np.flatnonzero(available), axis=0)  # per available label, after each draw
+        out = np.flatnonzero((taken >= left[available]).any(axis=1))
+        stop = int(out[0]) + 1 if len(out) else len(drawn)  # the stretch ends with the row that empties a label
+        labels[done : done + stop] = drawn[:stop]
+        left -= np.bincount(drawn[:stop], minlength=k)
+        done += stop
+    return labels
 
 
 def partition_pool(
@@ -116,18 +134,28 @@ def partition_pool(
         out.proxy_train += sorted(rows[:n_proxy_train].tolist())
         out.proxy_test += sorted(rows[n_proxy_train : n_proxy_train + n_proxy_test].tolist())
         rest = rows[n_proxy_train + n_proxy_test :]
-        by_label = [rest[labels[rest] == c].tolist() for c in range(num_labels)]
-        prior = np.array([len(b) for b in by_label], dtype=float)
+        # each label's rows are a stack: a client takes a label's rows from its end
+        by_label = [rest[labels[rest] == c] for c in range(num_labels)]
+        stacked = np.concatenate(by_label)
+        left = np.array([len(b) for b in by_label], dtype=np.int64)
+        first = np.cumsum(left) - left  # where each label's stack starts in ``stacked``
+        prior = left.astype(float)
         prior = (prior + 1e-3) / (prior + 1e-3).sum()
         for cid, size in zip(client_ids(language, len(sizes)), sizes):
             q = rng.dirichlet(spec.dirichlet_alpha * num_labels * prior)
-            mine = np.array(_draw_client(rng, by_label, q, int(size)))
+            before = left.copy()
+            drawn = _draw_labels(rng, left, q, int(size))
+            # the r-th row of label c this client takes is by_label[c][before[c] - 1 - r]
+            order = np.argsort(drawn, kind="stable")
+            counts = np.bincount(drawn, minlength=num_labels)
+            rank = np.empty(len(drawn), dtype=np.int64)
+            rank[order] = np.arange(len(drawn)) - np.repeat(np.cumsum(counts) - counts, counts)
+            mine = stacked[first[drawn] + before[drawn] - 1 - rank]
             mine = mine[rng.permutation(len(mine))]
             n_test = min(len(mine) - 1, max(1, round(spec.test_fraction * len(mine))))
-            out.clients.append(
-                ClientSplit(cid, language, sorted(mine[n_test:].tolist()), sorted(mine[:n_test].tolist()))
-            )
-        out.unused += sum(len(b) for b in by_label)
+            train, test = np.sort(mine[n_test:]).tolist(), np.sort(mine[:n_test]).tolist()
+            out.clients.append(ClientSplit(cid, language, train, test))
+        out.unused += int(left.sum())
     return out
 
 

@@ -10,8 +10,9 @@ a crash or a full disk never leaves a half-written entry; a second run with the
 same config finds the manifest and does no loading or tokenisation (and says so).
 
 The steps and the fingerprint are in data_prep/steps.py: only the rows the
-partition uses are tokenised, once, and each client's train/test shard and the
-proxy shards are slices of them (memory-mapped Arrow when read back: ``load_shard``).
+partition uses are tokenised, once, into four Arrow files; each client's train/test
+shard is a row range of them (data_prep/shards.py: memory-mapped when read back,
+``load_shard``, only the rows asked for).
 
 ``prepare_data`` runs its steps through ``step(name, fn, *args)``: plain calls by
 default; the Prefect flow (flows/data.py) passes a runner that makes each step a
@@ -37,8 +38,9 @@ from bhfl_core.config.schema import ExperimentConfig
 from bhfl_core.learning.models import check_available as check_model
 from bhfl_core.learning.models import check_hub as check_model_hub
 from data_prep.cache_entry import building, disk_full_named, locked
-from data_prep.manifest import MANIFEST_NAME, Manifest
+from data_prep.manifest import MANIFEST_NAME, Manifest, Shard
 from data_prep.report import write_report
+from data_prep.shards import file_rows, load_shard, parse_path
 from data_prep.sources import check_hubs, check_sources, load_pool
 from data_prep.steps import (
     edges_step,
@@ -51,7 +53,9 @@ from data_prep.steps import (
 )
 
 REPORT_DIR = "report"
+SCRATCH = ".scratch"
 Step = Callable[..., Any]
+__all__ = ["PreparedData", "cached_data", "load_shard", "preflight", "prepare_data", "prepared_folder"]
 
 
 def inline_step(name: str, fn: Callable[..., Any], *args: Any) -> Any:
@@ -97,12 +101,11 @@ def prepared_folder(source: PreparedSource, task: str) -> PreparedData:
     except ValueError as exc:  # pydantic's ValidationError (bad JSON, missing or wrong keys), undecodable bytes
         raise ConfigError(f"{key}: {root / MANIFEST_NAME} is not a valid manifest ({_problems(exc)})") from None
     shards = [s for c in manifest.clients for s in (c.train, c.test)] + [manifest.proxy_train, manifest.proxy_test]
-    # a shard is a datasets save_to_disk folder: without its state.json, load_from_disk would fail mid-run
-    if missing := [s.path for s in shards if not (root / s.path / "state.json").is_file()]:
+    if bad := _unreadable_shards(root, shards):
         raise ConfigError(
-            f"{key}: shard(s) named in {root / MANIFEST_NAME} are missing or not datasets "
-            f"save_to_disk folders (no state.json): {', '.join(missing[:5])}"
-            + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+            f"{key}: shard(s) named in {root / MANIFEST_NAME} are missing, not datasets save_to_disk folders "
+            f"(no state.json), or not the rows of their Arrow file: {', '.join(bad[:5])}"
+            + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
         )
     if manifest.task != task:
         raise ConfigError(f"data.task: {task!r} but the data in {root} is for task {manifest.task!r}")
@@ -112,6 +115,28 @@ def prepared_folder(source: PreparedSource, task: str) -> PreparedData:
             f"data.source.languages: {sorted(source.languages)} but the clients of {root} have languages {found}"
         )
     return PreparedData(root, manifest, cached=True, seconds=time.time() - started)
+
+
+def _unreadable_shards(root: Path, shards: list[Shard]) -> list[str]:
+    """The shard paths that would fail mid-run: a folder without ``state.json``, rows outside their Arrow file."""
+    bad: list[str] = []
+    rows_of: dict[str, int | None] = {}  # each Arrow file opened once (memory-mapped: its row count only)
+    for shard in shards:
+        file, rows = parse_path(shard.path)
+        if not file.endswith(".arrow"):
+            if not (root / file / "state.json").is_file():
+                bad.append(shard.path)
+            continue
+        if file not in rows_of:
+            try:
+                rows_of[file] = file_rows(root / file)
+            except (OSError, ValueError):  # missing, or not an Arrow stream (pyarrow's errors are ValueErrors)
+                rows_of[file] = None
+        count = rows_of[file]
+        start, stop = rows or (0, count or 0)
+        if count is None or stop > count or stop - start != shard.size:
+            bad.append(shard.path)
+    return bad
 
 
 def cached_data(config: ExperimentConfig, cache_root: Path) -> PreparedData | None:
@@ -164,7 +189,7 @@ def prepare_data(
             return hit
         log(f"preparing data (fingerprint {fp}) in {final}")
         with building(final) as work:
-            pool = step("load-pool", load_pool, config)
+            pool = step("load-pool", load_pool, config, work / SCRATCH)
             part = step("partition", partition_step, config, pool)
             proxy = step("proxy-split", proxy_step, config, pool, part)
             tokenizer, tokenizer_ref = step("tokenizer", tokenizer_step, config, proxy, work)
@@ -176,17 +201,11 @@ def prepare_data(
                 *(config, pool, part, proxy, tokenizer, tokenizer_ref, shards, edges, work),
             )
             step("partition-report", write_report, manifest, work / REPORT_DIR)
-            shutil.rmtree(work / ".tokenised")
+            if (work / SCRATCH).exists():  # a large generated pool (data_prep/sources.py), not part of the entry
+                shutil.rmtree(work / SCRATCH)
     seconds = time.time() - started
     log(
         f"prepared {len(manifest.clients)} clients on {len({c.edge for c in manifest.clients})} edge servers, "
         f"proxy {manifest.proxy_train.size}/{manifest.proxy_test.size} (train/test), in {seconds:.1f} s"
     )
     return PreparedData(final, manifest, cached=False, seconds=seconds)
-
-
-def load_shard(path: Path) -> dict:
-    """A pre-tokenised shard as a dict of tensors (memory-mapped Arrow underneath)."""
-    from datasets import load_from_disk
-
-    return load_from_disk(str(path)).with_format("torch")[:]

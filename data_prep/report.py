@@ -2,14 +2,21 @@
 
 - ``summary.json``: clients and edge servers per language, client sizes (train +
   test: min / median / max), label skew, proxy sizes, unused pool rows;
-- ``partition.md``: the same as a small markdown table;
-- ``client_sizes.png`` (and ``.svg``): client size distribution per language (log scale);
-- ``label_skew.png`` (and ``.svg``): heatmap clients x labels (each client's label shares).
+- ``partition.md``: the same as a small markdown table (a line per language);
+- ``clients.csv``: every client: language, edge, cluster, train and test sizes, and
+  its label counts (train + test);
+- ``client_sizes.png`` (and ``.svg``): client size distribution per language (log
+  scale; each client a dot up to ``MAX_POINTS`` clients, box plots only above);
+- ``label_skew.png`` (and ``.svg``): heatmap clients x labels (each client's label
+  shares; above ``MAX_ROWS`` clients, ``MAX_ROWS`` of them evenly spaced in
+  manifest order, so every language keeps its share of rows).
 
-Label skew is summarised as the mean total-variation distance between a client's
-label distribution and (a) its language's (all its language's clients pooled),
-(b) the global one; 0 = no skew, 1 = disjoint labels. Figures use matplotlib's
-object API with the Agg canvas (no display, no global backend switch).
+Only ``clients.csv`` grows with the number of clients: the summary, the markdown
+and the figures are bounded (tests/data/test_report.py). Label skew is summarised
+as the mean total-variation distance between a client's label distribution and (a)
+its language's (all its language's clients pooled), (b) the global one; 0 = no
+skew, 1 = disjoint labels. Figures use matplotlib's object API with the Agg canvas
+(no display, no global backend switch).
 """
 
 from __future__ import annotations
@@ -20,31 +27,47 @@ from typing import Any
 
 import numpy as np
 
-from bhfl_core.store.tables import table_markdown
+from bhfl_core.store.tables import table_csv, table_markdown
 from data_prep.figures import MIN_FONT_PT, save_png
-from data_prep.manifest import Manifest
+from data_prep.manifest import ClientEntry, Manifest
 
 SUMMARY, MARKDOWN, SIZES_PNG, SKEW_PNG = "summary.json", "partition.md", "client_sizes.png", "label_skew.png"
+CLIENTS_CSV = "clients.csv"
+MAX_POINTS = 200  # clients drawn as dots in the size plot
+MAX_ROWS = 400  # clients drawn as rows of the label-skew heatmap
 
 
-def _hist(c) -> np.ndarray:
+def _hist(c: ClientEntry) -> np.ndarray:
     a, b = np.asarray(c.train.label_hist, dtype=float), np.asarray(c.test.label_hist, dtype=float)
     return a + b if len(a) and len(b) else np.zeros(0)
 
 
-def _tv(p: np.ndarray, q: np.ndarray) -> float:
-    return float(0.5 * np.abs(p / max(p.sum(), 1) - q / max(q.sum(), 1)).sum())
+def _histograms(clients: list[ClientEntry]) -> np.ndarray:
+    """Label counts (train + test), a row per client; no columns when the shards are unlabelled."""
+    if not clients or not len(_hist(clients[0])):
+        return np.zeros((len(clients), 0))
+    return np.array([c.train.label_hist for c in clients], dtype=float) + np.array(
+        [c.test.label_hist for c in clients], dtype=float
+    )
+
+
+def _tv(p: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """Total-variation distance between the rows of ``p`` and ``q`` (counts; an empty row counts as all zeros)."""
+    shares = [m / np.maximum(m.sum(axis=-1, keepdims=True), 1) for m in (p, q)]
+    return 0.5 * np.abs(shares[0] - shares[1]).sum(axis=-1)
 
 
 def partition_summary(manifest: Manifest) -> dict[str, Any]:
     clients = manifest.clients
     sizes = np.array([c.train.size + c.test.size for c in clients])
-    languages = list(dict.fromkeys(c.language for c in clients))
-    hists = np.stack([_hist(c) for c in clients]) if clients and len(_hist(clients[0])) else np.zeros((len(clients), 0))
+    train = np.array([c.train.size for c in clients])
+    language = np.array([c.language for c in clients])
+    languages = list(dict.fromkeys(language.tolist()))
+    hists = _histograms(clients)
     per_language: dict[str, Any] = {}
-    tv_lang, tv_global = [], []
+    tv_lang, tv_global = np.zeros(0), np.zeros(0)
     for lang in languages:
-        idx = [i for i, c in enumerate(clients) if c.language == lang]
+        idx = np.flatnonzero(language == lang)
         s = sizes[idx]
         per_language[lang] = {
             "clients": len(idx),
@@ -52,15 +75,13 @@ def partition_summary(manifest: Manifest) -> dict[str, Any]:
             "size_min": int(s.min()),
             "size_median": float(np.median(s)),
             "size_max": int(s.max()),
-            "train": int(sum(clients[i].train.size for i in idx)),
-            "test": int(sum(clients[i].test.size for i in idx)),
+            "train": int(train[idx].sum()),
+            "test": int(s.sum() - train[idx].sum()),
         }
         if hists.shape[1]:
-            pooled = hists[idx].sum(axis=0)
-            tv_lang += [_tv(hists[i], pooled) for i in idx]
+            tv_lang = np.concatenate([tv_lang, _tv(hists[idx], hists[idx].sum(axis=0))])
     if hists.shape[1]:
-        total = hists.sum(axis=0)
-        tv_global = [_tv(h, total) for h in hists]
+        tv_global = _tv(hists, hists.sum(axis=0))
     return {
         "fingerprint": manifest.fingerprint,
         "task": manifest.task,
@@ -78,8 +99,8 @@ def partition_summary(manifest: Manifest) -> dict[str, Any]:
         if len(sizes)
         else {},
         "label_skew": {
-            "tv_to_language_mean": float(np.mean(tv_lang)) if tv_lang else None,
-            "tv_to_global_mean": float(np.mean(tv_global)) if tv_global else None,
+            "tv_to_language_mean": float(np.mean(tv_lang)) if len(tv_lang) else None,
+            "tv_to_global_mean": float(np.mean(tv_global)) if len(tv_global) else None,
             "labels_present_mean": float((hists > 0).sum(axis=1).mean()) if hists.shape[1] else None,
             "labels": len(manifest.labels),
         },
@@ -133,28 +154,50 @@ def _figure(width: float, height: float):
     return Figure(figsize=(width, height), dpi=110)
 
 
+def clients_csv(manifest: Manifest) -> str:
+    """Every client as a CSV line: id, language, edge, cluster, train, test, then its count of each label."""
+    hists = _histograms(manifest.clients).astype(np.int64)
+    labels = manifest.labels if hists.shape[1] else []
+    return table_csv(
+        ["client", "language", "edge", "cluster", "train", "test", *labels],
+        (
+            [c.id, c.language, c.edge, c.cluster, c.train.size, c.test.size, *h.tolist()]
+            for c, h in zip(manifest.clients, hists)
+        ),
+    )
+
+
 def plot_sizes(manifest: Manifest, path: Path) -> None:
-    languages = list(dict.fromkeys(c.language for c in manifest.clients))
-    data = [[c.train.size + c.test.size for c in manifest.clients if c.language == lang] for lang in languages]
+    language = np.array([c.language for c in manifest.clients])
+    languages = list(dict.fromkeys(language.tolist()))
+    sizes = np.array([c.train.size + c.test.size for c in manifest.clients])
+    data = [sizes[language == lang] for lang in languages]
     fig = _figure(1.2 + 0.9 * len(languages), 3.6)
     ax = fig.add_subplot()
     ax.boxplot(data, showfliers=False)
     ax.set_xticks(range(1, len(languages) + 1), languages)
-    rng = np.random.default_rng(0)  # jitter only: the plot, not the data
-    for i, values in enumerate(data, start=1):
-        ax.scatter(i + rng.uniform(-0.15, 0.15, len(values)), values, s=12, alpha=0.7)
+    if len(sizes) <= MAX_POINTS:
+        rng = np.random.default_rng(0)  # jitter only: the plot, not the data
+        for i, values in enumerate(data, start=1):
+            ax.scatter(i + rng.uniform(-0.15, 0.15, len(values)), values, s=12, alpha=0.7)
     ax.set_yscale("log")
     ax.set_xlabel("language")
     ax.set_ylabel("client size (train + test)")
-    ax.set_title("Client sizes per language")
+    ax.set_title("Client sizes per language" + (f" ({len(sizes)} clients)" if len(sizes) > MAX_POINTS else ""))
     save_png(fig, path, tight=False, tight_layout=True)
+
+
+def heatmap_rows(count: int) -> np.ndarray:
+    """The clients (indices in manifest order) the label-skew heatmap shows: all, or ``MAX_ROWS`` evenly spaced."""
+    return np.unique(np.linspace(0, count - 1, min(count, MAX_ROWS)).round().astype(np.int64))
 
 
 def plot_label_skew(manifest: Manifest, path: Path) -> None:
     clients = manifest.clients
-    hists = np.stack([_hist(c) for c in clients])
+    shown = heatmap_rows(len(clients))
+    hists = _histograms([clients[i] for i in shown])
     shares = hists / np.maximum(hists.sum(axis=1, keepdims=True), 1)
-    fig = _figure(2.5 + 0.35 * len(manifest.labels), 1.5 + min(0.16 * len(clients), 14))
+    fig = _figure(2.5 + 0.35 * len(manifest.labels), 1.5 + min(0.16 * len(shown), 14))
     ax = fig.add_subplot()
     image = ax.imshow(shares, aspect="auto", cmap="viridis", vmin=0, vmax=1, interpolation="nearest")
     ax.set_xticks(range(len(manifest.labels)), manifest.labels, rotation=60, ha="right", fontsize=MIN_FONT_PT)
@@ -162,19 +205,21 @@ def plot_label_skew(manifest: Manifest, path: Path) -> None:
         ax.set_yticks(range(len(clients)), [c.id for c in clients], fontsize=MIN_FONT_PT)
     else:
         ax.set_yticks([])
-        ax.set_ylabel(f"{len(clients)} clients")
+        every = len(shown) == len(clients)
+        ax.set_ylabel(f"{len(clients)} clients" if every else f"{len(shown)} of {len(clients)} clients, evenly spaced")
     fig.colorbar(image, ax=ax, label="share of the client's examples")
     ax.set_title("Label skew: clients x labels")
     save_png(fig, path, tight=False, tight_layout=True)
 
 
 def write_report(manifest: Manifest, folder: Path) -> list[Path]:
-    """Write the summary and plots into ``folder``; returns the files written."""
+    """Write the summary, the clients' table and the plots into ``folder``; returns the files written."""
     folder.mkdir(parents=True, exist_ok=True)
     summary = partition_summary(manifest)
     (folder / SUMMARY).write_text(json.dumps(summary, indent=2))
     (folder / MARKDOWN).write_text(summary_markdown(summary))
-    written = [folder / SUMMARY, folder / MARKDOWN]
+    (folder / CLIENTS_CSV).write_text(clients_csv(manifest))
+    written = [folder / SUMMARY, folder / MARKDOWN, folder / CLIENTS_CSV]
     if manifest.clients:
         plot_sizes(manifest, folder / SIZES_PNG)
         written += [folder / SIZES_PNG, (folder / SIZES_PNG).with_suffix(".svg")]

@@ -37,6 +37,7 @@ from bhfl_core.store.transfer import Transfer, transfer_folder
 from bhfl_core.store.warm_start import load_backbone
 from data_prep.manifest import ClientEntry, Manifest
 from data_prep.prepare import load_shard
+from data_prep.shards import load_shards
 from tasks.faults import NO_FAULTS, FaultPlan
 from tasks.local_cluster import CPU_WORKERS_AUTO_MAX
 
@@ -164,11 +165,12 @@ class RunContext:
             if self._tests is None:
                 names = [c.id for c in self.manifest.clients] + [proxy_name]
                 sizes = [c.test.size for c in self.manifest.clients] + [self.manifest.proxy_test.size]
-                parts = [(i, self.shard(c.test.path)) for i, c in enumerate(self.manifest.clients) if sizes[i]]
+                tests = [c.test.path for c in self.manifest.clients if c.test.size]
+                parts = [load_shards(self.data_root, tests)] if tests else []  # one read where they are one range
                 if sizes[-1]:
-                    parts.append((len(names) - 1, self.proxy("test")))
-                data = {k: torch.cat([p[k] for _, p in parts]) for k in parts[0][1]}
-                groups = torch.cat([torch.full((len(p["input_ids"]),), i, dtype=torch.int64) for i, p in parts])
+                    parts.append(self.proxy("test"))
+                data = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+                groups = torch.repeat_interleave(torch.arange(len(names)), torch.tensor(sizes))
                 self._tests = (names, data, groups)
             return self._tests
 

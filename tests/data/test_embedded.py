@@ -107,3 +107,37 @@ def test_partition_properties(clients, alpha, median, sigma, min_size, proxy_tra
         assert set(languages[c.train + c.test]) == {c.language}
     proxy_langs = languages[part.proxy_train]
     assert (proxy_langs == "en").sum() == (proxy_langs == "fr").sum() == proxy_train  # language-balanced
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 9), min_size=1, max_size=40),
+    seed=st.integers(0, 1000),
+    chunk=st.sampled_from([1, 3, 64, 1 << 17]),
+)
+def test_joined_words_are_pythons_join_byte_for_byte(lengths, seed, chunk):
+    """The vectorised text assembly (Arrow strings from word ids) equals ``" ".join``, multi-byte words included."""
+    from unittest import mock
+
+    from data_prep import embedded
+
+    vocabulary = ["a", "ber", "ña", "cœur", "щи", "2024", "xo", "ба́ра"]
+    word = np.random.default_rng(seed).integers(len(vocabulary), size=sum(lengths)).astype(np.int32)
+    ends = np.cumsum(lengths)
+    with mock.patch.object(embedded, "_JOIN_CHUNK", chunk):  # chunks that cut strings anywhere
+        joined = embedded._join_words(vocabulary, word.copy(), ends).to_pylist()  # (it overwrites the ids)
+    assert joined == [" ".join(vocabulary[w] for w in word[e - n : e]) for e, n in zip(ends, lengths)]
+
+
+def test_chunked_draws_are_one_call(monkeypatch):
+    """generate_pool draws its token-level arrays in chunks: the stream it relies on is numpy's of one call."""
+    from data_prep import embedded
+
+    monkeypatch.setattr(embedded, "_CHUNK", 7)
+    rng, reference = np.random.default_rng(5), np.random.default_rng(5)
+    drawn = embedded._draws(rng.random, 50, lambda u: u < 0.3, np.bool_)
+    assert drawn.tolist() == (reference.random(50) < 0.3).tolist()
+    for high in (10, 1 << 30):  # int32 draws in chunks: the values of one default (int64) call
+        chunked = embedded._draws(lambda m, h=high: rng.integers(h, size=m, dtype=np.int32), 51, lambda v: v, np.int64)
+        assert chunked.tolist() == reference.integers(high, size=51).tolist()
+    assert rng.random() == reference.random()

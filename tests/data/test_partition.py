@@ -191,3 +191,43 @@ def test_several_edges_per_language_keep_languages_under_their_groups():
     assert tree["west"].children == ("edge-en-0", "edge-en-1", "edge-fr-0", "edge-fr-1")
     assert tree["edge-en-0"].children == ("en-00", "en-01") and tree["edge-en-1"].children == ("en-02",)
     assert tree["edge-en-1"].group == "en"
+
+
+def _draw_row_by_row(rng, by_label, q, size):
+    """The rule ``_draw_labels`` vectorises, as partition_pool ran it before: a label per row, then its last row."""
+    taken = []
+    for _ in range(size):
+        available = np.array([len(b) > 0 for b in by_label])
+        weights = q * available
+        if weights.sum() <= 0:
+            weights = available.astype(float)
+        label = int(rng.choice(len(q), p=weights / weights.sum()))
+        taken.append(by_label[label].pop())
+    return taken
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    counts=st.lists(st.integers(0, 12), min_size=2, max_size=10),
+    concentration=st.sampled_from([0.001, 0.05, 1.0, 20.0]),
+    zeros=st.lists(st.booleans(), min_size=10, max_size=10),
+    fill=st.floats(0.1, 1.0),
+    seed=st.integers(0, 10**6),
+)
+def test_vectorised_label_draws_are_the_row_by_row_draws(counts, concentration, zeros, fill, seed):
+    """Same rows, same order, same generator state after: labels running out, q zero on every label left."""
+    from data_prep.partition import _draw_labels
+
+    k = len(counts)
+    size = int(fill * sum(counts))
+    assume(size >= 1)
+    q = np.random.default_rng(seed).dirichlet(np.full(k, concentration)) * ~np.array(zeros[:k])
+    stacks = [list(range(100 * c, 100 * c + n)) for c, n in enumerate(counts)]
+    row_by_row, vectorised = np.random.default_rng(seed + 1), np.random.default_rng(seed + 1)
+    expected = _draw_row_by_row(row_by_row, [list(s) for s in stacks], q, size)
+    left = np.array(counts, dtype=np.int64)
+    labels = _draw_labels(vectorised, left, q, size)
+    rank = [int((labels[:i] == label).sum()) for i, label in enumerate(labels)]  # earlier draws of the same label
+    assert [stacks[label][counts[label] - 1 - r] for label, r in zip(labels, rank)] == expected
+    assert left.tolist() == [n - int((labels == c).sum()) for c, n in enumerate(counts)]
+    assert vectorised.random() == row_by_row.random()

@@ -35,10 +35,10 @@ def test_prepare_then_cache_hit(tmp_path):
     assert tok("a b", "c")["input_ids"][0] == tok.cls_token_id
 
     # same config: nothing is regenerated or tokenised again, and the log says so
-    (first.root / "clients" / m.clients[0].id / "train" / "marker").write_text("kept")
+    (first.root / "clients" / "marker").write_text("kept")
     second = prepare_data(cfg, tmp_path, log=logs.append)
     assert second.cached and second.manifest == m
-    assert (second.root / "clients" / m.clients[0].id / "train" / "marker").exists()
+    assert (second.root / "clients" / "marker").exists()
     assert any("no tokenisation" in line for line in logs)
 
     # a different seed is a different fingerprint
@@ -125,3 +125,24 @@ def test_a_second_preparation_of_the_same_data_waits_and_reuses_it(tmp_path):
     assert not first.cached and reused.cached and reused.root == first.root and reused.manifest == first.manifest
     assert "prepared meanwhile" in second_logs[-1]
     assert sorted(p.name for p in tmp_path.iterdir()) == [first.root.name]  # no partial folder, no lock file
+
+
+def test_a_large_generated_pool_goes_through_disk_and_changes_nothing(tmp_path, monkeypatch):
+    """Above SPILL_BYTES a generated language is written to the entry's scratch folder and memory-mapped: same data."""
+    from data_prep import sources
+
+    cfg = small_config()
+    in_memory = sources.load_pool(cfg, tmp_path / "scratch")
+    assert not (tmp_path / "scratch").exists()  # the small pool stays in memory
+    kept = prepare_data(cfg, tmp_path / "memory", log=lambda _: None)
+    monkeypatch.setattr(sources, "SPILL_BYTES", 0)
+    on_disk = sources.load_pool(cfg, tmp_path / "scratch")
+    assert sorted(p.name for p in (tmp_path / "scratch").iterdir()) == ["de.arrow", "en.arrow", "fr.arrow"]
+    assert on_disk.data.features == in_memory.data.features and on_disk.data[:] == in_memory.data[:]
+    assert np.array_equal(on_disk.languages, in_memory.languages) and np.array_equal(on_disk.labels, in_memory.labels)
+    spilled = prepare_data(cfg, tmp_path / "disk", log=lambda _: None)
+
+    def files(root):
+        return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+    assert files(spilled.root) == files(kept.root)  # the scratch folder is gone, every byte the same

@@ -138,8 +138,8 @@ def _shard_not_saved_by_datasets(folder):
         (_no_manifest, r"^data.source.path: .*outside has no manifest.json; it must be a prepared-data folder"),
         (_not_json, r"^data.source.path: .*outside/manifest.json is not a valid manifest \(top level: Invalid JSON"),
         (_no_clients_key, r"^data.source.path: .*manifest.json is not a valid manifest \(clients: Field required\)"),
-        (_shard_gone, r"^data.source.path: shard\(s\) named in .*manifest.json are missing .*: clients/de-01/train$"),
-        (_shard_not_saved_by_datasets, r"^data.source.path: .*\(no state.json\): proxy/test$"),
+        (_shard_gone, r"^data.source.path: shard\(s\) named in .*manifest.json are missing, .*: clients/de-01/train$"),
+        (_shard_not_saved_by_datasets, r"^data.source.path: .*\(no state.json\).*: proxy/test$"),
     ],
 )
 def test_a_damaged_folder_is_one_line_naming_the_key_and_the_file(tmp_path, damage, pattern):

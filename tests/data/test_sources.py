@@ -58,7 +58,7 @@ def test_prepare_from_local_parquet_then_cache_hit(nc_dir, tmp_path):
     assert (first.report_dir / "label_skew.png").stat().st_size > 1000
 
     # the second run reads neither parquet nor tokenizer: same folder, untouched, and the log says so
-    marker = first.root / "clients" / m.clients[0].id / "train" / "marker"
+    marker = first.root / "clients" / "marker"
     marker.write_text("kept")
     second = prepare_data(cfg, tmp_path, log=logs.append)
     assert second.cached and second.manifest == m and marker.exists()
