@@ -29,6 +29,7 @@ from bhfl_core.analysis.evaluation import MatrixBuilder
 from bhfl_core.config.base import ConfigError
 from bhfl_core.config.schema import ExperimentConfig
 from bhfl_core.config.topology import build_tree
+from bhfl_core.learning.local_train import compact
 from bhfl_core.learning.models import build_model
 from bhfl_core.learning.task_kinds import TaskFacts, TaskKind, get_task_kind
 from bhfl_core.store.node_store import StateStore
@@ -41,6 +42,8 @@ from data_prep.shards import load_shards
 from tasks.faults import NO_FAULTS, FaultPlan
 from tasks.local_cluster import CPU_WORKERS_AUTO_MAX
 
+TEST_CHUNK = 500  # clients' test rows read (and made compact) at a time
+
 
 @dataclass
 class RunContext:
@@ -50,7 +53,6 @@ class RunContext:
     manifest: Manifest
     faults: FaultPlan = NO_FAULTS  # BHFL_FAULTS for this attempt, read by ``open`` (one built directly plans none)
     _proxy: dict[tuple[str, tuple[str, ...] | None], dict[str, torch.Tensor]] = field(default_factory=dict)
-    _tests: tuple[list[str], dict[str, torch.Tensor], torch.Tensor] | None = None
     _scoring: ScoringTable | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -156,39 +158,50 @@ class RunContext:
                 self._proxy[key] = {k: torch.cat([v[a:b] for a, b in ranges]) for k, v in full.items()}
         return self._proxy[key]
 
-    def test_sets(self, proxy_name: str) -> tuple[list[str], dict[str, torch.Tensor], torch.Tensor]:
-        """Every client test split and the proxy test split as one tagged table (built once).
+    def test_sets(
+        self, proxy_name: str, narrow: bool = False
+    ) -> tuple[list[str], dict[str, torch.Tensor], torch.Tensor]:
+        """Every client test split and the proxy test split as one tagged table (read anew each call: the
+        evaluation keeps its own compact copy, ``scoring_table``).
 
         Empty splits (a prepared dataset without client test data) are named but have no rows.
+        ``narrow``: integer columns in their narrowest type (``local_train.compact``), read a
+        chunk of clients at a time, so the int64 rows are never all in memory at once.
         """
-        with self._lock:
-            if self._tests is None:
-                names = [c.id for c in self.manifest.clients] + [proxy_name]
-                sizes = [c.test.size for c in self.manifest.clients] + [self.manifest.proxy_test.size]
-                tests = [c.test.path for c in self.manifest.clients if c.test.size]
-                parts = [load_shards(self.data_root, tests)] if tests else []  # one read where they are one range
-                if sizes[-1]:
-                    parts.append(self.proxy("test"))
-                data = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
-                groups = torch.repeat_interleave(torch.arange(len(names)), torch.tensor(sizes))
-                self._tests = (names, data, groups)
-            return self._tests
+        names = [c.id for c in self.manifest.clients] + [proxy_name]
+        sizes = [c.test.size for c in self.manifest.clients] + [self.manifest.proxy_test.size]
+        tests = [c.test.path for c in self.manifest.clients if c.test.size]
+        chunk = TEST_CHUNK if narrow else max(len(tests), 1)
+        # one read where they are one range; ``narrow``: a chunk of clients at a time, each made compact at once
+        parts = [load_shards(self.data_root, tests[i : i + chunk]) for i in range(0, len(tests), chunk)]
+        if sizes[-1]:
+            parts.append(self.proxy("test"))
+        if narrow:
+            parts = [compact(part) for part in parts]
+        data = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+        groups = torch.repeat_interleave(torch.arange(len(names)), torch.tensor(sizes))
+        return names, data, groups
 
     def scoring_table(self, proxy_name: str) -> ScoringTable:
         """``test_sets`` as the task's scorer reads it, and where each split's rows are (built once).
+
+        Its integer columns are held in the narrowest integer type that holds their values
+        (token ids of a 30k vocabulary in int16, masks in int8: a quarter or an eighth of
+        int64; batches widen them again, ``local_train.widened``): 10,000 clients' test rows
+        take ~45 MB a worker instead of ~250 MB.
 
         The task kind prepares the table once (masked LM: the evaluation masks, drawn from
         the run seed over the whole table), so every model, and every subset of clients a
         model is scored on, sees the same rows the same way.
         """
-        names, data, groups = self.test_sets(proxy_name)
         with self._lock:
             if self._scoring is None:
                 prepare = self.task_kind.scoring_table
+                names, data, groups = self.test_sets(proxy_name, narrow=prepare is None)
                 table = prepare(data, self.task_facts) if prepare is not None else dict(data)
                 sizes = torch.bincount(groups, minlength=len(names))
                 starts = torch.cumsum(sizes, 0) - sizes  # the rows are concatenated split after split
-                self._scoring = ScoringTable(names, table, groups, starts, sizes)
+                self._scoring = ScoringTable(names, compact(table), groups, starts, sizes)
             return self._scoring
 
     @cached_property

@@ -17,12 +17,16 @@ from typing import Any
 
 
 def dask_setup(worker: Any) -> None:
-    """Import what every call needs; on a GPU, create the context and cuBLAS handle with the run's settings."""
+    """Import what every call needs; on a GPU, create the context and cuBLAS handle with the run's settings.
+    Freed memory goes back to the system (``tasks/heap.py``)."""
     import datasets  # noqa: F401  (the clients' shards: data_prep.prepare.load_shard)
     import torch
     import transformers.models.bert.modeling_bert  # noqa: F401  (transformers imports model classes lazily)
 
+    from tasks.heap import give_back_freed_memory
     from tasks.worker import worker_device
+
+    give_back_freed_memory()
 
     device = worker_device()  # deterministic kernels
     if device.type == "cuda":

@@ -41,10 +41,35 @@ Batch = dict[str, torch.Tensor]
 BatchTransform = Callable[[Batch, torch.Generator], Batch]
 
 
+_NARROW = (torch.int8, torch.int16, torch.int32)
+
+
+def compact(table: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``table`` with each int64 column in the narrowest of int8 / int16 / int32 that holds its values.
+
+    For tables kept in memory for long (the test table a worker scores every model on);
+    ``widened`` gives a batch of it back in int64, so models see the very same inputs.
+    """
+    out: dict[str, torch.Tensor] = {}
+    for name, column in table.items():
+        if column.dtype == torch.int64 and column.numel():
+            low, high = int(column.min()), int(column.max())
+            narrow = next((t for t in _NARROW if torch.iinfo(t).min <= low and high <= torch.iinfo(t).max), None)
+            out[name] = column.to(narrow) if narrow is not None else column
+        else:
+            out[name] = column
+    return out
+
+
+def widened(batch: Batch) -> Batch:
+    """A batch of a ``compact`` table in int64 again (columns that were never narrowed pass as they are)."""
+    return {k: v.long() if v.dtype in _NARROW else v for k, v in batch.items()}
+
+
 def _batches(data: Mapping[str, torch.Tensor], order: torch.Tensor, batch_size: int) -> Iterator[Batch]:
     for start in range(0, len(order), batch_size):
         idx = order[start : start + batch_size]
-        batch = {k: v[idx] for k, v in data.items()}
+        batch = widened({k: v[idx] for k, v in data.items()})
         if "attention_mask" in batch:
             width = int(batch["attention_mask"].sum(dim=1).max())
             batch = {k: (v[:, :width] if v.dim() == 2 and k != "labels" else v) for k, v in batch.items()}

@@ -162,6 +162,8 @@ def grouped_lm_stats(
     rows are batched sorted by length, like ``grouped_confusions``. A ``labels`` column in
     ``data`` (class labels) is ignored.
     """
+    from bhfl_core.learning.local_train import widened
+
     model.eval()
     if MASK_TARGETS not in data:
         data = with_eval_masks(data, seed, masking)
@@ -172,8 +174,8 @@ def grouped_lm_stats(
     inputs_all = {k: v for k, v in data.items() if k not in ("labels", MASK_TARGETS)}
     for start in range(0, len(order), batch_size):
         idx = order[start : start + batch_size]
-        batch = {k: v[idx] for k, v in inputs_all.items()}
-        target = targets[idx]
+        batch = widened({k: v[idx] for k, v in inputs_all.items()})
+        target = targets[idx].long()
         if "attention_mask" in batch:
             width = int(batch["attention_mask"].sum(dim=1).max())
             batch = {k: v[:, :width] for k, v in batch.items()}

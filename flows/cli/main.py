@@ -18,6 +18,9 @@ from flows.cli.stopping import STOP
 def main(app: Callable[[], object] | None = None) -> None:
     """Run ``app`` (the ``bhfl`` application by default) as the command of this process."""
     STOP.install()
+    from tasks.heap import give_back_freed_memory
+
+    give_back_freed_memory()  # before the command's heavy imports and allocations
     try:
         if app is None:
             from flows.cli.app import app as bhfl
