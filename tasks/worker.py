@@ -41,6 +41,7 @@ from bhfl_core.store.transfer import SentResult, TensorRef, Transfer, send_resul
 from tasks.client_training import LocalTrainer, device_kind, train_clients
 from tasks.context import TIMELINE_DIR, RunContext, open_run
 from tasks.fold_storage import FoldStorage
+from tasks.heap import trim_heap
 from tasks.scoring import score_models
 
 PLUGIN = "bhfl"
@@ -165,6 +166,7 @@ class WorkerRuntime:
                 yield ctx
             finally:
                 torch.set_num_threads(threads)
+                trim_heap()  # what the call freed goes back to the system, holes in the heap included
                 folder = ctx.run_path / BUSY_DIR
                 folder.mkdir(parents=True, exist_ok=True)
                 with open(folder / f"{self.name}.txt", "a") as fh:
