@@ -275,7 +275,7 @@ def write_prepared(work: Workload, folder: Path) -> Path:
     from datasets import Sequence as Seq
 
     from bhfl_core.config.topology import edge_id
-    from data_prep.manifest import ClientEntry, Manifest, Shard
+    from data_prep.manifest import ClientEntry, ClientTable, Manifest, Shard
     from data_prep.report import write_report
 
     datasets.disable_progress_bars()
@@ -310,7 +310,7 @@ def write_prepared(work: Workload, folder: Path) -> Path:
         vocab_size=VOCAB,
         pad_token_id=0,
         special_ids=[0, 1],
-        clients=clients,
+        clients=ClientTable.of(clients),
         proxy_train=shard(*empty, "proxy/train"),
         proxy_test=shard(*work.test, "proxy/test"),
         unused_pool_rows=0,

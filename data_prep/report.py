@@ -29,7 +29,7 @@ import numpy as np
 
 from bhfl_core.store.tables import table_csv, table_markdown
 from data_prep.figures import MIN_FONT_PT, save_png
-from data_prep.manifest import ClientEntry, Manifest
+from data_prep.manifest import ClientTable, Manifest
 
 SUMMARY, MARKDOWN, SIZES_PNG, SKEW_PNG = "summary.json", "partition.md", "client_sizes.png", "label_skew.png"
 CLIENTS_CSV = "clients.csv"
@@ -37,18 +37,15 @@ MAX_POINTS = 200  # clients drawn as dots in the size plot
 MAX_ROWS = 400  # clients drawn as rows of the label-skew heatmap
 
 
-def _hist(c: ClientEntry) -> np.ndarray:
-    a, b = np.asarray(c.train.label_hist, dtype=float), np.asarray(c.test.label_hist, dtype=float)
-    return a + b if len(a) and len(b) else np.zeros(0)
-
-
-def _histograms(clients: list[ClientEntry]) -> np.ndarray:
-    """Label counts (train + test), a row per client; no columns when the shards are unlabelled."""
-    if not clients or not len(_hist(clients[0])):
-        return np.zeros((len(clients), 0))
-    return np.array([c.train.label_hist for c in clients], dtype=float) + np.array(
-        [c.test.label_hist for c in clients], dtype=float
-    )
+def _histograms(clients: ClientTable, rows: np.ndarray | None = None) -> np.ndarray:
+    """Label counts (train + test), a row per client (``rows``: those only); no columns when the shards are
+    unlabelled."""
+    train, test = clients.train_hist, clients.test_hist
+    if rows is not None:
+        train, test = train[rows], test[rows]
+    if not train.shape[1] or not test.shape[1]:
+        return np.zeros((len(train), 0))
+    return (train + test).astype(float)
 
 
 def _tv(p: np.ndarray, q: np.ndarray) -> np.ndarray:
@@ -59,9 +56,9 @@ def _tv(p: np.ndarray, q: np.ndarray) -> np.ndarray:
 
 def partition_summary(manifest: Manifest) -> dict[str, Any]:
     clients = manifest.clients
-    sizes = np.array([c.train.size + c.test.size for c in clients])
-    train = np.array([c.train.size for c in clients])
-    language = np.array([c.language for c in clients])
+    sizes = clients.train_size + clients.test_size
+    train = clients.train_size
+    language = clients.language
     languages = list(dict.fromkeys(language.tolist()))
     hists = _histograms(clients)
     per_language: dict[str, Any] = {}
@@ -71,7 +68,7 @@ def partition_summary(manifest: Manifest) -> dict[str, Any]:
         s = sizes[idx]
         per_language[lang] = {
             "clients": len(idx),
-            "edges": sorted({clients[i].edge for i in idx}),
+            "edges": sorted(set(clients.edge[idx].tolist())),
             "size_min": int(s.min()),
             "size_median": float(np.median(s)),
             "size_max": int(s.max()),
@@ -168,9 +165,9 @@ def clients_csv(manifest: Manifest) -> str:
 
 
 def plot_sizes(manifest: Manifest, path: Path) -> None:
-    language = np.array([c.language for c in manifest.clients])
+    language = manifest.clients.language
     languages = list(dict.fromkeys(language.tolist()))
-    sizes = np.array([c.train.size + c.test.size for c in manifest.clients])
+    sizes = manifest.clients.train_size + manifest.clients.test_size
     data = [sizes[language == lang] for lang in languages]
     fig = _figure(1.2 + 0.9 * len(languages), 3.6)
     ax = fig.add_subplot()
@@ -195,7 +192,7 @@ def heatmap_rows(count: int) -> np.ndarray:
 def plot_label_skew(manifest: Manifest, path: Path) -> None:
     clients = manifest.clients
     shown = heatmap_rows(len(clients))
-    hists = _histograms([clients[i] for i in shown])
+    hists = _histograms(clients, shown)
     shares = hists / np.maximum(hists.sum(axis=1, keepdims=True), 1)
     fig = _figure(2.5 + 0.35 * len(manifest.labels), 1.5 + min(0.16 * len(shown), 14))
     ax = fig.add_subplot()
@@ -223,7 +220,7 @@ def write_report(manifest: Manifest, folder: Path) -> list[Path]:
     if manifest.clients:
         plot_sizes(manifest, folder / SIZES_PNG)
         written += [folder / SIZES_PNG, (folder / SIZES_PNG).with_suffix(".svg")]
-        if len(_hist(manifest.clients[0])):
+        if _histograms(manifest.clients, np.arange(1)).shape[1]:
             plot_label_skew(manifest, folder / SKEW_PNG)
             written += [folder / SKEW_PNG, (folder / SKEW_PNG).with_suffix(".svg")]
     return written

@@ -34,7 +34,7 @@ from bhfl_core.config.schema import ExperimentConfig, dump
 from bhfl_core.learning.models import TINY
 from bhfl_core.learning.task_kinds import get_task_kind
 from data_prep.clustering import assign_edges
-from data_prep.manifest import ClientEntry, Manifest, Shard
+from data_prep.manifest import ClientEntry, ClientTable, Manifest, Shard
 from data_prep.partition import Partition, draw_proxy, partition_pool
 from data_prep.shards import ShardWriter, parse_path, read_numpy, row_range, token_schema
 from data_prep.sources import (
@@ -365,10 +365,12 @@ def manifest_step(
     work: Path,
 ) -> Manifest:
     source, held_out = describe_source(config)
-    clients = [
-        ClientEntry(id=c.id, language=c.language, edge=edge, cluster=cluster, train=train, test=test)
-        for c, (train, test), (edge, cluster) in zip(part.clients, shards.clients, edges)
-    ]
+    clients = ClientTable.of(
+        [
+            ClientEntry(id=c.id, language=c.language, edge=edge, cluster=cluster, train=train, test=test)
+            for c, (train, test), (edge, cluster) in zip(part.clients, shards.clients, edges)
+        ]
+    )
     manifest = Manifest(
         fingerprint=fingerprint(config),
         source=source,

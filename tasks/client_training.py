@@ -90,7 +90,10 @@ class LocalTrainer:
         (seed, node): the same rows every round, never trained on.
         """
         ctx = self.ctx
-        data = ctx.shard(ctx.clients[node.id].train.path) if node.is_leaf else ctx.proxy("train", node.id)
+        if node.is_leaf:
+            data = ctx.shard(ctx.manifest.clients.by_id(node.id).train.path)
+        else:
+            data = ctx.proxy("train", node.id)
         if not node.settings.holdout:
             return data, {}
         return split_holdout(data, node.settings.holdout, derive_seed(ctx.config.seed, "holdout", node.id))

@@ -36,7 +36,7 @@ from bhfl_core.store.node_store import StateStore
 from bhfl_core.store.run_layout import BACKBONE_FILE, CONFIG_FILE, DATA_POINTER, STATE_DIR, TIMELINE_DIR
 from bhfl_core.store.transfer import Transfer, transfer_folder
 from bhfl_core.store.warm_start import load_backbone
-from data_prep.manifest import ClientEntry, Manifest
+from data_prep.manifest import Manifest
 from data_prep.prepare import load_shard
 from data_prep.shards import load_shards
 from tasks.faults import NO_FAULTS, FaultPlan
@@ -78,10 +78,6 @@ class RunContext:
         """Where models travel between the run's processes (shared memory unless workers are on other machines)."""
         runtime = self.config.runtime
         return Transfer(transfer_folder(self.run_path, runtime.transfer, local=runtime.executor != "cluster"))
-
-    @cached_property
-    def clients(self) -> dict[str, ClientEntry]:
-        return {c.id: c for c in self.manifest.clients}
 
     def build_model(self, seed: int) -> nn.Module:
         """The run's model seeded by ``seed``, on the run's frozen backbone file when it has one."""
@@ -168,9 +164,10 @@ class RunContext:
         ``narrow``: integer columns in their narrowest type (``local_train.compact``), read a
         chunk of clients at a time, so the int64 rows are never all in memory at once.
         """
-        names = [c.id for c in self.manifest.clients] + [proxy_name]
-        sizes = [c.test.size for c in self.manifest.clients] + [self.manifest.proxy_test.size]
-        tests = [c.test.path for c in self.manifest.clients if c.test.size]
+        clients = self.manifest.clients
+        names = [*clients.ids.tolist(), proxy_name]
+        sizes = [*clients.test_size.tolist(), self.manifest.proxy_test.size]
+        tests = clients.test_path[clients.test_size > 0].tolist()
         chunk = TEST_CHUNK if narrow else max(len(tests), 1)
         # one read where they are one range; ``narrow``: a chunk of clients at a time, each made compact at once
         parts = [load_shards(self.data_root, tests[i : i + chunk]) for i in range(0, len(tests), chunk)]

@@ -38,14 +38,14 @@ def baseline_models(ctx: RunContext) -> tuple[list[ModelRef], list[float]]:
     models: list[ModelRef] = []
     loads: list[float] = []
     ev = ctx.config.eval
-    test_rows = sum(c.test.size for c in ctx.manifest.clients) + ctx.manifest.proxy_test.size
+    test_rows = int(ctx.manifest.clients.test_size.sum()) + ctx.manifest.proxy_test.size
     population = set(ctx.eval_plan.population)
     for client in ctx.tree.clients():
         if client.id not in population:
             continue
         train = client.settings.train
         assert train is not None
-        rows = ctx.clients[client.id].train.size * train.epochs
+        rows = ctx.manifest.clients.by_id(client.id).train.size * train.epochs
         if ev.local_adaptation is not None:
             models.append(ModelRef.adapted(client.id))
             loads.append(test_rows + 3.0 * rows * ev.local_adaptation.rounds)

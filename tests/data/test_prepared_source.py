@@ -86,7 +86,7 @@ def test_folder_is_used_in_place_for_training_and_evaluation(tmp_path):
     assert tree["edge-de"].parent == "east" and tree["edge-fr"].parent == "west"
     assert tree["edge-en"].children == ("en-00", "en-01")
 
-    client = ctx.clients["fr-01"]
+    client = ctx.manifest.clients.by_id("fr-01")
     data = ctx.shard(client.train.path)
     assert set(data) == {"input_ids", "labels"}  # no attention_mask / token_type_ids
     model = ctx.build_model(cfg.seed)
