@@ -5,7 +5,9 @@ from __future__ import annotations
 import time
 
 from bhfl_core.algorithm.engine import VIRTUAL_TIME
-from bhfl_core.analysis.evaluation import Evaluation, ModelRef, ModelValues
+from bhfl_core.analysis.evaluation import Evaluation
+from bhfl_core.analysis.matrix_axes import ModelRef
+from bhfl_core.analysis.model_values import ModelValues
 from bhfl_core.learning.metrics import task_metrics
 from bhfl_core.placement import Job, place
 from flows import progress

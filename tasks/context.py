@@ -25,7 +25,7 @@ from torch import nn
 
 from bhfl_core.algorithm.tree import Tree
 from bhfl_core.analysis.eval_plan import EvalPlan
-from bhfl_core.analysis.evaluation import MatrixBuilder
+from bhfl_core.analysis.model_values import MatrixBuilder
 from bhfl_core.config.base import ConfigError
 from bhfl_core.config.schema import ExperimentConfig
 from bhfl_core.config.topology import build_tree

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from bhfl_core.analysis.evaluation import ModelRef, ModelValues
+from bhfl_core.analysis.matrix_axes import ModelRef
+from bhfl_core.analysis.model_values import ModelValues
 from bhfl_core.placement import Slot
 from tasks.context import RunContext
 from tasks.executor import Executor, gather

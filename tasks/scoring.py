@@ -25,7 +25,8 @@ import torch
 
 from bhfl_core.algorithm.contract import RoundPlan
 from bhfl_core.algorithm.node_state import Caller, RoundKey
-from bhfl_core.analysis.evaluation import PROXY, ModelRef, ModelValues, Scored, client_order
+from bhfl_core.analysis.matrix_axes import PROXY, ModelRef, client_order
+from bhfl_core.analysis.model_values import ModelValues, Scored
 from bhfl_core.learning.params import get_flat, set_flat
 from tasks.client_training import LocalTrainer
 from tasks.context import RunContext, ScoringTable

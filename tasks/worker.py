@@ -35,7 +35,8 @@ from torch import nn
 from bhfl_core.algorithm.aggregation_rule import rule_for
 from bhfl_core.algorithm.contract import RoundPlan
 from bhfl_core.algorithm.node_state import RoundKey
-from bhfl_core.analysis.evaluation import ModelRef, ModelValues
+from bhfl_core.analysis.matrix_axes import ModelRef
+from bhfl_core.analysis.model_values import ModelValues
 from bhfl_core.learning.params import get_flat
 from bhfl_core.store.transfer import SentResult, TensorRef, Transfer, send_result
 from tasks.client_training import LocalTrainer, device_kind, train_clients

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from bhfl_core.algorithm.tree import Tree
-from bhfl_core.analysis.evaluation import client_order, dfs_order
+from bhfl_core.analysis.matrix_axes import client_order, dfs_order
 from bhfl_core.rng import generator
 
 

@@ -22,108 +22,23 @@ macro-F1 and lowest for loss and perplexity.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 import numpy as np
-import torch
 
 from bhfl_core.algorithm.tree import Tree
+from bhfl_core.analysis.distribution import STATS, ClientRow, Distribution, DistRow, distribution
+from bhfl_core.analysis.matrix_axes import (
+    PROXY,
+    UNION,
+    ModelRef,
+    client_order,
+    model_order,
+)
+from bhfl_core.analysis.model_values import MatrixBuilder, ModelValues, Stats, scored_from_stats
 from bhfl_core.learning.task_kinds import TaskMetrics
 from bhfl_core.store.tables import table_csv
-
-UNION = "union"
-PROXY = "proxy"
-SUBTREE = "subtree:"
-
-ModelKind = Literal["node", "personal", "local_only", "adapted"]
-_PREFIX: dict[ModelKind, str] = {"node": "", "personal": "personal:", "local_only": "local:", "adapted": "adapt:"}
-
-
-def subtree_set(node_id: str) -> str:
-    return f"{SUBTREE}{node_id}"
-
-
-@dataclass(frozen=True)
-class ModelRef:
-    """A model in the matrix: the tree node it belongs to and its kind.
-
-    ``kind`` is ``node`` (a node's own model), ``personal`` (a Ditto client's personal
-    model), ``local_only`` or ``adapted`` (the per-client baselines of client ``node``).
-    ``name`` is how the model is written in the matrix, MLflow metrics and reports: the
-    node id, ``personal:<client>``, ``local:<client>`` or ``adapt:<client>``.
-    """
-
-    node: str
-    kind: ModelKind
-
-    def __post_init__(self) -> None:
-        if self.kind not in _PREFIX:
-            raise ValueError(f"unknown model kind {self.kind!r}")
-
-    @classmethod
-    def of_node(cls, node_id: str) -> ModelRef:
-        return cls(node_id, "node")
-
-    @classmethod
-    def personal(cls, client_id: str) -> ModelRef:
-        return cls(client_id, "personal")
-
-    @classmethod
-    def local_only(cls, client_id: str) -> ModelRef:
-        return cls(client_id, "local_only")
-
-    @classmethod
-    def adapted(cls, client_id: str) -> ModelRef:
-        return cls(client_id, "adapted")
-
-    @property
-    def name(self) -> str:
-        return f"{_PREFIX[self.kind]}{self.node}"
-
-
-def dfs_order(tree: Tree) -> list[str]:
-    """Node ids in depth-first pre-order (root, first subtree, ...): clients of a server stay together."""
-    out: list[str] = []
-    stack = [tree.root_id]
-    while stack:
-        node_id = stack.pop()
-        out.append(node_id)
-        stack.extend(reversed(tree[node_id].children))
-    return out
-
-
-def client_order(tree: Tree) -> list[str]:
-    return [n for n in dfs_order(tree) if tree[n].is_leaf]
-
-
-def all_test_sets(tree: Tree) -> list[str]:
-    """Client tests (tree order), ``subtree:<server>`` for each non-root server, ``union``, ``proxy``."""
-    subtrees = [subtree_set(n) for n in dfs_order(tree) if not tree[n].is_leaf and n != tree.root_id]
-    return [*client_order(tree), *subtrees, UNION, PROXY]
-
-
-@dataclass(frozen=True)
-class Scored:
-    """One model's statistics as a worker returns them: a block per client test split it was scored on, then
-    one for the proxy test split.
-
-    ``clients`` are positions in ``client_order(tree)`` (ascending), ``weights`` what each
-    stands for in ``subtree:``/``union`` sums (None: itself; bhfl_core/analysis/eval_plan.py).
-    ``blocks`` owns its storage (never a view of a larger tensor: pickled, a view takes its
-    whole storage along), so what travels is ``len(clients) + 1`` blocks and no more.
-    """
-
-    ref: ModelRef
-    clients: np.ndarray
-    weights: np.ndarray | None
-    blocks: torch.Tensor
-
-    @property
-    def nbytes(self) -> int:
-        return int(self.blocks.nbytes + self.clients.nbytes + (0 if self.weights is None else self.weights.nbytes))
 
 
 @dataclass(frozen=True)
@@ -133,119 +48,6 @@ class EvalRow:
     test_set: str
     metric: str
     value: float
-
-
-class UnionSets:
-    """The ``subtree:<server>`` sets and ``union`` of a population (tree order), as a membership matrix.
-
-    A model scored on the whole population sums its client blocks into every set with
-    one matrix product, ``members [sets, clients] @ blocks`` (built once per evaluation).
-    """
-
-    def __init__(self, tree: Tree, population: Sequence[str]) -> None:
-        index = {c: i for i, c in enumerate(population)}
-        names = [n for n in all_test_sets(tree) if n.startswith(SUBTREE) or n == UNION]
-        rows: list[tuple[str, list[int]]] = []
-        for name in names:
-            under = population if name == UNION else tree.leaves_under(name[len(SUBTREE) :])
-            at = [index[c] for c in under if c in index]
-            if at:
-                rows.append((name, at))
-        self.names = [name for name, _ in rows]
-        self.members = torch.zeros(len(rows), len(population), dtype=torch.float64)
-        for row, (_, at) in enumerate(rows):
-            self.members[row, at] = 1.0
-
-
-@dataclass(frozen=True)
-class ModelValues:
-    """One model's metrics, what a worker sends back for it: on each client test split it was scored on, and on
-    its ``subtree:``, ``union`` and ``proxy`` sets. A few numbers per test set, whatever the test set's size."""
-
-    ref: ModelRef
-    clients: np.ndarray  # positions in client_order(tree), ascending
-    on_clients: np.ndarray  # [clients, metrics] (float64)
-    on_sets: dict[str, np.ndarray]  # subtree / union / proxy -> [metrics], in all_test_sets order
-
-    @property
-    def nbytes(self) -> int:
-        return int(self.clients.nbytes + self.on_clients.nbytes + sum(v.nbytes for v in self.on_sets.values()))
-
-
-class MatrixBuilder:
-    """Turns a model's blocks into its ``ModelValues``: sums of client blocks for the union sets, then metrics.
-
-    Built once per evaluation (the workers: once per run) for a population; the blocks are
-    let go as soon as the metrics are computed, so nothing the size of a test table stays.
-    A model scored on the whole population gets every ``subtree:`` set and ``union``, exact
-    sums (one product with the membership matrix); one scored on part of it (eval_plan.py)
-    gets, if a server, every set with a sampled client, if a client's model, its
-    ancestors' subtrees and ``union``, weighted sums of what it was scored on.
-    """
-
-    def __init__(self, tree: Tree, task: TaskMetrics, population: Sequence[str] | None = None) -> None:
-        self.tree, self.task = tree, task
-        self.all_clients = client_order(tree)
-        self.population = list(population) if population is not None else self.all_clients
-        position = {c: i for i, c in enumerate(self.all_clients)}
-        self._population = np.array([position[c] for c in self.population], dtype=np.int64)
-        self._unions = UnionSets(tree, self.population)
-        self._inside: dict[str, np.ndarray] = {}  # set -> which clients (client_order positions) it holds
-        for name, row in zip(self._unions.names, self._unions.members):
-            inside = np.zeros(len(self.all_clients), dtype=bool)
-            inside[self._population[row.numpy() > 0]] = True
-            self._inside[name] = inside
-
-    def values(self, result: Scored) -> ModelValues:
-        blocks = result.blocks.to(torch.float64)
-        k = len(result.clients)
-        client_blocks, proxy = blocks[:k], blocks[k:]
-        flat = client_blocks.reshape(k, -1)
-        if result.weights is None and np.array_equal(result.clients, self._population):
-            names, members = self._unions.names, self._unions.members
-            sums = (members @ flat).reshape(len(members), *client_blocks.shape[1:])
-        else:  # small products: numpy's (torch's thread pool costs more than the product, ~1 ms a model)
-            names, weighted = self._members(result)
-            sums = torch.from_numpy(weighted @ flat.numpy()).reshape(len(weighted), *client_blocks.shape[1:])
-        metrics = self.task.batch(torch.cat([client_blocks, sums, proxy]))
-        table = np.stack([metrics[m].numpy() for m in self.task.names], axis=1)
-        on_sets = {name: table[k + i] for i, name in enumerate([*names, PROXY])}
-        return ModelValues(result.ref, np.asarray(result.clients, dtype=np.int64), table[:k], on_sets)
-
-    def _members(self, result: Scored) -> tuple[list[str], np.ndarray]:
-        node = self.tree[result.ref.node]
-        if node.is_leaf:
-            wanted = {subtree_set(a) for a in self.tree.ancestors(node.id) if a != self.tree.root_id} | {UNION}
-        else:
-            wanted = set(self._unions.names)
-        weights = np.ones(len(result.clients)) if result.weights is None else np.asarray(result.weights, np.float64)
-        names: list[str] = []
-        rows: list[np.ndarray] = []
-        for name in self._unions.names:
-            if name in wanted and (inside := self._inside[name][result.clients]).any():
-                names.append(name)
-                rows.append(np.where(inside, weights, 0.0))
-        return names, np.stack(rows) if rows else np.zeros((0, len(result.clients)))
-
-
-Stats = Mapping[ModelRef, Mapping[str, torch.Tensor]]  # model -> client id / proxy -> statistics (hand-made tests)
-
-_KIND_RANK: dict[ModelKind, int] = {"node": 0, "personal": 1, "adapted": 2, "local_only": 3}
-
-
-def model_order(tree: Tree, models: Iterable[ModelRef]) -> list[ModelRef]:
-    """Node models in tree order, then personal models, adapted baselines, local-only ones (each in tree order)."""
-    position = {n: i for i, n in enumerate(dfs_order(tree))}
-    return sorted(models, key=lambda m: (_KIND_RANK[m.kind], position[m.node]))
-
-
-def scored_from_stats(tree: Tree, stats: Stats) -> list[Scored]:
-    """``Scored`` results from ``{model: {client id or 'proxy': block}}`` over every client (tests, tools)."""
-    clients = client_order(tree)
-    return [
-        Scored(ref, np.arange(len(clients)), None, torch.stack([blocks[c] for c in [*clients, PROXY]]))
-        for ref, blocks in stats.items()
-    ]
 
 
 MATRIX_HEADER = ("node", "level", "test_set", "metric", "value")
@@ -258,87 +60,6 @@ def matrix_lines(rows: Iterable[EvalRow]) -> Iterator[list[object]]:
 
 def matrix_csv(rows: Iterable[EvalRow]) -> str:
     return table_csv(MATRIX_HEADER, matrix_lines(rows))
-
-
-# ---------------------------------------------------------------- distributions over clients
-
-
-def _tail_mean(values: Sequence[float], fraction: float, highest: bool) -> float:
-    clean = sorted((v for v in values if not math.isnan(v)), reverse=highest)
-    if not clean:
-        return float("nan")
-    k = max(1, math.ceil(fraction * len(clean)))
-    return sum(clean[:k]) / k
-
-
-def worst_fraction_mean(values: Sequence[float], fraction: float = 0.1, higher_is_better: bool = True) -> float:
-    """Mean of the worst ``fraction`` of values (at least one): lowest when higher is better."""
-    return _tail_mean(values, fraction, highest=not higher_is_better)
-
-
-def best_fraction_mean(values: Sequence[float], fraction: float = 0.1, higher_is_better: bool = True) -> float:
-    return _tail_mean(values, fraction, highest=higher_is_better)
-
-
-@dataclass(frozen=True)
-class Distribution:
-    """A metric's distribution over clients; ``variance`` is the population variance (ddof 0).
-
-    ``of``: the clients the ``n`` stand for: ``n`` when every client was scored; more when
-    they are a sample (``eval.clients: N``), and then ``mean_low``/``mean_high`` is the
-    95% interval of the mean over all ``of`` (a t-interval with the finite-population
-    correction); for a complete population it is the mean itself.
-    """
-
-    n: int
-    mean: float
-    median: float
-    best10: float
-    worst10: float
-    variance: float
-    of: int = 0
-    mean_low: float = math.nan
-    mean_high: float = math.nan
-
-
-STATS = ("mean", "median", "best10", "worst10", "variance")
-
-
-def _mean_interval(t: torch.Tensor, mean: float, of: int) -> tuple[float, float]:
-    """95% interval of the mean over ``of`` clients from the sample ``t`` (drawn without replacement)."""
-    n = len(t)
-    if of <= n:
-        return mean, mean
-    if n < 2:
-        return math.nan, math.nan
-    from scipy.stats import t as student
-
-    half = float(student.ppf(0.975, n - 1)) * float(t.std(unbiased=True)) / math.sqrt(n) * math.sqrt((of - n) / of)
-    return mean - half, mean + half
-
-
-def distribution(values: Sequence[float], higher_is_better: bool, of: int | None = None) -> Distribution:
-    """The distribution of ``values`` (NaNs left out); ``of``: how many clients they are a sample of."""
-    clean = [v for v in values if not math.isnan(v)]
-    if not clean:
-        nan = float("nan")
-        return Distribution(0, nan, nan, nan, nan, nan, of or 0)
-    t = torch.tensor(clean, dtype=torch.float64)
-    ordered = sorted(clean)
-    mid = len(ordered) // 2
-    median = ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
-    mean = float(t.mean())
-    total = max(of or 0, len(clean))
-    return Distribution(
-        len(clean),
-        mean,
-        median,
-        best_fraction_mean(clean, 0.1, higher_is_better),
-        worst_fraction_mean(clean, 0.1, higher_is_better),
-        float(t.var(unbiased=False)),
-        total,
-        *_mean_interval(t, mean, total),
-    )
 
 
 class Evaluation:
@@ -603,51 +324,3 @@ class Evaluation:
             out[f"gain_vs_local/{relation}/{metric}_mean"] = sum(values) / len(values)
             out[f"gain_vs_local/{relation}/{metric}_share_better"] = sum(g > 0 for g in values) / len(values)
         return out
-
-
-@dataclass(frozen=True)
-class DistRow:
-    model: str
-    level: int
-    population: str  # 'subtree' (the model's own clients) or 'all'
-    metric: str
-    dist: Distribution
-
-
-@dataclass(frozen=True)
-class ClientRow:
-    client: str
-    group: str
-    relation: str
-    model: str
-    metric: str
-    value: float
-    gain_vs_local: float  # NaN where no local-only baseline ran
-
-
-def distribution_csv(rows: Sequence[DistRow]) -> str:
-    """One row per (model, population, metric); ``of`` and the mean's interval say what a sample stands for."""
-    return table_csv(
-        ["model", "level", "population", "metric", "n", *STATS, "of", "mean_low", "mean_high"],
-        (
-            [
-                r.model,
-                r.level,
-                r.population,
-                r.metric,
-                r.dist.n,
-                *(f"{getattr(r.dist, s):.6f}" for s in STATS),
-                r.dist.of,
-                f"{r.dist.mean_low:.6f}",
-                f"{r.dist.mean_high:.6f}",
-            ]
-            for r in rows
-        ),
-    )
-
-
-def clients_csv(rows: Sequence[ClientRow]) -> str:
-    return table_csv(
-        ["client", "group", "relation", "model", "metric", "value", "gain_vs_local"],
-        ([r.client, r.group, r.relation, r.model, r.metric, f"{r.value:.6f}", f"{r.gain_vs_local:.6f}"] for r in rows),
-    )

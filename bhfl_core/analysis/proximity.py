@@ -32,7 +32,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from bhfl_core.analysis.evaluation import PROXY, UNION, Evaluation
+from bhfl_core.analysis.evaluation import Evaluation
+from bhfl_core.analysis.matrix_axes import PROXY, UNION
 from bhfl_core.store.tables import table_csv
 
 

@@ -36,7 +36,8 @@ from dataclasses import dataclass
 
 import torch
 
-from bhfl_core.analysis.evaluation import PROXY, UNION, Evaluation
+from bhfl_core.analysis.evaluation import Evaluation
+from bhfl_core.analysis.matrix_axes import PROXY, UNION
 from bhfl_core.learning.mlm import IGNORE_INDEX, mask_tokens
 from bhfl_core.learning.task_kinds import TaskFacts, TaskMetrics
 from bhfl_core.rng import derive_seed

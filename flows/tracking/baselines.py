@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from bhfl_core.analysis.evaluation import PROXY
+from bhfl_core.analysis.matrix_axes import PROXY
 from bhfl_core.analysis.trivial_baselines import (
     Counts,
     TrivialBaseline,

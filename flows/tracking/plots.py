@@ -15,7 +15,8 @@ import numpy as np
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
-from bhfl_core.analysis.evaluation import Evaluation, all_test_sets, client_order, dfs_order
+from bhfl_core.analysis.evaluation import Evaluation
+from bhfl_core.analysis.matrix_axes import all_test_sets, client_order, dfs_order
 from bhfl_core.analysis.proximity import Proximity
 from bhfl_core.analysis.time_to_accuracy import CurvePoint
 from bhfl_core.learning.metrics import metric_bounds

@@ -37,16 +37,9 @@ from bhfl_core.algorithm.engine import VIRTUAL_TIME
 from bhfl_core.analysis import communication as comm
 from bhfl_core.analysis import proximity
 from bhfl_core.analysis import time_to_accuracy as tta
-from bhfl_core.analysis.evaluation import (
-    MATRIX_HEADER,
-    PROXY,
-    UNION,
-    Evaluation,
-    clients_csv,
-    distribution,
-    distribution_csv,
-    matrix_lines,
-)
+from bhfl_core.analysis.distribution import clients_csv, distribution, distribution_csv
+from bhfl_core.analysis.evaluation import MATRIX_HEADER, Evaluation, matrix_lines
+from bhfl_core.analysis.matrix_axes import PROXY, UNION
 from bhfl_core.analysis.trivial_baselines import TrivialBaseline, headline_metrics
 from bhfl_core.store.atomic import write_text_atomic
 from bhfl_core.store.tables import table_csv, write_csv_atomic

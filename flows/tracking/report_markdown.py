@@ -15,7 +15,9 @@ from dataclasses import dataclass
 from bhfl_core.analysis import communication as comm
 from bhfl_core.analysis import proximity
 from bhfl_core.analysis import time_to_accuracy as tta
-from bhfl_core.analysis.evaluation import PROXY, UNION, Evaluation, distribution
+from bhfl_core.analysis.distribution import distribution
+from bhfl_core.analysis.evaluation import Evaluation
+from bhfl_core.analysis.matrix_axes import PROXY, UNION
 from bhfl_core.analysis.trivial_baselines import TrivialBaseline
 from bhfl_core.store.tables import table_markdown
 from flows.tracking.plots import MAX_LABELS

@@ -7,7 +7,9 @@ import torch
 from PIL import Image
 
 from bhfl_core.analysis.eval_plan import EvalPlan
-from bhfl_core.analysis.evaluation import Evaluation, MatrixBuilder, ModelRef, Scored, client_order
+from bhfl_core.analysis.evaluation import Evaluation
+from bhfl_core.analysis.matrix_axes import ModelRef, client_order
+from bhfl_core.analysis.model_values import MatrixBuilder, Scored
 from bhfl_core.analysis.proximity import analyse
 from data_prep.figures import save_png
 from flows.tracking import plots

@@ -11,16 +11,11 @@ import pytest
 import torch
 
 from bhfl_core.algorithm.tree import Node, Role, Tree
+from bhfl_core.analysis.distribution import distribution
 from bhfl_core.analysis.eval_plan import EvalPlan
-from bhfl_core.analysis.evaluation import (
-    PROXY,
-    Evaluation,
-    MatrixBuilder,
-    ModelRef,
-    Scored,
-    client_order,
-    distribution,
-)
+from bhfl_core.analysis.evaluation import Evaluation
+from bhfl_core.analysis.matrix_axes import PROXY, ModelRef, client_order
+from bhfl_core.analysis.model_values import MatrixBuilder, Scored
 from bhfl_core.analysis.proximity import analyse
 from bhfl_core.learning.metrics import task_metrics
 from tests.core.fake_tree import settings

@@ -8,14 +8,10 @@ import pytest
 import torch
 
 from bhfl_core.analysis import communication as comm
-from bhfl_core.analysis.evaluation import (
-    Evaluation,
-    MatrixBuilder,
-    ModelRef,
-    all_test_sets,
-    distribution,
-    scored_from_stats,
-)
+from bhfl_core.analysis.distribution import distribution
+from bhfl_core.analysis.evaluation import Evaluation
+from bhfl_core.analysis.matrix_axes import ModelRef, all_test_sets
+from bhfl_core.analysis.model_values import MatrixBuilder, scored_from_stats
 from bhfl_core.analysis.proximity import analyse, average_ranks, spearman
 from bhfl_core.config.schema import EvalConfig
 from bhfl_core.learning.metrics import classification_metrics, lm_metrics, task_metrics

@@ -11,7 +11,7 @@ import torch
 from bhfl_core.algorithm.aggregation import WeightedSum
 from bhfl_core.algorithm.node_opt import NodeOptParams
 from bhfl_core.algorithm.node_state import NodeState
-from bhfl_core.analysis.evaluation import worst_fraction_mean
+from bhfl_core.analysis.distribution import worst_fraction_mean
 from bhfl_core.learning.metrics import accuracy, macro_f1
 from bhfl_core.learning.params import get_flat, set_flat
 from bhfl_core.placement import split_by_load

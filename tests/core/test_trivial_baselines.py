@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from bhfl_core.analysis.evaluation import Evaluation, ModelRef
+from bhfl_core.analysis.evaluation import Evaluation
+from bhfl_core.analysis.matrix_axes import ModelRef
 from bhfl_core.analysis.trivial_baselines import (
     KINDS,
     Counts,

@@ -66,7 +66,7 @@ def left_behind(session: int, grace_s: float = 10.0) -> list[str]:
 def scored_on_a_ring_sample(run_path: str, model: str, per_ring: int) -> Any:
     """``model`` of a finished run scored by a real worker runtime with ``eval.client_model_sample: per_ring`` (only
     its own split and ``per_ring`` clients a ring): its ``ModelValues``."""
-    from bhfl_core.analysis.evaluation import ModelRef
+    from bhfl_core.analysis.matrix_axes import ModelRef
     from tasks.context import RunContext
     from tasks.scoring import score_models
     from tasks.worker import WorkerRuntime, worker_device

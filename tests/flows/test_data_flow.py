@@ -18,7 +18,7 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowFilter, FlowFilterName, FlowRunFilter, FlowRunFilterId
 from prefect.settings import PREFECT_API_URL
 
-from bhfl_core.analysis.evaluation import client_order
+from bhfl_core.analysis.matrix_axes import client_order
 from flows.data import _task_step, prepare_data_flow, run_prepare
 from flows.experiment import run_experiment
 from tasks.context import open_run

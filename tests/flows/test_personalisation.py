@@ -14,7 +14,7 @@ import pytest
 from mlflow import MlflowClient
 
 from bhfl_core.algorithm.node_opt import NodeOptParams
-from bhfl_core.analysis.evaluation import ModelRef
+from bhfl_core.analysis.matrix_axes import ModelRef
 from bhfl_core.learning.local_train import planned_steps
 from bhfl_core.store.node_store import StateStore
 from flows.experiment import PLAIN_CALLS, run_experiment

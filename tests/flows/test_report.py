@@ -16,7 +16,8 @@ from mlflow import MlflowClient
 from PIL import Image
 from typer.testing import CliRunner
 
-from bhfl_core.analysis.evaluation import Evaluation, ModelRef, client_order
+from bhfl_core.analysis.evaluation import Evaluation
+from bhfl_core.analysis.matrix_axes import ModelRef, client_order
 from bhfl_core.analysis.time_to_accuracy import CurvePoint
 from bhfl_core.learning.metrics import task_metrics
 from bhfl_core.store.transfer import Transfer

@@ -1,0 +1,143 @@
+"""A metric's distribution over clients, and the per-client tables of the report.
+
+"Best / worst 10%" of a distribution over clients is the mean over the best / worst
+``ceil(10% of n)`` clients (at least one), where best means highest for accuracy and
+macro-F1 and lowest for loss and perplexity. Over a sample of clients (``eval.clients:
+N``) the mean carries a 95% interval for the mean over all of them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from bhfl_core.store.tables import table_csv
+
+
+def _tail_mean(values: Sequence[float], fraction: float, highest: bool) -> float:
+    clean = sorted((v for v in values if not math.isnan(v)), reverse=highest)
+    if not clean:
+        return float("nan")
+    k = max(1, math.ceil(fraction * len(clean)))
+    return sum(clean[:k]) / k
+
+
+def worst_fraction_mean(values: Sequence[float], fraction: float = 0.1, higher_is_better: bool = True) -> float:
+    """Mean of the worst ``fraction`` of values (at least one): lowest when higher is better."""
+    return _tail_mean(values, fraction, highest=not higher_is_better)
+
+
+def best_fraction_mean(values: Sequence[float], fraction: float = 0.1, higher_is_better: bool = True) -> float:
+    return _tail_mean(values, fraction, highest=higher_is_better)
+
+
+@dataclass(frozen=True)
+class Distribution:
+    """A metric's distribution over clients; ``variance`` is the population variance (ddof 0).
+
+    ``of``: the clients the ``n`` stand for: ``n`` when every client was scored; more when
+    they are a sample (``eval.clients: N``), and then ``mean_low``/``mean_high`` is the
+    95% interval of the mean over all ``of`` (a t-interval with the finite-population
+    correction); for a complete population it is the mean itself.
+    """
+
+    n: int
+    mean: float
+    median: float
+    best10: float
+    worst10: float
+    variance: float
+    of: int = 0
+    mean_low: float = math.nan
+    mean_high: float = math.nan
+
+
+STATS = ("mean", "median", "best10", "worst10", "variance")
+
+
+def _mean_interval(t: torch.Tensor, mean: float, of: int) -> tuple[float, float]:
+    """95% interval of the mean over ``of`` clients from the sample ``t`` (drawn without replacement)."""
+    n = len(t)
+    if of <= n:
+        return mean, mean
+    if n < 2:
+        return math.nan, math.nan
+    from scipy.stats import t as student
+
+    half = float(student.ppf(0.975, n - 1)) * float(t.std(unbiased=True)) / math.sqrt(n) * math.sqrt((of - n) / of)
+    return mean - half, mean + half
+
+
+def distribution(values: Sequence[float], higher_is_better: bool, of: int | None = None) -> Distribution:
+    """The distribution of ``values`` (NaNs left out); ``of``: how many clients they are a sample of."""
+    clean = [v for v in values if not math.isnan(v)]
+    if not clean:
+        nan = float("nan")
+        return Distribution(0, nan, nan, nan, nan, nan, of or 0)
+    t = torch.tensor(clean, dtype=torch.float64)
+    ordered = sorted(clean)
+    mid = len(ordered) // 2
+    median = ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+    mean = float(t.mean())
+    total = max(of or 0, len(clean))
+    return Distribution(
+        len(clean),
+        mean,
+        median,
+        best_fraction_mean(clean, 0.1, higher_is_better),
+        worst_fraction_mean(clean, 0.1, higher_is_better),
+        float(t.var(unbiased=False)),
+        total,
+        *_mean_interval(t, mean, total),
+    )
+
+
+@dataclass(frozen=True)
+class DistRow:
+    model: str
+    level: int
+    population: str  # 'subtree' (the model's own clients) or 'all'
+    metric: str
+    dist: Distribution
+
+
+@dataclass(frozen=True)
+class ClientRow:
+    client: str
+    group: str
+    relation: str
+    model: str
+    metric: str
+    value: float
+    gain_vs_local: float  # NaN where no local-only baseline ran
+
+
+def distribution_csv(rows: Sequence[DistRow]) -> str:
+    """One row per (model, population, metric); ``of`` and the mean's interval say what a sample stands for."""
+    return table_csv(
+        ["model", "level", "population", "metric", "n", *STATS, "of", "mean_low", "mean_high"],
+        (
+            [
+                r.model,
+                r.level,
+                r.population,
+                r.metric,
+                r.dist.n,
+                *(f"{getattr(r.dist, s):.6f}" for s in STATS),
+                r.dist.of,
+                f"{r.dist.mean_low:.6f}",
+                f"{r.dist.mean_high:.6f}",
+            ]
+            for r in rows
+        ),
+    )
+
+
+def clients_csv(rows: Sequence[ClientRow]) -> str:
+    return table_csv(
+        ["client", "group", "relation", "model", "metric", "value", "gain_vs_local"],
+        ([r.client, r.group, r.relation, r.model, r.metric, f"{r.value:.6f}", f"{r.gain_vs_local:.6f}"] for r in rows),
+    )
