@@ -6,12 +6,14 @@ clients' rows are compared with the tokenizer's own output on their pool rows, a
 batched encoder compared with a plain tokenizer call for three kinds of tokenizers.
 """
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 
 from data_prep.prepare import load_shard, prepare_data
-from data_prep.shards import ShardWriter, load_shards, parse_path, read_rows, row_range, token_schema
+from data_prep.shards import ShardWriter, load_shards, parse_path, read_numpy, read_rows, row_range, token_schema
 from tests.small import small_config
 
 WIDTH = 8
@@ -55,6 +57,32 @@ def test_a_clients_rows_read_back_are_the_rows_written(tmp_path):
         read_rows(file, 10, 16)
     assert parse_path("clients/train.arrow[3:9]") == ("clients/train.arrow", (3, 9))
     assert parse_path("clients/en-00/train") == ("clients/en-00/train", None)
+
+
+def _resident_kb(file) -> int:
+    """This process's resident pages of ``file`` (kB, over all its mappings), from /proc/self/smaps."""
+    total, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        fields = line.split()
+        if "-" in fields[0] and len(fields) >= 5 and ":" in fields[3]:  # a mapping's header line
+            inside = len(fields) > 5 and fields[5] == str(file)
+        elif inside and fields[0] == "Rss:":
+            total += int(fields[1])
+    return total
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs /proc/self/smaps (Linux)")
+def test_a_read_copies_its_rows_and_lets_the_files_pages_go(tmp_path):
+    """A worker reads every client's rows over a run; the file's pages must not stay in its memory."""
+    file = tmp_path / "clients" / "train.arrow"
+    rows = _write(file, [20_000] * 4)  # ~4 MB of token columns
+    mapped = read_numpy(file)  # views into the map: their pages are this process's while they are used
+    assert int(mapped["input_ids"].sum()) == int(rows["input_ids"].sum())
+    assert _resident_kb(file) > 2_000
+    shard = read_rows(file, 1_000, 79_000)
+    assert _resident_kb(file) < 64  # let go (the old code: ~4,000 kB kept for as long as the map was open)
+    assert np.array_equal(shard["input_ids"].numpy(), rows["input_ids"][1_000:79_000])  # its own copy
+    assert np.array_equal(mapped["labels"], rows["labels"])  # a view read after let_go reads the file again
 
 
 def test_shard_files_open_with_datasets(tmp_path):
