@@ -15,10 +15,12 @@ import os
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
+import numpy as np
 import torch
 import yaml
 from torch import nn
@@ -155,19 +157,20 @@ class RunContext:
         return self._proxy[key]
 
     def test_sets(
-        self, proxy_name: str, narrow: bool = False
+        self, proxy_name: str, narrow: bool = False, only: Sequence[str] | None = None
     ) -> tuple[list[str], dict[str, torch.Tensor], torch.Tensor]:
-        """Every client test split and the proxy test split as one tagged table (read anew each call: the
-        evaluation keeps its own compact copy, ``scoring_table``).
+        """Every client test split (``only``: those clients', in manifest order) and the proxy test split as one
+        tagged table (read anew each call: the evaluation keeps its own compact copy, ``scoring_table``).
 
         Empty splits (a prepared dataset without client test data) are named but have no rows.
         ``narrow``: integer columns in their narrowest type (``local_train.compact``), read a
         chunk of clients at a time, so the int64 rows are never all in memory at once.
         """
         clients = self.manifest.clients
-        names = [*clients.ids.tolist(), proxy_name]
-        sizes = [*clients.test_size.tolist(), self.manifest.proxy_test.size]
-        tests = clients.test_path[clients.test_size > 0].tolist()
+        kept = np.isin(clients.ids, np.asarray(only, dtype=clients.ids.dtype)) if only is not None else slice(None)
+        names = [*clients.ids[kept].tolist(), proxy_name]
+        sizes = [*clients.test_size[kept].tolist(), self.manifest.proxy_test.size]
+        tests = clients.test_path[kept][clients.test_size[kept] > 0].tolist()
         chunk = TEST_CHUNK if narrow else max(len(tests), 1)
         # one read where they are one range; ``narrow``: a chunk of clients at a time, each made compact at once
         parts = [load_shards(self.data_root, tests[i : i + chunk]) for i in range(0, len(tests), chunk)]
@@ -190,11 +193,19 @@ class RunContext:
         The task kind prepares the table once (masked LM: the evaluation masks, drawn from
         the run seed over the whole table), so every model, and every subset of clients a
         model is scored on, sees the same rows the same way.
+
+        Where the evaluation's population is a sample (``eval.clients: N``) every model is
+        scored on the sample's splits only (``EvalPlan``), so only theirs are read: at
+        100,000 clients and a sample of 10,000 a tenth of the rows. (Not for a task that
+        prepares the table: the masked LM's evaluation masks are drawn over the whole table,
+        and the trivial baselines count the same masks.)
         """
         with self._lock:
             if self._scoring is None:
                 prepare = self.task_kind.scoring_table
-                names, data, groups = self.test_sets(proxy_name, narrow=prepare is None)
+                plan = self.eval_plan
+                only = plan.population if prepare is None and not plan.complete else None
+                names, data, groups = self.test_sets(proxy_name, narrow=prepare is None, only=only)
                 table = prepare(data, self.task_facts) if prepare is not None else dict(data)
                 sizes = torch.bincount(groups, minlength=len(names))
                 starts = torch.cumsum(sizes, 0) - sizes  # the rows are concatenated split after split

@@ -109,11 +109,11 @@ def score_models(ctx: RunContext, trainer: LocalTrainer, models: Sequence[ModelR
         if theta is None:
             continue
         set_flat(trainer.model, theta)
-        if plan.complete and targets.weights is None:  # every client: the whole table in one pass
+        splits = torch.cat([order[torch.from_numpy(targets.clients)], order[-1:]])  # tree order, then the proxy
+        if targets.weights is None and len(splits) == len(table.names):  # every split of the table: one pass
             stats = score(trainer.model, table.data, table.groups, len(table.names), batch_size, trainer.device, facts)
-            blocks = stats[order]  # tree order, then the proxy (a copy: no view of the whole result travels)
+            blocks = stats[splits]  # a copy: no view of the whole result travels
         else:
-            splits = torch.cat([order[torch.from_numpy(targets.clients)], order[-1:]])
             rows, groups = _rows_of(table, splits)
             data = {k: v[rows] for k, v in table.data.items()}
             blocks = score(trainer.model, data, groups, len(splits), batch_size, trainer.device, facts)
@@ -122,9 +122,11 @@ def score_models(ctx: RunContext, trainer: LocalTrainer, models: Sequence[ModelR
 
 
 def _tree_order(ctx: RunContext, table: ScoringTable) -> torch.Tensor:
-    """The table's split index of each client in tree order (``client_order``), then the proxy's."""
+    """The table's split index of each client in tree order (``client_order``; -1: a client the table does not
+    hold, outside a sampled population, which no model is scored on), then the proxy's."""
     index = {name: i for i, name in enumerate(table.names)}
-    return torch.tensor([index[c] for c in client_order(ctx.tree)] + [len(table.names) - 1], dtype=torch.int64)
+    at = [index.get(c, -1) for c in client_order(ctx.tree)]
+    return torch.tensor([*at, len(table.names) - 1], dtype=torch.int64)
 
 
 def _rows_of(table: ScoringTable, splits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -63,17 +63,17 @@ def left_behind(session: int, grace_s: float = 10.0) -> list[str]:
     return alive
 
 
-def scored_on_a_ring_sample(run_path: str, model: str, per_ring: int) -> Any:
-    """``model`` of a finished run scored by a real worker runtime with ``eval.client_model_sample: per_ring`` (only
-    its own split and ``per_ring`` clients a ring): its ``ModelValues``."""
-    from bhfl_core.analysis.matrix_axes import ModelRef
+def scored_with(run_path: str, model: str, **eval_settings: Any) -> tuple[Any, Any]:
+    """``model`` of a finished run scored by a real worker runtime with ``eval`` settings changed (e.g.
+    ``client_model_sample``, ``clients``): its ``ModelValues`` and the worker's scoring table."""
+    from bhfl_core.analysis.matrix_axes import PROXY, ModelRef
     from tasks.context import RunContext
     from tasks.scoring import score_models
     from tasks.worker import WorkerRuntime, worker_device
 
     opened = RunContext.open(Path(run_path))
-    settings = opened.config.eval.model_copy(update={"client_model_sample": per_ring})
+    settings = opened.config.eval.model_copy(update=eval_settings)
     ctx = RunContext.open(Path(run_path), opened.config.model_copy(update={"eval": settings}))
     runtime = WorkerRuntime("test", worker_device("cpu"))
     (values,) = score_models(ctx, runtime._trainer(ctx), [ModelRef.of_node(model)])
-    return values
+    return values, ctx.scoring_table(PROXY)

@@ -28,7 +28,7 @@ from flows.tracking.links import HEADLINE_VIEW_KEY, SHARED_VIEW_TAG, runs_link
 from flows.tracking.tracker import Tracker
 from tasks.context import open_run
 from tasks.worker import WorkerRuntime, worker_device
-from tests.flows.commands import scored_on_a_ring_sample
+from tests.flows.commands import scored_with
 
 pytestmark = pytest.mark.integration
 
@@ -134,7 +134,7 @@ def test_a_client_model_scored_on_a_ring_sample_scores_those_clients_as_the_full
     """The same rows, scored apart from the rest of the table (its clients' rows only), give the same metrics."""
     _, tree, _ = evaluated_runs
     _, value = _matrix(MlflowClient(tree["tracking_uri"]), tree["run_id"], tmp_path)
-    sampled = scored_on_a_ring_sample(tree["run_path"], "en-01", per_ring=1)
+    sampled, _ = scored_with(tree["run_path"], "en-01", client_model_sample=1)
     clients = client_order(open_run(tree["run_path"]).tree)
     assert sampled.on_clients.shape == (1 + 3, 2)  # its own split and one client of each of its three rings
     for position, (accuracy, f1) in zip(sampled.clients, sampled.on_clients):
@@ -142,6 +142,22 @@ def test_a_client_model_scored_on_a_ring_sample_scores_those_clients_as_the_full
         assert accuracy == pytest.approx(value[("en-01", client, "accuracy")], abs=1e-6)
         assert f1 == pytest.approx(value[("en-01", client, "macro_f1")], abs=1e-6)
     assert sampled.on_sets["proxy"][0] == pytest.approx(value[("en-01", "proxy", "accuracy")], abs=1e-6)
+
+
+def test_a_sampled_population_is_read_and_scored_alone_as_the_full_evaluation_scores_it(evaluated_runs, tmp_path):
+    """``eval.clients: N``: a worker reads only the sample's test splits (and the proxy's) and scores a server
+    on them in one pass; each client's values are those of the full evaluation."""
+    _, tree, _ = evaluated_runs
+    _, value = _matrix(MlflowClient(tree["tracking_uri"]), tree["run_id"], tmp_path)
+    clients = client_order(open_run(tree["run_path"]).tree)
+    sampled, table = scored_with(tree["run_path"], "root", clients=5)
+    names = [clients[p] for p in sampled.clients]
+    assert len(names) == 5 and sorted(table.names[:-1]) == sorted(names) and table.names[-1] == "proxy"
+    assert int(table.sizes.sum()) == len(table.groups) == len(next(iter(table.data.values())))  # those rows only
+    for client, (accuracy, f1) in zip(names, sampled.on_clients):
+        assert accuracy == pytest.approx(value[("root", client, "accuracy")], abs=1e-6)
+        assert f1 == pytest.approx(value[("root", client, "macro_f1")], abs=1e-6)
+    assert sampled.on_sets["proxy"][0] == pytest.approx(value[("root", "proxy", "accuracy")], abs=1e-6)
 
 
 def test_per_round_curves_for_every_node(evaluated_runs):
