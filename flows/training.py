@@ -265,9 +265,9 @@ def execute_tree_node(
         result = run(ctx.tree, node, start, ctx.store, FlowHooks(rt), ctx.config.seed, plan)
         losses = (MemberLoss(node_id, result.loss, result.examples),) if result.examples else ()
         up = ChildResult(
-            (node_id,),
-            result.theta,
-            node.weight,
+            members=(node_id,),
+            model=result.theta,
+            weight=node.weight,
             losses=losses,
             virtual_s=result.virtual_s,
             sent_bytes=result.sent_bytes,

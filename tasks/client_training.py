@@ -201,16 +201,16 @@ def train_clients(
     if whole_round and partial is not None and not partial.empty:
         rule.close(partial)
     return ChildResult(
-        tuple(members),
-        model,
-        ctx.tree[client_ids[0]].weight if model is not None else 0.0,
-        partial,
-        tuple(losses),
-        virtual_s,
-        tuple(dropped),
-        tuple(candidates),
-        tuple(work),
-        sent_bytes,
+        members=tuple(members),
+        model=model,
+        weight=ctx.tree[client_ids[0]].weight if model is not None else 0.0,
+        partial=partial,
+        losses=tuple(losses),
+        virtual_s=virtual_s,
+        dropped=tuple(dropped),
+        candidates=tuple(candidates),
+        work=tuple(work),
+        sent_bytes=sent_bytes,
     )
 
 

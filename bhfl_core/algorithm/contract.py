@@ -92,7 +92,7 @@ class Work:
     device_kind: str
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ChildResult:
     """What comes up to a parent from one child execution, or from a worker's batch of them.
 
@@ -105,6 +105,9 @@ class ChildResult:
     left out. ``candidates``: residual candidates (the running top-K a worker keeps).
     ``work``: client trainings done for this result. ``sent_bytes``: the compressed updates the
     members sent (``compression.py``; 0 when they sent their models as they are).
+
+    Built by keyword only: ten fields, several of one type (``members``/``dropped``,
+    ``weight``/``virtual_s``), so a positional call could swap two without an error.
     """
 
     members: tuple[str, ...] = ()

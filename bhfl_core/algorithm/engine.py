@@ -354,7 +354,11 @@ def proxy_child(node: Node, trained: NodeResult) -> ChildResult:
         raise RuntimeError(f"{node.id}: proxy TRAIN trained on no rows (its weight among the children)")
     losses = (MemberLoss(node.id, trained.loss, trained.examples),)
     return ChildResult(
-        (node.id,), trained.theta, float(trained.examples), losses=losses, virtual_s=float(trained.steps)
+        members=(node.id,),
+        model=trained.theta,
+        weight=float(trained.examples),
+        losses=losses,
+        virtual_s=float(trained.steps),
     )
 
 

@@ -90,9 +90,13 @@ def test_fold_results_is_one_order_whatever_the_batching():
             rule.contribute(partial, m, models[m], weights[m])
         candidates = tuple(Candidate(m, models[m], weights[m], losses[m]) for m in members)
         member_losses = tuple(MemberLoss(m, losses[m], int(weights[m])) for m in members)
-        return ChildResult(members, partial=partial, losses=member_losses, candidates=candidates, dropped=dropped)
+        return ChildResult(
+            members=members, partial=partial, losses=member_losses, candidates=candidates, dropped=dropped
+        )
 
-    server = ChildResult(("s1",), models["s1"], weights["s1"], losses=(MemberLoss("s1", 0.5, 4),), virtual_s=9.0)
+    server = ChildResult(
+        members=("s1",), model=models["s1"], weight=weights["s1"], losses=(MemberLoss("s1", 0.5, 4),), virtual_s=9.0
+    )
     own = proxy_child(replace(two_edge_tree(settings()).root, id="A"), NodeResult(torch.ones(1000), 0.9, 6, steps=2))
     order = ["c2", "c3", "c1", "c4", "s1", "A"]  # the children: a float sum in this order differs in the last bit
     layouts = [
@@ -250,7 +254,7 @@ def test_a_whole_round_closed_where_it_was_folded_finalizes_to_the_same_bits():
         partial = rule.start(Caller("A", 0))
         for i, (m, w) in enumerate(zip(models, weights)):
             rule.contribute(partial, f"c{i}", m, w)
-        return ChildResult(("c0", "c1", "c2"), partial=partial)
+        return ChildResult(members=("c0", "c1", "c2"), partial=partial)
 
     opened, closed = batch(), batch()
     assert rule.close(closed.partial) and set(rule.wire(closed.partial)[0]) == {"mean"}
