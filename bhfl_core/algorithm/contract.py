@@ -16,8 +16,8 @@ way (``aggregation_rule.fold_results``) and a rule that changes what a contribut
   examples and loss, virtual duration, who was dropped, residual candidates, and timings
   for placement. Nothing a parent relies on travels in a metrics dict.
 
-Tensors are ``torch.Tensor`` here; across processes ``tasks/transfer.py`` carries them
-as shared-memory references, not in the pickled result.
+Tensors are ``torch.Tensor`` here; across processes ``bhfl_core/store/transfer.py``
+carries them as shared-memory references, not in the pickled result.
 """
 
 from __future__ import annotations
