@@ -38,7 +38,8 @@ import torch
 from bhfl_core.algorithm.aggregation_rule import AggregationRule, rule_for
 from bhfl_core.algorithm.async_engine import execute_async_node
 from bhfl_core.algorithm.contract import ChildResult, MemberLoss, RoundPlan
-from bhfl_core.algorithm.engine import PendingResult, PendingTrain, execute_node
+from bhfl_core.algorithm.engine import execute_node
+from bhfl_core.algorithm.engine_hooks import PendingResult, PendingTrain
 from bhfl_core.algorithm.node_state import NodeResult, RoundKey
 from bhfl_core.algorithm.residuals import needs
 from bhfl_core.algorithm.tree import Node, TrainParams, planned_steps
@@ -56,7 +57,7 @@ from tasks.training import proxy_train, score_candidates, train_clients
 from tasks.worker import SentTrain
 
 if TYPE_CHECKING:
-    from flows.orchestration import Orchestration
+    from flows.orchestration_protocol import Orchestration
 
 
 class FlowHooks:

@@ -29,7 +29,8 @@ import torch
 from bhfl_core.algorithm.aggregation import Allocator
 from bhfl_core.algorithm.aggregation_rule import rule_for
 from bhfl_core.algorithm.contract import ChildResult, MemberLoss, RoundPlan, Work
-from bhfl_core.algorithm.engine import PendingTrain, execute_node
+from bhfl_core.algorithm.engine import execute_node
+from bhfl_core.algorithm.engine_hooks import PendingTrain
 from bhfl_core.algorithm.node_state import NodeResult, RoundKey
 from bhfl_core.algorithm.residuals import Candidate, keep_top
 from bhfl_core.algorithm.tree import Node, TrainParams, planned_steps
