@@ -25,7 +25,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from prefect import Task, flow, tags
 from prefect.cache_policies import NO_CACHE
@@ -43,8 +43,10 @@ from flows.data import no_heartbeats, run_prepare
 from flows.orchestration_protocol import Invocation, WorkerAccess
 from flows.tracking.prefect_summary import publish_summary
 from flows.training import execute_tree_node
+from tasks.executor import Executor
 from tasks.training import worth_retrying
 
+P = ParamSpec("P")
 R = TypeVar("R")
 TASK_THREADS = 64  # threads that wait on worker calls (cheap; the work is on the workers)
 
@@ -120,12 +122,28 @@ class PrefectRuns:
         )
         return child_flow(run_path, node_id, phi, plan)
 
-    def start_task(self, rt: WorkerAccess, fn: Callable[..., R], name: str, *args: Any) -> Future[R]:
+    def start_task(
+        self,
+        rt: WorkerAccess,
+        fn: Callable[Concatenate[Executor, P], R],
+        name: str,
+        /,
+        *args: P.args,
+        **kwargs: P.kwargs,
+    ) -> Future[R]:
         named = as_task(fn, rt.ctx.config.runtime, name)
-        return run_gated(functools.partial(_untagged, functools.partial(named, quote(rt.executor), *args)))
+        return run_gated(functools.partial(_untagged, functools.partial(named, quote(rt.executor), *args, **kwargs)))
 
-    def call_task(self, rt: WorkerAccess, fn: Callable[..., R], name: str, *args: Any) -> R:
-        return self.start_task(rt, fn, name, *args).result()
+    def call_task(
+        self,
+        rt: WorkerAccess,
+        fn: Callable[Concatenate[Executor, P], R],
+        name: str,
+        /,
+        *args: P.args,
+        **kwargs: P.kwargs,
+    ) -> R:
+        return self.start_task(rt, fn, name, *args, **kwargs).result()
 
     def prepare(self, config: ExperimentConfig, cache_root: Path) -> PreparedData:
         return run_prepare(config, cache_root)
@@ -168,11 +186,27 @@ class PlainCalls:
     ) -> SentResult:
         return execute_tree_node(run_path, node_id, phi, plan, self)
 
-    def start_task(self, rt: WorkerAccess, fn: Callable[..., R], name: str, *args: Any) -> Future[R]:
-        return run_in_thread(functools.partial(fn, rt.executor, *args))
+    def start_task(
+        self,
+        rt: WorkerAccess,
+        fn: Callable[Concatenate[Executor, P], R],
+        name: str,
+        /,
+        *args: P.args,
+        **kwargs: P.kwargs,
+    ) -> Future[R]:
+        return run_in_thread(functools.partial(fn, rt.executor, *args, **kwargs))
 
-    def call_task(self, rt: WorkerAccess, fn: Callable[..., R], name: str, *args: Any) -> R:
-        return fn(rt.executor, *args)
+    def call_task(
+        self,
+        rt: WorkerAccess,
+        fn: Callable[Concatenate[Executor, P], R],
+        name: str,
+        /,
+        *args: P.args,
+        **kwargs: P.kwargs,
+    ) -> R:
+        return fn(rt.executor, *args, **kwargs)
 
     def prepare(self, config: ExperimentConfig, cache_root: Path) -> PreparedData:
         return prepare_data(config, cache_root, log=progress.note)

@@ -17,7 +17,7 @@ from concurrent.futures import Future
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, Protocol, TypeVar
 
 if TYPE_CHECKING:
     from prefect import Flow
@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from tasks.context import RunContext
     from tasks.executor import Executor
 
+P = ParamSpec("P")
 R = TypeVar("R")
 
 
@@ -83,12 +84,33 @@ class Orchestration(Protocol):
         """
         ...
 
-    def start_task(self, rt: WorkerAccess, fn: Callable[..., R], name: str, *args: Any) -> Future[R]:
-        """Start ``fn(rt.executor, *args)`` (a worker call of tasks/); its result is waited for later."""
+    def start_task(
+        self,
+        rt: WorkerAccess,
+        fn: Callable[Concatenate[Executor, P], R],
+        name: str,
+        /,
+        *args: P.args,
+        **kwargs: P.kwargs,
+    ) -> Future[R]:
+        """Start ``fn(rt.executor, *args, **kwargs)`` (a worker call of tasks/); its result is waited for later.
+
+        The arguments are checked against ``fn``'s signature, as ``fn`` checks its own
+        against the ``WorkerRuntime`` method it submits (tasks/executor.py): typed from the
+        flow to the worker.
+        """
         ...
 
-    def call_task(self, rt: WorkerAccess, fn: Callable[..., R], name: str, *args: Any) -> R:
-        """``fn(rt.executor, *args)`` (a worker call of tasks/), waited for."""
+    def call_task(
+        self,
+        rt: WorkerAccess,
+        fn: Callable[Concatenate[Executor, P], R],
+        name: str,
+        /,
+        *args: P.args,
+        **kwargs: P.kwargs,
+    ) -> R:
+        """``fn(rt.executor, *args, **kwargs)`` (a worker call of tasks/), waited for."""
         ...
 
     def prepare(self, config: ExperimentConfig, cache_root: Path) -> PreparedData:

@@ -50,6 +50,7 @@ from flows import progress
 from flows.creation_gate import run_gated, run_in_thread
 from flows.evaluation import evaluate_step
 from flows.node_runtime import NodeRuntime, node_runtime, worker_utilisation
+from tasks.client_training import BatchCall
 from tasks.context import mark_once
 from tasks.executor import gather
 from tasks.time_model import load_time_model, record_timings
@@ -109,19 +110,10 @@ class FlowHooks:
         placed = place(jobs, self.rt.executor.slots(), runtime.placement, model)
         spread = ", ".join(f"{len(a.jobs)} on {a.slot.name}" for a in placed)
         name = f"train {node.id} r{(plan.caller.round or 0) + 1} [{len(jobs)} clients: {spread}]"
-        whole_round = alone and len(placed) == 1
-        sent: list[SentResult] = self.rt.orchestration.call_task(
-            self.rt,
-            train_clients,
-            name,
-            [(a.slot, list(a.jobs)) for a in placed],
-            self.rt.run_path,
-            plan,
-            phi,
-            keep,
-            select,
-            True,
-            whole_round,
+        batch_call = BatchCall(keep=keep, select=select, whole_round=alone and len(placed) == 1)
+        batches = [(a.slot, list(a.jobs)) for a in placed]
+        sent = self.rt.orchestration.call_task(
+            self.rt, train_clients, name, batches, self.rt.run_path, plan, phi, batch_call
         )
         rule = rule_for(node.settings.aggregate)
         results = [receive_result(s, rule) for s in sent]
@@ -168,7 +160,9 @@ class FlowHooks:
         slot = slots[(plan.caller.round or 0) % len(slots)]
         name = f"train {child.id} r{(plan.caller.round or 0) + 1} [async, on {slot.name}]"
         batch = [(slot, [child.id])]  # one client, its own model back (not folded): the node folds it when it arrives
-        pending = rt.orchestration.start_task(rt, train_clients, name, batch, rt.run_path, plan, phi, 0, None, False)
+        pending = rt.orchestration.start_task(
+            rt, train_clients, name, batch, rt.run_path, plan, phi, BatchCall(fold=False)
+        )
         return _ClientCall(child.id, pending, rule_for(node.settings.aggregate), sent)
 
     def call_duration(self, node: Node, child: Node, plan: RoundPlan) -> float | None:
