@@ -129,7 +129,7 @@ def bhfl_rounds(
     from bhfl_core.config.loader import load_config
     from bhfl_core.learning.params import get_flat, set_flat
     from bhfl_core.store.transfer import Transfer, receive_result, send_result
-    from tasks.client_training import LocalTrainer, train_clients
+    from tasks.client_training import BatchCall, LocalTrainer, train_clients
     from tasks.fold_storage import FoldStorage
 
     class Trainer(LocalTrainer):
@@ -154,7 +154,8 @@ def bhfl_rounds(
         phi = ctx.transfer.put("root.down", state.theta)  # the parent's model, once per round
         allocate, allocated = folds.allocator(ctx.transfer, "root.w0", True)  # as tasks/worker.py does
         on_cpu = allocate if device.type == "cpu" else None
-        result = train_clients(ctx, trainer, plan, ids, Transfer.get(phi), True, 0, None, on_cpu, True)  # type: ignore[arg-type]
+        whole = BatchCall(whole_round=True)
+        result = train_clients(ctx, trainer, plan, ids, Transfer.get(phi), whole, on_cpu)  # type: ignore[arg-type]
         sent = send_result(result, rule, ctx.transfer, "w0", allocated)
         del result
         received = receive_result(sent, rule)

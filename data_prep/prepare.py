@@ -41,7 +41,8 @@ from data_prep.cache_entry import building, disk_full_named, locked
 from data_prep.manifest import MANIFEST_NAME, Manifest, Shard
 from data_prep.report import write_report
 from data_prep.shards import file_rows, load_shard, parse_path
-from data_prep.sources import check_hubs, check_sources, load_pool
+from data_prep.source_checks import check_hubs, check_sources
+from data_prep.sources import load_pool
 from data_prep.steps import (
     edges_step,
     fingerprint,

@@ -1,4 +1,8 @@
-"""Data sources: the labelled client pool (embedded or XGLUE) and an optional separate proxy corpus.
+"""Data sources: the labelled client pool (embedded or XGLUE), and the schema every source ends in.
+
+The optional separate proxy corpus is loaded by ``data_prep/proxy_source.py``, with this
+module's loaders; what can be checked of the sources before any work (can they be
+reached? which files are they?) is ``data_prep/source_checks.py``.
 
 Every source goes through Hugging Face ``datasets`` and ends as Arrow tables with one
 schema: ``text`` (and ``text_pair`` for pair tasks), ``label`` (an integer class id)
@@ -13,12 +17,11 @@ out). Local parquet files are loaded through the same ``load_dataset`` call
 (``"parquet"`` builder) as the hub, with the same split names.
 
 ``datasets`` (~0.7 s to import, with pandas and pyarrow) is imported by the loaders
-only: the cache key (``source_signature``) and a cache hit need none of it.
+only: the cache key (``source_checks.source_signature``) and a cache hit need none of it.
 """
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -26,10 +29,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from bhfl_core.config.base import ConfigError
-from bhfl_core.config.data import EmbeddedSource, ProxySource, XglueSource
+from bhfl_core.config.data import EmbeddedSource, XglueSource
 from bhfl_core.config.schema import ExperimentConfig
-from bhfl_core.learning.hub import require_hub
-from bhfl_core.rng import derive_seed
 from data_prep.partition import pool_size_needed
 
 if TYPE_CHECKING:
@@ -135,13 +136,13 @@ def _xglue_pool(source: XglueSource) -> TextTable:
 
     texts, label = source.columns()
     tables = [
-        _normalise(_load_xglue_split(source, xglue_split(source, lang)), texts, label, f"data.source ({lang})")
+        normalise(load_xglue_split(source, xglue_split(source, lang)), texts, label, f"data.source ({lang})")
         for lang in source.languages
     ]
     for lang, table in zip(source.languages, tables):
         _check_labels(table, source, xglue_split(source, lang))
     names = _common_label_names(tables, "data.source")
-    data = concatenate_datasets([_encode_labels(t, names) for t in tables])
+    data = concatenate_datasets([encode_labels(t, names) for t in tables])
     languages = np.repeat(np.array(source.languages), [len(t) for t in tables])
     return TextTable(data, languages, column(data, LABEL), names)
 
@@ -157,7 +158,7 @@ def local_split_files(folder: Path, config: str, split: str) -> list[Path]:
     return found
 
 
-def _load_xglue_split(source: XglueSource, split: str) -> Dataset:
+def load_xglue_split(source: XglueSource, split: str) -> Dataset:
     from datasets import load_dataset
 
     if source.local_dir is not None:
@@ -171,12 +172,12 @@ def _load_xglue_split(source: XglueSource, split: str) -> Dataset:
                 f"{source.train_split!r} for {source.train_languages} and {source.pool_split!r} for the others "
                 f"(docs/data.md, 'XGLUE from local parquet')."
             )
-        return _load(
+        return load_or_explain(
             lambda: load_dataset("parquet", data_files={split: [str(f) for f in files]}, split=split),
             f"parquet files {[str(f) for f in files]}",
             "data.source.local_dir",
         )
-    return _load(
+    return load_or_explain(
         lambda: load_dataset(source.repo, source.repo_config or source.config, split=split, revision=source.revision),
         f"split {split!r} of {source.repo!r} (config {source.repo_config or source.config!r}, "
         f"revision {source.revision or 'default'})",
@@ -184,7 +185,12 @@ def _load_xglue_split(source: XglueSource, split: str) -> Dataset:
     )
 
 
-def _load(fn, what: str, key: str):
+def load_or_explain(fn, what: str, key: str):
+    """``fn()`` (a ``datasets`` load of ``what``), any failure turned into one ``DataSourceError`` under ``key``.
+
+    One message for every way a load fails (network, missing repo or split, offline mode, a
+    repo that needs a loading script), saying how to point the config at local files.
+    """
     try:
         return fn()
     except DataSourceError:
@@ -200,7 +206,7 @@ def _load(fn, what: str, key: str):
         ) from None
 
 
-def _normalise(ds: Dataset, texts: list[str], label: str | None, key: str) -> Dataset:
+def normalise(ds: Dataset, texts: list[str], label: str | None, key: str) -> Dataset:
     """Select and rename to the common schema (``text``, ``text_pair``, ``label``)."""
     wanted = [*texts, *([label] if label else [])]
     missing = [c for c in wanted if c not in ds.column_names]
@@ -263,7 +269,7 @@ def _common_label_names(tables: list[Dataset], key: str) -> list[str]:
     return sorted(str(v) for v in values)
 
 
-def _encode_labels(ds: Dataset, names: list[str]) -> Dataset:
+def encode_labels(ds: Dataset, names: list[str]) -> Dataset:
     from datasets import ClassLabel, Value
 
     feature = ds.features[LABEL]
@@ -272,200 +278,3 @@ def _encode_labels(ds: Dataset, names: list[str]) -> Dataset:
     if isinstance(feature, Value) and feature.dtype.startswith("int"):
         return ds.cast_column(LABEL, ClassLabel(names=names))
     return ds.cast_column(LABEL, Value("string")).cast_column(LABEL, ClassLabel(names=names))
-
-
-# ---------------------------------------------------------------- the separate proxy corpus
-
-
-def load_proxy_source(
-    spec: ProxySource, languages: list[str], need: int, seed: int, label_names: list[str]
-) -> TextTable:
-    """The proxy corpus in the common schema; ``need`` rows per language are enough (streaming stops there).
-
-    Labels, when the corpus has them, are encoded with the client pool's class names
-    (a proxy label the pool does not know is an error).
-    """
-    from datasets import concatenate_datasets
-
-    label = spec.label_column
-    if spec.per_language:
-        parts = [
-            _normalise(_proxy_rows(spec, lang, need, seed), spec.text_columns, label, f"data.proxy.source ({lang})")
-            for lang in languages
-        ]
-        langs = np.repeat(np.array(languages), [len(p) for p in parts])
-    else:
-        columns = [
-            *spec.text_columns,
-            *([label] if label else []),
-            *([spec.language_column] if spec.language_column else []),
-        ]
-        raw = _proxy_rows(spec, None, need, seed, languages)
-        missing = [c for c in columns if c not in raw.column_names]
-        if missing:
-            raise DataSourceError(f"data.proxy.source: columns {missing} not found; the data has {raw.column_names}")
-        if spec.language_column:
-            langs = column(raw, spec.language_column).astype(str)
-        else:
-            langs = np.full(len(raw), NO_LANGUAGE)
-        parts = [_normalise(raw, spec.text_columns, label, "data.proxy.source")]
-    if label:
-        parts = [_encode_labels(p, label_names) for p in parts]
-        unknown = set().union(*(set(p.unique(LABEL)) for p in parts)) - set(range(len(label_names)))
-        if unknown:
-            raise DataSourceError(
-                f"data.proxy.source.label_column: labels {sorted(unknown)} are not classes of the client pool"
-            )
-    data = concatenate_datasets(parts) if len(parts) > 1 else parts[0]
-    labels = column(data, LABEL) if label else None
-    return TextTable(data, langs, labels, label_names)
-
-
-def _proxy_rows(
-    spec: ProxySource, lang: str | None, need: int, seed: int, languages: list[str] | None = None
-) -> Dataset:
-    from datasets import load_dataset
-
-    fill = (lambda v: v.format(lang=lang)) if lang is not None else (lambda v: v)
-    split = fill(spec.split)
-    what = f"proxy {'files ' + str(spec.data_files) if spec.data_files else repr(spec.repo)} split {split!r}"
-    if spec.data_files is not None:
-        files = [fill(f) for f in ([spec.data_files] if isinstance(spec.data_files, str) else spec.data_files)]
-        thunk = lambda: load_dataset("parquet", data_files={split: files}, split=split, streaming=spec.streaming)  # noqa: E731
-    else:
-        name = fill(spec.name) if spec.name else None
-        thunk = lambda: load_dataset(spec.repo, name, split=split, revision=spec.revision, streaming=spec.streaming)  # noqa: E731
-    ds = _load(thunk, what, "data.proxy.source")
-    if not spec.streaming:
-        return ds
-    return _take_streamed(ds, spec, lang, need, seed, languages)
-
-
-def _take_streamed(
-    stream, spec: ProxySource, lang: str | None, need: int, seed: int, languages: list[str] | None
-) -> Dataset:
-    """Read only ``need`` rows per language from a streamed corpus (seeded shuffle buffer)."""
-    from datasets import Dataset
-
-    stream = stream.shuffle(
-        seed=derive_seed(seed, "proxy", "stream", lang or "") % 2**32, buffer_size=spec.shuffle_buffer
-    )
-    if lang is not None or not spec.language_column:
-        total = need if lang is not None or spec.language_column else need * len(languages or [None])
-        return Dataset.from_list(list(stream.take(total)))
-    wanted = {lg: need for lg in languages or []}
-    rows = []
-    for row in stream:
-        lg = str(row[spec.language_column])
-        if wanted.get(lg, 0) > 0:
-            rows.append(row)
-            wanted[lg] -= 1
-            if not any(wanted.values()):
-                break
-    return Dataset.from_list(rows) if rows else Dataset.from_dict({c: [] for c in spec.text_columns})
-
-
-# ---------------------------------------------------------------- reachability (before any work)
-
-
-def check_hubs(config: ExperimentConfig) -> None:
-    """Fail in seconds when a hub dataset of ``config`` is on a hub that cannot be reached (``hub.require_hub``)."""
-    source = config.data.source
-    if isinstance(source, XglueSource) and source.local_dir is None:
-        require_hub(
-            "data.source.repo",
-            source.repo,
-            "data.source.local_dir: <folder of XGLUE parquet files> (docs/data.md shows the layout and how to "
-            "export it).",
-        )
-    proxy = config.data.proxy.source
-    if proxy is not None and proxy.repo is not None:
-        require_hub("data.proxy.source.repo", proxy.repo, "data.proxy.source.data_files: <local parquet files>.")
-
-
-def check_sources(config: ExperimentConfig) -> None:
-    """Cheap checks that the configured datasets can be found: local files exist, hub repos answer.
-
-    Hub datasets are probed with ``load_dataset_builder`` (metadata only; with
-    ``HF_HUB_OFFLINE=1`` it fails at once). The same ``DataSourceError`` as a real
-    load, so the CLI can stop before starting Prefect.
-    """
-    from datasets import load_dataset_builder
-
-    source = config.data.source
-    if isinstance(source, XglueSource):
-        if source.local_dir is not None:
-            for lang in source.languages:  # raises the layout error when a split has no files
-                split = xglue_split(source, lang)
-                if not local_split_files(Path(source.local_dir).expanduser(), source.config, split):
-                    _load_xglue_split(source, split)
-        else:
-            _load(
-                lambda: load_dataset_builder(
-                    source.repo, source.repo_config or source.config, revision=source.revision
-                ),
-                f"{source.repo!r} (config {source.repo_config or source.config!r}, "
-                f"revision {source.revision or 'default'})",
-                "data.source",
-            )
-    proxy = config.data.proxy.source
-    if proxy is None:
-        return
-    lang = config.data.source.languages[0]
-    fill = (lambda v: v.format(lang=lang)) if proxy.per_language else (lambda v: v)
-    if proxy.data_files is not None:
-        patterns = [proxy.data_files] if isinstance(proxy.data_files, str) else proxy.data_files
-        missing = [fill(p) for p in patterns if not _glob(fill(p))]
-        if missing:
-            raise DataSourceError(
-                f"data.proxy.source.data_files: no files match {missing} (paths are relative to the "
-                "working directory; {lang} is replaced by each language)"
-            )
-    else:
-        _load(
-            lambda: load_dataset_builder(proxy.repo, fill(proxy.name) if proxy.name else None, revision=proxy.revision),
-            f"proxy dataset {proxy.repo!r}",
-            "data.proxy.source",
-        )
-
-
-# ---------------------------------------------------------------- identity (for the cache key)
-
-
-def source_signature(config: ExperimentConfig) -> dict:
-    """What identifies the source data beyond the config: local files' names, sizes and parquet footers.
-
-    Replacing a local parquet file changes the fingerprint, so the cache never serves
-    shards of old data. Hub sources are identified by repo, config and revision
-    (in the config); pin ``revision`` for a fixed dataset version.
-    """
-    out: dict = {}
-    source = config.data.source
-    if isinstance(source, XglueSource) and source.local_dir is not None:
-        folder = Path(source.local_dir).expanduser()
-        splits = {xglue_split(source, lang) for lang in source.languages}
-        out["source_files"] = {
-            s: [_file_signature(f) for f in local_split_files(folder, source.config, s)] for s in sorted(splits)
-        }
-    proxy = config.data.proxy.source
-    if proxy is not None and proxy.data_files is not None:
-        patterns = [proxy.data_files] if isinstance(proxy.data_files, str) else proxy.data_files
-        langs = config.data.source.languages if proxy.per_language else [None]
-        files = sorted({str(p) for pat in patterns for lg in langs for p in _glob(pat.format(lang=lg) if lg else pat)})
-        out["proxy_files"] = [_file_signature(Path(f)) for f in files]
-    return out
-
-
-def _glob(pattern: str) -> list[Path]:
-    path = Path(pattern).expanduser()
-    if path.is_absolute():
-        return sorted(Path(path.anchor).glob(str(path.relative_to(path.anchor))))
-    return sorted(Path().glob(pattern))
-
-
-def _file_signature(path: Path) -> list:
-    size = path.stat().st_size
-    with path.open("rb") as f:
-        f.seek(max(0, size - 65536))
-        tail = hashlib.sha256(f.read()).hexdigest()[:16]  # a parquet footer holds the schema and row-group statistics
-    return [path.name, size, tail]

@@ -36,15 +36,10 @@ from bhfl_core.learning.task_kinds import get_task_kind
 from data_prep.clustering import assign_edges
 from data_prep.manifest import ClientEntry, ClientTable, Manifest, Shard
 from data_prep.partition import Partition, draw_proxy, partition_pool
+from data_prep.proxy_source import load_proxy_source
 from data_prep.shards import ShardWriter, parse_path, read_numpy, row_range, token_schema
-from data_prep.sources import (
-    PAIR,
-    TEXT,
-    TextTable,
-    load_proxy_source,
-    source_signature,
-    xglue_split,
-)
+from data_prep.source_checks import source_signature
+from data_prep.sources import PAIR, TEXT, TextTable, xglue_split
 from data_prep.tokenizer import hub_tokenizer, train_wordpiece
 
 # 5: four Arrow files, a client's shard a row range of them (was: a save_to_disk folder per client split);

@@ -35,7 +35,8 @@ from bhfl_core.store.run_layout import CONFIG_FILE
 from flows import lifecycle, progress
 from flows.launch import Launch
 from flows.lifecycle import Attempt
-from flows.orchestration import PLAIN_CALLS, PREFECT_RUNS, Invocation, Orchestration
+from flows.orchestration import PLAIN_CALLS, PREFECT_RUNS
+from flows.orchestration_protocol import Invocation, Orchestration
 from flows.records.run_record import PipelineLink, RunRecord, new_run_path
 from flows.records.run_state import RunStateError, load_run, resume_config
 from flows.records.warm_source import resolve_init_from

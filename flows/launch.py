@@ -13,7 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from flows.orchestration import PREFECT_RUNS, Orchestration
+from flows.orchestration import PREFECT_RUNS
+from flows.orchestration_protocol import Orchestration
 from flows.records.run_record import ProcessRecord, default_tracking_uri
 
 

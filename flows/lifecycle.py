@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Protocol, Self, TypeVar
 
 from flows.launch import Launch
-from flows.orchestration import Invocation, Orchestration
+from flows.orchestration_protocol import Invocation, Orchestration
 from flows.records.run_record import ProcessRecord
 from flows.records.run_state import check_resume_overrides
 

@@ -23,7 +23,7 @@ from tasks.executor import Executor, executor_for
 from tasks.worker import busy_intervals
 
 if TYPE_CHECKING:
-    from flows.orchestration import Orchestration
+    from flows.orchestration_protocol import Orchestration
 
 
 @dataclass

@@ -1,8 +1,8 @@
 """How a job runs: as Prefect flow and task runs (``PREFECT_RUNS``) or as plain calls (``PLAIN_CALLS``).
 
-An ``Orchestration`` owns everything that differs between the two, so the job code
-(flows/experiment.py, sweep.py, pipeline.py, training.py, evaluation.py) never asks
-which one it runs under:
+An ``Orchestration`` (the protocol: flows/orchestration_protocol.py) owns everything
+that differs between the two, so the job code (flows/experiment.py, sweep.py,
+pipeline.py, training.py, evaluation.py) never asks which one it runs under:
 
 - ``invoke``: a whole job (experiment, sweep, pipeline) as a flow run, or its body called;
 - ``gate``: Prefect runs created one at a time (flows/creation_gate.py), or nothing;
@@ -21,14 +21,13 @@ plain functions as tasks when it calls them (a task run is named after its funct
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from concurrent.futures import Future
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
-from prefect import Flow, Task, flow, tags
+from prefect import Task, flow, tags
 from prefect.cache_policies import NO_CACHE
 from prefect.context import TagsContext
 from prefect.task_runners import ThreadPoolTaskRunner
@@ -41,66 +40,17 @@ from data_prep.prepare import PreparedData, prepare_data
 from flows import progress
 from flows.creation_gate import creation_gate, run_gated, run_in_thread, signal_running
 from flows.data import no_heartbeats, run_prepare
-from flows.node_runtime import NodeRuntime
+from flows.orchestration_protocol import Invocation, WorkerAccess
 from flows.tracking.prefect_summary import publish_summary
 from flows.training import execute_tree_node
+from tasks.executor import Executor
 from tasks.training import worth_retrying
 
+P = ParamSpec("P")
 R = TypeVar("R")
 TASK_THREADS = 64  # threads that wait on worker calls (cheap; the work is on the workers)
 
-__all__ = ["PLAIN_CALLS", "PREFECT_RUNS", "Invocation", "Orchestration", "PlainCalls", "PrefectRuns"]
-
-
-@dataclass(frozen=True)
-class Invocation(Generic[R]):
-    """A job as either orchestration starts it: its Prefect flow called with ``parameters`` (plain data, as a
-    deployment run would bring), or ``body`` called in this thread."""
-
-    flow: Flow[..., R]
-    parameters: Mapping[str, Any]
-    body: Callable[[], R]
-    name: str  # the flow run's name
-    tags: Sequence[str] = field(default_factory=tuple)
-
-
-class Orchestration(Protocol):
-    """How a job, its node executions, its worker calls and its data preparation are run."""
-
-    name: str
-
-    def invoke(self, job: Invocation[R]) -> R:
-        """Run a whole job (experiment, sweep, pipeline) and return its result."""
-        ...
-
-    def gate(self) -> AbstractContextManager[None]:
-        """While open, the runs this job creates are created one at a time (flows/creation_gate.py)."""
-        ...
-
-    def publish(self, config: ExperimentConfig, markdown: str) -> None:
-        """Show ``markdown`` (headlines, the MLflow link) where the job's runs are browsed."""
-        ...
-
-    def run_node(
-        self, run_path: str, node_id: str, phi: TensorRef | None, plan: RoundPlan, *, subflow: bool
-    ) -> SentResult:
-        """Execute one internal node from its parent's model (``subflow``: as its own flow run where possible).
-
-        Returns what goes up to the parent as a worker batch does: a ``ChildResult`` by reference.
-        """
-        ...
-
-    def start_task(self, rt: NodeRuntime, fn: Callable[..., R], name: str, *args: Any) -> Future[R]:
-        """Start ``fn(rt.executor, *args)`` (a worker call of tasks/); its result is waited for later."""
-        ...
-
-    def call_task(self, rt: NodeRuntime, fn: Callable[..., R], name: str, *args: Any) -> R:
-        """``fn(rt.executor, *args)`` (a worker call of tasks/), waited for."""
-        ...
-
-    def prepare(self, config: ExperimentConfig, cache_root: Path) -> PreparedData:
-        """Prepare (or reuse) the experiment's data."""
-        ...
+__all__ = ["PLAIN_CALLS", "PREFECT_RUNS", "PlainCalls", "PrefectRuns"]
 
 
 def thread_task_runner() -> Any:
@@ -172,12 +122,28 @@ class PrefectRuns:
         )
         return child_flow(run_path, node_id, phi, plan)
 
-    def start_task(self, rt: NodeRuntime, fn: Callable[..., R], name: str, *args: Any) -> Future[R]:
+    def start_task(
+        self,
+        rt: WorkerAccess,
+        fn: Callable[Concatenate[Executor, P], R],
+        name: str,
+        /,
+        *args: P.args,
+        **kwargs: P.kwargs,
+    ) -> Future[R]:
         named = as_task(fn, rt.ctx.config.runtime, name)
-        return run_gated(functools.partial(_untagged, functools.partial(named, quote(rt.executor), *args)))
+        return run_gated(functools.partial(_untagged, functools.partial(named, quote(rt.executor), *args, **kwargs)))
 
-    def call_task(self, rt: NodeRuntime, fn: Callable[..., R], name: str, *args: Any) -> R:
-        return self.start_task(rt, fn, name, *args).result()
+    def call_task(
+        self,
+        rt: WorkerAccess,
+        fn: Callable[Concatenate[Executor, P], R],
+        name: str,
+        /,
+        *args: P.args,
+        **kwargs: P.kwargs,
+    ) -> R:
+        return self.start_task(rt, fn, name, *args, **kwargs).result()
 
     def prepare(self, config: ExperimentConfig, cache_root: Path) -> PreparedData:
         return run_prepare(config, cache_root)
@@ -220,11 +186,27 @@ class PlainCalls:
     ) -> SentResult:
         return execute_tree_node(run_path, node_id, phi, plan, self)
 
-    def start_task(self, rt: NodeRuntime, fn: Callable[..., R], name: str, *args: Any) -> Future[R]:
-        return run_in_thread(functools.partial(fn, rt.executor, *args))
+    def start_task(
+        self,
+        rt: WorkerAccess,
+        fn: Callable[Concatenate[Executor, P], R],
+        name: str,
+        /,
+        *args: P.args,
+        **kwargs: P.kwargs,
+    ) -> Future[R]:
+        return run_in_thread(functools.partial(fn, rt.executor, *args, **kwargs))
 
-    def call_task(self, rt: NodeRuntime, fn: Callable[..., R], name: str, *args: Any) -> R:
-        return fn(rt.executor, *args)
+    def call_task(
+        self,
+        rt: WorkerAccess,
+        fn: Callable[Concatenate[Executor, P], R],
+        name: str,
+        /,
+        *args: P.args,
+        **kwargs: P.kwargs,
+    ) -> R:
+        return fn(rt.executor, *args, **kwargs)
 
     def prepare(self, config: ExperimentConfig, cache_root: Path) -> PreparedData:
         return prepare_data(config, cache_root, log=progress.note)

@@ -49,7 +49,8 @@ from flows import lifecycle, progress
 from flows.experiment import run_or_resume
 from flows.launch import Launch
 from flows.lifecycle import Attempt, finish_or_fail
-from flows.orchestration import PLAIN_CALLS, PREFECT_RUNS, Invocation, Orchestration
+from flows.orchestration import PLAIN_CALLS, PREFECT_RUNS
+from flows.orchestration_protocol import Invocation, Orchestration
 from flows.records.environment import git_commit
 from flows.records.pipeline_record import (
     PIPELINE_CONFIG,

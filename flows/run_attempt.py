@@ -43,6 +43,7 @@ from tasks.context import RunContext, forget_run, mark_once, open_run, read_mark
 from tasks.executor import cluster_workers, process_worker, worker_losses
 from tasks.faults import FaultPlan
 from tasks.local_cluster import ClusterStart, local_slots
+from tasks.worker import WorkerRuntime
 
 IMPORTED_AT = time.time()  # the heavy imports above are done: the timeline's "imports_done"
 FAILED_RUN_WAIT_S = 10.0  # a failed run's last tracking calls (its status) get this long to reach a remote server
@@ -234,7 +235,7 @@ def _initial_model(rt: NodeRuntime, ctx: RunContext) -> None:
         what = f"{len(copied)} node model(s) copied" if copied else "its model is the frozen backbone"
         progress.note(f"warm start from {cfg.model.init_from}: {what}")
     if not ctx.store.has(ctx.tree.root_id):  # no warm start, or a backbone only (fresh adapters)
-        initial = rt.executor.submit(rt.executor.slots()[0], "initial_model", str(rt.ctx.run_path)).result()
+        initial = rt.executor.submit(rt.executor.slots()[0], WorkerRuntime.initial_model, str(rt.ctx.run_path)).result()
         ctx.store.save(ctx.tree.root_id, NodeState(model=Transfer.get(initial)))
         ctx.transfer.done_with(initial)
 

@@ -22,11 +22,10 @@ run is created in that experiment, nested under it (sweep -> point -> root -> se
 named after its label and tagged ``bhfl.sweep``, ``bhfl.sweep_label`` and
 ``bhfl.sweep_hash``, so the UI groups a sweep and filters its points.
 
-Resume (``resume_sweep``, or ``run_sweep(..., resume_from=FOLDER)`` with a changed spec)
-skips points whose run finished, matched by config hash, resumes interrupted ones from
-their checkpoints and starts the rest, under the same MLflow sweep run. A point that fails
-does not stop the others; the sweep then ends failed, naming them.
-``orchestration=PLAIN_CALLS`` runs it all without Prefect.
+Resume (``resume_sweep``, or ``run_sweep(..., resume_from=FOLDER)`` with a changed spec) skips points
+whose run finished, matched by config hash, resumes interrupted ones from their checkpoints and starts
+the rest, under the same MLflow sweep run. A point that fails does not stop the others; the sweep then
+ends failed, naming them. ``orchestration=PLAIN_CALLS`` runs it all without Prefect.
 """
 
 from __future__ import annotations
@@ -52,7 +51,8 @@ from flows.creation_gate import run_in_thread
 from flows.experiment import run_or_resume
 from flows.launch import Launch
 from flows.lifecycle import Attempt, finish_or_fail
-from flows.orchestration import PLAIN_CALLS, PREFECT_RUNS, Invocation, Orchestration
+from flows.orchestration import PLAIN_CALLS, PREFECT_RUNS
+from flows.orchestration_protocol import Invocation, Orchestration
 from flows.records.environment import git_commit
 from flows.records.run_record import PipelineLink, RunRecord, new_run_path
 from flows.records.sweep_record import (

@@ -38,7 +38,8 @@ import torch
 from bhfl_core.algorithm.aggregation_rule import AggregationRule, rule_for
 from bhfl_core.algorithm.async_engine import execute_async_node
 from bhfl_core.algorithm.contract import ChildResult, MemberLoss, RoundPlan
-from bhfl_core.algorithm.engine import PendingResult, PendingTrain, execute_node
+from bhfl_core.algorithm.engine import execute_node
+from bhfl_core.algorithm.engine_hooks import PendingResult, PendingTrain
 from bhfl_core.algorithm.node_state import NodeResult, RoundKey
 from bhfl_core.algorithm.residuals import needs
 from bhfl_core.algorithm.tree import Node, TrainParams, planned_steps
@@ -49,6 +50,7 @@ from flows import progress
 from flows.creation_gate import run_gated, run_in_thread
 from flows.evaluation import evaluate_step
 from flows.node_runtime import NodeRuntime, node_runtime, worker_utilisation
+from tasks.client_training import BatchCall
 from tasks.context import mark_once
 from tasks.executor import gather
 from tasks.time_model import load_time_model, record_timings
@@ -56,7 +58,7 @@ from tasks.training import proxy_train, score_candidates, train_clients
 from tasks.worker import SentTrain
 
 if TYPE_CHECKING:
-    from flows.orchestration import Orchestration
+    from flows.orchestration_protocol import Orchestration
 
 
 class FlowHooks:
@@ -108,19 +110,10 @@ class FlowHooks:
         placed = place(jobs, self.rt.executor.slots(), runtime.placement, model)
         spread = ", ".join(f"{len(a.jobs)} on {a.slot.name}" for a in placed)
         name = f"train {node.id} r{(plan.caller.round or 0) + 1} [{len(jobs)} clients: {spread}]"
-        whole_round = alone and len(placed) == 1
-        sent: list[SentResult] = self.rt.orchestration.call_task(
-            self.rt,
-            train_clients,
-            name,
-            [(a.slot, list(a.jobs)) for a in placed],
-            self.rt.run_path,
-            plan,
-            phi,
-            keep,
-            select,
-            True,
-            whole_round,
+        batch_call = BatchCall(keep=keep, select=select, whole_round=alone and len(placed) == 1)
+        batches = [(a.slot, list(a.jobs)) for a in placed]
+        sent = self.rt.orchestration.call_task(
+            self.rt, train_clients, name, batches, self.rt.run_path, plan, phi, batch_call
         )
         rule = rule_for(node.settings.aggregate)
         results = [receive_result(s, rule) for s in sent]
@@ -167,7 +160,9 @@ class FlowHooks:
         slot = slots[(plan.caller.round or 0) % len(slots)]
         name = f"train {child.id} r{(plan.caller.round or 0) + 1} [async, on {slot.name}]"
         batch = [(slot, [child.id])]  # one client, its own model back (not folded): the node folds it when it arrives
-        pending = rt.orchestration.start_task(rt, train_clients, name, batch, rt.run_path, plan, phi, 0, None, False)
+        pending = rt.orchestration.start_task(
+            rt, train_clients, name, batch, rt.run_path, plan, phi, BatchCall(fold=False)
+        )
         return _ClientCall(child.id, pending, rule_for(node.settings.aggregate), sent)
 
     def call_duration(self, node: Node, child: Node, plan: RoundPlan) -> float | None:
@@ -265,9 +260,9 @@ def execute_tree_node(
         result = run(ctx.tree, node, start, ctx.store, FlowHooks(rt), ctx.config.seed, plan)
         losses = (MemberLoss(node_id, result.loss, result.examples),) if result.examples else ()
         up = ChildResult(
-            (node_id,),
-            result.theta,
-            node.weight,
+            members=(node_id,),
+            model=result.theta,
+            weight=node.weight,
             losses=losses,
             virtual_s=result.virtual_s,
             sent_bytes=result.sent_bytes,

@@ -22,14 +22,15 @@ import errno
 import logging
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
 from bhfl_core.algorithm.aggregation import Allocator
 from bhfl_core.algorithm.aggregation_rule import rule_for
 from bhfl_core.algorithm.contract import ChildResult, MemberLoss, RoundPlan, Work
-from bhfl_core.algorithm.engine import PendingTrain, execute_node
+from bhfl_core.algorithm.engine import execute_node
+from bhfl_core.algorithm.engine_hooks import PendingTrain
 from bhfl_core.algorithm.node_state import NodeResult, RoundKey
 from bhfl_core.algorithm.residuals import Candidate, keep_top
 from bhfl_core.algorithm.tree import Node, TrainParams, planned_steps
@@ -42,6 +43,33 @@ from tasks.context import RunContext, mark_once
 
 log = logging.getLogger("bhfl.worker")
 Table = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True, kw_only=True)
+class BatchCall:
+    """How a worker trains one batch of clients and what it sends back: the parent decides, the worker obeys.
+
+    One value from the parent's round (``flows/training.py``) to ``train_clients`` below,
+    through the worker call (``tasks/training.py``, ``WorkerRuntime.train_clients``),
+    instead of four loose arguments that crossed those signatures in two orders.
+
+    ``fold``: each client's model is contributed to the parent's aggregation rule here
+    (a partial goes up); False: the batch is one client whose model goes up as it is (an
+    asynchronous parent weighs it by staleness first). ``keep`` / ``select``: also send
+    the ``keep`` best residual candidates by ``select`` (a running top-K, so memory stays
+    at K models; ``residuals.needs`` gives both); 0 / None: none. ``whole_round``: this
+    batch is all the parent's round folds, so the rule may close the partial here, on
+    the worker's device (``AggregationRule.close``).
+    """
+
+    fold: bool = True
+    keep: int = 0
+    select: str | None = None
+    whole_round: bool = False
+
+    def __post_init__(self) -> None:
+        if self.whole_round and not self.fold:
+            raise ValueError("a batch that is not folded cannot close its round's fold (whole_round needs fold)")
 
 
 def device_kind(device: torch.device) -> str:
@@ -149,22 +177,16 @@ def train_clients(
     plan: RoundPlan,
     client_ids: list[str],
     phi: torch.Tensor,
-    fold: bool = True,
-    keep: int = 0,
-    select: str | None = None,
+    batch_call: BatchCall,
     allocate: Allocator | None = None,
-    whole_round: bool = False,
 ) -> ChildResult:
     """Execute ``client_ids`` from the parent model ``phi`` under ``plan``; return what goes up to the parent.
 
-    ``fold``: the clients' models are contributed to the parent's aggregation rule here
-    (a partial in the result; ``allocate`` gives its storage); otherwise the batch has
-    one client and its model goes up as it is (an asynchronous parent weighs it by
-    staleness first). ``whole_round``: this batch is all the parent's round will fold, so
-    the rule may close the partial here, on the worker's device (``AggregationRule.close``).
-    With ``keep > 0`` the worker also returns its ``keep`` best residual candidates by
-    ``select``, a running top-K so memory stays at K models.
+    ``batch_call`` says whether the models are folded by the parent's rule here (a partial in
+    the result; ``allocate`` gives its storage), whether the fold may be closed, and
+    which residual candidates go up with it (``BatchCall``).
     """
+    fold, keep, select = batch_call.fold, batch_call.keep, batch_call.select
     if not fold and len(client_ids) != 1:
         raise ValueError(f"an unfolded batch carries one client's model, not {len(client_ids)}")
     parent = plan.caller.node_id
@@ -201,19 +223,19 @@ def train_clients(
                 found = Candidate(client_id, result.theta.cpu(), node.weight, result.loss)
                 candidates = keep_top(candidates, found, phi, keep, select)
             del result  # folded: the next client's model must not meet this one in memory
-    if whole_round and partial is not None and not partial.empty:
+    if batch_call.whole_round and partial is not None and not partial.empty:
         rule.close(partial)
     return ChildResult(
-        tuple(members),
-        model,
-        ctx.tree[client_ids[0]].weight if model is not None else 0.0,
-        partial,
-        tuple(losses),
-        virtual_s,
-        tuple(dropped),
-        tuple(candidates),
-        tuple(work),
-        sent_bytes,
+        members=tuple(members),
+        model=model,
+        weight=ctx.tree[client_ids[0]].weight if model is not None else 0.0,
+        partial=partial,
+        losses=tuple(losses),
+        virtual_s=virtual_s,
+        dropped=tuple(dropped),
+        candidates=tuple(candidates),
+        work=tuple(work),
+        sent_bytes=sent_bytes,
     )
 
 

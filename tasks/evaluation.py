@@ -16,6 +16,7 @@ from bhfl_core.placement import Slot
 from tasks.context import RunContext
 from tasks.executor import Executor, gather
 from tasks.scoring import local_only_rounds
+from tasks.worker import WorkerRuntime
 
 
 def node_models(ctx: RunContext, servers_only: bool = False) -> list[ModelRef]:
@@ -62,6 +63,6 @@ def evaluate_models(
     """Every model's metrics on its test sets, each batch scored on its slot (tasks/scoring.py)."""
     return [
         values
-        for part in gather([executor.submit(slot, "evaluate", run_path, m) for slot, m in batches])
+        for part in gather([executor.submit(slot, WorkerRuntime.evaluate, run_path, m) for slot, m in batches])
         for values in part
     ]

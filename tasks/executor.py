@@ -8,8 +8,12 @@
   must see the run folder and the data cache at the same absolute paths.
 - ``inprocess``: calls run in the orchestrating process, one at a time (debugging).
 
-The orchestrator places each batch on a named worker (``Slot``) and submits
-``tasks.worker.call(method, *args)`` there; Dask only transports calls and results.
+The orchestrator places each batch on a named worker (``Slot``) and submits a
+``WorkerRuntime`` method with its arguments there, by reference to the method itself
+(``submit(slot, WorkerRuntime.proxy_train, run_path, ...)``): mypy checks the arguments
+against the method's signature (``ParamSpec``), so no call is named by a string. Dask
+only transports calls and results (``tasks.worker.call`` runs the method on the
+worker's runtime); the in-process executor calls it on its own runtime.
 An executor is found from the run record's address (``connect``), so any process that
 can reach the scheduler can execute any part of the tree.
 
@@ -38,11 +42,11 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import CancelledError, Future
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Concatenate, Generic, ParamSpec, Protocol, TypeVar
 
 from bhfl_core.config.schema import RuntimeConfig
 from bhfl_core.placement import Slot
@@ -56,16 +60,19 @@ RESTART_GRACE_S = 30.0  # how long a lost worker with a nanny has to come back b
 MAX_RERUNS = 3  # a call whose worker died this many times is likely what kills it (like Dask's allowed-failures)
 # flows/progress.py shows this logger's records (the CLI's notes, the Prefect UI's logs); tasks never import flows
 _NOTES = logging.getLogger("bhfl.progress")
+P = ParamSpec("P")
+R = TypeVar("R")
+R_co = TypeVar("R_co", covariant=True)
 
 
 class WorkersLostError(RuntimeError):
     """A call's worker is gone for good, or the call kept killing it; says which and what to do."""
 
 
-class PendingCall(Protocol):
-    """A submitted worker call: a ``concurrent.futures.Future`` or a Dask ``distributed.Future``."""
+class PendingCall(Protocol[R_co]):
+    """A submitted call: a ``concurrent.futures.Future``, or a Dask call that reruns on a lost worker (``_Pending``)."""
 
-    def result(self, timeout: float | None = None) -> Any: ...
+    def result(self, timeout: float | None = None) -> R_co: ...
 
 
 class Executor(Protocol):
@@ -73,12 +80,14 @@ class Executor(Protocol):
         """The worker slots a round's work is placed on (stable order)."""
         ...
 
-    def submit(self, slot: Slot, method: str, *args: Any) -> PendingCall:
-        """Run ``WorkerRuntime.<method>(*args)`` on ``slot``; the future's ``result()`` waits for it."""
+    def submit(
+        self, slot: Slot, method: Callable[Concatenate[WorkerRuntime, P], R], /, *args: P.args, **kwargs: P.kwargs
+    ) -> PendingCall[R]:
+        """Run ``method(runtime, *args, **kwargs)`` on ``slot``'s ``WorkerRuntime``; ``result()`` waits for it."""
         ...
 
 
-def gather(futures: list[Any]) -> list[Any]:
+def gather(futures: Sequence[PendingCall[R]]) -> list[R]:
     """Every future's result, in order; the first error is raised only once all have ended.
 
     (A retry must not start while a batch of the failed attempt still trains.)
@@ -125,18 +134,12 @@ def slot(worker: dict[str, str]) -> Slot:
     return Slot(worker["name"], worker["device"], worker["kind"])
 
 
-def _what(method: str, args: tuple[Any, ...]) -> str:
-    """A call in words, for the user: the clients a training call trains, else its method."""
-    if method == "train_clients" and len(args) > 2 and isinstance(args[2], list):
-        return f"training {', '.join(map(str, args[2]))}"
-    return method
-
-
 class _Call:
     """One submitted call and where it is: its Dask key, the worker (name, address) it is pinned to, its re-runs."""
 
-    def __init__(self, method: str, args: tuple[Any, ...]) -> None:
-        self.method, self.args = method, args
+    def __init__(self, method: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self.method, self.args, self.kwargs = method, args, kwargs
+        self.name: str = method.__name__
         self.key = self.worker = self.address = ""
         self.future: Any = None
         self.lost = False  # its worker left the scheduler while it held the call
@@ -144,14 +147,21 @@ class _Call:
         self.reruns = 0
 
 
-class _Pending:
+def _what(call: _Call) -> str:
+    """A call in words, for the user: the clients a training call trains, else its method."""
+    ids = call.args[2] if call.method is WorkerRuntime.train_clients and len(call.args) > 2 else None
+    return f"training {', '.join(map(str, ids))}" if isinstance(ids, list) else call.name
+
+
+class _Pending(Generic[R]):
     """What ``DaskExecutor.submit`` returns: ``result()`` waits, running the call again if its worker is lost."""
 
     def __init__(self, executor: DaskExecutor, call: _Call) -> None:
         self._executor, self._call = executor, call
 
-    def result(self, timeout: float | None = None) -> Any:
-        return self._executor.result(self._call, timeout)
+    def result(self, timeout: float | None = None) -> R:
+        result: R = self._executor.result(self._call, timeout)
+        return result
 
 
 class DaskExecutor:
@@ -177,11 +187,13 @@ class DaskExecutor:
     def slots(self) -> list[Slot]:
         return list(self._slots)
 
-    def submit(self, slot: Slot, method: str, *args: Any) -> PendingCall:
+    def submit(
+        self, slot: Slot, method: Callable[Concatenate[WorkerRuntime, P], R], /, *args: P.args, **kwargs: P.kwargs
+    ) -> PendingCall[R]:
         """Send the call to ``slot``'s worker; one that is not connected now counts as lost (``result`` waits)."""
-        call = _Call(method, args)
+        call = _Call(method, args, kwargs)
         self._send(call, slot.name, self._roster().get(slot.name, ""))
-        return _Pending(self, call)
+        return _Pending[R](self, call)
 
     def result(self, call: _Call, timeout: float | None = None) -> Any:
         """The call's result; a call whose worker was lost is run again (and waited for) first."""
@@ -189,7 +201,7 @@ class DaskExecutor:
         while True:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             if not call.changed.wait(left):
-                raise TimeoutError(f"{call.worker}'s call ({_what(call.method, call.args)}): no result in {timeout} s")
+                raise TimeoutError(f"{call.worker}'s call ({_what(call)}): no result in {timeout} s")
             if not call.lost and _killed(call.future):  # a scheduler with allowed-failures 0 fails it instead
                 call.lost = True
             if not call.lost:
@@ -258,14 +270,14 @@ class DaskExecutor:
         why = f"not back within {RESTART_GRACE_S:.0f} s" if has_nanny else "it has no nanny to restart it"
         raise WorkersLostError(
             f"worker {name} of the Dask cluster at {self.address} was lost before finishing its call "
-            f"({_what(call.method, call.args)}), and is gone ({why}), so the run stops here rather than change its "
+            f"({_what(call)}), and is gone ({why}), so the run stops here rather than change its "
             f"placement mid-round. Start it again (`dask worker {self.address} --name {name} --nthreads 1`) or "
             "not: a resume places its work on the workers connected then."
         )
 
     def _send(self, call: _Call, name: str, address: str) -> None:
         """Submit ``call`` under a new key, pinned to worker ``name`` at ``address`` ("": not connected)."""
-        key = f"{call.method}-{uuid.uuid4().hex}"
+        key = f"{call.name}-{uuid.uuid4().hex}"
         with self._lock:
             self._calls.pop(call.key, None)
             call.key, call.worker, call.address = key, name, address
@@ -276,7 +288,7 @@ class DaskExecutor:
                 call.changed.set()
                 return
         call.future = self.client.submit(
-            call_on_worker, call.method, *call.args, key=key, workers=[address], allow_other_workers=False
+            call_on_worker, call.method, call.kwargs, *call.args, key=key, workers=[address], allow_other_workers=False
         )
         call.future.add_done_callback(lambda _: self._done(call, key))
 
@@ -284,7 +296,7 @@ class DaskExecutor:
         """Run a call again after the loss of its worker: tell the user, record it, send it."""
         if call.future is not None:
             call.future.release()
-        lost, what = call.worker, _what(call.method, call.args)
+        lost, what = call.worker, _what(call)
         call.reruns += 1
         if call.reruns > MAX_RERUNS:
             raise WorkersLostError(
@@ -292,7 +304,11 @@ class DaskExecutor:
                 "itself may be what kills it (out of memory? the worker's log says)."
             )
         address = self._address(call, lost)
-        kept = " (clients the call had finished are not trained again)" if call.method == "train_clients" else ""
+        kept = (
+            " (clients the call had finished are not trained again)"
+            if call.method is WorkerRuntime.train_clients
+            else ""
+        )
         _NOTES.warning(f"worker {lost} was lost before finishing its call ({what}); restarted, it runs it again{kept}")
         _record_loss(call, lost)
         self._send(call, lost, address)
@@ -310,7 +326,7 @@ def _record_loss(call: _Call, lost: str) -> None:
     run_path = Path(str(call.args[0])) if call.args else None
     if run_path is None or not run_path.is_dir():
         return
-    line = {"time": time.time(), "worker": lost, "call": _what(call.method, call.args)}
+    line = {"time": time.time(), "worker": lost, "call": _what(call)}
     with open(run_path / LOSSES_FILE, "a") as fh:
         fh.write(json.dumps(line) + "\n")
 
@@ -336,10 +352,12 @@ class InProcessExecutor:
     def slots(self) -> list[Slot]:
         return [slot(self.runtime.describe())]
 
-    def submit(self, slot: Slot, method: str, *args: Any) -> Future[Any]:
-        done: Future[Any] = Future()
+    def submit(
+        self, slot: Slot, method: Callable[Concatenate[WorkerRuntime, P], R], /, *args: P.args, **kwargs: P.kwargs
+    ) -> Future[R]:
+        done: Future[R] = Future()
         try:
-            done.set_result(getattr(self.runtime, method)(*args))
+            done.set_result(method(self.runtime, *args, **kwargs))
         except BaseException as exc:
             done.set_exception(exc)
         return done

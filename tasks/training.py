@@ -18,9 +18,9 @@ from bhfl_core.algorithm.contract import RoundPlan
 from bhfl_core.algorithm.node_state import RoundKey
 from bhfl_core.placement import Slot
 from bhfl_core.store.transfer import SentResult, TensorRef
-from tasks.client_training import is_resource_error
+from tasks.client_training import BatchCall, is_resource_error
 from tasks.executor import Executor, WorkersLostError, gather
-from tasks.worker import SentTrain
+from tasks.worker import SentTrain, WorkerRuntime
 
 Batches = Sequence[tuple[Slot, list[str]]]
 
@@ -37,23 +37,20 @@ def train_clients(
     run_path: str,
     plan: RoundPlan,
     phi: TensorRef,
-    keep: int = 0,
-    select: str | None = None,
-    fold: bool = True,
-    whole_round: bool = False,
+    batch_call: BatchCall,
 ) -> list[SentResult]:
     """Execute each batch of clients on its slot from the parent model ``phi`` under ``plan``; one result per batch.
 
-    Each batch comes back folded by the parent's rule (``fold``; else one client's own
-    model: an asynchronous node's call), its tensors by reference (``receive_result`` maps
-    them): a Prefect task's return value stays in memory until the flow ends, so it must
-    not hold models. ``whole_round``: one batch that is all its parent's round folds
-    (the worker may close the fold: ``AggregationRule.close``).
+    Each batch comes back as ``batch_call`` says (``tasks/client_training.py``
+    ``BatchCall``: folded by the parent's rule, or one client's own model for an
+    asynchronous node; with residual candidates; closed when it is the whole round), its
+    tensors by reference (``receive_result`` maps them): a Prefect task's return value
+    stays in memory until the flow ends, so it must not hold models.
     """
-    if whole_round and len(batches) != 1:
+    if batch_call.whole_round and len(batches) != 1:
         raise ValueError(f"a whole round in one batch, not {len(batches)}")
     futures = [
-        executor.submit(slot, "train_clients", run_path, plan, ids, phi, fold, keep, select, whole_round)
+        executor.submit(slot, WorkerRuntime.train_clients, run_path, plan, ids, phi, batch_call)
         for slot, ids in batches
     ]
     return gather(futures)
@@ -63,12 +60,11 @@ def proxy_train(
     executor: Executor, slot: Slot, run_path: str, node_id: str, key: RoundKey, theta: TensorRef
 ) -> SentTrain:
     """TRAIN a server's model (``theta``) on its proxy split, on ``slot``; the trained model by reference."""
-    sent: SentTrain = executor.submit(slot, "proxy_train", run_path, node_id, key, theta).result()
-    return sent
+    return executor.submit(slot, WorkerRuntime.proxy_train, run_path, node_id, key, theta).result()
 
 
 def score_candidates(
     executor: Executor, slot: Slot, run_path: str, node_id: str, candidates: list[TensorRef]
 ) -> list[float]:
     """A server's candidate models scored on its held-out proxy rows; one loss each."""
-    return list(executor.submit(slot, "held_out_losses", run_path, node_id, candidates).result())
+    return executor.submit(slot, WorkerRuntime.held_out_losses, run_path, node_id, candidates).result()

@@ -23,10 +23,10 @@ import threading
 import time
 import warnings
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from distributed import WorkerPlugin, get_worker
@@ -39,7 +39,7 @@ from bhfl_core.analysis.matrix_axes import ModelRef
 from bhfl_core.analysis.model_values import ModelValues
 from bhfl_core.learning.params import get_flat
 from bhfl_core.store.transfer import SentResult, TensorRef, Transfer, send_result
-from tasks.client_training import LocalTrainer, device_kind, train_clients
+from tasks.client_training import BatchCall, LocalTrainer, device_kind, train_clients
 from tasks.context import TIMELINE_DIR, RunContext, open_run
 from tasks.fold_storage import FoldStorage
 from tasks.heap import trim_heap
@@ -50,6 +50,7 @@ DEVICE_ENV = "BHFL_DEVICE"  # cpu, cuda, cuda:N (unset: the process's CUDA devic
 _MODELS_KEPT = 2
 _CUBLAS_CONFIG_WARNING = r"Deterministic behavior was enabled .* CuBLAS"  # see gpu_deterministic
 BUSY_DIR = Path(TIMELINE_DIR) / "busy"  # one file of (start, end) lines per worker
+R = TypeVar("R")
 
 
 @dataclass(frozen=True)
@@ -120,7 +121,12 @@ def _model_key(ctx: RunContext) -> str:
 
 
 class WorkerRuntime:
-    """One worker process's state; its methods are what the orchestrator submits."""
+    """One worker process's state; its methods are what the orchestrator submits.
+
+    A call names the method itself, ``executor.submit(slot, WorkerRuntime.train_clients,
+    ...)`` (tasks/executor.py), so mypy checks its arguments against the method's
+    signature; each executor calls it on the runtime of the slot's process.
+    """
 
     def __init__(self, name: str, device: torch.device) -> None:
         self.name, self.device, self.kind = name, device, device_kind(device)
@@ -179,34 +185,23 @@ class WorkerRuntime:
         plan: RoundPlan,
         client_ids: list[str],
         phi: TensorRef,
-        fold: bool = True,
-        keep: int = 0,
-        select: str | None = None,
-        whole_round: bool = False,
+        batch_call: BatchCall,
     ) -> SentResult:
         """A batch of clients from the parent model ``phi`` (``client_training.train_clients``), sent back by reference.
 
         On a CPU worker the batch is folded straight into files of the run's transfer
         folder, so nothing is copied to send it, or, when it is the whole round, into
         memory the worker reuses (tasks/fold_storage.py); a GPU worker folds on its device
-        and copies the fold out once (``whole_round``: the round's mean, closed on the device).
+        and copies the fold out once (``batch_call.whole_round``: the round's mean, closed on the device).
         """
         with self._call(run_path) as ctx:
-            allocate, allocated = self._folds.allocator(ctx.transfer, f"{plan.caller}.{self.name}", whole_round)
+            allocate, allocated = self._folds.allocator(
+                ctx.transfer, f"{plan.caller}.{self.name}", batch_call.whole_round
+            )
             trainer = self._trainer(ctx)
             try:
-                result = train_clients(
-                    ctx,
-                    trainer,
-                    plan,
-                    client_ids,
-                    Transfer.get(phi),
-                    fold,
-                    keep,
-                    select,
-                    allocate if self.device.type == "cpu" else None,
-                    whole_round,
-                )
+                on_cpu = allocate if self.device.type == "cpu" else None
+                result = train_clients(ctx, trainer, plan, client_ids, Transfer.get(phi), batch_call, on_cpu)
             except BaseException:
                 for ref, _ in allocated.values():  # a failed batch's fold goes nowhere: its memory back now
                     Transfer.drop(ref)
@@ -252,11 +247,16 @@ class BhflWorkerPlugin(WorkerPlugin):
         self.runtime = WorkerRuntime(str(worker.name), worker_device())
 
 
-def call(method: str, *args: Any) -> Any:
-    """What the executor submits to a Dask worker: ``method`` of this worker's runtime."""
+def call(method: Callable[..., R], kwargs: Mapping[str, Any], *args: Any) -> R:
+    """What the executor submits to a Dask worker: ``method`` (a ``WorkerRuntime`` method) of this worker's runtime.
+
+    The arguments were checked against ``method`` where the call was made
+    (``Executor.submit``); the keyword ones travel as one mapping so that none can meet
+    a keyword of Dask's own ``submit``.
+    """
     plugin: Any = get_worker().plugins[PLUGIN]
     runtime: WorkerRuntime = plugin.runtime
-    return getattr(runtime, method)(*args)
+    return method(runtime, *args, **kwargs)
 
 
 def busy_intervals(run_path: Path) -> dict[str, list[tuple[float, float]]]:

@@ -90,8 +90,9 @@ class WeightedSum:
 
         ``allocate(name, numel, dtype)`` (optional) gives the zeroed storage of ``hi`` and
         ``lo`` when the first vector arrives: a worker folds straight into shared memory
-        (tasks/transfer.py), so its sum leaves the process without a copy. Without it the
-        sum lives on the first vector's device.
+        (``Transfer.allocate`` in bhfl_core/store/transfer.py, via tasks/fold_storage.py), so
+        its sum leaves the process without a copy. Without it the sum lives on the first
+        vector's device.
         """
         self.hi: torch.Tensor | None = None if total is None else total.to(torch.float64).contiguous()
         self.lo: torch.Tensor | None = None if self.hi is None else torch.zeros_like(self.hi)

@@ -16,7 +16,7 @@ default, ``mean``, is the exact weighted mean of ``aggregation.WeightedSum``: it
 partials are exact sums, so the mean does not depend on how the children were spread
 over workers or in which order they arrived. Every rule's partial travels between
 processes as named tensors plus numbers (``wire`` / ``unwire``), so the transport
-(tasks/transfer.py) needs to know nothing about the rule.
+(bhfl_core/store/transfer.py) needs to know nothing about the rule.
 
 A server with ``privacy:`` folds with ``DpMeanRule`` whatever its ``aggregate.kind``:
 DP-FedAvg's clipped, noised mean (``privacy.py``). Its partial clips against the model

@@ -57,9 +57,6 @@ from bhfl_core.algorithm.asynchrony import AsyncParams, stale_model, staleness_w
 from bhfl_core.algorithm.contract import ROOT_PLAN, ChildResult, Partial, RoundPlan
 from bhfl_core.algorithm.engine import (
     VIRTUAL_TIME,
-    EngineHooks,
-    PendingResult,
-    PendingTrain,
     load_for_execution,
     proxy_child,
     proxy_metrics,
@@ -68,6 +65,7 @@ from bhfl_core.algorithm.engine import (
     train_metrics,
     tuned_metrics,
 )
+from bhfl_core.algorithm.engine_hooks import EngineHooks, PendingResult, PendingTrain
 from bhfl_core.algorithm.node_opt import Scorer
 from bhfl_core.algorithm.node_state import AsyncProgress, Caller, InFlight, NodeResult, NodeState, RoundKey
 from bhfl_core.algorithm.node_step import down_posts, node_down, node_up

@@ -11,8 +11,11 @@ version when the result arrives. Every ``buffer`` (K) results the node steps::
     theta_{v+1} = NODEOPT_up(theta_v, mean_input)            (fedavg, eta 1: theta_v + that mean)
 
 The second form is how it is computed: each result, as it arrives, becomes the model
-``theta_v + w(s_i) Delta_i`` (``stale_model``) and is folded by the node's aggregation
-rule with weight ``p_i``, the very fold a synchronous node makes of its children.
+``theta_v + w(s_i) Delta_i`` (``stale_model``, with ``w(s_i)`` from ``staleness_weight``)
+and is folded by the node's aggregation rule with weight ``p_i``, the very fold a
+synchronous node makes of its children (``async_engine._buffer``; the rule's
+``finalize`` gives ``mean_input`` at the flush). This module holds the pure pieces of
+that fold; the buffer itself is the engine's.
 
 ``p_i`` is the child's example weight, as in the synchronous step, and ``w`` the
 staleness function. Choice where FedBuff is silent about weights: the normalisation
@@ -29,7 +32,7 @@ Staleness functions (``staleness`` in the config):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -79,16 +82,6 @@ class AsyncParams:
     staleness: StalenessParams = field(default_factory=StalenessParams)
 
 
-@dataclass(frozen=True)
-class BufferedResult:
-    """One child result waiting in the buffer: its update, example weight and staleness."""
-
-    child: str
-    delta: torch.Tensor  # y_i - theta_{v_i}
-    weight: float  # p_i (training examples under the child)
-    staleness: int  # v (at arrival) - v_i (at dispatch)
-
-
 def stale_model(theta: torch.Tensor, model: torch.Tensor, base: torch.Tensor, weight: float) -> torch.Tensor:
     """``theta + weight * (model - base)``: a stale result as the model it stands for now.
 
@@ -104,21 +97,3 @@ def stale_model(theta: torch.Tensor, model: torch.Tensor, base: torch.Tensor, we
     for t, m, b, o in zip(*(torch.split(x.reshape(-1), 1 << 20) for x in (theta, model, base, out))):
         o.copy_(t.double().add_(m.double().sub_(b.double()), alpha=weight))
     return out
-
-
-def buffered_input(theta: torch.Tensor, buffer: Sequence[BufferedResult], params: StalenessParams) -> torch.Tensor:
-    """The ``mean_input`` NODEOPT_up steps towards: ``theta + sum p_i w(s_i) Delta_i / sum p_i``.
-
-    The same fold the asynchronous engine makes as results arrive: each result becomes
-    the model ``theta + w(s_i) Delta_i`` (float64, rounded once) and the mean aggregation
-    rule takes it with weight ``p_i``, exactly as a synchronous node takes its children.
-    """
-    from bhfl_core.algorithm.aggregation import WeightedSum
-
-    if not buffer:
-        raise ValueError("an empty buffer has nothing to aggregate")
-    total = WeightedSum()
-    for entry in buffer:
-        w = staleness_weight(entry.staleness, params)
-        total.add((theta.double() + w * entry.delta.double()).to(theta.dtype), entry.weight)
-    return total.mean()

@@ -16,8 +16,8 @@ way (``aggregation_rule.fold_results``) and a rule that changes what a contribut
   examples and loss, virtual duration, who was dropped, residual candidates, and timings
   for placement. Nothing a parent relies on travels in a metrics dict.
 
-Tensors are ``torch.Tensor`` here; across processes ``tasks/transfer.py`` carries them
-as shared-memory references, not in the pickled result.
+Tensors are ``torch.Tensor`` here; across processes ``bhfl_core/store/transfer.py``
+carries them as shared-memory references, not in the pickled result.
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ class Work:
     device_kind: str
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ChildResult:
     """What comes up to a parent from one child execution, or from a worker's batch of them.
 
@@ -105,6 +105,9 @@ class ChildResult:
     left out. ``candidates``: residual candidates (the running top-K a worker keeps).
     ``work``: client trainings done for this result. ``sent_bytes``: the compressed updates the
     members sent (``compression.py``; 0 when they sent their models as they are).
+
+    Built by keyword only: ten fields, several of one type (``members``/``dropped``,
+    ``weight``/``virtual_s``), so a positional call could swap two without an error.
     """
 
     members: tuple[str, ...] = ()

@@ -24,7 +24,8 @@ model they send up (both start from theta': Li et al. 2021, Algorithm 1).
 ``execute_node`` is that loop; the maths is in the pure steps of ``node_step.py``.
 *Where* children run (Prefect subflows, worker tasks, or plain recursion in tests)
 and *how* TRAIN is done are injected through ``EngineHooks``, so the same function
-drives clients inside a worker, servers inside subflows, and fake trees in unit tests.
+drives clients inside a worker, servers inside subflows, and fake trees in unit tests
+(the protocols: ``engine_hooks.py``).
 The store is the only place with side effects: it reads the inbox of residuals,
 delivers posts, and commits each round's state in one atomic file (model, optimiser
 states, round counter, the execution it belongs to), after which the residuals that
@@ -47,15 +48,15 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import replace
-from typing import Protocol
 
 import torch
 
 from bhfl_core.algorithm.aggregation_rule import FoldedRound, fold_results, rule_for
 from bhfl_core.algorithm.compression import compress_update, payload_bytes, received_model
 from bhfl_core.algorithm.contract import ROOT_PLAN, ChildResult, MemberLoss, RoundPlan
+from bhfl_core.algorithm.engine_hooks import EngineHooks
 from bhfl_core.algorithm.node_opt import Scorer
 from bhfl_core.algorithm.node_state import Caller, NodeResult, NodeState, RoundKey
 from bhfl_core.algorithm.node_step import (
@@ -75,50 +76,6 @@ from bhfl_core.algorithm.tempo import omega, tempo_epochs
 from bhfl_core.algorithm.tree import Node, NodeSettings, Tree
 from bhfl_core.algorithm.virtual_clock import drops_out
 from bhfl_core.rng import derive_seed, sample_cohort
-
-
-class PendingResult(Protocol):
-    def result(self) -> ChildResult | None:
-        """Wait for the work (it runs from the moment it was started); None: a child that failed and was dropped."""
-        ...
-
-
-class PendingTrain(Protocol):
-    def result(self) -> NodeResult:
-        """Wait for a TRAIN started earlier (a server's proxy TRAIN alongside its children)."""
-        ...
-
-
-class EngineHooks(Protocol):
-    def run_children(
-        self, node: Node, cohort: list[Node], theta: torch.Tensor, plans: Mapping[str, RoundPlan]
-    ) -> list[ChildResult]:
-        """Execute every child of the cohort from ``theta``, each with its plan; return their results (any order)."""
-        ...
-
-    def train(self, node: Node, theta: torch.Tensor, key: RoundKey, plan: RoundPlan) -> NodeResult:
-        """TRAIN on the node's own data (private for clients, proxy for servers); ``plan``: the execution's."""
-        ...
-
-    def call_duration(self, node: Node, child: Node, plan: RoundPlan) -> float | None:
-        """A client call's virtual duration, known before it runs; None for servers (their result carries it)."""
-        ...
-
-    def start_train(self, node: Node, theta: torch.Tensor, key: RoundKey) -> PendingTrain:
-        """Begin a server's proxy TRAIN without waiting (``proxy_train: async``; ``proxy_child``)."""
-        ...
-
-    def round_done(self, node: Node, key: RoundKey, theta: torch.Tensor, metrics: dict[str, float]) -> None:
-        """Called after each node round is committed (logging, progress, evaluation)."""
-        ...
-
-    def score(self, node: Node, candidates: Sequence[torch.Tensor]) -> list[float]:
-        """Losses of candidate models on the node's held-out data (tuned NODEOPTs such as ``interp``)."""
-        ...
-
-    def train_personal(self, node: Node, personal: torch.Tensor, anchor: torch.Tensor, key: RoundKey) -> NodeResult:
-        """Ditto: TRAIN a client's personal model with ``(mu/2)·||v - anchor||²`` (``settings.personal``)."""
-        ...
 
 
 def load_for_execution(store: ExecutionStore, node: Node, caller: Caller) -> NodeState:
@@ -354,7 +311,11 @@ def proxy_child(node: Node, trained: NodeResult) -> ChildResult:
         raise RuntimeError(f"{node.id}: proxy TRAIN trained on no rows (its weight among the children)")
     losses = (MemberLoss(node.id, trained.loss, trained.examples),)
     return ChildResult(
-        (node.id,), trained.theta, float(trained.examples), losses=losses, virtual_s=float(trained.steps)
+        members=(node.id,),
+        model=trained.theta,
+        weight=float(trained.examples),
+        losses=losses,
+        virtual_s=float(trained.steps),
     )
 
 

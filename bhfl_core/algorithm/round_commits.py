@@ -9,17 +9,14 @@ while the next round's children train, and logs the round only once it is durabl
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from typing import TYPE_CHECKING
 
 import torch
 
+from bhfl_core.algorithm.engine_hooks import EngineHooks
 from bhfl_core.algorithm.node_state import NodeState, RoundKey
 from bhfl_core.algorithm.node_step import keeps_state
 from bhfl_core.algorithm.store_protocol import ExecutionStore
 from bhfl_core.algorithm.tree import Node, Tree
-
-if TYPE_CHECKING:
-    from bhfl_core.algorithm.engine import EngineHooks
 
 
 def commits_behind(tree: Tree, node: Node) -> bool:

@@ -3,7 +3,7 @@
 Without ``HF_HUB_OFFLINE``, huggingface_hub retries a failed request five times with
 exponential backoff (1+2+4+8+8 s), so on a machine without network a hub model or
 dataset costs ~30 s of retries per load before its error. The checks before a run
-(``check_available``, ``data_prep.sources.check_sources``) call ``require_hub`` first:
+(``check_available``, ``data_prep.source_checks.check_sources``) call ``require_hub`` first:
 one HEAD request to the hub's endpoint (``HF_ENDPOINT`` respected, through
 huggingface_hub's own HTTP client, so its proxies and certificates apply), bounded by
 a wall-clock deadline that covers a DNS lookup as well, and the config key's one

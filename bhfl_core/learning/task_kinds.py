@@ -156,7 +156,7 @@ def _confusions(
 
 
 def _classification_metrics(confusions: torch.Tensor) -> dict[str, torch.Tensor]:
-    from bhfl_core.learning.metrics import classification_batch
+    from bhfl_core.learning.batch_metrics import classification_batch
 
     return classification_batch(confusions)
 
@@ -221,7 +221,7 @@ def _lm_stats(
 
 
 def _lm_metrics(stats: torch.Tensor) -> dict[str, torch.Tensor]:
-    from bhfl_core.learning.metrics import lm_batch
+    from bhfl_core.learning.batch_metrics import lm_batch
 
     return lm_batch(stats)
 

@@ -383,9 +383,9 @@ class StateStore:
         losses = tuple(MemberLoss(m, float(loss), int(n)) for m, loss, n in info["losses"])
         members = tuple(info["members"])
         return ChildResult(
-            members,
-            tensors[MODEL],
-            float(info["weight"]),
+            members=members,
+            model=tensors[MODEL],
+            weight=float(info["weight"]),
             losses=losses,
             virtual_s=float(info["virtual_s"]),
             sent_bytes=int(info.get("sent_bytes", 0)),

@@ -78,7 +78,7 @@ for command in (
     app.command(cls=Command)(command)
 
 
-if __name__ == "__main__":
-    from flows.cli.main import main as _main
+if __name__ == "__main__":  # `python -m flows.cli.app`: the command's entry, as `bhfl` (flows/cli/main.py)
+    from flows.cli.stopping import run_command
 
-    _main(app)
+    run_command(lambda: app)

@@ -12,26 +12,19 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from flows.cli.stopping import STOP
+from flows.cli.stopping import run_command
 
 
 def main(app: Callable[[], object] | None = None) -> None:
-    """Run ``app`` (the ``bhfl`` application by default) as the command of this process."""
-    STOP.install()
-    from tasks.heap import give_back_freed_memory
+    """Run ``app`` (the ``bhfl`` application by default) as the command of this process (``stopping.run_command``)."""
+    run_command(_bhfl if app is None else lambda: app)
 
-    give_back_freed_memory()  # before the command's heavy imports and allocations
-    try:
-        if app is None:
-            from flows.cli.app import app as bhfl
 
-            app = bhfl
-        app()
-    except BaseException as ended:
-        if STOP.signal_of(ended) is None:
-            raise
-        STOP.tell(f"stopped by {STOP.signal_name}. {STOP.hint_text()}".rstrip())
-        raise SystemExit(STOP.exit_code) from None
+def _bhfl() -> Callable[[], object]:
+    """The ``bhfl`` application, imported once the stop handlers are in."""
+    from flows.cli.app import app
+
+    return app
 
 
 if __name__ == "__main__":

@@ -187,3 +187,26 @@ class StopRequest:
 
 
 STOP = StopRequest()
+
+
+def run_command(load_app: Callable[[], Callable[[], object]]) -> None:
+    """Run the application ``load_app()`` returns as this process's command, stoppable from the first line.
+
+    The handlers go in first, then ``load_app`` imports the application (a stop while it
+    loads ends the command like one that comes later), then it runs. Whatever it ends
+    with after a stop was asked for (typer's exit 130 for any ``KeyboardInterrupt``, an
+    error raised while a library unwound) becomes one line and exit 128 + the signal.
+    The command's entries call it: flows/cli/main.py (``bhfl``) and
+    ``python -m flows.cli.app``.
+    """
+    STOP.install()
+    from tasks.heap import give_back_freed_memory
+
+    give_back_freed_memory()  # before the command's heavy imports and allocations
+    try:
+        load_app()()
+    except BaseException as ended:
+        if STOP.signal_of(ended) is None:
+            raise
+        STOP.tell(f"stopped by {STOP.signal_name}. {STOP.hint_text()}".rstrip())
+        raise SystemExit(STOP.exit_code) from None

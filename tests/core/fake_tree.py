@@ -56,9 +56,9 @@ class AddVectorHooks:
             candidates = (Candidate(child.id, out.theta, child.weight, loss=float(out.theta.sum())),)
             results.append(
                 ChildResult(
-                    (child.id,),
-                    out.theta,
-                    child.weight,
+                    members=(child.id,),
+                    model=out.theta,
+                    weight=child.weight,
                     virtual_s=out.virtual_s,
                     candidates=candidates if node.settings.res_up else (),
                     sent_bytes=out.sent_bytes,

@@ -52,7 +52,9 @@ class FakeChildren:
         with self.lock:
             self.started.append((child.id, plan.caller.round, theta.clone()))
         losses = (MemberLoss(child.id, 0.0, 0),)
-        result = ChildResult((child.id,), theta + torch.tensor(STEPS[child.id]), child.weight, losses=losses)
+        result = ChildResult(
+            members=(child.id,), model=theta + torch.tensor(STEPS[child.id]), weight=child.weight, losses=losses
+        )
         if self.pool is None:
             return Done(result)
 

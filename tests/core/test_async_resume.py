@@ -69,7 +69,7 @@ class AsyncHooks(CrashingHooks):
 
     def child_result(self, child, theta, plan):
         out = self.execute(child, theta, plan)
-        return ChildResult((child.id,), out.theta, child.weight, virtual_s=out.virtual_s)
+        return ChildResult(members=(child.id,), model=out.theta, weight=child.weight, virtual_s=out.virtual_s)
 
     def start_child(self, node, child, theta, plan):
         self.event()

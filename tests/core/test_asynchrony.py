@@ -1,12 +1,20 @@
-"""FedBuff's buffered, staleness-weighted step and the virtual clock (pure parts of issue 14)."""
+"""FedBuff's buffered, staleness-weighted step and the virtual clock (pure parts of issue 14).
+
+A buffer is folded here as the asynchronous engine folds it (``async_engine._buffer``):
+each arrival becomes ``stale_model(theta, y, base, staleness_weight(s))`` and is
+contributed to the node's rule with its example weight; the rule's ``finalize`` is the
+flush's ``mean_input``.
+"""
 
 import math
 
 import pytest
 import torch
 
-from bhfl_core.algorithm.asynchrony import BufferedResult, StalenessParams, buffered_input, staleness_weight
+from bhfl_core.algorithm.aggregation_rule import AggregateParams, MeanRule
+from bhfl_core.algorithm.asynchrony import StalenessParams, stale_model, staleness_weight
 from bhfl_core.algorithm.node_opt import NodeOptParams, node_opt_step
+from bhfl_core.algorithm.node_state import Caller, RoundKey
 from bhfl_core.algorithm.virtual_clock import ClockParams, call_duration, client_speed, drops_out
 
 
@@ -31,22 +39,34 @@ def test_staleness_rejects_negative_and_unknown():
         staleness_weight(0, StalenessParams("linear"))
 
 
-def test_buffered_input_by_hand():
-    # theta = [1, 1]; results: a (weight 1, staleness 0, delta [2, 0]), b (weight 3, staleness 3, delta [0, 4])
+def flush(
+    theta: torch.Tensor, arrivals: list[tuple[torch.Tensor, torch.Tensor, float, int]], params: StalenessParams
+) -> torch.Tensor:
+    """``mean_input`` of a buffer of ``(y, base, p, s)`` arrivals, folded as the engine folds them."""
+    rule = MeanRule(AggregateParams())
+    partial = rule.start(Caller("A", 0))
+    for i, (model, base, weight, staleness) in enumerate(arrivals):
+        rule.contribute(partial, str(i), stale_model(theta, model, base, staleness_weight(staleness, params)), weight)
+    return rule.finalize(partial, RoundKey("A", 0))
+
+
+def test_a_buffer_flushes_by_hand():
+    # theta = [1, 1]; results: a (weight 1, staleness 0, from theta, y = [3, 1]: delta [2, 0]),
+    # b (weight 3, staleness 3, from [0, 0], y = [0, 4]: delta [0, 4])
     # poly a=0.5: w(0) = 1, w(3) = 1/2 ->  sum p w Delta = 1*1*[2,0] + 3*0.5*[0,4] = [2, 6];  sum p = 4
     # mean_input = [1, 1] + [2, 6]/4 = [1.5, 2.5]
     theta = torch.tensor([1.0, 1.0])
-    buffer = [
-        BufferedResult("a", torch.tensor([2.0, 0.0]), 1.0, 0),
-        BufferedResult("b", torch.tensor([0.0, 4.0]), 3.0, 3),
+    arrivals = [
+        (torch.tensor([3.0, 1.0]), theta, 1.0, 0),
+        (torch.tensor([0.0, 4.0]), torch.tensor([0.0, 0.0]), 3.0, 3),
     ]
-    mean_input = buffered_input(theta, buffer, StalenessParams("poly", a=0.5))
+    mean_input = flush(theta, arrivals, StalenessParams("poly", a=0.5))
     assert mean_input.tolist() == [1.5, 2.5]
     # NODEOPT_up then steps towards it: fedavg eta 0.5 -> theta + 0.5 (mean_input - theta) = [1.25, 1.75]
     _, stepped = node_opt_step({}, theta, mean_input, NodeOptParams("fedavg", eta=0.5))
     assert stepped.tolist() == [1.25, 1.75]
-    with pytest.raises(ValueError, match="empty buffer"):
-        buffered_input(theta, [], StalenessParams())
+    # constant staleness: b counts fully -> [1, 1] + (1*[2, 0] + 3*[0, 4]) / 4 = [1.5, 4]
+    assert flush(theta, arrivals, StalenessParams("constant")).tolist() == [1.5, 4.0]
 
 
 def test_fresh_buffer_equals_the_synchronous_weighted_mean():
@@ -55,9 +75,8 @@ def test_fresh_buffer_equals_the_synchronous_weighted_mean():
     theta = torch.randn(5, generator=g)
     ys = [torch.randn(5, generator=g) for _ in range(3)]
     ps = [2.0, 5.0, 1.0]
-    buffer = [BufferedResult(str(i), y - theta, p, 0) for i, (y, p) in enumerate(zip(ys, ps))]
     want = sum(p * y.double() for p, y in zip(ps, ys)) / sum(ps)
-    got = buffered_input(theta, buffer, StalenessParams("poly"))
+    got = flush(theta, [(y, theta, p, 0) for y, p in zip(ys, ps)], StalenessParams("poly"))
     assert torch.allclose(got.double(), want, atol=1e-6)
 
 

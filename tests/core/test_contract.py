@@ -11,7 +11,7 @@ import torch
 
 from bhfl_core.algorithm import aggregation_rule
 from bhfl_core.algorithm.aggregation_rule import AggregateParams, MeanRule, fold_results, register_rule, rule_for
-from bhfl_core.algorithm.asynchrony import BufferedResult, StalenessParams, buffered_input, stale_model
+from bhfl_core.algorithm.asynchrony import stale_model
 from bhfl_core.algorithm.contract import ChildResult, MemberLoss, RoundPlan
 from bhfl_core.algorithm.engine import execute_node, proxy_child
 from bhfl_core.algorithm.node_state import Caller, NodeResult, NodeState, RoundKey
@@ -90,9 +90,13 @@ def test_fold_results_is_one_order_whatever_the_batching():
             rule.contribute(partial, m, models[m], weights[m])
         candidates = tuple(Candidate(m, models[m], weights[m], losses[m]) for m in members)
         member_losses = tuple(MemberLoss(m, losses[m], int(weights[m])) for m in members)
-        return ChildResult(members, partial=partial, losses=member_losses, candidates=candidates, dropped=dropped)
+        return ChildResult(
+            members=members, partial=partial, losses=member_losses, candidates=candidates, dropped=dropped
+        )
 
-    server = ChildResult(("s1",), models["s1"], weights["s1"], losses=(MemberLoss("s1", 0.5, 4),), virtual_s=9.0)
+    server = ChildResult(
+        members=("s1",), model=models["s1"], weight=weights["s1"], losses=(MemberLoss("s1", 0.5, 4),), virtual_s=9.0
+    )
     own = proxy_child(replace(two_edge_tree(settings()).root, id="A"), NodeResult(torch.ones(1000), 0.9, 6, steps=2))
     order = ["c2", "c3", "c1", "c4", "s1", "A"]  # the children: a float sum in this order differs in the last bit
     layouts = [
@@ -126,7 +130,7 @@ def test_a_proxy_train_on_no_rows_cannot_be_a_child():
 def test_async_buffers_fold_with_the_same_rule():
     # theta = [1, 1]; results: a (weight 1, staleness 0, y = [3, 1]), b (weight 3, staleness 3, from [0, 0], y = [0, 4])
     # poly a=0.5: w(0) = 1, w(3) = 1/2 -> stale models [3, 1] and [1, 1] + 0.5 ([0, 4] - [0, 0]) = [1, 3]
-    # mean input = (1*[3, 1] + 3*[1, 3]) / 4 = [1.5, 2.5], as buffered_input's by-hand test (test_asynchrony.py)
+    # mean input = (1*[3, 1] + 3*[1, 3]) / 4 = [1.5, 2.5], as the by-hand flush of test_asynchrony.py
     theta = t(1.0, 1.0)
     fresh = stale_model(theta, t(3.0, 1.0), theta, 1.0)
     stale = stale_model(theta, t(0.0, 4.0), t(0.0, 0.0), 0.5)
@@ -135,9 +139,7 @@ def test_async_buffers_fold_with_the_same_rule():
     partial = rule.start(Caller("A", 0))
     rule.contribute(partial, "a", fresh, 1.0)
     rule.contribute(partial, "b", stale, 3.0)
-    buffer = [BufferedResult("a", t(2.0, 0.0), 1.0, 0), BufferedResult("b", t(0.0, 4.0), 3.0, 3)]
-    want = buffered_input(theta, buffer, StalenessParams("poly", a=0.5))
-    assert rule.finalize(partial, KEY).tolist() == want.tolist() == [1.5, 2.5]
+    assert rule.finalize(partial, KEY).tolist() == [1.5, 2.5]
 
 
 def test_a_fresh_result_is_its_model_bit_for_bit():
@@ -250,7 +252,7 @@ def test_a_whole_round_closed_where_it_was_folded_finalizes_to_the_same_bits():
         partial = rule.start(Caller("A", 0))
         for i, (m, w) in enumerate(zip(models, weights)):
             rule.contribute(partial, f"c{i}", m, w)
-        return ChildResult(("c0", "c1", "c2"), partial=partial)
+        return ChildResult(members=("c0", "c1", "c2"), partial=partial)
 
     opened, closed = batch(), batch()
     assert rule.close(closed.partial) and set(rule.wire(closed.partial)[0]) == {"mean"}

@@ -51,7 +51,7 @@ def fold(p: PrivacyParams, layout: list[list[str]], clip: float | None = None):
         for member in batch:
             rule.contribute(partial, member, MODELS[member], 1.0)
         tensors, numbers = rule.wire(partial)  # what crosses the process boundary
-        results.append(ChildResult(tuple(batch), partial=rule.unwire(tensors, numbers)))
+        results.append(ChildResult(members=tuple(batch), partial=rule.unwire(tensors, numbers)))
     return rule, fold_results(rule, KEY, results, [*MODELS, "edge-en"], REFERENCE, clip)
 
 

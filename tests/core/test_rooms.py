@@ -17,12 +17,10 @@ bodies, which importing a module never executes.
 
 from __future__ import annotations
 
-import ast
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.source_imports import Import, all_modules, imports
+
 PACKAGES = ("bhfl_core", "data_prep", "tasks", "flows")
 
 ROOMS = (  # bottom first
@@ -56,41 +54,6 @@ FORBIDDEN = {  # room prefix -> top-level packages its modules must not import
 }
 
 
-@dataclass(frozen=True)
-class Import:
-    module: str  # the importing module
-    line: int
-    target: str  # the imported module (``from pkg import sub`` names ``pkg.sub`` when ``sub`` is a module)
-
-
-def module_name(path: Path) -> str:
-    return ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
-
-
-def all_modules() -> dict[str, str]:
-    """Every module of the four packages -> its source."""
-    return {module_name(p): p.read_text() for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py"))}
-
-
-def imports(module: str, source: str, known: Iterable[str]) -> list[Import]:
-    """Every import statement of ``source`` in line order, wherever it sits (``ast.walk`` enters functions and ifs).
-
-    A relative import keeps its dots (``.x``): it names no room, and the test below
-    fails on it, since every import here is absolute.
-    """
-    names = set(known)
-    found = []
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Import):
-            found += [Import(module, node.lineno, alias.name) for alias in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            base = "." * node.level + (node.module or "")
-            for alias in node.names:
-                sub = f"{base}.{alias.name}"
-                found.append(Import(module, node.lineno, sub if sub in names else base))
-    return sorted(set(found), key=lambda imp: (imp.line, imp.target))  # one per module a statement names
-
-
 def room(module: str, rooms: Sequence[str] = ROOMS) -> int | None:
     """The index in ``rooms`` of the longest prefix naming ``module`` (None: outside the four packages)."""
     matches = [i for i, r in enumerate(rooms) if module == r or module.startswith(f"{r}.")]
@@ -120,7 +83,7 @@ def forbidden(found: Iterable[Import], rules: Mapping[str, Sequence[str]] = FORB
 
 
 def _every_import() -> list[Import]:
-    modules = all_modules()
+    modules = all_modules(PACKAGES)
     return [imp for module, source in modules.items() for imp in imports(module, source, modules)]
 
 

@@ -32,7 +32,7 @@ def fold(layout, contributors=PEERS, params=PARAMS, privacy=None):
             if member in contributors:
                 rule.contribute(partial, member, MODELS[member], WEIGHTS[member])
         tensors, numbers = rule.wire(partial)  # what a worker sends: masked sums and counts
-        results.append(ChildResult(tuple(batch), partial=rule.unwire(tensors, numbers)))
+        results.append(ChildResult(members=tuple(batch), partial=rule.unwire(tensors, numbers)))
     return rule, fold_results(rule, KEY, results, [*PEERS, "edge-en"], REFERENCE, None, PEERS).partial
 
 

@@ -12,8 +12,9 @@ from bhfl_core.config.base import ConfigError
 from bhfl_core.config.loader import load_config
 from bhfl_core.config.schema import ModelConfig
 from bhfl_core.learning import task_kinds
+from bhfl_core.learning.batch_metrics import classification_batch, lm_batch
 from bhfl_core.learning.local_train import grouped_confusions
-from bhfl_core.learning.metrics import classification_batch, lm_batch, task_metrics
+from bhfl_core.learning.metrics import task_metrics
 from bhfl_core.learning.mlm import MaskingSpec, grouped_lm_stats, mlm_transform
 from bhfl_core.learning.models import build_model
 from bhfl_core.learning.task_kinds import (

@@ -51,7 +51,7 @@ def test_a_fold_made_in_mapped_files_is_sent_without_a_copy(tmp_path):
         rule.contribute(partial, f"c{i}", x, float(i + 1))
     candidate = Candidate("c2", xs[2], 3.0, 0.25)
     result = ChildResult(
-        ("c0", "c1", "c2"), partial=partial, losses=(MemberLoss("c0", 0.5, 1),), candidates=(candidate,)
+        members=("c0", "c1", "c2"), partial=partial, losses=(MemberLoss("c0", 0.5, 1),), candidates=(candidate,)
     )
     sent = send_result(result, rule, transfer, "batch", allocated)
     assert sent.partial == {part: ref for part, (ref, _) in allocated.items()}  # the files folded into, not copies

@@ -1,4 +1,5 @@
-"""Running `bhfl` commands as a user without servers of their own runs them: each in a session of its own."""
+"""Running `bhfl` commands as a user runs them: to their end with the output captured (``cli``), or, as a user
+without servers of their own runs them, each in a session of its own (``start``, ``wait_for``, ``left_behind``)."""
 
 import contextlib
 import os
@@ -12,6 +13,22 @@ from typing import Any
 
 from tests.flows.kill_chain import leftovers
 from tests.small import REPO, SMALL
+
+
+def cli(*args: str, timeout: float = 120, python: Sequence[str] = ()) -> subprocess.CompletedProcess[str]:
+    """``bhfl ARGS`` in a subprocess (``python``: options for the interpreter, e.g. ``-X importtime``)."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "COLUMNS": "200"}
+    for own_servers in ("MLFLOW_TRACKING_URI", "PREFECT_API_URL"):  # the commands' defaults, not the user's
+        env.pop(own_servers, None)
+    return subprocess.run(
+        [sys.executable, *python, "-m", "flows.cli.app", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
 
 
 def sets(*extra: str) -> list[str]:

@@ -1,6 +1,7 @@
 """The CLI's habits (issue 17, part 5): results on stdout and the rest on stderr, ``--json``, ``--version``,
-help defaults from typer, full run ids (and unique prefixes) everywhere, ``compare --all``, ``ui`` on a busy port,
-the Prefect flow run's address, and quick commands that stay quick (no torch, Prefect or MLflow imported).
+help defaults from typer, full run ids (and unique prefixes) everywhere, ``compare --all``, ``ui`` on a busy port.
+The Prefect flow run's address: test_cli_prefect_links.py; quick commands that stay quick (no torch, Prefect or
+MLflow imported): test_cli_quick_commands.py.
 
 Nothing is trained: run folders are a ``config.yaml`` and a ``run.json`` as a run writes them, and the
 MLflow store is made with ``MlflowClient`` with the tags and parent-run metrics a finished experiment run
@@ -11,16 +12,10 @@ also keeps stdout and stderr apart).
 
 from __future__ import annotations
 
-import io
 import json
-import os
 import re
-import shutil
 import socket
-import subprocess
-import sys
 import uuid
-from collections.abc import Sequence
 from importlib.metadata import version
 from pathlib import Path
 
@@ -36,12 +31,11 @@ from flows.records.listing import _by_run_id
 from flows.records.pipeline_record import PipelineRecord, StageRecord
 from flows.records.run_record import RunRecord
 from flows.records.run_state import RunStateError
-from tests.flows.prefect_api import api
-from tests.small import SMALL, small_config
+from tests.flows.commands import cli
+from tests.small import small_config
 
 pytestmark = pytest.mark.integration
 
-REPO = Path(__file__).resolve().parents[2]
 FULL_ID = re.compile(r"^[0-9a-f]{32}$")
 RUN_KEYS = {"kind", "name", "folder", "path", "status", "started", "detail", "redo", "mlflow_run_id"}
 PIPELINE_KEYS = {"kind", "name", "folder", "path", "status", "started", "mlflow_run_id", "stages"}
@@ -65,22 +59,6 @@ COMPARE_KEYS = {
     "status",
     "baseline",
 }
-
-
-def cli(*args: str, timeout: float = 120, python: Sequence[str] = ()) -> subprocess.CompletedProcess[str]:
-    """``bhfl ARGS`` in a subprocess (``python``: options for the interpreter, e.g. ``-X importtime``)."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "COLUMNS": "200"}
-    for own_servers in ("MLFLOW_TRACKING_URI", "PREFECT_API_URL"):  # the commands' defaults, not the user's
-        env.pop(own_servers, None)
-    return subprocess.run(
-        [sys.executable, *python, "-m", "flows.cli.app", *args],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
 
 
 def _experiment_run(client: MlflowClient, experiment: str, run_path: Path, start: int, accuracy: float) -> str:
@@ -282,237 +260,3 @@ def test_end_of_run_summary_on_stdout_unwrapped(capsys, tmp_path):
     assert "Final evaluation" in captured.out and "root/union/accuracy" in captured.out
     assert f"  run files (node models, optimiser states): {run_path}\n" in captured.out  # one line, whole
     assert "MLflow run id: 0123456789abcdef0123456789abcdef" in captured.out
-
-
-def test_prepare_on_a_cache_hit_is_quick_and_reports_on_stdout(tmp_path):
-    from data_prep.prepare import prepare_data
-    from tests.small import SMALL
-
-    prepared = prepare_data(small_config(), tmp_path / "cache", log=lambda _: None)  # the cache, made inline
-    sets = [arg for assignment in SMALL for arg in ("--set", assignment)]
-    out = cli("prepare", *sets, "--run-dir", str(tmp_path))
-    assert out.returncode == 0, out.stderr
-    assert "cache hit (no tokenisation) in " in out.stdout
-    assert f"  manifest: {prepared.root / 'manifest.json'}\n" in out.stdout
-    assert "| en |" in out.stdout  # the partition report
-    assert f"data cache hit {prepared.root}: reusing pre-tokenised shards" in out.stderr  # the note
-    assert not list((tmp_path / ".prefect").glob("*.db"))  # no Prefect server was started for a hit
-
-
-@pytest.fixture(scope="module")
-def prepared_run(tmp_path_factory):
-    """A run dir with a data cache and an interrupted run: its config, record, data pointer, the root's checkpoint."""
-    import torch
-
-    from bhfl_core.algorithm.node_state import NodeState
-    from bhfl_core.store.node_store import StateStore
-    from bhfl_core.store.run_layout import DATA_POINTER, STATE_DIR
-    from data_prep.prepare import prepare_data
-
-    run_dir = tmp_path_factory.mktemp("prepared")
-    cfg = small_config()
-    prepared = prepare_data(cfg, run_dir / "cache", log=lambda _: None)
-    path = run_dir / "itest" / "20260101-000000-001"
-    path.mkdir(parents=True)
-    (path / "config.yaml").write_text(yaml.safe_dump(dump(cfg), sort_keys=False))
-    (path / DATA_POINTER).write_text(json.dumps({"data_root": str(prepared.root)}))
-    # the root finished round 1 of 2 of the run's one execution (caller: the run itself)
-    StateStore(path / STATE_DIR).save("root", NodeState(torch.zeros(8), rounds_done=1, exec_caller=""))
-    RunRecord(name="itest", status="failed", started=1.7e9, error="killed").write(path)
-    return run_dir, path
-
-
-def test_runs_reads_the_plan_from_checkpoint_headers_and_names_a_damaged_one(prepared_run, tmp_path):
-    run_dir, path = prepared_run
-    runner = CliRunner()
-    one = runner.invoke(app, ["runs", str(path), "--run-dir", str(run_dir)])
-    assert one.exit_code == 0, one.output
-    assert "root rounds saved: 1 of 2" in one.stdout and "root: round 2 of 2, 0 of 2 children finished" in one.stdout
-    assert "a resume would redo: root round 2; final evaluation" in one.stdout
-
-    copy = tmp_path / "itest" / path.name
-    shutil.copytree(path, copy)
-    node = copy / "state" / "nodes" / "root.safetensors"
-    node.write_bytes(node.read_bytes()[:-3])  # truncated: the header still parses, the tensors end past the file
-    listed = runner.invoke(app, ["runs", "--run-dir", str(tmp_path)])
-    assert listed.exit_code == 0, listed.output
-    assert f"{copy}  unreadable: checkpoint {node} is damaged (unreadable: the tensors end at byte" in listed.stdout
-
-
-def _imported(*args: str) -> set[str]:
-    """The top-level packages ``bhfl ARGS`` imported, read from ``python -X importtime``."""
-    out = cli(*args, python=["-X", "importtime"])
-    assert out.returncode == 0, out.stderr[-3000:]
-    lines = [line for line in out.stderr.splitlines() if line.startswith("import time:")]
-    return {line.rsplit("|", 1)[1].strip().split(".")[0] for line in lines}
-
-
-@pytest.fixture(scope="module")
-def quick_imports(prepared_run) -> dict[str, set[str]]:
-    run_dir, path = prepared_run
-    sets = [arg for assignment in SMALL for arg in ("--set", assignment)]
-    return {
-        "runs": _imported("runs", "--run-dir", str(run_dir)) | _imported("runs", str(path), "--run-dir", str(run_dir)),
-        "prepare (cache hit)": _imported("prepare", *sets, "--run-dir", str(run_dir)),
-    }
-
-
-@pytest.mark.parametrize("library", ["torch", "transformers", "datasets", "prefect", "mlflow"])
-def test_runs_and_a_prepare_cache_hit_import_no_heavy_library(quick_imports, library):
-    """Structural, not timed: each of these costs 0.5-1.5 s to import; without them both commands take ~1 s."""
-    for command, imported in quick_imports.items():
-        assert library not in imported, f"`bhfl {command}` imports {library}"
-
-
-def test_run_prints_the_prefect_ui_and_the_flow_run_on_stderr(tmp_path):
-    """With a Prefect server of the user's: its UI at the start, the experiment's flow run page once it exists."""
-    from prefect.settings import PREFECT_API_URL
-
-    api_url = str(PREFECT_API_URL.value())  # the session's Prefect test server, as a user's server
-    ui = api_url.removesuffix("/api")
-    extra = ("tree.root.rounds=1", "eval.every=0", "runtime.executor=inprocess")
-    sets = [arg for assignment in (*SMALL, *extra) for arg in ("--set", assignment)]
-    env = {**os.environ, "PREFECT_API_URL": api_url, "HF_HUB_OFFLINE": "1", "COLUMNS": "60"}  # narrow: no wrapping
-    env.pop("MLFLOW_TRACKING_URI", None)
-    out = subprocess.run(
-        [sys.executable, "-m", "flows.cli.app", "run", *sets, "--run-dir", str(tmp_path)],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert f"\nPrefect UI: {ui}\n" in out.stderr and "Prefect" not in out.stdout
-    link = rf"^Prefect flow run: {re.escape(ui)}/runs/flow-run/([0-9a-f-]{{36}})$"  # one line, whole
-    (flow_run_id,) = re.findall(link, out.stderr, re.M)
-    run = api(f"{api_url}/flow_runs/{flow_run_id}")
-    assert api(f"{api_url}/flows/{run['flow_id']}")["name"] == "bhfl-experiment" and run["state_type"] == "COMPLETED"
-    assert run["parameters"]["run_path"] == str(next((tmp_path / "itest").iterdir()))
-    # the MLflow links on stdout: the run in the model-training view, the run list with the headline columns
-    run_page = r"http://127\.0\.0\.1:5000/#/experiments/\d+/runs/[0-9a-f]{32}\?workflowType=machine_learning$"
-    assert re.search(rf"then browse {run_page}", out.stdout, re.M), out.stdout
-    runs_page = r"/#/experiments/\d+/runs\?viewStateShareKey=bhfl-headline&workflowType=machine_learning$"
-    assert re.search(rf"headline metrics as columns: http://127\.0\.0\.1:5000{runs_page}", out.stdout, re.M)
-
-
-def test_the_own_servers_flow_run_is_named_with_how_to_browse_it(tmp_path, monkeypatch):
-    """The command's own server has no UI and stops with it: the line says where its records stay and how to look."""
-    from prefect import flow
-    from rich.console import Console
-
-    from flows.cli.prefect_link import flow_run_link
-
-    @flow(name="bhfl-link-test")
-    def fake(run_path: str) -> None:
-        """Stands in for the experiment flow (a name of its own: other tests count bhfl-experiment runs)."""
-
-    monkeypatch.setenv("PREFECT_HOME", str(tmp_path / ".prefect"))
-    console = Console(file=io.StringIO(), width=60, soft_wrap=True)
-    path = tmp_path / "itest" / "20260101-000000-001"
-    fake(str(path))  # an earlier attempt of the same run: not the one the command starts
-    with flow_run_link(console, own_server=True, path=path, flow=("bhfl-link-test", "run_path")):
-        flow_run_id = fake(str(path), return_state=True).state_details.flow_run_id
-    (line,) = console.file.getvalue().splitlines()
-    assert line.startswith(f"Prefect flow run {flow_run_id}: this command's Prefect server stops with it")
-    assert f"`PREFECT_HOME={tmp_path / '.prefect'} .venv/bin/prefect server start`" in line
-    assert line.endswith(f"/runs/flow-run/{flow_run_id}")
-
-
-def test_a_new_jobs_flow_run_is_looked_up_only_at_its_end(tmp_path, monkeypatch):
-    """A new job's folder has no flow run yet: no API read before the job starts (it would delay the first
-    client training); the run it starts is still found at the end, and a resumed folder's earlier runs are not."""
-    from prefect import flow
-    from rich.console import Console
-
-    from flows.cli import prefect_link
-
-    @flow(name="bhfl-link-new-test")
-    def fake(run_path: str) -> None:
-        """Stands in for the experiment flow (a name of its own: other tests count bhfl-experiment runs)."""
-
-    reads: list[str] = []
-    matching = prefect_link._FlowRuns._matching
-
-    def counted(self):  # the real lookup, counted
-        reads.append(self.path)
-        return matching(self)
-
-    monkeypatch.setattr(prefect_link._FlowRuns, "_matching", counted)
-    monkeypatch.setenv("PREFECT_HOME", str(tmp_path / ".prefect"))
-    for new, reads_before in ((True, 0), (False, 1)):
-        reads.clear()
-        console = Console(file=io.StringIO(), width=60, soft_wrap=True)
-        path = tmp_path / "itest" / f"20260101-000000-00{int(new)}"
-        if not new:
-            fake(str(path))  # the earlier attempt of a resumed run: not the one the command starts
-        with prefect_link.flow_run_link(console, True, path, ("bhfl-link-new-test", "run_path"), new=new):
-            assert len(reads) == reads_before
-            flow_run_id = fake(str(path), return_state=True).state_details.flow_run_id
-        assert len(reads) == reads_before + 1
-        assert console.file.getvalue().startswith(f"Prefect flow run {flow_run_id}: ")
-
-
-def test_run_starts_prefect_before_importing_torch(tmp_path):
-    """Without a warm start, nothing ``bhfl run`` does before its Prefect server starts imports torch (~1 s of
-    CPU the server's boot would otherwise wait behind). The job is stopped where it would start the server."""
-    code = (
-        "import sys\n"
-        "import flows.cli.run as run\n"
-        "def server_starts_here(*args, **kwargs):\n"
-        "    sys.exit(3 if 'torch' in sys.modules else 0)\n"
-        "run.run_job = server_starts_here\n"
-        "from flows.cli.app import app\n"
-        "app(sys.argv[3:])\n"  # after the "-m flows.cli.app" that ``cli`` puts behind the interpreter's options
-    )
-    sets = [arg for assignment in (*SMALL, "runtime.executor=inprocess") for arg in ("--set", assignment)]
-    out = cli("run", *sets, "--run-dir", str(tmp_path), python=["-c", code])
-    assert out.returncode == 0, f"exit {out.returncode} (3: torch was imported)\n{out.stderr[-3000:]}"
-
-
-def test_the_flow_module_loads_while_prefect_boots(tmp_path, monkeypatch):
-    """``tracking_store_ready`` imports the job's flow module before it waits for the Prefect API, and opens the
-    MLflow store meanwhile."""
-    from flows.cli.shell import tracking_store_ready
-
-    module = f"bhfl_probe_{uuid.uuid4().hex[:8]}"
-    (tmp_path / f"{module}.py").write_text("LOADED = True\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    seen: list[bool] = []
-    uri = tracking_store_ready(tmp_path, None, lambda: seen.append(module in sys.modules), module)
-    assert seen == [True]
-    assert uri == f"sqlite:///{(tmp_path / 'mlflow.db').resolve()}" and (tmp_path / "mlflow.db").is_file()
-
-
-def test_each_job_kind_loads_the_module_of_its_flow():
-    """What a job imports while Prefect boots is where its flow is defined (a moved flow: the load would miss it)."""
-    import importlib
-
-    from prefect import Flow
-
-    from flows.cli.pipeline import PIPELINE
-    from flows.cli.run import EXPERIMENT
-    from flows.cli.sweep import _kind
-
-    for kind in (EXPERIMENT, PIPELINE, _kind(1)):
-        module = importlib.import_module(kind.module)
-        flows_there = [v for v in vars(module).values() if isinstance(v, Flow)]
-        assert kind.flow[0] in [f.name for f in flows_there], kind.module
-
-
-def test_the_links_name_each_flow_and_its_folder_parameter():
-    """The pipeline and sweep commands find their flow run by these names (a renamed flow or parameter: no link)."""
-    import inspect
-
-    from flows.cli.prefect_link import EXPERIMENT_FLOW, PIPELINE_FLOW, SWEEP_FLOW
-    from flows.experiment import experiment_flow
-    from flows.pipeline import pipeline_flow
-    from flows.sweep import sweep_flow
-
-    for (name, parameter), flow_ in (
-        (EXPERIMENT_FLOW, experiment_flow),
-        (PIPELINE_FLOW, pipeline_flow),
-        (SWEEP_FLOW, sweep_flow),
-    ):
-        assert flow_.name == name and parameter in inspect.signature(flow_.fn).parameters

@@ -28,7 +28,8 @@ from bhfl_core.config.schema import RuntimeConfig
 from flows import lifecycle
 from flows.launch import Launch
 from flows.lifecycle import Attempt, finish_or_fail
-from flows.orchestration import PLAIN_CALLS, PREFECT_RUNS, Invocation, as_task
+from flows.orchestration import PLAIN_CALLS, PREFECT_RUNS, as_task
+from flows.orchestration_protocol import Invocation
 from flows.records.pipeline_record import PipelineRecord
 from flows.records.run_record import RunStateError
 from flows.records.run_state import check_resume_overrides

@@ -351,6 +351,7 @@ def test_a_batch_that_is_its_whole_round_sends_the_closed_mean(evaluated_runs):
     from bhfl_core.algorithm.contract import RoundPlan
     from bhfl_core.algorithm.node_state import RoundKey
     from bhfl_core.store.transfer import receive_result
+    from tasks.client_training import BatchCall
 
     _, tree, _ = evaluated_runs
     ctx = open_run(tree["run_path"])
@@ -361,7 +362,8 @@ def test_a_batch_that_is_its_whole_round_sends_the_closed_mean(evaluated_runs):
     runtime = WorkerRuntime("test", worker_device("cpu"))
     means, sizes = [], []
     for whole in (False, True, True):  # the second whole round folds into the buffers of the first, zeroed
-        sent = runtime.train_clients(tree["run_path"], RoundPlan(key.as_caller()), clients, phi, True, 0, None, whole)
+        plan, batch_call = RoundPlan(key.as_caller()), BatchCall(whole_round=whole)
+        sent = runtime.train_clients(tree["run_path"], plan, clients, phi, batch_call)
         sizes.append({part: Path(ref.path).stat().st_size for part, ref in sent.partial.items()})
         folded = fold_results(rule, key, [receive_result(sent, rule)], [*clients, edge.id])
         means.append(rule.finalize(folded.partial, key))

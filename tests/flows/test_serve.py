@@ -39,7 +39,8 @@ def _wait(what: str, check, timeout_s: float, proc: subprocess.Popen):
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def test_serve_registers_cron_deployment_and_runs_it(tmp_path):
+def _start_serve(tmp_path, log) -> subprocess.Popen:
+    """`bhfl serve` of the small experiment as a cron deployment ``nightly``, with no Prefect server of the user's."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
     env.update(
         {
@@ -49,65 +50,60 @@ def test_serve_registers_cron_deployment_and_runs_it(tmp_path):
         }
     )
     sets = [arg for s in [*SMALL, "tree.root.rounds=1", "eval.every=0"] for arg in ("--set", s)]
-    with open(tmp_path / "serve.log", "w+") as log:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "flows.cli.app",
-                "serve",
-                "configs/embedded.yaml",
-                "--cron",
-                "0 2 * * *",
-                "--name",
-                "nightly",
-                *sets,
-                "--run-dir",
-                str(tmp_path / "runs"),
-            ],
-            cwd=REPO,
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        try:
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "flows.cli.app",
+            "serve",
+            "configs/embedded.yaml",
+            "--cron",
+            "0 2 * * *",
+            "--name",
+            "nightly",
+            *sets,
+            "--run-dir",
+            str(tmp_path / "runs"),
+        ],
+        cwd=REPO,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
 
-            def ui_url():
-                log.seek(0)
-                match = re.search(r"Prefect UI\s+(http://127\.0\.0\.1:\d+)", log.read())
-                return match and match.group(1)
 
-            base = _wait("the Prefect server", ui_url, 240, proc) + "/api"
-            deployment = _wait(
-                "the deployment", lambda: api(f"{base}/deployments/name/bhfl-experiment/nightly"), 120, proc
-            )
-            assert [s["schedule"]["cron"] for s in deployment["schedules"]] == ["0 2 * * *"]
-            assert deployment["parameters"]["config"]["name"] == "itest"  # the resolved config, pinned
-            assert deployment["parameters"]["config"]["tree"]["root"]["rounds"] == 1
+def _deployment_with_its_schedule(base: str, proc: subprocess.Popen) -> dict:
+    """The registered deployment, once the scheduler has created its upcoming runs (checked against the cron)."""
+    deployment = _wait("the deployment", lambda: api(f"{base}/deployments/name/bhfl-experiment/nightly"), 120, proc)
+    assert [s["schedule"]["cron"] for s in deployment["schedules"]] == ["0 2 * * *"]
+    assert deployment["parameters"]["config"]["name"] == "itest"  # the resolved config, pinned
+    assert deployment["parameters"]["config"]["tree"]["root"]["rounds"] == 1
 
-            by_deployment = {"deployments": {"id": {"any_": [deployment["id"]]}}}
-            scheduled = _wait("scheduled runs", lambda: api(f"{base}/flow_runs/filter", by_deployment), 120, proc)
-            assert all(r["state_type"] == "SCHEDULED" and "T02:00:00" in r["expected_start_time"] for r in scheduled)
+    by_deployment = {"deployments": {"id": {"any_": [deployment["id"]]}}}
+    scheduled = _wait("scheduled runs", lambda: api(f"{base}/flow_runs/filter", by_deployment), 120, proc)
+    assert all(r["state_type"] == "SCHEDULED" and "T02:00:00" in r["expected_start_time"] for r in scheduled)
+    return deployment
 
-            run = api(f"{base}/deployments/{deployment['id']}/create_flow_run", {})  # the UI's "Quick run"
 
-            def finished():
-                state = api(f"{base}/flow_runs/{run['id']}")["state_type"]
-                assert state not in ("FAILED", "CRASHED"), (
-                    f"flow run {state}; serve log:\n{(tmp_path / 'serve.log').read_text()[-4000:]}"
-                )
-                return state == "COMPLETED"
+def _quick_run(base: str, deployment: dict, proc: subprocess.Popen, log_path) -> None:
+    """A run triggered as the UI's "Quick run" does, waited for; its progress is in its Prefect logs."""
+    run = api(f"{base}/deployments/{deployment['id']}/create_flow_run", {})
 
-            _wait("the triggered run", finished, 420, proc)
-            # the run's progress is in its logs in the Prefect UI (bhfl.progress, a Prefect extra logger)
-            logs = api(f"{base}/logs/filter", {"logs": {"flow_run_id": {"any_": [run["id"]]}}})
-            assert any("root rounds" in entry["message"] for entry in logs), [e["message"] for e in logs][:10]
-        finally:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=60)
+    def finished():
+        state = api(f"{base}/flow_runs/{run['id']}")["state_type"]
+        assert state not in ("FAILED", "CRASHED"), f"flow run {state}; serve log:\n{log_path.read_text()[-4000:]}"
+        return state == "COMPLETED"
 
-    client = MlflowClient(f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")
+    _wait("the triggered run", finished, 420, proc)
+    # the run's progress is in its logs in the Prefect UI (bhfl.progress, a Prefect extra logger)
+    logs = api(f"{base}/logs/filter", {"logs": {"flow_run_id": {"any_": [run["id"]]}}})
+    assert any("root rounds" in entry["message"] for entry in logs), [e["message"] for e in logs][:10]
+
+
+def _check_the_experiment_in_mlflow(run_dir) -> None:
+    """The served run's experiment in the MLflow store, finished, with the reproducibility tags and environment."""
+    client = MlflowClient(f"sqlite:///{run_dir / 'mlflow.db'}")
     experiment = client.get_experiment_by_name("itest")
     (parent,) = client.search_runs(
         [experiment.experiment_id], filter_string="attributes.run_name LIKE 'itest seed=0 %'"
@@ -120,6 +116,26 @@ def test_serve_registers_cron_deployment_and_runs_it(tmp_path):
     assert tags["bhfl.cpu_capability"] == torch.backends.cpu.get_cpu_capability()  # results depend on it
     artifacts = {a.path for a in client.list_artifacts(parent.info.run_id, "environment")}
     assert artifacts == {"environment/packages.txt"}
+
+
+def test_serve_registers_cron_deployment_and_runs_it(tmp_path):
+    with open(tmp_path / "serve.log", "w+") as log:
+        proc = _start_serve(tmp_path, log)
+        try:
+
+            def ui_url():
+                log.seek(0)
+                match = re.search(r"Prefect UI\s+(http://127\.0\.0\.1:\d+)", log.read())
+                return match and match.group(1)
+
+            base = _wait("the Prefect server", ui_url, 240, proc) + "/api"
+            deployment = _deployment_with_its_schedule(base, proc)
+            _quick_run(base, deployment, proc, tmp_path / "serve.log")
+        finally:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=60)
+
+    _check_the_experiment_in_mlflow(tmp_path / "runs")
     try:
         api(f"{base}/health")
         raise AssertionError("the Prefect server outlived `bhfl serve`")

@@ -1,0 +1,122 @@
+"""Quick commands stay quick (issue 17, part 5): `bhfl prepare` on a cache hit and `bhfl runs` import no
+heavy library, report on stdout, and `bhfl runs` reads a run's plan from checkpoint headers; `bhfl run` starts
+Prefect before it imports torch.
+
+The run folder is made as a run leaves it (a data cache, a config, a record, the root's checkpoint of an
+interrupted run); nothing is trained. The commands run as subprocesses (tests/flows/commands.py ``cli``), so
+what they import is what a user's command imports.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from bhfl_core.config.schema import dump
+from flows.cli.app import app
+from flows.records.run_record import RunRecord
+from tests.flows.commands import cli
+from tests.small import SMALL, small_config
+
+pytestmark = pytest.mark.integration
+
+
+def test_prepare_on_a_cache_hit_is_quick_and_reports_on_stdout(tmp_path):
+    from data_prep.prepare import prepare_data
+    from tests.small import SMALL
+
+    prepared = prepare_data(small_config(), tmp_path / "cache", log=lambda _: None)  # the cache, made inline
+    sets = [arg for assignment in SMALL for arg in ("--set", assignment)]
+    out = cli("prepare", *sets, "--run-dir", str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    assert "cache hit (no tokenisation) in " in out.stdout
+    assert f"  manifest: {prepared.root / 'manifest.json'}\n" in out.stdout
+    assert "| en |" in out.stdout  # the partition report
+    assert f"data cache hit {prepared.root}: reusing pre-tokenised shards" in out.stderr  # the note
+    assert not list((tmp_path / ".prefect").glob("*.db"))  # no Prefect server was started for a hit
+
+
+@pytest.fixture(scope="module")
+def prepared_run(tmp_path_factory):
+    """A run dir with a data cache and an interrupted run: its config, record, data pointer, the root's checkpoint."""
+    import torch
+
+    from bhfl_core.algorithm.node_state import NodeState
+    from bhfl_core.store.node_store import StateStore
+    from bhfl_core.store.run_layout import DATA_POINTER, STATE_DIR
+    from data_prep.prepare import prepare_data
+
+    run_dir = tmp_path_factory.mktemp("prepared")
+    cfg = small_config()
+    prepared = prepare_data(cfg, run_dir / "cache", log=lambda _: None)
+    path = run_dir / "itest" / "20260101-000000-001"
+    path.mkdir(parents=True)
+    (path / "config.yaml").write_text(yaml.safe_dump(dump(cfg), sort_keys=False))
+    (path / DATA_POINTER).write_text(json.dumps({"data_root": str(prepared.root)}))
+    # the root finished round 1 of 2 of the run's one execution (caller: the run itself)
+    StateStore(path / STATE_DIR).save("root", NodeState(torch.zeros(8), rounds_done=1, exec_caller=""))
+    RunRecord(name="itest", status="failed", started=1.7e9, error="killed").write(path)
+    return run_dir, path
+
+
+def test_runs_reads_the_plan_from_checkpoint_headers_and_names_a_damaged_one(prepared_run, tmp_path):
+    run_dir, path = prepared_run
+    runner = CliRunner()
+    one = runner.invoke(app, ["runs", str(path), "--run-dir", str(run_dir)])
+    assert one.exit_code == 0, one.output
+    assert "root rounds saved: 1 of 2" in one.stdout and "root: round 2 of 2, 0 of 2 children finished" in one.stdout
+    assert "a resume would redo: root round 2; final evaluation" in one.stdout
+
+    copy = tmp_path / "itest" / path.name
+    shutil.copytree(path, copy)
+    node = copy / "state" / "nodes" / "root.safetensors"
+    node.write_bytes(node.read_bytes()[:-3])  # truncated: the header still parses, the tensors end past the file
+    listed = runner.invoke(app, ["runs", "--run-dir", str(tmp_path)])
+    assert listed.exit_code == 0, listed.output
+    assert f"{copy}  unreadable: checkpoint {node} is damaged (unreadable: the tensors end at byte" in listed.stdout
+
+
+def _imported(*args: str) -> set[str]:
+    """The top-level packages ``bhfl ARGS`` imported, read from ``python -X importtime``."""
+    out = cli(*args, python=["-X", "importtime"])
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = [line for line in out.stderr.splitlines() if line.startswith("import time:")]
+    return {line.rsplit("|", 1)[1].strip().split(".")[0] for line in lines}
+
+
+@pytest.fixture(scope="module")
+def quick_imports(prepared_run) -> dict[str, set[str]]:
+    run_dir, path = prepared_run
+    sets = [arg for assignment in SMALL for arg in ("--set", assignment)]
+    return {
+        "runs": _imported("runs", "--run-dir", str(run_dir)) | _imported("runs", str(path), "--run-dir", str(run_dir)),
+        "prepare (cache hit)": _imported("prepare", *sets, "--run-dir", str(run_dir)),
+    }
+
+
+@pytest.mark.parametrize("library", ["torch", "transformers", "datasets", "prefect", "mlflow"])
+def test_runs_and_a_prepare_cache_hit_import_no_heavy_library(quick_imports, library):
+    """Structural, not timed: each of these costs 0.5-1.5 s to import; without them both commands take ~1 s."""
+    for command, imported in quick_imports.items():
+        assert library not in imported, f"`bhfl {command}` imports {library}"
+
+
+def test_run_starts_prefect_before_importing_torch(tmp_path):
+    """Without a warm start, nothing ``bhfl run`` does before its Prefect server starts imports torch (~1 s of
+    CPU the server's boot would otherwise wait behind). The job is stopped where it would start the server."""
+    code = (
+        "import sys\n"
+        "import flows.cli.run as run\n"
+        "def server_starts_here(*args, **kwargs):\n"
+        "    sys.exit(3 if 'torch' in sys.modules else 0)\n"
+        "run.run_job = server_starts_here\n"
+        "from flows.cli.app import app\n"
+        "app(sys.argv[3:])\n"  # after the "-m flows.cli.app" that ``cli`` puts behind the interpreter's options
+    )
+    sets = [arg for assignment in (*SMALL, "runtime.executor=inprocess") for arg in ("--set", assignment)]
+    out = cli("run", *sets, "--run-dir", str(tmp_path), python=["-c", code])
+    assert out.returncode == 0, f"exit {out.returncode} (3: torch was imported)\n{out.stderr[-3000:]}"
