@@ -439,3 +439,6 @@ def fold_results(
         folded.loss = sum(loss * n for loss, n in ordered) / max(folded.examples, 1)
     return folded
 
+
+# the rules of their own modules register themselves on import; at the end, so that they find this module's names
+from bhfl_core.algorithm import robust_rules  # noqa: E402, F401
