@@ -441,4 +441,4 @@ def fold_results(
 
 
 # the rules of their own modules register themselves on import; at the end, so that they find this module's names
-from bhfl_core.algorithm import robust_rules  # noqa: E402, F401
+from bhfl_core.algorithm import fednova, robust_rules  # noqa: E402, F401
