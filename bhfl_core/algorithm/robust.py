@@ -33,8 +33,11 @@ an even count is ``(a + b) / 2`` computed in float64 and rounded once (numpy rou
 
 Costs, ``k`` children of ``P`` parameters: the median and trimmed mean sort ``k`` values
 per coordinate (``O(kP log k)``); Krum computes ``k(k-1)/2`` distances (``O(k^2 P)``
-float64 operations: at k = 20 and 110M parameters, ~2e10). Scratch beyond the rows
-(``stacked.py``): a few ``[k, BLOCK]`` blocks.
+float64 operations). Scratch beyond the rows (``stacked.py``): a few ``[k, BLOCK]``
+blocks. Measured at P = 10M on one thread of a shared 2-core VM (the mean: 0.06 s):
+k = 10, median 1.7 s, trimmed mean 2.3 s, Krum 1.1 s, Multi-Krum (m = 3) 1.8 s; k = 20,
+median 2.2 s, Krum 7.5 s. Sorting canonical values with numpy's quicksort instead of
+torch's stable sort on dim 0 took the median's sorts from 5.7 s to 1.2 s (k = 10).
 """
 
 from __future__ import annotations
