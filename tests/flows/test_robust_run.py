@@ -1,10 +1,10 @@
 """The robust rules and FedNova in the real pipeline: one edge each, trimmed means at the servers.
 
 Node files must be bit-identical with one in-process worker (every edge's round is one
-batch: its worker closes the fold, so the median and Krum are computed there) and with
-two worker processes (the clients' models come back as stacked batches the parent
-merges and computes on), and after a kill + resume; an edge's model must be the
-rule applied to what its clients sent.
+batch: its worker closes the fold, so the median and Krum are computed there), with two
+and four worker processes (the clients' models come back as stacked batches the parent
+merges and computes on), and after a kill + resume; an edge's model must be the rule
+applied to what its clients sent.
 """
 
 from pathlib import Path
@@ -40,21 +40,23 @@ def runs(tmp_path_factory):
     return {
         "inprocess": _run(base / "a", "runtime.executor=inprocess"),
         "workers": _run(base / "b", "runtime.executor=local", "runtime.workers=2"),
+        "four": _run(base / "d", "runtime.executor=local", "runtime.workers=4"),  # an edge's 3 clients: 3 batches
         "mean": run_experiment(
             small_config("tree.edge.cohort=3", "runtime.executor=inprocess"), base / "c", orchestration=PLAIN_CALLS
         ),
     }
 
 
-def test_robust_runs_are_bit_identical_with_one_and_two_workers_and_differ_from_the_mean(runs):
+def test_robust_runs_are_bit_identical_with_one_two_and_four_workers_and_differ_from_the_mean(runs):
     first = node_files(Path(runs["inprocess"]["run_path"]))
     assert first == node_files(Path(runs["workers"]["run_path"]))
+    assert first == node_files(Path(runs["four"]["run_path"]))
     mean = node_files(Path(runs["mean"]["run_path"]))
     for node in ("edge-en", "edge-fr", "edge-de", "west", "root"):
         assert first[f"{node}.safetensors"] != mean[f"{node}.safetensors"], node
 
 
-@pytest.mark.parametrize("run", ["inprocess", "workers"])
+@pytest.mark.parametrize("run", ["inprocess", "workers", "four"])
 def test_each_edge_holds_its_rule_applied_to_what_its_clients_sent(runs, run):
     ctx = RunContext.open(Path(runs[run]["run_path"]))
     store = ctx.store
