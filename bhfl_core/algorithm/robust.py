@@ -21,15 +21,18 @@ coordinate's kept values in sorted-value order; a squared distance is summed by 
 halving tree over each ``BLOCK`` of coordinates, the blocks then in order; Multi-Krum's
 mean is ``WeightedSum``'s exact one. Sorting is exact, and values are made canonical
 first (``-0.0`` is ``0.0``; one NaN), so a sorted column is the same bits whichever sort
-ran. Ties in Krum's scores go to the member whose name sorts first. So a worker that holds a whole round may compute the
-result where it folded it (``AggregationRule.close``): the parent would get the same.
+ran. Ties in Krum's scores go to the member whose name sorts first. So a worker that
+holds a whole round may compute the result where it folded it
+(``AggregationRule.close``): the parent would get the same.
 
 Choices where the papers and Flower are silent: NaN sorts above every number (torch's
-order), so a minority of diverged children is cut like any outlier where Flower's
-``np.median`` would return NaN. The median and trimmed mean ignore the weights, as
-Flower's (a weighted median would let one large child decide the round). The median of
-an even count is ``(a + b) / 2`` computed in float64 and rounded once (numpy rounds
-``a + b`` to float32 first: they can differ in the last bit).
+and numpy's order), so a minority of diverged children is cut like any outlier where
+Flower's ``np.median`` would return NaN; for Krum a model holding NaN or inf is at
+distance ``inf`` from every other, so it is never chosen while a finite one is. The
+median and trimmed mean ignore the weights, as Flower's do (a weighted median would let
+one large child decide the round). The median of an even count is ``(a + b) / 2``
+computed in float64 and rounded once (numpy rounds ``a + b`` to float32 first: they can
+differ in the last bit).
 
 Costs, ``k`` children of ``P`` parameters: the median and trimmed mean sort ``k`` values
 per coordinate (``O(kP log k)``); Krum computes ``k(k-1)/2`` distances (``O(k^2 P)``
@@ -135,7 +138,8 @@ def krum_scores(members: list[Member], byzantine: int) -> list[float]:
 
 
 def squared_distances(members: list[Member]) -> list[list[float]]:
-    """``||x_i - x_j||^2`` for every pair, in float64, the same bits on any device (module docstring)."""
+    """``||x_i - x_j||^2`` for every pair, in float64, the same bits on any device (module docstring); ``inf`` where
+    a model holds NaN or inf (as numpy's argsort puts NaN last in Flower's, so such a model is never chosen)."""
     k = len(members)
     upper = torch.zeros(k, k, dtype=torch.float64)
     for block in column_blocks(members):
@@ -145,7 +149,7 @@ def squared_distances(members: list[Member]) -> list[list[float]]:
             diff = wide[i + 1 :] - wide[i]
             upper[i, i + 1 :] += _halving_sum(diff.mul_(diff)).cpu()
     full = upper + upper.T  # exact: one of each pair is zero
-    return full.tolist()
+    return torch.where(torch.isnan(full), math.inf, full).tolist()  # a diverged model is infinitely far
 
 
 def _halving_sum(values: torch.Tensor) -> torch.Tensor:

@@ -109,6 +109,11 @@ def test_krum_picks_an_honest_model_where_the_mean_is_dragged_away():
     assert any(torch.equal(chosen, h) for h in honest.values())
     # first coordinate sorted: -1000, 1.00, 1.01, 1.02, 1.03, 1.04, 1000: the median is honest h2's
     assert torch.equal(result(MedianRule(AggregateParams("median")), {**honest, **attackers}), t(1.02, -1.0))
+    # a diverged child (NaN, inf) is infinitely far from the rest: never Krum's choice; the median cuts it as an outlier
+    diverged = {**honest, "a-nan": t(float("nan"), 0.0), "b-inf": t(float("inf"), 1.0)}
+    chosen = result(KrumRule(AggregateParams("krum", byzantine=2, keep=3)), diverged)
+    assert torch.isfinite(chosen).all() and 1.0 <= chosen[0] <= 1.05
+    assert torch.equal(result(MedianRule(AggregateParams("median")), diverged), t(1.03, -1.0))  # NaN sorts last
 
 
 RULES = [
