@@ -13,7 +13,7 @@ if [ ! -x .venv/bin/python ]; then
   "$py" -m venv .venv
 fi
 stamp=.venv/.bhfl-installed
-want="$(sha256sum pyproject.toml | cut -d' ' -f1)"
+want="$(cat pyproject.toml "${BASH_SOURCE[0]}" | sha256sum | cut -d' ' -f1)"  # this script's installs count too
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
@@ -28,4 +28,9 @@ if ! command -v nvidia-smi >/dev/null 2>&1; then
 fi
 echo "[bootstrap] installing bhfl and its dependencies (first time: ~1-2 minutes)" >&2
 quiet_pip -e ".[dev]"
+# Tests only: Flower's own aggregation functions are the reference for the robust rules
+# (tests/core/flower_reference.py loads flwr/server/strategy/aggregate.py alone). Without
+# its dependencies: flwr 1.42.0 pins fastapi<0.139 (we need >=0.139, for prefect), and
+# would replace protobuf, typer, rich, starlette and uvicorn; that one module needs numpy only.
+quiet_pip --no-deps "flwr==1.42.0"
 echo "$want" > "$stamp"

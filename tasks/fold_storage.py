@@ -15,7 +15,9 @@ does not close after all (DP's, secure aggregation's) is written to a file by
 next call may reuse its buffers.
 
 Memory: a worker keeps one sum's buffers (the latest model size; 16 bytes per
-parameter for the mean rule) between calls.
+parameter for the mean rule) between calls. A rule that keeps every child's model
+(``bhfl_core/algorithm/stacked.py``) folds into files even for a whole round: they are
+freed when the call ends.
 """
 
 from __future__ import annotations
@@ -24,10 +26,12 @@ from collections.abc import Callable
 
 import torch
 
-from bhfl_core.algorithm.aggregation import CLOSED
 from bhfl_core.store.transfer import TensorRef, Transfer
 
 Allocator = Callable[[str, int, torch.dtype], torch.Tensor]
+REUSED = ("hi", "lo")
+"""The parts kept between calls: a sum's. Anything else goes to a file, e.g. the closed mean, or the rows of a rule
+that keeps every child's model (``stacked.py``: k of them kept idle would hold 4kP bytes between calls)."""
 InFiles = dict[str, tuple[TensorRef, torch.Tensor]]
 
 
@@ -47,7 +51,7 @@ class FoldStorage:
             return in_files[part][1]
 
         def whole(part: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
-            return to_file(part, numel, dtype) if part == CLOSED else self._reused(part, numel, dtype)
+            return self._reused(part, numel, dtype) if part in REUSED else to_file(part, numel, dtype)
 
         return (whole if whole_round else to_file), in_files
 

@@ -18,9 +18,15 @@ over workers or in which order they arrived. Every rule's partial travels betwee
 processes as named tensors plus numbers (``wire`` / ``unwire``), so the transport
 (bhfl_core/store/transfer.py) needs to know nothing about the rule.
 
-A server with ``privacy:`` folds with ``DpMeanRule`` whatever its ``aggregate.kind``:
-DP-FedAvg's clipped, noised mean (``privacy.py``). Its partial clips against the model
-the children were sent, so ``start`` takes that ``reference`` and the round's ``clip``.
+A server with ``privacy:`` folds with ``DpMeanRule`` (the config allows no other
+``aggregate.kind`` beside it): DP-FedAvg's clipped, noised mean (``privacy.py``). Its
+partial clips against the model the children were sent, so ``start`` takes that
+``reference`` and the round's ``clip``.
+
+More rules register at the end of this module: the robust ones (``robust_rules.py``:
+coordinate-wise median, trimmed mean, Krum) and FedNova (``fednova.py``). Each declares
+its ``RuleTraits`` (the ``aggregate`` keys it reads, what it needs of its node), which
+the config checks before any work (``config/aggregation_settings.py``).
 
 ``fold_results`` is the one place a round's child results meet their parent.
 """
@@ -59,6 +65,32 @@ class AggregateParams:
     privacy: PrivacyParams | None = None
     secagg: SecAggParams | None = None
     compress: CompressParams | None = None
+    trim: float = 0.1  # trimmed_mean: the fraction of the contributions cut from each end, per coordinate
+    byzantine: int = 0  # krum: f, the Byzantine children it tolerates
+    keep: int = 1  # krum: m, the children Multi-Krum averages (1: Krum)
+
+
+@dataclass(frozen=True)
+class RuleTraits:
+    """What a registered rule needs of the node it folds for: the config checks it before any work.
+
+    ``params``: the ``aggregate`` keys it reads besides ``kind`` (another one set is an
+    error: nothing would read it). ``whole_round``: it folds a synchronous round's cohort
+    (every child's vector, or every child's step count), so not at an asynchronous server,
+    which folds a buffer of K arrivals. ``robust``: it outvotes or discards outlying
+    children, so no up-residual may carry children's models past it or into it (they would
+    skip it). ``steps``: it reads each child's local optimiser steps, which only clients
+    report (``contribute``'s ``steps``): its children must be clients, and no proxy TRAIN
+    may be merged like one. ``cohort_error(params, n)``: why ``n`` contributions cannot be
+    folded (None: they can); checked on the cohort where the config knows it, and on the
+    contributions that came, at round time.
+    """
+
+    params: tuple[str, ...] = ()
+    whole_round: bool = False
+    robust: bool = False
+    steps: bool = False
+    cohort_error: Callable[[AggregateParams, int], str | None] | None = None
 
 
 class AggregationRule(Protocol):
@@ -81,8 +113,14 @@ class AggregationRule(Protocol):
         """
         ...
 
-    def contribute(self, partial: Partial, member: str, model: torch.Tensor, weight: float) -> None:
-        """Fold one child's model (float32, any device) with its aggregation weight."""
+    def contribute(
+        self, partial: Partial, member: str, model: torch.Tensor, weight: float, steps: int | None = None
+    ) -> None:
+        """Fold one child's model (float32, any device) with its aggregation weight.
+
+        ``steps``: the local optimiser steps behind a client's model (``tree.local_steps``),
+        for rules that normalise by them (FedNova); None where there are none (a child server).
+        """
         ...
 
     def merge(self, into: Partial, other: Partial) -> None:
@@ -113,10 +151,16 @@ class AggregationRule(Protocol):
 
 
 _RULES: dict[str, Callable[[AggregateParams], AggregationRule]] = {}
+_TRAITS: dict[str, RuleTraits] = {}
 
 
-def register_rule(name: str) -> Callable[[Callable[[AggregateParams], Any]], Callable[[AggregateParams], Any]]:
-    """Register a rule factory ``(params) -> rule`` under ``name``; returns the factory unchanged."""
+def register_rule(
+    name: str, traits: RuleTraits | None = None
+) -> Callable[[Callable[[AggregateParams], Any]], Callable[[AggregateParams], Any]]:
+    """Register a rule factory ``(params) -> rule`` under ``name``; returns the factory unchanged.
+
+    ``traits``: what the rule needs of its node (``RuleTraits``; default: nothing beyond the mean's).
+    """
     if not name.isidentifier():
         raise ValueError(f"aggregation rule name must be an identifier, got {name!r}")
 
@@ -124,6 +168,7 @@ def register_rule(name: str) -> Callable[[Callable[[AggregateParams], Any]], Cal
         if name in _RULES:
             raise ValueError(f"aggregation rule {name!r} is already registered")
         _RULES[name] = factory
+        _TRAITS[name] = traits or RuleTraits()
         return factory
 
     return decorate
@@ -131,6 +176,11 @@ def register_rule(name: str) -> Callable[[Callable[[AggregateParams], Any]], Cal
 
 def available_rules() -> list[str]:
     return sorted(_RULES)
+
+
+def rule_traits(name: str) -> RuleTraits:
+    """The traits ``name`` was registered with (a KeyError for an unknown rule)."""
+    return _TRAITS[name]
 
 
 def rule_for(params: AggregateParams) -> AggregationRule:
@@ -173,7 +223,9 @@ class MeanRule:
 
         return WeightedSum(allocate=allocate)
 
-    def contribute(self, partial: Partial, member: str, model: torch.Tensor, weight: float) -> None:
+    def contribute(
+        self, partial: Partial, member: str, model: torch.Tensor, weight: float, steps: int | None = None
+    ) -> None:
         _sum(partial).add(model, weight)
 
     def merge(self, into: Partial, other: Partial) -> None:
@@ -227,7 +279,9 @@ class DpMeanRule:
 
         return ClippedSum(reference, self.params.clip if clip is None else clip, allocate)
 
-    def contribute(self, partial: Partial, member: str, model: torch.Tensor, weight: float) -> None:
+    def contribute(
+        self, partial: Partial, member: str, model: torch.Tensor, weight: float, steps: int | None = None
+    ) -> None:
         _clipped(partial).add(model)
 
     def merge(self, into: Partial, other: Partial) -> None:
@@ -287,7 +341,9 @@ class SecAggRule:
 
         return MaskedSum(self.params, round_of, peers, reference, self.privacy, clip)
 
-    def contribute(self, partial: Partial, member: str, model: torch.Tensor, weight: float) -> None:
+    def contribute(
+        self, partial: Partial, member: str, model: torch.Tensor, weight: float, steps: int | None = None
+    ) -> None:
         _masked(partial).add(member, model, weight)
 
     def merge(self, into: Partial, other: Partial) -> None:
@@ -382,3 +438,7 @@ def fold_results(
         folded.examples = sum(n for _, n in ordered)
         folded.loss = sum(loss * n for loss, n in ordered) / max(folded.examples, 1)
     return folded
+
+
+# the rules of their own modules register themselves on import; at the end, so that they find this module's names
+from bhfl_core.algorithm import fednova, robust_rules  # noqa: E402, F401

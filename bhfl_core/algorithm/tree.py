@@ -9,7 +9,7 @@ per-node overrides) before the tree is built, so algorithms read one flat object
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 
 from bhfl_core.algorithm.aggregation_rule import AggregateParams
@@ -46,6 +46,29 @@ def planned_steps(examples: int, params: TrainParams) -> int:
     """Optimizer steps a TRAIN with ``params`` takes on ``examples`` rows (placement's unit of work, the clock's)."""
     steps = -(-examples // params.batch_size) * params.epochs
     return min(steps, params.max_steps) if params.max_steps is not None else steps
+
+
+def held_out_rows(rows: int, fraction: float) -> int:
+    """Rows of ``rows`` kept out of TRAIN for ``holdout: fraction``: ``round(fraction * rows)``, at least 1 and at
+    most ``rows - 1``; none for ``fraction == 0`` or fewer than two rows (``learning/local_train.split_holdout``)."""
+    return min(max(round(fraction * rows), 1), rows - 1) if fraction > 0 and rows >= 2 else 0
+
+
+def local_steps(node: Node, epochs: int | None = None) -> int:
+    """The optimiser steps of a client's execution: its rounds' TRAIN calls on its training rows (FedNova's tau_i).
+
+    ``epochs``: its plan's local epochs (Tempo), instead of its ``train.epochs``. A pure
+    function of the tree, so a client handed back from its checkpoint (a retried batch)
+    reports the same count as one that trained: TRAIN takes exactly ``planned_steps``
+    (fixed batches, ``max_steps`` a cap). 0 for a node that does not train.
+    """
+    params = node.settings.train
+    if params is None:
+        return 0
+    if epochs is not None:
+        params = replace(params, epochs=epochs)
+    rows = int(node.weight)
+    return node.settings.rounds * planned_steps(rows - held_out_rows(rows, node.settings.holdout), params)
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from bhfl_core.algorithm.aggregation_rule import AggregateParams
+from bhfl_core.algorithm.aggregation_rule import AggregateParams, rule_traits
 from bhfl_core.algorithm.compression import CompressParams
 from bhfl_core.algorithm.node_opt import NodeOptParams, is_tuned
 from bhfl_core.algorithm.privacy_params import AdaptiveClip, PrivacyParams, SecAggParams
@@ -68,12 +68,69 @@ def aggregate_params(
     num_children: int,
 ) -> AggregateParams:
     """How ``node_id`` folds its children: rule, DP, secure aggregation and compression (checked in that order)."""
-    return AggregateParams(
-        values["aggregate"].kind,
+    settings = values["aggregate"]
+    assert isinstance(settings, AggregateSettings)
+    defaults = AggregateParams()
+    params = AggregateParams(
+        settings.kind,
         _privacy(config, node_id, role, values, origin, cohort or num_children, num_children),
         _secagg(config, node_id, role, values, origin, cohort or num_children),
         _compress(node_id, role, values, origin),
+        trim=defaults.trim if settings.trim is None else settings.trim,
+        byzantine=defaults.byzantine if settings.byzantine is None else settings.byzantine,
+        keep=defaults.keep if settings.keep is None else settings.keep,
     )
+    children_are_clients = role is Role.EDGE or (role is Role.ROOT and config.tree.flat)
+    _check_rule(params, node_id, role, values, origin, cohort or num_children, children_are_clients)
+    return params
+
+
+def _check_rule(
+    params: AggregateParams,
+    node_id: str,
+    role: Role,
+    values: dict[str, Any],
+    origin: dict[str, str],
+    cohort: int,
+    children_are_clients: bool,
+) -> None:
+    """What a rule other than the mean needs of its node (its ``RuleTraits``); errors name the key and the value.
+
+    DP and secure aggregation fold their own sums whatever the kind, so no other kind
+    goes with them; an asynchronous server folds buffers of arrivals, not a round's cohort.
+    """
+    kind = params.kind
+    if kind == "mean":
+        return
+    key, traits = f"{origin['aggregate']}.kind", rule_traits(kind)
+    if role is Role.CLIENT:
+        raise ConfigError(f"{key}: {kind} folds a server's children; {node_id!r} is a client and has none")
+    for other, what in (("privacy", "clipped, noised sums"), ("secure_aggregation", "masked sums")):
+        if values[other] is not None:
+            raise ConfigError(
+                f"{key}: {kind} cannot be combined with {origin[other]} at {node_id!r}: that server folds "
+                f"{what} of its children's updates, never a child's model, so its aggregate.kind must be mean"
+            )
+    if traits.whole_round and values["mode"] == "async":
+        raise ConfigError(
+            f"{key}: {kind} folds a synchronous round's whole cohort; {node_id!r} runs asynchronously "
+            f"({origin['mode']}: async, buffers of arrivals): use mode: sync there, or aggregate.kind: mean"
+        )
+    if traits.steps and not children_are_clients:
+        raise ConfigError(
+            f"{key}: {kind} divides each child's update by its local steps, which only clients report; the "
+            f"children of {node_id!r} are servers"
+        )
+    if traits.steps and values["proxy_train"] == "async":
+        raise ConfigError(
+            f"{key}: {kind} would fold {node_id!r}'s own proxy TRAIN (proxy_train: async) like a child, but it has "
+            f"no client's step count; use {origin['proxy_train']}: true (after aggregating) or false"
+        )
+    if traits.cohort_error is not None:
+        n = cohort + (values["proxy_train"] == "async")  # its own proxy TRAIN is one more contribution
+        error = traits.cohort_error(params, n)
+        if error is not None:
+            raise ConfigError(f"{key}: {error} ({node_id!r} folds {n} models a round: its cohort)")
 
 
 def _privacy(

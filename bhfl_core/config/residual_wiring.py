@@ -4,13 +4,14 @@ A rule's ``from`` / ``to`` are selectors (``selectors.py``). Each sender gets an
 ``UpLink`` / ``DownLink`` per receiver; each receiver gets, per link, the optimiser it
 folds that input with (the rule's ``opt`` / ``eta`` over its own). An up-residual that
 would carry children's models past a DP server's noise or a secure aggregation's masks
-is rejected.
+is rejected, and so is one that would carry them past or into a robust rule.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
 
+from bhfl_core.algorithm.aggregation_rule import rule_traits
 from bhfl_core.algorithm.node_opt import NodeOptParams, is_tuned
 from bhfl_core.algorithm.residuals import DownLink, UpLink
 from bhfl_core.algorithm.tree import Node, Tree
@@ -39,6 +40,21 @@ def _receiver_opt(
         tau=opt.tau,
         alphas=tuple(opt.alphas),
     )
+
+
+def _check_robust_path(tree: Tree, source: str, target: str, key: str) -> None:
+    """An up-residual must not carry children's models past a robust rule (median, trimmed mean, Krum), nor into
+    one: the models it selects (by default the largest updates, an attacker's first) would skip that rule."""
+    path = [source, *tree.ancestors(source)]
+    for node_id in path[: path.index(target) + 1]:
+        kind = tree[node_id].settings.aggregate.kind
+        if rule_traits(kind).robust:
+            where = "from" if node_id == source else ("into" if node_id == target else "through")
+            raise ConfigError(
+                f"{key}: {source!r} would send its children's models to {target!r}, {where} {node_id!r} whose "
+                f"aggregate.kind {kind} exists to outvote or cut outlying children: the residuals would reach a "
+                "model unfiltered; drop the residual, or use a non-robust aggregate.kind there"
+            )
 
 
 def _check_private_path(tree: Tree, source: str, target: str, key: str) -> None:
@@ -85,6 +101,7 @@ def wire_residuals(config: ExperimentConfig, tree: Tree) -> Tree:
                 )
             for target in targets:
                 _check_private_path(tree, src.id, target, key)
+                _check_robust_path(tree, src.id, target, key)
                 link = UpLink(i, target, rule.k, rule.select, rule.combine)
                 sends_up.setdefault(src.id, []).append(link)
                 receives.setdefault(target, []).append(

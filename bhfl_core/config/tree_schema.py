@@ -12,9 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, SerializerFunctionWrapHandler, field_validator, model_serializer, model_validator
 
-from bhfl_core.algorithm.aggregation_rule import available_rules
+from bhfl_core.algorithm.aggregation_rule import available_rules, rule_traits
 from bhfl_core.algorithm.node_opt import available_node_opts
 from bhfl_core.algorithm.residuals import SELECTORS
 from bhfl_core.config.base import Strict
@@ -57,16 +57,27 @@ class CompressSettings(Strict):
     error_feedback: bool = True
 
 
+RULE_PARAMETERS = ("trim", "byzantine", "keep")
+"""``aggregate`` keys a rule may read besides ``kind`` (``RuleTraits.params``)."""
+
+
 class AggregateSettings(Strict):
     """How a server folds its children's models into the input its NODEOPT_up steps towards.
 
     ``kind``: a registered aggregation rule (``bhfl_core/algorithm/aggregation_rule.py``);
-    ``mean`` (default) is the exact example-weighted mean. ``compress``: the children send
-    compressed updates instead of their models (none: models as they are).
+    ``mean`` (default) is the exact example-weighted mean; ``median``, ``trimmed_mean`` and
+    ``krum`` are Byzantine-robust (``robust_rules.py``), ``fednova`` normalises by local steps
+    (``fednova.py``). ``compress``: the children send compressed updates instead of their
+    models (none: models as they are). ``trim`` (trimmed_mean [0.1]): the fraction cut from
+    each end, in [0, 0.5); ``byzantine`` (krum [0]): the f children tolerated; ``keep``
+    (krum [1]): Multi-Krum's m (1: Krum). A key the kind does not read is an error.
     """
 
     kind: str = "mean"
     compress: CompressSettings | None = None
+    trim: float | None = None
+    byzantine: int | None = None
+    keep: int | None = None
 
     @field_validator("kind")
     @classmethod
@@ -74,6 +85,46 @@ class AggregateSettings(Strict):
         if v not in available_rules():
             raise ValueError(f"unknown aggregation rule {v!r}; choose one of {available_rules()}")
         return v
+
+    @field_validator("trim")
+    @classmethod
+    def _trim(cls, v: float | None) -> float | None:
+        if v is not None and not 0 <= v < 0.5:
+            raise ValueError(f"trim is the fraction cut from each end of every coordinate: in [0, 0.5), got {v}")
+        return v
+
+    @field_validator("byzantine")
+    @classmethod
+    def _byzantine(cls, v: int | None) -> int | None:
+        if v is not None and v < 0:
+            raise ValueError(f"byzantine counts the children Krum tolerates: 0 or more, got {v}")
+        return v
+
+    @field_validator("keep")
+    @classmethod
+    def _keep(cls, v: int | None) -> int | None:
+        if v is not None and v < 1:
+            raise ValueError(f"keep is how many models Multi-Krum averages (1: Krum): 1 or more, got {v}")
+        return v
+
+    @model_serializer(mode="wrap")
+    def _without_unset_parameters(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """Rule parameters left unset are not written: a config that sets none dumps (and hashes, ``sweep.py``
+        ``config_hash``) as before they existed, so sweeps started earlier still recognise their finished runs."""
+        data: dict[str, Any] = handler(self)
+        return {k: v for k, v in data.items() if not (k in RULE_PARAMETERS and v is None)}
+
+    @model_validator(mode="after")
+    def _read_by_kind(self) -> AggregateSettings:
+        """A rule parameter set for a kind that does not read it would be silently ignored: an error instead."""
+        reads = rule_traits(self.kind).params
+        for key in RULE_PARAMETERS:
+            if getattr(self, key) is not None and key not in reads:
+                readers = [r for r in available_rules() if key in rule_traits(r).params]
+                raise ValueError(
+                    f"{key}: {getattr(self, key)} is read by kind {' or '.join(readers)}, not by {self.kind!r}"
+                )
+        return self
 
 
 class AdaptiveClipSettings(Strict):

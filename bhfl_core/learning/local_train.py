@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from bhfl_core.algorithm.tree import TrainParams
+from bhfl_core.algorithm.tree import TrainParams, held_out_rows
 from bhfl_core.algorithm.tree import planned_steps as planned_steps  # noqa: PLC0414 (where callers find it)
 from bhfl_core.learning.dp_sgd import batch_ids, private_training
 from bhfl_core.learning.params import trainable_parameters
@@ -260,7 +260,7 @@ def split_holdout(
     rows' original order.
     """
     n = len(next(iter(data.values())))
-    k = min(max(round(fraction * n), 1), n - 1) if fraction > 0 and n >= 2 else 0
+    k = held_out_rows(n, fraction)
     order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
     held, kept = order[:k].sort().values, order[k:].sort().values
     return {name: v[kept] for name, v in data.items()}, {name: v[held] for name, v in data.items()}

@@ -34,3 +34,19 @@ def test_a_whole_round_folds_into_zeroed_reused_memory_and_other_batches_into_fi
     allocate, _ = storage.allocator(transfer, "edge.w0", whole_round=True)
     assert allocate("hi", 4, torch.float64).numel() == 4  # another model size replaces the kept buffers
     assert all(t.numel() == 4 for t in storage._kept.values())
+
+
+def test_a_whole_round_of_stacked_rows_goes_to_files_and_nothing_is_kept_between_calls(tmp_path):
+    """A rule that keeps every child's model (median, Krum: stacked.py) would hold k idle rows between calls in
+    reused memory: its rows go to transfer files even for a whole round, freed when the call ends."""
+    from bhfl_core.algorithm.stacked import StackedModels
+
+    transfer, storage = Transfer(tmp_path / "transfer"), FoldStorage()
+    allocate, in_files = storage.allocator(transfer, "edge.w0", whole_round=True)
+    fold = StackedModels(allocate=allocate)
+    fold.add("c1", torch.ones(6), 2.0)
+    fold.add("c2", torch.zeros(6), 3.0)
+    assert sorted(in_files) == ["row0", "row1"] and storage._kept == {}
+    assert torch.equal(Transfer.get(in_files["row0"][0]), torch.ones(6))  # folded straight into the file
+    fold.close_with(lambda s: s.ordered()[1].row)
+    assert sorted(in_files) == ["mean", "row0", "row1"] and torch.equal(Transfer.get(in_files["mean"][0]), fold.closed)
