@@ -122,10 +122,11 @@ def bhfl_rounds(
     size: int, clients: int, persistent: bool, train_s: float, rounds: int, folder: Path, device: torch.device
 ) -> float:
     """Seconds per client of bhfl's data path (rounds after the first), TRAIN's stand-in excluded."""
-    from bhfl_core.algorithm.aggregation_rule import fold_results, rule_for
+    from bhfl_core.algorithm.aggregation_rule import fold_results
     from bhfl_core.algorithm.contract import RoundPlan
     from bhfl_core.algorithm.node_state import NodeState, RoundKey
     from bhfl_core.algorithm.node_step import node_up
+    from bhfl_core.algorithm.rules import rule_for
     from bhfl_core.config.loader import load_config
     from bhfl_core.learning.params import get_flat, set_flat
     from bhfl_core.store.transfer import Transfer, receive_result, send_result

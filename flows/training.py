@@ -35,13 +35,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from bhfl_core.algorithm.aggregation_rule import AggregationRule, rule_for
 from bhfl_core.algorithm.async_engine import execute_async_node
 from bhfl_core.algorithm.contract import ChildResult, MemberLoss, RoundPlan
 from bhfl_core.algorithm.engine import execute_node
 from bhfl_core.algorithm.engine_hooks import PendingResult, PendingTrain
 from bhfl_core.algorithm.node_state import NodeResult, RoundKey
 from bhfl_core.algorithm.residuals import needs
+from bhfl_core.algorithm.rule_registry import AggregationRule
+from bhfl_core.algorithm.rules import rule_for
 from bhfl_core.algorithm.tree import Node, TrainParams, planned_steps
 from bhfl_core.algorithm.virtual_clock import ClockParams, client_call_s
 from bhfl_core.placement import Job, place

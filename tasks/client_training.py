@@ -27,12 +27,12 @@ from dataclasses import dataclass, replace
 import torch
 
 from bhfl_core.algorithm.aggregation import Allocator
-from bhfl_core.algorithm.aggregation_rule import rule_for
 from bhfl_core.algorithm.contract import ChildResult, MemberLoss, RoundPlan, Work
 from bhfl_core.algorithm.engine import execute_node
 from bhfl_core.algorithm.engine_hooks import PendingTrain
 from bhfl_core.algorithm.node_state import NodeResult, RoundKey
 from bhfl_core.algorithm.residuals import Candidate, keep_top
+from bhfl_core.algorithm.rules import rule_for
 from bhfl_core.algorithm.tree import Node, TrainParams, local_steps, planned_steps
 from bhfl_core.algorithm.virtual_clock import ClockParams, client_call_s
 from bhfl_core.learning.local_train import TrainResult, held_out_loss, split_holdout, train_model

@@ -32,9 +32,9 @@ import torch
 from distributed import WorkerPlugin, get_worker
 from torch import nn
 
-from bhfl_core.algorithm.aggregation_rule import rule_for
 from bhfl_core.algorithm.contract import RoundPlan
 from bhfl_core.algorithm.node_state import RoundKey
+from bhfl_core.algorithm.rules import rule_for
 from bhfl_core.analysis.matrix_axes import ModelRef
 from bhfl_core.analysis.model_values import ModelValues
 from bhfl_core.learning.params import get_flat

@@ -52,7 +52,7 @@ from typing import Protocol
 
 import torch
 
-from bhfl_core.algorithm.aggregation_rule import AggregationRule, FoldedRound, rule_for
+from bhfl_core.algorithm.aggregation_rule import FoldedRound
 from bhfl_core.algorithm.asynchrony import AsyncParams, stale_model, staleness_weight
 from bhfl_core.algorithm.contract import ROOT_PLAN, ChildResult, Partial, RoundPlan
 from bhfl_core.algorithm.engine import (
@@ -70,6 +70,8 @@ from bhfl_core.algorithm.node_opt import Scorer
 from bhfl_core.algorithm.node_state import AsyncProgress, Caller, InFlight, NodeResult, NodeState, RoundKey
 from bhfl_core.algorithm.node_step import down_posts, node_down, node_up
 from bhfl_core.algorithm.residuals import Candidate
+from bhfl_core.algorithm.rule_registry import AggregationRule
+from bhfl_core.algorithm.rules import rule_for
 from bhfl_core.algorithm.store_protocol import ExecutionStore
 from bhfl_core.algorithm.tree import Node, Tree
 from bhfl_core.algorithm.virtual_clock import drops_out

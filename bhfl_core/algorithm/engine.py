@@ -53,7 +53,7 @@ from dataclasses import replace
 
 import torch
 
-from bhfl_core.algorithm.aggregation_rule import FoldedRound, fold_results, rule_for
+from bhfl_core.algorithm.aggregation_rule import FoldedRound, fold_results
 from bhfl_core.algorithm.compression import compress_update, payload_bytes, received_model
 from bhfl_core.algorithm.contract import ROOT_PLAN, ChildResult, MemberLoss, RoundPlan
 from bhfl_core.algorithm.engine_hooks import EngineHooks
@@ -70,6 +70,7 @@ from bhfl_core.algorithm.node_step import (
 )
 from bhfl_core.algorithm.privacy import privacy_metrics
 from bhfl_core.algorithm.round_commits import RoundCommits, commits_behind
+from bhfl_core.algorithm.rules import rule_for
 from bhfl_core.algorithm.secure_aggregation import MaskedSum
 from bhfl_core.algorithm.store_protocol import ExecutionStore
 from bhfl_core.algorithm.tempo import omega, tempo_epochs

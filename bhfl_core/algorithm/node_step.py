@@ -30,11 +30,12 @@ from dataclasses import dataclass, replace
 import torch
 
 from bhfl_core.algorithm.aggregation import WeightedSum
-from bhfl_core.algorithm.aggregation_rule import FoldedRound, rule_for
+from bhfl_core.algorithm.aggregation_rule import FoldedRound
 from bhfl_core.algorithm.node_opt import NodeOptParams, OptState, Scorer, node_opt_step
 from bhfl_core.algorithm.node_state import Caller, NodeState, RoundKey
 from bhfl_core.algorithm.privacy import as_clipped, next_clip
 from bhfl_core.algorithm.residuals import contribution, select_residuals
+from bhfl_core.algorithm.rules import rule_for
 from bhfl_core.algorithm.tree import NodeSettings
 
 

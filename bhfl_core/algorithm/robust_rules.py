@@ -38,9 +38,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from bhfl_core.algorithm.aggregation_rule import AggregateParams, RuleTraits, register_rule
 from bhfl_core.algorithm.contract import Partial
 from bhfl_core.algorithm.node_state import Caller, RoundKey
+from bhfl_core.algorithm.rule_registry import AggregateParams, RuleTraits, register_rule
 
 if TYPE_CHECKING:
     import torch

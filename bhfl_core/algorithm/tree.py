@@ -12,12 +12,12 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from enum import Enum
 
-from bhfl_core.algorithm.aggregation_rule import AggregateParams
 from bhfl_core.algorithm.asynchrony import AsyncParams
 from bhfl_core.algorithm.compression import CompressParams
 from bhfl_core.algorithm.node_opt import NodeOptParams, is_tuned
 from bhfl_core.algorithm.privacy_params import DpSgdParams
 from bhfl_core.algorithm.residuals import DownLink, UpLink
+from bhfl_core.algorithm.rule_registry import AggregateParams
 
 
 class Role(str, Enum):  # noqa: UP042 (StrEnum would change str(Role.X) in messages)

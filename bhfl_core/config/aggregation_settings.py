@@ -11,10 +11,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from bhfl_core.algorithm.aggregation_rule import AggregateParams, rule_traits
 from bhfl_core.algorithm.compression import CompressParams
 from bhfl_core.algorithm.node_opt import NodeOptParams, is_tuned
 from bhfl_core.algorithm.privacy_params import AdaptiveClip, PrivacyParams, SecAggParams
+from bhfl_core.algorithm.rule_registry import AggregateParams
+from bhfl_core.algorithm.rules import rule_traits
 from bhfl_core.algorithm.tree import Role
 from bhfl_core.config.base import ConfigError
 from bhfl_core.config.schema import ExperimentConfig

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from bhfl_core.algorithm.aggregation_rule import rule_traits
 from bhfl_core.algorithm.node_opt import NodeOptParams, is_tuned
 from bhfl_core.algorithm.residuals import DownLink, UpLink
+from bhfl_core.algorithm.rules import rule_traits
 from bhfl_core.algorithm.tree import Node, Tree
 from bhfl_core.config.aggregation_settings import check_tuned
 from bhfl_core.config.base import ConfigError

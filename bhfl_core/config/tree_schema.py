@@ -14,9 +14,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, SerializerFunctionWrapHandler, field_validator, model_serializer, model_validator
 
-from bhfl_core.algorithm.aggregation_rule import available_rules, rule_traits
 from bhfl_core.algorithm.node_opt import available_node_opts
 from bhfl_core.algorithm.residuals import SELECTORS
+from bhfl_core.algorithm.rules import available_rules, rule_traits
 from bhfl_core.config.base import Strict
 
 OptKind = str

@@ -33,9 +33,9 @@ from pathlib import Path
 
 import torch
 
-from bhfl_core.algorithm.aggregation_rule import AggregationRule
 from bhfl_core.algorithm.contract import ChildResult
 from bhfl_core.algorithm.residuals import Candidate
+from bhfl_core.algorithm.rule_registry import AggregationRule
 
 SHM = Path("/dev/shm")
 SHM_MIN_FREE = 2 << 30

@@ -11,10 +11,11 @@ import math
 import pytest
 import torch
 
-from bhfl_core.algorithm.aggregation_rule import AggregateParams, MeanRule
+from bhfl_core.algorithm.aggregation_rule import MeanRule
 from bhfl_core.algorithm.asynchrony import StalenessParams, stale_model, staleness_weight
 from bhfl_core.algorithm.node_opt import NodeOptParams, node_opt_step
 from bhfl_core.algorithm.node_state import Caller, RoundKey
+from bhfl_core.algorithm.rule_registry import AggregateParams
 from bhfl_core.algorithm.virtual_clock import ClockParams, call_duration, client_speed, drops_out
 
 

@@ -10,13 +10,15 @@ import pytest
 import torch
 
 from bhfl_core.algorithm import aggregation_rule
-from bhfl_core.algorithm.aggregation_rule import AggregateParams, MeanRule, fold_results, register_rule, rule_for
+from bhfl_core.algorithm.aggregation_rule import MeanRule, fold_results
 from bhfl_core.algorithm.asynchrony import stale_model
 from bhfl_core.algorithm.contract import ChildResult, MemberLoss, RoundPlan
 from bhfl_core.algorithm.engine import execute_node, proxy_child
 from bhfl_core.algorithm.node_state import Caller, NodeResult, NodeState, RoundKey
 from bhfl_core.algorithm.privacy_params import PrivacyParams
 from bhfl_core.algorithm.residuals import Candidate
+from bhfl_core.algorithm.rule_registry import AggregateParams, register_rule
+from bhfl_core.algorithm.rules import rule_for
 from bhfl_core.algorithm.tempo import omega, tempo_epochs
 from bhfl_core.algorithm.tree import Tree
 from bhfl_core.config.base import ConfigError

@@ -10,13 +10,15 @@ import math
 import pytest
 import torch
 
-from bhfl_core.algorithm.aggregation_rule import AggregateParams, fold_results, rule_for
+from bhfl_core.algorithm.aggregation_rule import fold_results
 from bhfl_core.algorithm.contract import ChildResult
 from bhfl_core.algorithm.node_state import Caller, NodeState, RoundKey
 from bhfl_core.algorithm.node_step import node_up
 from bhfl_core.algorithm.privacy import SHRINK, clip_update, next_clip, privacy_metrics
 from bhfl_core.algorithm.privacy_accounting import epsilon
 from bhfl_core.algorithm.privacy_params import AdaptiveClip, PrivacyParams
+from bhfl_core.algorithm.rule_registry import AggregateParams
+from bhfl_core.algorithm.rules import rule_for
 from bhfl_core.algorithm.tree import NodeSettings
 from bhfl_core.rng import derive_seed
 

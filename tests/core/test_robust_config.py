@@ -3,7 +3,7 @@ refused with an error naming the key and the value where it cannot (docs/config.
 
 import pytest
 
-from bhfl_core.algorithm.aggregation_rule import AggregateParams
+from bhfl_core.algorithm.rule_registry import AggregateParams
 from bhfl_core.config.base import ConfigError
 from bhfl_core.config.topology import build_tree, placeholder_clients
 from tests.small import small_config

@@ -7,11 +7,13 @@ import numpy as np
 import pytest
 import torch
 
-from bhfl_core.algorithm.aggregation_rule import AggregateParams, fold_results, rule_for
+from bhfl_core.algorithm.aggregation_rule import fold_results
 from bhfl_core.algorithm.contract import ChildResult
 from bhfl_core.algorithm.node_state import Caller, RoundKey
 from bhfl_core.algorithm.robust import krum_scores, squared_distances
 from bhfl_core.algorithm.robust_rules import KrumRule, MedianRule, TrimmedMeanRule
+from bhfl_core.algorithm.rule_registry import AggregateParams
+from bhfl_core.algorithm.rules import rule_for
 from bhfl_core.algorithm.stacked import BLOCK, StackedModels
 from tests.core.flower_reference import aggregate_krum, aggregate_median, aggregate_trimmed_avg
 

@@ -7,10 +7,12 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from bhfl_core.algorithm.aggregation_rule import AggregateParams, fold_results, rule_for
+from bhfl_core.algorithm.aggregation_rule import fold_results
 from bhfl_core.algorithm.contract import ChildResult
 from bhfl_core.algorithm.node_state import Caller, RoundKey
 from bhfl_core.algorithm.privacy_params import PrivacyParams, SecAggParams
+from bhfl_core.algorithm.rule_registry import AggregateParams
+from bhfl_core.algorithm.rules import rule_for
 from bhfl_core.algorithm.secagg_crypto import agreed_seed, combine, public_key, secret_key, split
 from bhfl_core.algorithm.secure_aggregation import RoundKeys, SecureAggregationError
 

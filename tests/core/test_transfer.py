@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from bhfl_core.algorithm.aggregation_rule import AggregateParams, MeanRule
+from bhfl_core.algorithm.aggregation_rule import MeanRule
 from bhfl_core.algorithm.contract import ChildResult, MemberLoss
 from bhfl_core.algorithm.node_state import Caller, NodeState
 from bhfl_core.algorithm.residuals import Candidate
+from bhfl_core.algorithm.rule_registry import AggregateParams
 from bhfl_core.store import transfer as transfer_module
 from bhfl_core.store.node_store import StateStore
 from bhfl_core.store.transfer import TensorRef, Transfer, receive_result, send_result, transfer_folder

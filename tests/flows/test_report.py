@@ -347,9 +347,10 @@ def test_the_run_list_view_shows_the_headline_metrics_as_columns(evaluated_runs)
 def test_a_batch_that_is_its_whole_round_sends_the_closed_mean(evaluated_runs):
     """A worker that trains all of a round's clients closes the fold on its device: it sends the float32 mean
     (not the 16-byte sum), leaves no other file, and the parent's mean_input is bit for bit the open fold's."""
-    from bhfl_core.algorithm.aggregation_rule import fold_results, rule_for
+    from bhfl_core.algorithm.aggregation_rule import fold_results
     from bhfl_core.algorithm.contract import RoundPlan
     from bhfl_core.algorithm.node_state import RoundKey
+    from bhfl_core.algorithm.rules import rule_for
     from bhfl_core.store.transfer import receive_result
     from tasks.client_training import BatchCall
 
