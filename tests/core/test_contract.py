@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from bhfl_core.algorithm import aggregation_rule
+from bhfl_core.algorithm import rule_registry
 from bhfl_core.algorithm.aggregation_rule import MeanRule, fold_results
 from bhfl_core.algorithm.asynchrony import stale_model
 from bhfl_core.algorithm.contract import ChildResult, MemberLoss, RoundPlan
@@ -18,7 +18,7 @@ from bhfl_core.algorithm.node_state import Caller, NodeResult, NodeState, RoundK
 from bhfl_core.algorithm.privacy_params import PrivacyParams
 from bhfl_core.algorithm.residuals import Candidate
 from bhfl_core.algorithm.rule_registry import AggregateParams, register_rule
-from bhfl_core.algorithm.rules import rule_for
+from bhfl_core.algorithm.rules import available_rules, rule_for
 from bhfl_core.algorithm.tempo import omega, tempo_epochs
 from bhfl_core.algorithm.tree import Tree
 from bhfl_core.config.base import ConfigError
@@ -45,11 +45,11 @@ def halving_rule():
             return super().finalize(partial, key) / 2
 
     yield "halved_mean"
-    del aggregation_rule._RULES["halved_mean"]
+    del rule_registry._RULES["halved_mean"], rule_registry._TRAITS["halved_mean"]
 
 
 def test_rules_are_looked_up_by_name_and_unknown_ones_are_config_errors(halving_rule):
-    assert "mean" in aggregation_rule.available_rules() and halving_rule in aggregation_rule.available_rules()
+    assert "mean" in available_rules() and halving_rule in available_rules()
     assert isinstance(rule_for(AggregateParams()), MeanRule)
     with pytest.raises(ValueError, match="unknown aggregation rule 'geomedian'"):
         rule_for(AggregateParams("geomedian"))

@@ -101,7 +101,8 @@ def test_the_same_bits_whatever_the_batching_and_the_wire():
         partial = fold(reference, {n: members[n] for n in group})
         tensors, numbers = RULE.wire(partial)  # a worker's fold: the exact sum, each member's (w, tau) as numbers
         assert set(tensors) == {"hi", "lo"} and numbers[f"steps.{group[0]}"] == members[group[0]][2]
-        return ChildResult(tuple(group), partial=RULE.unwire({k: v.clone() for k, v in tensors.items()}, numbers))
+        received = RULE.unwire({k: v.clone() for k, v in tensors.items()}, numbers)
+        return ChildResult(members=tuple(group), partial=received)
 
     layouts = [[batch(*names[:4]), batch(*names[4:])], [batch(*names[5:]), batch(*names[:2]), batch(*names[2:5])]]
     layouts.append([batch(n) for n in reversed(names)])

@@ -143,10 +143,11 @@ def test_the_same_bits_whatever_the_batching_the_arrival_order_and_the_wire(para
     def batch(*members):
         partial = fold(rule, {m: models[m] for m in members}, weights)
         tensors, numbers = rule.wire(partial)  # what a worker sends: rows by name, members and weights as numbers
-        return ChildResult(tuple(members), partial=rule.unwire({k: v.clone() for k, v in tensors.items()}, numbers))
+        received = rule.unwire({k: v.clone() for k, v in tensors.items()}, numbers)
+        return ChildResult(members=tuple(members), partial=received)
 
     def layout(groups, server_first):
-        own = ChildResult((server,), models[server], weights[server])
+        own = ChildResult(members=(server,), model=models[server], weight=weights[server])
         results = [batch(*g) for g in groups]
         return [own, *results] if server_first else [*results[::-1], own]
 
@@ -176,7 +177,7 @@ def test_a_whole_round_closed_on_its_worker_gives_the_parents_bits(params):
     assert list(tensors) == ["mean"] and tensors["mean"].numel() == BLOCK + 7  # one vector goes up, not six
     assert numbers == {"weight": sum(weights.values())}
     received = rule.unwire(tensors, numbers)
-    folded = fold_results(rule, KEY, [ChildResult(tuple(models), partial=received)], [*models, "edge"])
+    folded = fold_results(rule, KEY, [ChildResult(members=tuple(models), partial=received)], [*models, "edge"])
     assert torch.equal(rule.finalize(folded.partial, KEY), rule.finalize(opened, KEY))
     with pytest.raises(ValueError, match="closed fold"):
         rule.contribute(folded.partial, "late", models["client-00"], 1.0)
