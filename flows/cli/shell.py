@@ -159,12 +159,17 @@ def hub_check(cfg: ExperimentConfig, run_dir: Path) -> None:
 
 
 def preflight(cfg: ExperimentConfig, run_dir: Path) -> None:
-    """Model and (unless cached) data reachable? Checked before Prefect starts: one paragraph, exit 2."""
+    """Model and (unless cached) data reachable, a ``tls://`` cluster's certificates readable? Checked beside
+    Prefect's start: one paragraph, exit 2."""
     from bhfl_core.config.base import ConfigError
     from data_prep.prepare import preflight
 
     try:
         preflight(cfg, run_dir / "cache")
+        if cfg.runtime.executor == "cluster" and cfg.runtime.cluster:
+            from tasks.cluster_access import security_for
+
+            security_for(cfg.runtime.cluster, cfg.runtime)
     except ConfigError as exc:
         fail(str(exc))
 
