@@ -39,6 +39,7 @@ from flows.run_tracking import log_committed_rounds, log_run_files, open_trackin
 from flows.tracking.prefect_summary import summary_markdown
 from flows.tracking.timings import evaluation_cost
 from flows.tracking.tracker import Tracker
+from tasks.cluster_access import check_shared_folders
 from tasks.context import RunContext, forget_run, mark_once, open_run, read_marks
 from tasks.executor import cluster_workers, process_worker, worker_losses
 from tasks.faults import FaultPlan
@@ -120,6 +121,8 @@ class _Attempt:
         mark_once(path, "tracking_ready")
         address = self.launch.cluster or (starting.address() if starting else cfg.runtime.cluster)
         workers = cluster_workers(address, cfg.runtime) if address else [process_worker(cfg.runtime).describe()]
+        if cfg.runtime.executor == "cluster" and address:  # workers elsewhere: do they see our files?
+            check_shared_folders(address, cfg.runtime, self.launch.run_root, path, data_root, workers)
         mark_once(path, "workers_ready")
         self.record.cluster, self.record.workers = address or "", workers
         self.record.write(path)

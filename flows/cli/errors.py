@@ -1,8 +1,9 @@
-"""One paragraph per failure a user can act on: what went wrong, what to do, how to go on.
+"""One paragraph per failure a user can act on: what went wrong, what to do, how to go on; and its exit code.
 
 Config and data mistakes, damaged checkpoints, out-of-memory and disk-full errors
 reach the user as a message naming the cause and the fix, not as a stack trace. An
-error not listed here is a bug: the CLI shows its traceback.
+error not listed here is a bug: the CLI shows its traceback. Exit codes: 2 for what
+is wrong before any work (config, a cluster that cannot serve the run), 1 for the rest.
 """
 
 from __future__ import annotations
@@ -53,6 +54,9 @@ def explain(exc: BaseException, run_path: Path | None) -> str | None:
             f"A smaller `train.batch_size` or `model.max_length` changes the experiment: start a new run with it. "
             f"{resume_hint(run_path)}"
         )
+    cluster = sys.modules.get("tasks.cluster_access")
+    if cluster is not None and isinstance(exc, cluster.SharedFolderError):  # workers that do not see the run
+        return f"{exc} {resume_hint(run_path)}"
     if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
         where = f" while writing {exc.filename}" if exc.filename else ""
         return (
@@ -62,3 +66,11 @@ def explain(exc: BaseException, run_path: Path | None) -> str | None:
             f"under <run-dir>/cache and old runs can be deleted). {resume_hint(run_path)}"
         )
     return None
+
+
+def exit_code(exc: BaseException, run_path: Path | None) -> int:
+    """The exit code of a command that ended with ``exc`` (explained: the module docstring)."""
+    cluster = sys.modules.get("tasks.cluster_access")
+    if isinstance(exc, ConfigError) or (cluster is not None and isinstance(exc, cluster.SharedFolderError)):
+        return 2
+    return 1

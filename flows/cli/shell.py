@@ -328,7 +328,7 @@ def tracking_store_ready(
 
 def guarded(work: Callable[[], dict], run_path: Path | None, verbose: bool) -> dict:
     """Run ``work``; known failures become one paragraph (cause, fix, how to resume) and a non-zero exit."""
-    from flows.cli.errors import explain
+    from flows.cli.errors import exit_code, explain
 
     try:
         return work()
@@ -339,7 +339,5 @@ def guarded(work: Callable[[], dict], run_path: Path | None, verbose: bool) -> d
         message = explain(exc, run_path)
         if message is None or verbose:
             raise
-        from bhfl_core.config.base import ConfigError
-
         console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
-        raise typer.Exit(code=2 if isinstance(exc, ConfigError) else 1) from None
+        raise typer.Exit(code=exit_code(exc, run_path)) from None
