@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import logging
 import os
 import signal
 import sys
@@ -106,6 +107,9 @@ def prepare_environment(run_dir: Path, verbose: bool) -> None:
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("GIT_PYTHON_REFRESH", "quiet")
+    if not verbose:  # a failure is told once, as one paragraph (flows/cli/errors.py), not by libraries on its way
+        logging.getLogger("mlflow.store.db.utils").setLevel(logging.CRITICAL)  # logs each error it then raises
+        logging.raiseExceptions = False  # a log handler's own failure (Prefect's API logs, its server down or full)
     limit_malloc_arenas()
 
 

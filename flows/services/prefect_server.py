@@ -28,7 +28,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Self
 
@@ -116,7 +116,7 @@ def prefect_version() -> str:
     return importlib.metadata.version("prefect")
 
 
-def _own_database(env: dict[str, str]) -> Path | None:
+def own_database(env: Mapping[str, str]) -> Path | None:
     """The SQLite file the server will use, unless the user configured a database of their own."""
     if "PREFECT_API_DATABASE_CONNECTION_URL" in env or "PREFECT_SERVER_DATABASE_CONNECTION_URL" in env:
         return None  # e.g. Postgres: not ours to seed, nor to copy from
@@ -136,7 +136,7 @@ def start_server(log_file: Path, full: bool, port: int | None = None) -> Prefect
     """
     port = free_port(port)
     env = os.environ.copy()
-    database = _own_database(env)
+    database = own_database(env)
     created = database is not None and not database.exists()
     seeded = created and seed(database, "prefect", prefect_version())  # type: ignore[arg-type]
     if full:
