@@ -180,7 +180,8 @@ class _Attempt:
             record_logged(self.path, LOGGED_FILES)
         from flows.tracking.report import write_report  # matplotlib and the report code: not needed at start-up
 
-        headline = write_report(tracker, rt.ctx, evaluation, timings, step=eval_step)  # report.md, tables, figures
+        headlines = write_report(tracker, rt.ctx, evaluation, timings, step=eval_step)  # report.md, tables, figures
+        headline = headlines.own
         # the run folder as the run leaves it (report included; only run.json is rewritten after): one walk
         disk = run_folder_figures(self.path, len(rt.ctx.tree.clients()))
         if not self.force_eval:
@@ -190,6 +191,7 @@ class _Attempt:
         )
         self.launch.orchestration.publish(self.cfg, markdown)  # the headlines and the MLflow link
         self.summary = {"headline": headline, "timings": timings, "memory": peaks, "utilisation": usage, "disk": disk}
+        self.summary |= {"baseline": headlines.baseline, "baseline_name": headlines.baseline_name}  # its column
         tracker.finish("FINISHED")
 
     def end(self, error: BaseException | None) -> None:

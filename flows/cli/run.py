@@ -61,14 +61,23 @@ def _on_disk(result: dict) -> str:
 
 
 def print_summary(result: dict, run_dir: Path) -> None:
-    """The end of a run, on stdout: the headline table, where everything went, how to open it."""
+    """The end of a run, on stdout: the headline table, where everything went, how to open it.
+
+    Beside each headline its trivial baseline, where the task has one (each client's
+    majority label, or a unigram model for masked LM: report.md's row, docs/evaluation.md),
+    so a number is read against what no training gets.
+    """
     from rich.table import Table
 
+    baseline: dict[str, float] = result.get("baseline") or {}
     table = Table(title="Final evaluation", show_header=True)
     table.add_column("metric")
     table.add_column("value", justify="right")
+    if baseline:
+        table.add_column(f"trivial baseline ({result.get('baseline_name') or 'no training'})", justify="right")
     for name, value in result["headline"].items():
-        table.add_row(name, f"{value:.4g}")
+        beside = [f"{baseline[name]:.4g}" if name in baseline else ""] if baseline else []
+        table.add_row(name, f"{value:.4g}", *beside)
     out.print(table, soft_wrap=False)
     uri = result["tracking_uri"]
     out.print(
