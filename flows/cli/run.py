@@ -70,11 +70,13 @@ def print_summary(result: dict, run_dir: Path) -> None:
     from rich.table import Table
 
     baseline: dict[str, float] = result.get("baseline") or {}
-    table = Table(title="Final evaluation", show_header=True)
-    table.add_column("metric")
+    kind = result.get("baseline_name") or "no training"
+    caption = f"trivial baseline: {kind}, without training (docs/evaluation.md)" if baseline else None
+    table = Table(title="Final evaluation", caption=caption, show_header=True)
+    table.add_column("metric", no_wrap=True)
     table.add_column("value", justify="right")
-    if baseline:
-        table.add_column(f"trivial baseline ({result.get('baseline_name') or 'no training'})", justify="right")
+    if baseline:  # (a short header: an 80-column terminal keeps the metric names whole)
+        table.add_column("trivial baseline", justify="right")
     for name, value in result["headline"].items():
         beside = [f"{baseline[name]:.4g}" if name in baseline else ""] if baseline else []
         table.add_row(name, f"{value:.4g}", *beside)
