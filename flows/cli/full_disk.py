@@ -97,7 +97,7 @@ def _named_file(exc: BaseException) -> str | None:
 def run_places(run_path: Path | None, environ: Mapping[str, str]) -> dict[str, Path]:
     """Where a command writes, by what it is: the run folder, its data cache and MLflow store (from the run's
     files), Prefect's database (the command's own server's), models in transfer (``/dev/shm``), temporary files."""
-    from flows.services.prefect_server import own_database
+    from flows.services.prefect_server import OWN_DATABASE_ENV
 
     places: dict[str, Path] = {}
     if run_path is not None:
@@ -108,9 +108,8 @@ def run_places(run_path: Path | None, environ: Mapping[str, str]) -> dict[str, P
         uri = str(_json(run_path / RECORD_FILE).get("tracking_uri", ""))
         if uri.startswith("sqlite:///"):
             places["the MLflow store"] = Path(uri.removeprefix("sqlite:///"))
-    database = own_database(environ) if "PREFECT_HOME" in environ else None
-    if database is not None:
-        places["Prefect's database"] = database
+    if environ.get(OWN_DATABASE_ENV):  # the command's own Prefect server's
+        places["Prefect's database"] = Path(environ[OWN_DATABASE_ENV])
     if Path("/dev/shm").is_dir():
         places["models in transfer (/dev/shm)"] = Path("/dev/shm")
     places["temporary files"] = Path(tempfile.gettempdir())
@@ -123,14 +122,13 @@ def full_filesystem(exc: BaseException, run_path: Path | None) -> Filesystem | N
     if says_disk_full(exc):
         named = _named_file(exc)
         filesystems = _filesystems({**({"the file it was writing": Path(named)} if named else {}), **places})
-        if named is not None:
-            return next(fs for fs in filesystems if "the file it was writing" in fs.holds)
-        return min(filesystems, key=lambda fs: fs.free) if filesystems else None
+        writing = [fs for fs in filesystems if "the file it was writing" in fs.holds]
+        return writing[0] if writing else min(filesystems, key=lambda fs: fs.free, default=None)
     database = places.get("Prefect's database")
     if database is None or not _server_error(exc):
         return None
-    prefect = next(fs for fs in _filesystems(places) if "Prefect's database" in fs.holds)
-    return prefect if prefect.free < NEARLY_FULL_BYTES else None
+    prefect = [fs for fs in _filesystems(places) if "Prefect's database" in fs.holds]
+    return prefect[0] if prefect and prefect[0].free < NEARLY_FULL_BYTES else None
 
 
 def _filesystems(places: Mapping[str, Path]) -> list[Filesystem]:

@@ -35,6 +35,10 @@ from typing import Self
 from flows.services.processes import die_with_parent
 from flows.services.store_templates import save_template, seed
 
+# set while this process's own server runs: its SQLite file (what a full disk under it is judged by:
+# flows/cli/full_disk.py); a server of the user's (PREFECT_API_URL) is not ours to judge
+OWN_DATABASE_ENV = "BHFL_OWN_PREFECT_DATABASE"
+
 
 def free_port(preferred: int | None = None) -> int:
     with socket.socket() as s:
@@ -97,6 +101,7 @@ class PrefectServer:
     def stop(self) -> None:
         """SIGTERM (uvicorn shuts down gracefully), SIGKILL after 15 s; a no-op once it has exited."""
         self._stopping = True
+        os.environ.pop(OWN_DATABASE_ENV, None)
         if self.proc.poll() is None:
             self.proc.terminate()
         try:
@@ -137,6 +142,8 @@ def start_server(log_file: Path, full: bool, port: int | None = None) -> Prefect
     port = free_port(port)
     env = os.environ.copy()
     database = own_database(env)
+    if database is not None:
+        os.environ[OWN_DATABASE_ENV] = str(database)
     created = database is not None and not database.exists()
     seeded = created and seed(database, "prefect", prefect_version())  # type: ignore[arg-type]
     if full:

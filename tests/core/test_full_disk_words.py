@@ -12,6 +12,7 @@ import pytest
 
 from flows.cli import full_disk
 from flows.cli.errors import EXIT_DISK_FULL, exit_code, explain
+from flows.services.prefect_server import OWN_DATABASE_ENV
 
 
 class _ServerError(Exception):
@@ -44,7 +45,7 @@ def _raised_during(outer: BaseException, inner: BaseException) -> BaseException:
     ids=["ENOSPC", "EDQUOT", "rust", "sqlite", "group"],
 )
 def test_every_wording_of_a_full_disk_is_one_paragraph_and_exit_74(error, tmp_path, monkeypatch):
-    monkeypatch.setenv("PREFECT_HOME", str(tmp_path / ".prefect"))
+    monkeypatch.setenv(OWN_DATABASE_ENV, str(tmp_path / ".prefect" / "prefect.db"))
     failed = _raised_during(RuntimeError("the flow run failed"), error)
     message = explain(failed, None)
     assert message is not None and message.startswith("The disk is full: the filesystem mounted at "), message
@@ -53,7 +54,7 @@ def test_every_wording_of_a_full_disk_is_one_paragraph_and_exit_74(error, tmp_pa
 
 
 def test_the_file_being_written_names_its_filesystem_and_what_of_the_run_it_holds(tmp_path, monkeypatch):
-    monkeypatch.setenv("PREFECT_HOME", str(tmp_path / ".prefect"))
+    monkeypatch.setenv(OWN_DATABASE_ENV, str(tmp_path / ".prefect" / "prefect.db"))
     run_path = tmp_path / "runs" / "itest" / "20261127-000000-000"
     run_path.mkdir(parents=True)
     target = run_path / "state" / "nodes" / "root.safetensors"
@@ -65,7 +66,7 @@ def test_the_file_being_written_names_its_filesystem_and_what_of_the_run_it_hold
 
 
 def test_a_server_error_is_a_full_disk_only_where_prefects_database_has_no_room(tmp_path, monkeypatch):
-    monkeypatch.setenv("PREFECT_HOME", str(tmp_path / ".prefect"))
+    monkeypatch.setenv(OWN_DATABASE_ENV, str(tmp_path / ".prefect" / "prefect.db"))
     answer = _ServerError(500)
     free = os.statvfs(tmp_path).f_bavail * os.statvfs(tmp_path).f_frsize
     monkeypatch.setattr(full_disk, "NEARLY_FULL_BYTES", free // 2)  # room left: a server error is a bug
@@ -74,11 +75,11 @@ def test_a_server_error_is_a_full_disk_only_where_prefects_database_has_no_room(
     message = explain(answer, None)
     assert message is not None and "it holds Prefect's database" in message and exit_code(answer, None) == 74
     assert explain(_ServerError(404), None) is None  # not a server error
-    monkeypatch.delenv("PREFECT_HOME")  # a Prefect server of the user's: its disk is not ours to judge
+    monkeypatch.delenv(OWN_DATABASE_ENV)  # a Prefect server of the user's: its disk is not ours to judge
     assert explain(answer, None) is None
 
 
 def test_other_errors_are_not_a_full_disk(tmp_path, monkeypatch):
-    monkeypatch.setenv("PREFECT_HOME", str(tmp_path / ".prefect"))
+    monkeypatch.setenv(OWN_DATABASE_ENV, str(tmp_path / ".prefect" / "prefect.db"))
     for error in (OSError(errno.EACCES, "Permission denied"), RuntimeError("a bug")):
         assert explain(error, None) is None and exit_code(error, None) == 1
