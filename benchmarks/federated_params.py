@@ -24,7 +24,7 @@ Figures per variant, from the run itself:
   run record's timeline; peak PSS MB of the whole process tree (benchmarks/_proc.py).
 
 Accuracy is not the point here (a random backbone trains poorly through adapters); the
-README's LoRA table on the embedded data is. Usage::
+LoRA table on the embedded data (docs/results.md) is. Usage::
 
     .venv/bin/python benchmarks/federated_params.py [--setting 4x2] [--model base|tiny] [--set KEY=VALUE ...]
 """

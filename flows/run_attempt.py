@@ -39,6 +39,7 @@ from flows.run_tracking import log_committed_rounds, log_run_files, open_trackin
 from flows.tracking.prefect_summary import summary_markdown
 from flows.tracking.timings import evaluation_cost
 from flows.tracking.tracker import Tracker
+from tasks.cluster_access import check_shared_folders
 from tasks.context import RunContext, forget_run, mark_once, open_run, read_marks
 from tasks.executor import cluster_workers, process_worker, worker_losses
 from tasks.faults import FaultPlan
@@ -121,6 +122,8 @@ class _Attempt:
         mark_once(path, "tracking_ready")
         address = self.launch.cluster or (starting.address() if starting else cfg.runtime.cluster)
         workers = cluster_workers(address, cfg.runtime) if address else [process_worker(cfg.runtime).describe()]
+        if cfg.runtime.executor == "cluster" and address:  # workers elsewhere: do they see our files?
+            check_shared_folders(address, cfg.runtime, self.launch.run_root, path, data_root, workers)
         mark_once(path, "workers_ready")
         self.record.cluster, self.record.workers = address or "", workers
         self.record.write(path)
@@ -178,7 +181,8 @@ class _Attempt:
             record_logged(self.path, LOGGED_FILES)
         from flows.tracking.report import write_report  # matplotlib and the report code: not needed at start-up
 
-        headline = write_report(tracker, rt.ctx, evaluation, timings, step=eval_step)  # report.md, tables, figures
+        headlines = write_report(tracker, rt.ctx, evaluation, timings, step=eval_step)  # report.md, tables, figures
+        headline = headlines.own
         # the run folder as the run leaves it (report included; only run.json is rewritten after): one walk
         disk = run_folder_figures(self.path, len(rt.ctx.tree.clients()))
         if not self.force_eval:
@@ -188,6 +192,7 @@ class _Attempt:
         )
         self.launch.orchestration.publish(self.cfg, markdown)  # the headlines and the MLflow link
         self.summary = {"headline": headline, "timings": timings, "memory": peaks, "utilisation": usage, "disk": disk}
+        self.summary |= {"baseline": headlines.baseline, "baseline_name": headlines.baseline_name}  # its column
         tracker.finish("FINISHED")
 
     def end(self, error: BaseException | None) -> None:

@@ -50,6 +50,7 @@ from typing import Any, Concatenate, Generic, ParamSpec, Protocol, TypeVar
 
 from bhfl_core.config.schema import RuntimeConfig
 from bhfl_core.placement import Slot
+from tasks.cluster_access import connected, security_for
 from tasks.local_cluster import resolve_devices
 from tasks.worker import PLUGIN, BhflWorkerPlugin, WorkerRuntime, worker_device
 from tasks.worker import call as call_on_worker
@@ -115,9 +116,7 @@ def cluster_workers(address: str, runtime: RuntimeConfig) -> list[dict[str, str]
     (``WorkerRuntime.describe``). On a shared cluster, ``runtime.workers`` (an int) uses
     the first workers by name.
     """
-    from distributed import Client
-
-    with Client(address, set_as_default=False, timeout="60s") as client:
+    with connected(address, runtime) as client:  # (a tls:// cluster: with the run's certificates)
         client.register_plugin(BhflWorkerPlugin())
         workers = sorted(client.run(_describe).values(), key=lambda w: w["name"])
     if not workers:
@@ -172,12 +171,12 @@ class DaskExecutor:
     again on it once it is back (module docstring).
     """
 
-    def __init__(self, address: str, slots: list[Slot]) -> None:
+    def __init__(self, address: str, slots: list[Slot], security: Any = None) -> None:
         from distributed import Client
 
         self._slots = slots
         self.address = address
-        self.client = Client(address, set_as_default=False, timeout="60s")
+        self.client = Client(address, security=security, set_as_default=False, timeout="60s")
         self._lock = threading.Lock()
         self._calls: dict[str, _Call] = {}  # key -> call, while it is pending
         self._removed: set[str] = set()  # worker addresses the scheduler removed while this executor lived
@@ -404,7 +403,7 @@ def executor_for(runtime: RuntimeConfig, address: str | None, workers: list[dict
         return
     if not address:
         raise RuntimeError(f"runtime.executor is {runtime.executor!r} but the run records no cluster address")
-    executor = DaskExecutor(address, [slot(w) for w in workers])
+    executor = DaskExecutor(address, [slot(w) for w in workers], security_for(address, runtime))
     try:
         yield executor
     finally:

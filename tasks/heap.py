@@ -7,7 +7,7 @@ raises its mmap threshold after large frees, so later large blocks come from the
 too: at 10,000 clients (10 rounds of 1,000, tiny model, 2 cores) each worker's heap
 grew by ~3.5 MB every 100 client trainings that it never returned, and the run peaked
 at 2,285 MB of PSS; with two arenas and the heap trimmed above 128 KB it peaked at
-1,924 MB, the same trainings at the same speed (benchmarks/scale.py, README "Scale").
+1,924 MB, the same trainings at the same speed (benchmarks/scale.py, docs/benchmarks.md "Scale").
 
 The settings are process-wide by nature (``mallopt``): the command applies them to itself
 at its start and every local worker at its start (``tasks/worker_warmup.py``). A user's

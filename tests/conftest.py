@@ -46,6 +46,8 @@ LONGEST_FIRST = (
     "test_resume",
     "test_resume_async",
     "test_faults",  # about 60 s idle, 80 s busy (one process): runs killed mid-way, two resumes
+    "test_disk_full_run",  # three runs whose disk fills, three resumes: ~210 s on 2 busy cores
+    "test_cluster_access",  # two user clusters (one over TLS), a run on it: ~200 s on 2 busy cores
     "test_signals",  # about 65 s idle: commands stopped at chosen points, a run stopped and resumed
     "test_sweep",
     "test_pipeline",

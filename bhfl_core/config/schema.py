@@ -10,7 +10,10 @@ callers find them. See docs/config.md for every key with an example.
 
 from __future__ import annotations
 
+import ipaddress
+from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import Field, field_validator, model_validator
 
@@ -42,6 +45,7 @@ __all__ = [  # the tree section's classes too (tree_schema.py): callers import t
     "AdaptiveClipSettings",
     "AggregateSettings",
     "ClockSettings",
+    "ClusterTls",
     "CompressSettings",
     "DownResidual",
     "DpSgdSettings",
@@ -68,6 +72,45 @@ __all__ = [  # the tree section's classes too (tree_schema.py): callers import t
 
 
 # ---------------------------------------------------------------- runtime / eval
+
+
+class ClusterTls(Strict):
+    """The certificates this process shows a ``tls://`` Dask cluster, and the CA it trusts (PEM files).
+
+    Dask's TLS is mutual: the scheduler and every worker accept only peers whose
+    certificate ``ca_file`` signed, so a machine that merely reaches the port cannot
+    submit code (docs/runtime.md, "A cluster over TLS"). Paths are made absolute here,
+    so a resume from another folder finds them; only the paths are kept and logged,
+    never what the files hold.
+    """
+
+    ca_file: str  # the CA that signed the scheduler's, the workers' and this client's certificates
+    cert_file: str  # this client's certificate
+    key_file: str  # its private key
+
+    @field_validator("ca_file", "cert_file", "key_file")
+    @classmethod
+    def _absolute(cls, v: str) -> str:
+        return str(Path(v).expanduser().absolute())
+
+
+def plain_remote_host(address: str) -> str | None:
+    """The host of a scheduler address that is neither encrypted nor on this machine (``tcp://10.0.0.1:8786``).
+
+    Only ``tls://`` encrypts and authenticates; ``tcp://`` and ``ucx://`` carry whatever is
+    sent, to whoever listens. Loopback (``127.x``, ``::1``, ``localhost``) stays on the
+    machine. A host name is taken as remote: deciding otherwise would need DNS here.
+    """
+    scheme, _, _ = address.partition("://")
+    if scheme not in ("tcp", "ucx"):
+        return None
+    host = urlsplit(address).hostname or ""
+    if host == "localhost":
+        return None
+    try:
+        return None if ipaddress.ip_address(host).is_loopback else host
+    except ValueError:
+        return host
 
 
 class RuntimeConfig(Strict):
@@ -97,7 +140,10 @@ class RuntimeConfig(Strict):
     (``/dev/shm``: one copy in RAM that every local process maps), ``run_folder``
     (``state/transfer``, which every worker of a ``cluster`` sees; the last models sent
     stay there for inspection), ``auto`` (memory when every process is on this machine
-    and ``/dev/shm`` has 2 GiB free, else the run folder).
+    and ``/dev/shm`` has 2 GiB free, else the run folder). ``tls``: the certificates of a
+    ``tls://`` cluster (else Dask's own ``distributed.comm.tls.*`` settings are used).
+    ``trusted_network``: accept a plain ``tcp://`` scheduler on another machine (refused
+    by default: anyone who reaches its port can run code on every worker).
     """
 
     executor: Literal["local", "cluster", "inprocess"] = "local"
@@ -113,6 +159,8 @@ class RuntimeConfig(Strict):
     retry_delay_s: Annotated[float, Field(ge=0)] = 1.0
     on_client_failure: Literal["fail", "drop"] = "fail"
     transfer: Literal["auto", "memory", "run_folder"] = "auto"
+    tls: ClusterTls | None = None
+    trusted_network: bool = False
 
     @field_validator("cluster")
     @classmethod
@@ -134,6 +182,24 @@ class RuntimeConfig(Strict):
         if self.executor != "cluster" and self.cluster is not None:
             raise ValueError(
                 f"cluster is set but executor is {self.executor!r}; set runtime.executor: cluster to use it"
+            )
+        return self._cluster_is_private()
+
+    def _cluster_is_private(self) -> RuntimeConfig:
+        """A cluster elsewhere speaks TLS, or the user said its network is theirs alone (``trusted_network``)."""
+        address = self.cluster or ""
+        if self.tls is not None and not address.startswith("tls://"):
+            raise ValueError(
+                f"runtime.tls: certificates are set but runtime.cluster is {address or 'not set'}; they are "
+                "for a tls:// scheduler address (tls://host:8786)"
+            )
+        host = plain_remote_host(address)
+        if host is not None and not self.trusted_network:
+            raise ValueError(
+                f"runtime.cluster: {address} is plain {address.partition(':')[0].upper()} to another machine "
+                f"({host}): anyone who can reach that port can run code on every worker. Use tls://"
+                f'{address.partition("://")[2]} with runtime.tls (docs/runtime.md, "A cluster over TLS"), or set '
+                "runtime.trusted_network: true if only machines you trust can reach it"
             )
         return self
 

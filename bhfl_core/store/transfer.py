@@ -23,6 +23,7 @@ is private (copy-on-write) anyway: a write would not reach other readers.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import secrets
@@ -142,11 +143,34 @@ def _name(dtype: torch.dtype) -> str:
     raise ValueError(f"only float32, float64 and int64 tensors travel between processes, not {dtype}")
 
 
+def _reserve(fd: int, size: int, path: Path) -> None:
+    """Give the file behind ``fd`` all its ``size`` bytes of disk now, zero-filled.
+
+    A file merely truncated to its size has no blocks yet, and writing through a mapping
+    to a page the full disk cannot provide is SIGBUS: the process dies without a word
+    (seen with ``runtime.transfer: run_folder`` on a full disk). Reserved up front, a
+    full disk is an ``OSError(ENOSPC)`` naming the file, told like any other.
+    """
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise OSError(exc.errno, os.strerror(exc.errno), str(path)) from None
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+            raise
+        os.ftruncate(fd, size)  # a filesystem that cannot reserve: as before
+
+
 def _mapped(path: Path, numel: int, dtype: torch.dtype, *, create: bool, shared: bool = False) -> torch.Tensor:
     """Map ``path`` as a flat tensor: a new zero-filled file shared for writing, or an existing one (privately)."""
     if create:
         with open(path, "wb") as fh:
-            fh.truncate(numel * dtype.itemsize)
+            try:
+                if numel:
+                    _reserve(fh.fileno(), numel * dtype.itemsize, path)
+            except BaseException:
+                path.unlink(missing_ok=True)
+                raise
     elif not path.exists():
         raise FileNotFoundError(
             f"{path}: a tensor sent between the run's processes is missing (was the run restarted?)"

@@ -1,20 +1,24 @@
-"""One paragraph per failure a user can act on: what went wrong, what to do, how to go on.
+"""One paragraph per failure a user can act on: what went wrong, what to do, how to go on; and its exit code.
 
 Config and data mistakes, damaged checkpoints, out-of-memory and disk-full errors
 reach the user as a message naming the cause and the fix, not as a stack trace. An
-error not listed here is a bug: the CLI shows its traceback.
+error not listed here is a bug: the CLI shows its traceback. Exit codes: 2 for what
+is wrong before any work (config, a cluster that cannot serve the run), ``EXIT_DISK_FULL``
+for a full disk, 1 for the rest (docs/cli.md, "Exit codes").
 """
 
 from __future__ import annotations
 
-import errno
 import sys
 from pathlib import Path
 
 from bhfl_core.config.base import ConfigError
 from bhfl_core.store.state_header import CheckpointError
 from data_prep.partition import PartitionError
+from flows.cli.full_disk import full_filesystem
 from flows.records.run_state import RunStateError
+
+EXIT_DISK_FULL = 74  # EX_IOERR (sysexits.h): free space, then `bhfl resume` (docs/runtime.md, "Faults")
 
 
 def resume_hint(run_path: Path | None) -> str:
@@ -53,12 +57,39 @@ def explain(exc: BaseException, run_path: Path | None) -> str | None:
             f"A smaller `train.batch_size` or `model.max_length` changes the experiment: start a new run with it. "
             f"{resume_hint(run_path)}"
         )
-    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        where = f" while writing {exc.filename}" if exc.filename else ""
-        return (
-            f"The disk is full{where}. Checkpoints and the data cache are written under temporary names and "
-            f"renamed when complete, so the last complete checkpoint of every node is intact and no half-written "
-            f"data is ever reused. Free some space (`df -h`; the data cache "
-            f"under <run-dir>/cache and old runs can be deleted). {resume_hint(run_path)}"
-        )
-    return None
+    cluster = sys.modules.get("tasks.cluster_access")
+    if cluster is not None and isinstance(exc, cluster.SharedFolderError):  # workers that do not see the run
+        return f"{exc} {resume_hint(run_path)}"
+    return _disk_full(exc, run_path)
+
+
+def _disk_full(exc: BaseException, run_path: Path | None) -> str | None:
+    """The paragraph for a full disk anywhere the command writes (flows/cli/full_disk.py), else None."""
+    full = full_filesystem(exc, run_path)
+    if full is None:
+        return None
+    named = next((e.filename for e in (exc, exc.__cause__) if isinstance(e, OSError) and e.filename), None)
+    where = f" while writing {named}" if named else ""
+    holds = [h for h in full.holds if h != "the file it was writing"]
+    held = f"; it holds {_listed(holds)}" if holds else ""
+    return (
+        f"The disk is full{where}: {full.describe()}{held}. Files a resume reads (checkpoints, run records, the data "
+        f"cache) are written under temporary names and renamed when complete, and Prefect's and MLflow's databases "
+        f"undo a write that fails, so the last complete checkpoint of every node is intact and no half-written "
+        f"data is ever reused. Free some space there (`df -h {full.mount}`; the data cache under <run-dir>/cache "
+        f"and old runs can be deleted). {resume_hint(run_path)}"
+    )
+
+
+def _listed(items: list[str]) -> str:
+    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} and {items[-1]}"
+
+
+def exit_code(exc: BaseException, run_path: Path | None) -> int:
+    """The exit code of a command that ended with ``exc`` (explained: the module docstring)."""
+    cluster = sys.modules.get("tasks.cluster_access")
+    if isinstance(exc, ConfigError) or (cluster is not None and isinstance(exc, cluster.SharedFolderError)):
+        return 2
+    if full_filesystem(exc, run_path) is not None:
+        return EXIT_DISK_FULL
+    return 1

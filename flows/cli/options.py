@@ -55,7 +55,7 @@ VerboseOption = Annotated[bool, typer.Option("--verbose", "-v", metavar=FLAG, he
 ConfigArgument = Annotated[Path, typer.Argument(metavar="CONFIG", help="Experiment YAML.")]
 JsonOption = Annotated[
     bool,
-    typer.Option("--json", metavar=FLAG, help="Print the result as JSON on stdout (keys: README, 'The CLI')."),
+    typer.Option("--json", metavar=FLAG, help="Print the result as JSON on stdout (keys: docs/cli.md)."),
 ]
 SetOption = Annotated[
     list[str],

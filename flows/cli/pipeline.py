@@ -158,7 +158,7 @@ def _pipeline_folders(run_dir: Path) -> list[Path]:
 
 
 def pipeline_entry(folder: Path) -> dict[str, Any]:
-    """One pipeline of ``bhfl runs --json`` (README, "The CLI"): its record and its stages' status."""
+    """One pipeline of ``bhfl runs --json`` (keys: docs/cli.md): its record and its stages' status."""
     from flows.records.pipeline_record import PipelineRecord
     from flows.records.run_record import RunRecord
 

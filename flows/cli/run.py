@@ -61,14 +61,25 @@ def _on_disk(result: dict) -> str:
 
 
 def print_summary(result: dict, run_dir: Path) -> None:
-    """The end of a run, on stdout: the headline table, where everything went, how to open it."""
+    """The end of a run, on stdout: the headline table, where everything went, how to open it.
+
+    Beside each headline its trivial baseline, where the task has one (each client's
+    majority label, or a unigram model for masked LM: report.md's row, docs/evaluation.md),
+    so a number is read against what no training gets.
+    """
     from rich.table import Table
 
-    table = Table(title="Final evaluation", show_header=True)
-    table.add_column("metric")
+    baseline: dict[str, float] = result.get("baseline") or {}
+    kind = result.get("baseline_name") or "no training"
+    caption = f"trivial baseline: {kind}, without training (docs/evaluation.md)" if baseline else None
+    table = Table(title="Final evaluation", caption=caption, show_header=True)
+    table.add_column("metric", no_wrap=True)
     table.add_column("value", justify="right")
+    if baseline:  # (a short header: an 80-column terminal keeps the metric names whole)
+        table.add_column("trivial baseline", justify="right")
     for name, value in result["headline"].items():
-        table.add_row(name, f"{value:.4g}")
+        beside = [f"{baseline[name]:.4g}" if name in baseline else ""] if baseline else []
+        table.add_row(name, f"{value:.4g}", *beside)
     out.print(table, soft_wrap=False)
     uri = result["tracking_uri"]
     out.print(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import logging
 import os
 import signal
 import sys
@@ -106,6 +107,9 @@ def prepare_environment(run_dir: Path, verbose: bool) -> None:
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("GIT_PYTHON_REFRESH", "quiet")
+    if not verbose:  # a failure is told once, as one paragraph (flows/cli/errors.py), not by libraries on its way
+        logging.getLogger("mlflow.store.db.utils").setLevel(logging.CRITICAL)  # logs each error it then raises
+        logging.raiseExceptions = False  # a log handler's own failure (Prefect's API logs, its server down or full)
     limit_malloc_arenas()
 
 
@@ -159,12 +163,17 @@ def hub_check(cfg: ExperimentConfig, run_dir: Path) -> None:
 
 
 def preflight(cfg: ExperimentConfig, run_dir: Path) -> None:
-    """Model and (unless cached) data reachable? Checked before Prefect starts: one paragraph, exit 2."""
+    """Model and (unless cached) data reachable, a ``tls://`` cluster's certificates readable? Checked beside
+    Prefect's start: one paragraph, exit 2."""
     from bhfl_core.config.base import ConfigError
     from data_prep.prepare import preflight
 
     try:
         preflight(cfg, run_dir / "cache")
+        if cfg.runtime.executor == "cluster" and cfg.runtime.cluster:
+            from tasks.cluster_access import security_for
+
+            security_for(cfg.runtime.cluster, cfg.runtime)
     except ConfigError as exc:
         fail(str(exc))
 
@@ -323,7 +332,7 @@ def tracking_store_ready(
 
 def guarded(work: Callable[[], dict], run_path: Path | None, verbose: bool) -> dict:
     """Run ``work``; known failures become one paragraph (cause, fix, how to resume) and a non-zero exit."""
-    from flows.cli.errors import explain
+    from flows.cli.errors import exit_code, explain
 
     try:
         return work()
@@ -334,7 +343,5 @@ def guarded(work: Callable[[], dict], run_path: Path | None, verbose: bool) -> d
         message = explain(exc, run_path)
         if message is None or verbose:
             raise
-        from bhfl_core.config.base import ConfigError
-
         console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
-        raise typer.Exit(code=2 if isinstance(exc, ConfigError) else 1) from None
+        raise typer.Exit(code=exit_code(exc, run_path)) from None

@@ -70,8 +70,7 @@ def is_sweep_file(path: Path) -> bool:
 
 def _guarded(work: Callable[[], dict[str, Any]], folder: Path | None, verbose: bool) -> dict[str, Any]:
     """Run ``work``; a failed point, an interrupt or a known failure becomes one paragraph and an exit code."""
-    from bhfl_core.config.base import ConfigError
-    from flows.cli.errors import explain
+    from flows.cli.errors import exit_code, explain
     from flows.sweep import SweepError
 
     hint = (
@@ -92,7 +91,7 @@ def _guarded(work: Callable[[], dict[str, Any]], folder: Path | None, verbose: b
         if message is None or verbose:
             raise
         console.print(f"[bold red]error:[/] {message}{hint}", highlight=False, soft_wrap=True)
-        raise typer.Exit(code=2 if isinstance(exc, ConfigError) else 1) from None
+        raise typer.Exit(code=exit_code(exc, None)) from None
 
 
 def sweep(

@@ -41,7 +41,7 @@ def cpu_capability() -> str:
 
     Recorded because it changes results: kernels of different widths sum in different orders,
     so the same config and seed round differently, and a few rounds of training turn that into
-    accuracy differences as large as the spread over seeds (README, *Where the work runs*).
+    accuracy differences as large as the spread over seeds (docs/runtime.md, "Reproducibility").
     """
     import torch
 

@@ -160,7 +160,7 @@ def _iso(timestamp: float) -> str:
 def run_entry(
     summary: RunSummary | None, path: Path | None = None, error: str = "", with_plan: bool = False
 ) -> dict[str, Any]:
-    """One run of ``bhfl runs --json`` (README, "The CLI"); ``summary`` None: an unreadable run folder."""
+    """One run of ``bhfl runs --json`` (keys: docs/cli.md); ``summary`` None: an unreadable run folder."""
     if summary is None:
         assert path is not None
         return {

@@ -28,12 +28,16 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Self
 
 from flows.services.processes import die_with_parent
 from flows.services.store_templates import save_template, seed
+
+# set while this process's own server runs: its SQLite file (what a full disk under it is judged by:
+# flows/cli/full_disk.py); a server of the user's (PREFECT_API_URL) is not ours to judge
+OWN_DATABASE_ENV = "BHFL_OWN_PREFECT_DATABASE"
 
 
 def free_port(preferred: int | None = None) -> int:
@@ -97,6 +101,7 @@ class PrefectServer:
     def stop(self) -> None:
         """SIGTERM (uvicorn shuts down gracefully), SIGKILL after 15 s; a no-op once it has exited."""
         self._stopping = True
+        os.environ.pop(OWN_DATABASE_ENV, None)
         if self.proc.poll() is None:
             self.proc.terminate()
         try:
@@ -116,7 +121,7 @@ def prefect_version() -> str:
     return importlib.metadata.version("prefect")
 
 
-def _own_database(env: dict[str, str]) -> Path | None:
+def own_database(env: Mapping[str, str]) -> Path | None:
     """The SQLite file the server will use, unless the user configured a database of their own."""
     if "PREFECT_API_DATABASE_CONNECTION_URL" in env or "PREFECT_SERVER_DATABASE_CONNECTION_URL" in env:
         return None  # e.g. Postgres: not ours to seed, nor to copy from
@@ -136,7 +141,9 @@ def start_server(log_file: Path, full: bool, port: int | None = None) -> Prefect
     """
     port = free_port(port)
     env = os.environ.copy()
-    database = _own_database(env)
+    database = own_database(env)
+    if database is not None:
+        os.environ[OWN_DATABASE_ENV] = str(database)
     created = database is not None and not database.exists()
     seeded = created and seed(database, "prefect", prefect_version())  # type: ignore[arg-type]
     if full:

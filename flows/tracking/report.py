@@ -22,13 +22,15 @@ Communication and evaluation time are read back from MLflow metric histories (no
 in-process counters), so a resumed run reports the whole run. The trivial baseline of
 the run's task (bhfl_core/analysis/trivial_baselines.py: each client's majority training
 label, or a unigram model for masked LM) is computed from the data here, shown beside the
-headlines in report.md and logged to the parent run as ``baseline/<kind>/<headline key>``.
+headlines in report.md and logged to the parent run as ``baseline/<kind>/<headline key>``;
+``write_report`` returns its value of each headline too, for the end-of-run summary.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from matplotlib.figure import Figure
@@ -54,6 +56,20 @@ from tasks.context import RunContext
 
 REPORT_DIR = "report"
 RESULTS_MARK = "\n\n**Results**"
+
+
+@dataclass(frozen=True)
+class Headlines:
+    """What the end of a run shows: its headline numbers, and the trivial baseline's value of those it has one of.
+
+    ``baseline`` has ``own``'s keys (``root/union/accuracy``: the global prior's accuracy on
+    the union), so a reader sees beside each number what no training would get;
+    ``baseline_name`` is the baseline's kind (``majority``, ``unigram``; "" for a task without one).
+    """
+
+    own: dict[str, float]
+    baseline: dict[str, float] = field(default_factory=dict)
+    baseline_name: str = ""
 
 
 def _num(value: float | None) -> float:
@@ -131,12 +147,12 @@ def _write_tables(
 
 def write_report(
     tracker: Tracker, ctx: RunContext, ev: Evaluation, timings: Mapping[str, float], step: int | None = None
-) -> dict[str, float]:
+) -> Headlines:
     """Write the run's report files, log them and the summary metrics to the parent run; return headlines.
 
     ``step``: the evaluation's step (default: the last root round; a forced re-evaluation's is later).
-    The trivial baseline's headlines are logged (``baseline/<kind>/...``) but not returned: the
-    returned headlines are the run's own (its run-list columns, its summary).
+    The trivial baseline's headlines are logged (``baseline/<kind>/...``) and returned apart from
+    the run's own (its run-list columns), which the summary shows them beside.
     """
     folder = ctx.run_path / REPORT_DIR
     final_step = ctx.tree.root.settings.rounds if step is None else step
@@ -173,7 +189,10 @@ def write_report(
     tracker.set_tags({"bhfl.task": ev.task.task, "bhfl.model_params": str(num_params), "bhfl.report": "report.html"})
     tracker.share_headline_view([*headline, "time/total_s"])
     _describe_runs(tracker, ctx, ev, prox, totals, baseline)
-    return headline
+    if baseline is None:
+        return Headlines(headline)
+    beside = {key: baselines[baseline.kind.key(key)] for key in headline if baseline.kind.key(key) in baselines}
+    return Headlines(headline, beside, baseline.kind.name)
 
 
 def _describe_runs(

@@ -81,6 +81,16 @@ def test_the_readme_main_job_runs_the_config_the_readme_recommends():
             "runtime.cluster: 'ray://head:10001' is not a Dask scheduler address such as tcp://127.0.0.1:8786 "
             "(Ray clusters are not supported",
         ),
+        (
+            ["runtime.executor=cluster", "runtime.cluster=tcp://10.0.0.1:8786"],
+            "runtime.cluster: tcp://10.0.0.1:8786 is plain TCP to another machine (10.0.0.1): anyone who can reach "
+            "that port can run code on every worker. Use tls://10.0.0.1:8786 with runtime.tls",
+        ),
+        (["runtime.executor=cluster", "runtime.cluster=tcp://gpu-box:8786"], "plain TCP to another machine (gpu-box)"),
+        (
+            ["runtime.tls={ca_file: ca.pem, cert_file: c.pem, key_file: c.key}"],
+            "runtime.tls: certificates are set but runtime.cluster is not set",
+        ),
         (["runtime.executor=threads"], "runtime.executor"),
         (["runtime.placement=fastest"], "runtime.placement"),
         (["runtime.workers_per_device=0"], "runtime.workers_per_device"),
@@ -95,6 +105,19 @@ def test_errors_name_the_key(overrides, message):
     with pytest.raises(ConfigError) as err:
         load_config(REPO / "configs" / "embedded.yaml", overrides)
     assert message in str(err.value)
+
+
+def test_a_cluster_elsewhere_speaks_tls_unless_its_network_is_trusted():
+    """docs/runtime.md, "A cluster over TLS": plain TCP only on this machine, or where the user says it is safe."""
+    cluster = ["runtime.executor=cluster"]
+    for address in ("tcp://127.0.0.1:8786", "tcp://127.3.2.1:8786", "tcp://localhost:8786", "tcp://[::1]:8786"):
+        assert load_config(REPO / "configs" / "embedded.yaml", [*cluster, f"runtime.cluster={address}"])
+    trusted = [*cluster, "runtime.cluster=tcp://10.0.0.1:8786", "runtime.trusted_network=true"]
+    assert load_config(REPO / "configs" / "embedded.yaml", trusted).runtime.trusted_network
+    tls = [*cluster, "runtime.cluster=tls://10.0.0.1:8786", "runtime.tls={ca_file: ca.pem, cert_file: c, key_file: k}"]
+    runtime = load_config(REPO / "configs" / "embedded.yaml", tls).runtime
+    assert runtime.tls is not None and runtime.tls.ca_file == str(Path.cwd() / "ca.pem")  # resumable from elsewhere
+    assert load_config(REPO / "configs" / "embedded.yaml", [*cluster, "runtime.cluster=tls://10.0.0.1:8786"])
 
 
 def test_set_overrides_by_dotted_path_with_yaml_values():

@@ -11,37 +11,25 @@ disk so that preparation fails (1) half-way through the tokenizer's ``tokenizer.
 
 import errno
 import json
-import shutil
 import subprocess
 import sys
 
 import pytest
 
+from tests.mount_namespace import NO_NAMESPACE, namespace_prefix, tmpfs_mount
 from tests.small import REPO
 
 pytestmark = pytest.mark.integration
 
-MOUNT = 'mount -t tmpfs -o size=16m bhfl-full-disk "$1"'
-
-
-def _namespace(probe) -> list[str] | None:
-    """A command prefix that runs its command where it may mount a tmpfs of its own, or None."""
-    unshare = shutil.which("unshare")
-    if unshare is None:
-        return None
-    for prefix in ([unshare, "--user", "--map-root-user", "--mount"], [unshare, "--mount"]):
-        done = subprocess.run([*prefix, "sh", "-c", MOUNT, "sh", str(probe)], capture_output=True, check=False)
-        if done.returncode == 0:
-            return prefix
-    return None
+MOUNT = tmpfs_mount("16m")
 
 
 def test_a_full_disk_leaves_no_cache_entry_and_a_later_run_prepares_afresh(tmp_path):
     disk = tmp_path / "disk"
     disk.mkdir()
-    prefix = _namespace(disk)
+    prefix = namespace_prefix(disk)
     if prefix is None:
-        pytest.skip("cannot mount a tmpfs in a private mount namespace here (unshare): no real full disk to test on")
+        pytest.skip(NO_NAMESPACE + "no real full disk to test on")
     done = subprocess.run(
         [*prefix, "sh", "-c", f'{MOUNT} && exec "$2" -m tests.data.full_disk "$1"', "sh", str(disk), sys.executable],
         cwd=REPO,
@@ -58,7 +46,7 @@ def test_a_full_disk_leaves_no_cache_entry_and_a_later_run_prepares_afresh(tmp_p
         assert (failure["type"], failure["errno"], failure["filename"]) == ("OSError", errno.ENOSPC, entry), failure
         assert failure["left"] == [], f"{what}: left in the cache folder: {failure['left']}"  # no entry, partial, lock
         message = failure["message"]
-        assert message.startswith(f"The disk is full while writing {entry}. "), message
+        assert message.startswith(f"The disk is full while writing {entry}: the filesystem mounted at {disk} "), message
         assert "no half-written data is ever reused" in message and "\n" not in message
     # the tokenizers library's own error (Rust, no errno) is recognised as a full disk too
     assert "os error 28" in out["failures"]["tokenizer.json half written"]["cause"]

@@ -260,3 +260,28 @@ def test_end_of_run_summary_on_stdout_unwrapped(capsys, tmp_path):
     assert "Final evaluation" in captured.out and "root/union/accuracy" in captured.out
     assert f"  run files (node models, optimiser states): {run_path}\n" in captured.out  # one line, whole
     assert "MLflow run id: 0123456789abcdef0123456789abcdef" in captured.out
+
+
+def test_end_of_run_summary_shows_the_trivial_baseline_beside_each_headline(capsys, tmp_path):
+    """The terminal's table has report.md's trivial baseline: a column beside the headlines it has a value of."""
+    result = {
+        "headline": {"root/union/accuracy": 0.5, "client_on_own_clients/accuracy_mean": 0.8, "comm/total_bytes": 9.0},
+        "baseline": {"root/union/accuracy": 0.152, "client_on_own_clients/accuracy_mean": 0.413},
+        "baseline_name": "majority",
+        "tracking_uri": f"sqlite:///{tmp_path}/mlflow.db",
+        "wall_time_s": 3.0,
+        "run_path": str(tmp_path / "runs" / "itest" / "20260101-000000-001"),
+        "run_id": "0123456789abcdef0123456789abcdef",
+        "experiment_id": "1",
+    }
+    _print_summary(result, Path("runs"))
+    lines = capsys.readouterr().out.splitlines()
+    header = next(line for line in lines if "┃" in line)
+    assert [c.strip() for c in header.split("┃")[1:-1]] == ["metric", "value", "trivial baseline"]
+    assert "trivial baseline: majority, without training" in "\n".join(lines)  # the caption names its kind
+    rows = {
+        cells[0]: cells[1:] for line in lines if "│" in line for cells in [[c.strip() for c in line.split("│")[1:-1]]]
+    }
+    assert rows["root/union/accuracy"] == ["0.5", "0.152"]
+    assert rows["client_on_own_clients/accuracy_mean"] == ["0.8", "0.413"]
+    assert rows["comm/total_bytes"] == ["9", ""]  # no baseline of that number

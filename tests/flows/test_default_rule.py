@@ -9,7 +9,7 @@ file after the small embedded default and after the example with every stateful 
 (FedAdam both ways, residuals both ways, proxy TRAIN), measured with that code (and
 today's data preparation) on the same machine.
 
-CPU kernels of different widths sum in different orders (README, *Where the work runs*),
+CPU kernels of different widths sum in different orders (docs/runtime.md, "Reproducibility"),
 so the run uses torch's AVX2 kernels (``ATEN_CPU_CAPABILITY=avx2``), which every x86-64
 machine of the last decade has; the AVX-512 hashes are there for a machine that runs
 the check with its own kernels.

@@ -45,3 +45,10 @@ def test_a_small_runs_report_and_parent_run_show_the_majority_baseline(tmp_path)
     assert row in report
     assert f"{union:.4f} on the union; " in report and f"{proxy:.4f} on the proxy test split." in report
     assert "trivial baseline" in (Path(result["run_path"]) / "report" / "report.html").read_text()
+    # the end-of-run summary's column (flows/cli/run.py print_summary): the same values, keyed by headline
+    assert result["baseline_name"] == "majority"
+    assert result["baseline"]["root/union/accuracy"] == pytest.approx(union)
+    assert result["baseline"]["edge_on_own_clients/accuracy_mean"] == pytest.approx(mean(own.values()))
+    assert (
+        set(result["baseline"]) < set(result["headline"]) and "comm/total_model_equivalents" not in result["baseline"]
+    )

@@ -35,7 +35,7 @@ CHAIN = [
     # a worker task is retried once (runtime.retries): the error must hit twice to fail the run
     ("client@2:oom,client@3:oom", 1, "Out of GPU memory", "a CUDA out-of-memory error while a client trains"),
     ("checkpoint@7", KILLED, "", "a checkpoint write: the temporary file is written, not yet renamed"),
-    ("checkpoint@3:enospc,checkpoint@4:enospc", 1, "The disk is full", "disk full while writing a checkpoint"),
+    ("checkpoint@3:enospc,checkpoint@4:enospc", 74, "The disk is full", "disk full while writing a checkpoint"),
     ("eval@1", KILLED, "", "during evaluation: the evaluation after a root round"),
     ("report@1", KILLED, "", "the report: the final evaluation and timings logged, the summary metrics not"),
 ]
