@@ -23,7 +23,7 @@ from flows.data import _task_step, prepare_data_flow, run_prepare
 from flows.experiment import run_experiment
 from tasks.context import open_run
 from tests.data.xglue_fixtures import write_xglue_nc
-from tests.flows.commands import scored_on_a_ring_sample
+from tests.flows.commands import scored_with
 from tests.small import small_config
 
 pytestmark = pytest.mark.integration
@@ -85,7 +85,7 @@ def test_masked_lm_masks_stay_with_their_rows_when_a_model_is_scored_on_a_sample
     _cfg, _root, result = mlm_run
     matrix = (Path(result["run_path"]) / "report" / "eval" / "matrix.csv").read_text().splitlines()
     value = {(n, t, m): float(v) for n, _, t, m, v in (line.split(",") for line in matrix[1:])}
-    sampled = scored_on_a_ring_sample(result["run_path"], "en-01", per_ring=1)
+    sampled, _ = scored_with(result["run_path"], "en-01", client_model_sample=1)
     clients = client_order(open_run(result["run_path"]).tree)
     assert len(sampled.clients) == 1 + 3
     for position, (loss, _) in zip(sampled.clients, sampled.on_clients):
