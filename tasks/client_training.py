@@ -191,7 +191,7 @@ def train_clients(
         raise ValueError(f"an unfolded batch carries one client's model, not {len(client_ids)}")
     parent = plan.caller.node_id
     rule = rule_for(ctx.tree[parent].settings.aggregate)
-    partial = rule.start(plan.caller, allocate, reference=phi, clip=plan.clip, peers=plan.peers) if fold else None
+    partial = rule.start(plan.caller, plan.fold, phi, allocate) if fold else None
     clock, seed = ClockParams(**ctx.config.tree.clock.model_dump()), ctx.config.seed
     members: list[str] = []
     dropped: list[str] = []

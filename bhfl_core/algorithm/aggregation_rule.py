@@ -1,14 +1,10 @@
-"""The rules every node can use: the exact weighted mean (the default), DP-FedAvg's and secure aggregation's.
+"""The default rule, the exact weighted mean, and where a round's child results meet their parent.
 
 The default, ``mean``, is the exact weighted mean of ``aggregation.WeightedSum``: its
 partials are exact sums, so the mean does not depend on how the children were spread
-over workers or in which order they arrived.
-
-A server with ``privacy:`` folds with ``DpMeanRule`` (the config allows no other
-``aggregate.kind`` beside it): DP-FedAvg's clipped, noised mean (``privacy.py``). Its
-partial clips against the model the children were sent, so ``start`` takes that
-``reference`` and the round's ``clip``. With ``secure_aggregation:`` it folds with
-``SecAggRule`` (masked sums, ``secure_aggregation.py``).
+over workers or in which order they arrived. The wrappers around a rule (DP,
+``dp_rule.py``; secure aggregation, ``secagg_rule.py``; ``zeroing.py``) and the other
+rules (``robust_rules.py``, ``fednova.py``) live in their own modules.
 
 ``fold_results`` is the one place a round's child results meet their parent. What a
 rule is and how one is registered: ``rule_registry.py``; looking one up: ``rules.py``.
@@ -21,18 +17,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from bhfl_core.algorithm.contract import ChildResult, Partial
+from bhfl_core.algorithm.contract import NO_PLAN, ChildResult, FoldPlan, Partial
 from bhfl_core.algorithm.node_state import Caller, RoundKey
-from bhfl_core.algorithm.privacy_params import PrivacyParams, SecAggParams
-from bhfl_core.algorithm.rule_registry import AggregateParams, AggregationRule, register_rule
+from bhfl_core.algorithm.rule_registry import AggregateParams, AggregationRule, Stateless, register_rule
 
 if TYPE_CHECKING:  # imported where used: configs validate rule names without loading torch
     import torch
 
     from bhfl_core.algorithm.aggregation import Allocator, WeightedSum
-    from bhfl_core.algorithm.privacy import ClippedSum
     from bhfl_core.algorithm.residuals import Candidate
-    from bhfl_core.algorithm.secure_aggregation import MaskedSum
 
 
 def _sum(partial: Partial) -> WeightedSum:
@@ -44,7 +37,7 @@ def _sum(partial: Partial) -> WeightedSum:
 
 
 @register_rule("mean")
-class MeanRule:
+class MeanRule(Stateless):
     """The exact example-weighted mean (FedAvg's): ``sum_i p_i x_i / sum_i p_i``, rounded once."""
 
     def __init__(self, params: AggregateParams) -> None:
@@ -53,10 +46,9 @@ class MeanRule:
     def start(
         self,
         round_of: Caller,
-        allocate: Allocator | None = None,
+        plan: FoldPlan = NO_PLAN,
         reference: torch.Tensor | None = None,
-        clip: float | None = None,
-        peers: Sequence[str] = (),
+        allocate: Allocator | None = None,
     ) -> WeightedSum:
         from bhfl_core.algorithm.aggregation import WeightedSum
 
@@ -74,7 +66,7 @@ class MeanRule:
         _sum(partial).close()  # the correctly rounded mean: the same bits on any device
         return True
 
-    def finalize(self, partial: Partial, key: RoundKey) -> torch.Tensor:
+    def mean_input(self, partial: Partial, key: RoundKey) -> torch.Tensor:
         return _sum(partial).mean()
 
     def wire(self, partial: Partial) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
@@ -89,118 +81,6 @@ class MeanRule:
         if CLOSED in tensors:
             return WeightedSum.closed_of(tensors[CLOSED], float(numbers["weight"]))
         return WeightedSum.of(tensors["hi"], tensors["lo"], float(numbers["weight"]))
-
-
-def _clipped(partial: Partial) -> ClippedSum:
-    from bhfl_core.algorithm.privacy import as_clipped
-
-    return as_clipped(partial)
-
-
-class DpMeanRule:
-    """DP-FedAvg (``privacy.py``): updates clipped where they are folded, noise and the fixed denominator at the end.
-
-    Not in the registry: a server's ``privacy:`` settings choose it (they hold its parameters).
-    """
-
-    def __init__(self, params: PrivacyParams) -> None:
-        self.params = params
-
-    def start(
-        self,
-        round_of: Caller,
-        allocate: Allocator | None = None,
-        reference: torch.Tensor | None = None,
-        clip: float | None = None,
-        peers: Sequence[str] = (),
-    ) -> ClippedSum:
-        from bhfl_core.algorithm.privacy import ClippedSum
-
-        return ClippedSum(reference, self.params.clip if clip is None else clip, allocate)
-
-    def contribute(
-        self, partial: Partial, member: str, model: torch.Tensor, weight: float, steps: int | None = None
-    ) -> None:
-        _clipped(partial).add(model)
-
-    def merge(self, into: Partial, other: Partial) -> None:
-        mine, theirs = _clipped(into), _clipped(other)
-        if theirs.clip != mine.clip:
-            raise ValueError(f"a fold clipped at {theirs.clip} cannot join one clipped at {mine.clip}")
-        mine.total.merge(theirs.total, consume=True)
-        mine.clipped += theirs.clipped
-
-    def close(self, partial: Partial) -> bool:
-        return False  # the noise is the server's to add
-
-    def finalize(self, partial: Partial, key: RoundKey) -> torch.Tensor:
-        from bhfl_core.algorithm.privacy import noised_mean
-
-        return noised_mean(self.params, _clipped(partial), key)
-
-    def wire(self, partial: Partial) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
-        from bhfl_core.algorithm.privacy import wire_counts
-
-        clipped = _clipped(partial)
-        return clipped.total.parts(), wire_counts(clipped)
-
-    def unwire(self, tensors: Mapping[str, torch.Tensor], numbers: Mapping[str, float]) -> ClippedSum:
-        from bhfl_core.algorithm.privacy import unwire
-
-        return unwire(tensors, numbers)
-
-
-def _masked(partial: Partial) -> MaskedSum:
-    from bhfl_core.algorithm.secure_aggregation import MaskedSum
-
-    if not isinstance(partial, MaskedSum):
-        raise TypeError(f"the secure aggregation rule folds MaskedSum partials, got {type(partial).__name__}")
-    return partial
-
-
-class SecAggRule:
-    """Secure aggregation (``secure_aggregation.py``): masked where folded, unmasked only as a sum by the server.
-
-    With ``privacy`` at the same server, updates are clipped before masking and the server
-    adds the noise after unmasking. Chosen by a server's ``secure_aggregation:`` settings.
-    """
-
-    def __init__(self, params: SecAggParams, privacy: PrivacyParams | None = None) -> None:
-        self.params, self.privacy = params, privacy
-
-    def start(
-        self,
-        round_of: Caller,
-        allocate: Allocator | None = None,
-        reference: torch.Tensor | None = None,
-        clip: float | None = None,
-        peers: Sequence[str] = (),
-    ) -> MaskedSum:
-        from bhfl_core.algorithm.secure_aggregation import MaskedSum
-
-        return MaskedSum(self.params, round_of, peers, reference, self.privacy, clip)
-
-    def contribute(
-        self, partial: Partial, member: str, model: torch.Tensor, weight: float, steps: int | None = None
-    ) -> None:
-        _masked(partial).add(member, model, weight)
-
-    def merge(self, into: Partial, other: Partial) -> None:
-        _masked(into).merge(_masked(other))
-
-    def close(self, partial: Partial) -> bool:
-        return False  # only the server unmasks
-
-    def finalize(self, partial: Partial, key: RoundKey) -> torch.Tensor:
-        return _masked(partial).finalize(key)
-
-    def wire(self, partial: Partial) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
-        return _masked(partial).wire()
-
-    def unwire(self, tensors: Mapping[str, torch.Tensor], numbers: Mapping[str, float]) -> MaskedSum:
-        from bhfl_core.algorithm.secure_aggregation import unwire
-
-        return unwire(self.params, Caller(), (), tensors, numbers, self.privacy)
 
 
 @dataclass
@@ -236,14 +116,12 @@ def fold_results(
     results: Sequence[ChildResult],
     order: Sequence[str],
     reference: torch.Tensor | None = None,
-    clip: float | None = None,
-    peers: Sequence[str] = (),
+    plan: FoldPlan = NO_PLAN,
 ) -> FoldedRound:
     """Fold a round's child results into one partial, in child order (``order``: the node's children, itself last).
 
-    ``reference`` / ``clip`` / ``peers``: the model the node sent its children, its clipping
-    norm this round and the children it called, for DP and secure aggregation
-    (``AggregationRule.start``).
+    ``reference`` / ``plan``: the model the node sent its children and the rule's part of
+    their plans this round (``AggregationRule.start``).
 
     The order makes everything that is not an exact sum (candidate lists, the loss mean,
     the dropped list) the same however the children were placed or arrived. The node's
@@ -256,7 +134,7 @@ def fold_results(
     def first(result: ChildResult) -> int:
         return min((rank.get(m, len(rank)) for m in (*result.members, *result.dropped)), default=len(rank))
 
-    folded = FoldedRound(rule.start(key.as_caller(), reference=reference, clip=clip, peers=peers), [], {}, [])
+    folded = FoldedRound(rule.start(key.as_caller(), plan, reference), [], {}, [])
     losses: dict[str, tuple[float, int]] = {}
     for result in sorted(results, key=first):
         if result.model is not None:

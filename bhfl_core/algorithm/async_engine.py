@@ -212,7 +212,7 @@ def _fill_buffer(run: _Execution, key: RoundKey, state: NodeState, scope: _Scope
                 raise RuntimeError(f"{node.id}: {run.drops_in_a_row} child results in a row were dropped (failed)")
             continue
         run.drops_in_a_row = 0
-        _buffer(run, key, scope.members[arrival.child], arrival, result, state.rounds_done, scope)
+        _buffer(run, key, scope.members[arrival.child], arrival, result, state, scope)
         _forget_unused_versions(run, state.rounds_done)
 
 
@@ -226,10 +226,11 @@ def _flush(run: _Execution, state: NodeState, key: RoundKey, scope: _Scope) -> N
     settings = node.settings
     assert run.partial is not None
     folded = FoldedRound(run.partial, run.candidates, {}, [])
-    state, posts = node_up(state, folded, store.inbox(node.id, "up", state.res_seen), settings, key, scope.scorer)
+    inbox = store.inbox(node.id, "up", state.res_seen)
+    state, posts, rule_metrics = node_up(state, folded, inbox, settings, key, scope.scorer)
     del folded  # its partial is model-sized: not kept while the next flush fills
     store.post(node.id, key.round, posts)
-    metrics = _flush_metrics(run, node, posts)
+    metrics = {**_flush_metrics(run, node, posts), **rule_metrics}
     metrics.update(tuned_metrics(state))
     if settings.train is not None and not settings.proxy_async:
         trained = hooks.train(node, state.theta, key, scope.plan)
@@ -260,16 +261,26 @@ def _flush(run: _Execution, state: NodeState, key: RoundKey, scope: _Scope) -> N
 
 
 def _buffer(
-    run: _Execution, key: RoundKey, member: Node, arrival: InFlight, result: ChildResult, version: int, scope: _Scope
+    run: _Execution,
+    key: RoundKey,
+    member: Node,
+    arrival: InFlight,
+    result: ChildResult,
+    state: NodeState,
+    scope: _Scope,
 ) -> None:
-    """Fold an arrived result into the buffer: ``theta_v + w(s) (y - theta_{v_i})`` with the child's weight."""
+    """Fold an arrived result into the buffer: ``theta_v + w(s) (y - theta_{v_i})`` with the child's weight.
+
+    The buffer is the node's rule's partial, opened from its state's plan against ``theta_v``
+    (the model the stale-weighted contribution is relative to).
+    """
     assert result.model is not None
-    node, rule = scope.node, scope.rule
+    node, rule, version = scope.node, scope.rule, state.rounds_done
     staleness = version - arrival.version
     weight = staleness_weight(staleness, scope.params.staleness)
     stale = stale_model(run.models[version], result.model, run.models[arrival.version], weight)
     if run.partial is None:
-        run.partial = rule.start(key.as_caller())
+        run.partial = rule.start(key.as_caller(), rule.plan(state.rule_state, ()), run.models[version])
     rule.contribute(run.partial, member.id, stale, result.weight)
     run.buffered.append(member.id)
     run.sent_bytes += result.sent_bytes

@@ -8,8 +8,8 @@ way (``aggregation_rule.fold_results``) and a rule that changes what a contribut
 
 - ``RoundPlan`` goes down with the parent's model: who calls (the caller identity every
   seed of the child's execution derives from) and the round's settings for the child's
-  subtree (Tempo's local epochs). It is frozen and small: it crosses process boundaries
-  as a task argument.
+  subtree (Tempo's local epochs), and the parent rule's part (``FoldPlan``). It is frozen
+  and small: it crosses process boundaries as a task argument.
 - ``ChildResult`` comes up: one child's model (a child server, an asynchronous client
   call, a proxy TRAIN), or the rule's fold of several children's models (a worker's
   batch of clients), with what the parent needs of them — aggregation weight, training
@@ -22,6 +22,7 @@ carries them as shared-memory references, not in the pickled result.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -34,22 +35,48 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
+class FoldPlan:
+    """A parent rule's part of its children's ``RoundPlan``: what folding a child's model needs, where it is folded.
+
+    Made by the parent's rule (``AggregationRule.plan``) from its state, read by the same
+    rule's ``start`` in the worker or orchestrator that folds the child; the engine passes
+    it on unread. ``numbers``: named values, each wrapper's under its own prefix (the
+    ``dp`` wrapper's clipping norm this round, ``dp/clip``: adaptive, so it is the rule's
+    state); ``peers``: the children the round called (secure aggregation masks with a
+    pairwise mask per peer).
+    """
+
+    numbers: tuple[tuple[str, float], ...] = ()
+    peers: tuple[str, ...] = ()
+
+    def number(self, name: str) -> float | None:
+        """The value named ``name``, or None if the plan has none."""
+        return next((value for key, value in self.numbers if key == name), None)
+
+    def with_number(self, name: str, value: float) -> FoldPlan:
+        rest = tuple((k, v) for k, v in self.numbers if k != name)
+        return FoldPlan((*rest, (name, value)), self.peers)
+
+    def with_peers(self, peers: Sequence[str]) -> FoldPlan:
+        return FoldPlan(self.numbers, tuple(peers))
+
+
+NO_PLAN = FoldPlan()
+
+
+@dataclass(frozen=True)
 class RoundPlan:
     """What a parent round tells one child besides its model.
 
     ``epochs``: the local epochs of the clients under the child this round, instead of
     their configured ``train.epochs`` (Tempo, seeds/001; None: their own). A server
-    passes its plan's ``epochs`` on to its own children. ``clip``: the clipping norm of
-    the parent's DP rule this round (``privacy.py``; adaptive, so it is the parent's
-    state), used where the child's model is folded; it is not passed further down.
-    ``peers``: the children the parent called this round, under secure aggregation (each
-    masks its update with a pairwise mask per peer).
+    passes its plan's ``epochs`` on to its own children. ``fold``: the parent rule's part
+    (``FoldPlan``), used where the child's model is folded; it is not passed further down.
     """
 
     caller: Caller
     epochs: int | None = None
-    clip: float | None = None
-    peers: tuple[str, ...] = ()
+    fold: FoldPlan = NO_PLAN
 
     def for_child(self, caller: Caller) -> RoundPlan:
         """The plan this node's round gives its children: its own round's epochs, under a new caller."""

@@ -55,7 +55,7 @@ import torch
 
 from bhfl_core.algorithm.aggregation_rule import FoldedRound, fold_results
 from bhfl_core.algorithm.compression import compress_update, payload_bytes, received_model
-from bhfl_core.algorithm.contract import ROOT_PLAN, ChildResult, MemberLoss, RoundPlan
+from bhfl_core.algorithm.contract import ROOT_PLAN, ChildResult, FoldPlan, MemberLoss, RoundPlan
 from bhfl_core.algorithm.engine_hooks import EngineHooks
 from bhfl_core.algorithm.node_opt import Scorer
 from bhfl_core.algorithm.node_state import Caller, NodeResult, NodeState, RoundKey
@@ -68,10 +68,8 @@ from bhfl_core.algorithm.node_step import (
     node_up,
     reads_own_model,
 )
-from bhfl_core.algorithm.privacy import privacy_metrics
 from bhfl_core.algorithm.round_commits import RoundCommits, commits_behind
 from bhfl_core.algorithm.rules import rule_for
-from bhfl_core.algorithm.secure_aggregation import MaskedSum
 from bhfl_core.algorithm.store_protocol import ExecutionStore
 from bhfl_core.algorithm.tempo import omega, tempo_epochs
 from bhfl_core.algorithm.tree import Node, NodeSettings, Tree
@@ -145,27 +143,24 @@ def _round(
     store.post(node.id, key.round, down_posts(state.theta, settings))
     cohort = sample_cohort(children, settings.cohort, seed, node.id, key.round)
     present = [c for c in cohort if not drops_out(c.settings.dropout, seed, c.id, key.round)]
-    peers = tuple(c.id for c in present) if settings.aggregate.secagg is not None else ()
-    plans = {c.id: replace(child_plan(plan, key, state, c, settings), peers=peers) for c in cohort}
+    rule = rule_for(settings.aggregate)
+    fold = rule.plan(state.rule_state, [c.id for c in present])  # the rule's part of every child's plan
+    plans = {c.id: child_plan(plan, key, state, c, fold) for c in cohort}
     proxy = hooks.start_train(node, state.theta, key) if settings.proxy_async else None
     results = hooks.run_children(node, present, state.theta, plans) if present else []
     commits.settle()  # the previous round's commit, if it was written while these children trained
     absent = [c for c in cohort if c not in present]  # dropped out: never trained, known when the call would end
     mine = [proxy_child(node, proxy.result())] if proxy is not None else []
     order = [c.id for c in children] + [node.id]
-    rule, clip = rule_for(settings.aggregate), round_clip(state, settings)
-    folded = fold_results(rule, key, [*results, *mine], order, state.theta, clip, peers)
+    folded = fold_results(rule, key, [*results, *mine], order, state.theta, fold)
     del results  # folded: the partials they carried are the fold's now
     folded.dropped.extend(c.id for c in absent)
     waited = [hooks.call_duration(node, c, plans[c.id]) or 0.0 for c in absent]
     folded.virtual_s = max([folded.virtual_s, *waited])
-    state, posts = node_up(state, folded if children else None, inbox_up(store, node, state), settings, key, scorer)
+    inbox = inbox_up(store, node, state)
+    state, posts, rule_metrics = node_up(state, folded if children else None, inbox, settings, key, scorer)
     store.post(node.id, key.round, posts)
-    metrics = round_metrics(node, cohort, present, folded, posts)
-    if settings.aggregate.privacy is not None and not folded.empty:
-        metrics.update(privacy_metrics(settings.aggregate.privacy, folded.partial, key.round + 1))  # type: ignore[arg-type]
-    if isinstance(folded.partial, MaskedSum):
-        metrics.update(folded.partial.secagg_metrics())
+    metrics = {**round_metrics(node, cohort, present, folded, posts), **rule_metrics}
     for own in mine:
         metrics.update(proxy_metrics(own))
     metrics.update(tuned_metrics(state))
@@ -219,23 +214,15 @@ def inbox_up(store: ExecutionStore, node: Node, state: NodeState) -> Inbox:
     return store.inbox(node.id, "up", state.res_seen) if not node.is_leaf else {}
 
 
-def child_plan(plan: RoundPlan, key: RoundKey, state: NodeState, child: Node, settings: NodeSettings) -> RoundPlan:
-    """The plan one child gets this round: this round as its caller, the round's epochs for its clients, the clip.
+def child_plan(plan: RoundPlan, key: RoundKey, state: NodeState, child: Node, fold: FoldPlan) -> RoundPlan:
+    """The plan one child gets this round: this round as its caller, the round's epochs for its clients, and
+    the node's rule's part (``fold``: ``AggregationRule.plan``).
 
     Under Tempo the root's schedule (``state.child_epochs``, from the previous round)
     sets each edge's clients' epochs; elsewhere a node passes on the epochs it was given.
-    A DP node's children clip their updates at its current norm (``round_clip``).
     """
     epochs = state.child_epochs.get(child.id, plan.epochs)
-    return RoundPlan(key.as_caller(), epochs, round_clip(state, settings))
-
-
-def round_clip(state: NodeState, settings: NodeSettings) -> float | None:
-    """A DP node's clipping norm this round: its state's (adaptive), else the configured one; None without DP."""
-    privacy = settings.aggregate.privacy
-    if privacy is None:
-        return None
-    return state.clip if state.clip is not None else privacy.clip
+    return RoundPlan(key.as_caller(), epochs, fold)
 
 
 def tempo_step(

@@ -48,12 +48,12 @@ Residuals combine (they are stepped separately from the regular input).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from bhfl_core.algorithm.contract import Partial
+from bhfl_core.algorithm.contract import NO_PLAN, FoldPlan, Partial
 from bhfl_core.algorithm.node_state import Caller, RoundKey
-from bhfl_core.algorithm.rule_registry import AggregateParams, RuleTraits, register_rule
+from bhfl_core.algorithm.rule_registry import AggregateParams, RuleTraits, Stateless, register_rule
 
 if TYPE_CHECKING:
     import torch
@@ -147,7 +147,7 @@ def _nova(partial: Partial) -> NovaSum:
 
 
 @register_rule("fednova", RuleTraits(whole_round=True, steps=True))
-class FedNovaRule:
+class FedNovaRule(Stateless):
     """FedNova's normalised average (module docstring); each contribution must carry its client's ``steps``."""
 
     def __init__(self, params: AggregateParams) -> None:
@@ -156,10 +156,9 @@ class FedNovaRule:
     def start(
         self,
         round_of: Caller,
-        allocate: Allocator | None = None,
+        plan: FoldPlan = NO_PLAN,
         reference: torch.Tensor | None = None,
-        clip: float | None = None,
-        peers: Sequence[str] = (),
+        allocate: Allocator | None = None,
     ) -> NovaSum:
         return NovaSum(reference, allocate)
 
@@ -174,7 +173,7 @@ class FedNovaRule:
     def close(self, partial: Partial) -> bool:
         return False  # one pass at the parent, which holds x_ref
 
-    def finalize(self, partial: Partial, key: RoundKey) -> torch.Tensor:
+    def mean_input(self, partial: Partial, key: RoundKey) -> torch.Tensor:
         return _nova(partial).result()
 
     def wire(self, partial: Partial) -> tuple[dict[str, torch.Tensor], dict[str, float]]:

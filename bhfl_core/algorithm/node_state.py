@@ -134,8 +134,9 @@ class NodeState:
     seconds since its execution began (the root's: since the run began); ``loss`` is None
     where there is none to report. ``child_epochs``:
     the local epochs each child's clients train next round (Tempo's schedule, at the
-    root). ``clip``: a DP server's clipping norm for its next round (adaptive clipping
-    moves it; None: the configured one). ``dp_steps``: a DP-SGD client's steps over all its
+    root). ``rule_state``: the state of the node's aggregation rule (``rule_registry.py``;
+    e.g. a DP server's clipping norm for its next round, which adaptive clipping moves).
+    ``dp_steps``: a DP-SGD client's steps over all its
     TRAIN calls (its privacy accounting: ``learning/dp_sgd.py``). ``feedback``/``sent``: a child of a
     parent that compresses its updates (``compression.py``): its error-feedback residual, and the
     payload its finished execution sent (handed back again after a crash). ``metrics`` is only
@@ -157,7 +158,7 @@ class NodeState:
     examples: int = 0
     virtual_s: float = 0.0
     child_epochs: dict[str, int] = field(default_factory=dict)
-    clip: float | None = None
+    rule_state: dict[str, float] = field(default_factory=dict)  # the aggregation rule's (``rule_registry.py``)
     dp_steps: int = 0
     feedback: torch.Tensor | None = None  # error feedback: what compressing its updates has left out so far
     sent: dict[str, torch.Tensor] = field(default_factory=dict)  # the compressed update its execution sent up

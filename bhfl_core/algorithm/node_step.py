@@ -33,7 +33,6 @@ from bhfl_core.algorithm.aggregation import WeightedSum
 from bhfl_core.algorithm.aggregation_rule import FoldedRound
 from bhfl_core.algorithm.node_opt import NodeOptParams, OptState, Scorer, node_opt_step
 from bhfl_core.algorithm.node_state import Caller, NodeState, RoundKey
-from bhfl_core.algorithm.privacy import as_clipped, next_clip
 from bhfl_core.algorithm.residuals import contribution, select_residuals
 from bhfl_core.algorithm.rules import rule_for
 from bhfl_core.algorithm.tree import NodeSettings
@@ -88,7 +87,7 @@ def node_down(
             rounds_done=stored.rounds_done,
             res_seen=stored.res_seen,
             personal=stored.personal,
-            clip=stored.clip,
+            rule_state=stored.rule_state,
             dp_steps=stored.dp_steps,
             feedback=stored.feedback,
         )
@@ -124,24 +123,21 @@ def node_up(
     settings: NodeSettings,
     key: RoundKey,
     scorer: Scorer | None = None,
-) -> tuple[NodeState, list[ResidualPost]]:
+) -> tuple[NodeState, list[ResidualPost], dict[str, float]]:
     """Aggregate a round's children: residuals for the ancestors, then NODEOPT_up with R_up[q].
 
     ``folded``: the round's child results folded by the node's aggregation rule, which
-    ``finalize``s them into the mean input here, seeded by ``key``. Returns the state with
-    theta' (the model before the node's own TRAIN) and the up-residual posts. ``inbox``
-    holds the node's waiting up-residuals; ``scorer`` scores candidates for tuned
-    NODEOPTs (``interp``).
+    ``finalize``s them into the mean input here, seeded by ``key``, from its state
+    (``NodeState.rule_state``). Returns the state with theta' (the model before the node's
+    own TRAIN) and the rule's next state, the up-residual posts, and the rule's metric
+    lines. ``inbox`` holds the node's waiting up-residuals; ``scorer`` scores candidates for
+    tuned NODEOPTs (``interp``).
     """
     if folded is None or folded.empty:  # a leaf, or every child failed and was dropped
-        return state, []
+        return state, [], {}
     theta = state.model
     assert theta is not None, "a node aggregates only after node_down gave it a model"
-    mean_input = rule_for(settings.aggregate).finalize(folded.partial, key)
-    clip = state.clip
-    privacy = settings.aggregate.privacy
-    if privacy is not None and privacy.adaptive is not None:  # the next round's norm, from the noised count
-        clip = next_clip(privacy, as_clipped(folded.partial), key)
+    mean_input, rule_state, metrics = rule_for(settings.aggregate).finalize(folded.partial, key, state.rule_state)
     posts = []
     for link in settings.res_up:
         chosen = select_residuals(folded.candidates, theta, link.k, link.select, mean_input)
@@ -150,7 +146,8 @@ def node_up(
             posts.append(ResidualPost(link.target, link.key, contribution(chosen, link.combine), models))
     opt_up, stepped = node_opt_step(state.opt_up, theta, mean_input, settings.opt_up, scorer)
     theta, opt_res, seen = fold_residuals(inbox, theta, stepped, state.opt_res, state.res_seen, settings, scorer)
-    return replace(state, model=theta, opt_up=opt_up, opt_res=opt_res, res_seen=seen, clip=clip), posts
+    after = replace(state, model=theta, opt_up=opt_up, opt_res=opt_res, res_seen=seen, rule_state=dict(rule_state))
+    return after, posts, metrics
 
 
 def replaces(params: NodeOptParams) -> bool:

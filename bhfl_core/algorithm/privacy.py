@@ -1,14 +1,15 @@
 """Client-level differential privacy at a server: DP-FedAvg's clipped, noised mean.
 
-A server with ``privacy:`` folds its children with ``DpMeanRule`` instead of the exact
-weighted mean (McMahan et al. 2018, "Learning differentially private recurrent language
+A server with the ``dp`` wrapper (``privacy:``) folds its children with ``DpRule`` (``dp_rule.py``) instead of
+the exact weighted mean (McMahan et al. 2018, "Learning differentially private recurrent language
 models"; adaptive clipping from Andrew et al. 2021, "Differentially private learning
 with adaptive clipping"):
 
 - each child's *update* ``d_i = x_i - theta`` (its model minus the model the server sent
   down this round) is clipped to L2 norm ``C``: ``d_i * min(1, C / ||d_i||)``;
-- the clipped updates are summed exactly (``WeightedSum``, every child weight 1: example
-  counts would make the sum's sensitivity depend on the data);
+- the clipped updates are summed exactly by the sum the wrapper wraps (``WeightedSum``, or
+  secure aggregation's masked sum; every child weight 1: example counts would make the
+  sum's sensitivity depend on the data);
 - Gaussian noise of standard deviation ``z * C`` per coordinate is added to the sum, once,
   at the server (``finalize``), drawn from (seed, node, round);
 - the result is divided by the round's *expected* number of contributions ``m`` (the
@@ -27,24 +28,20 @@ geometrically towards the ``quantile`` of the update norms:
 ``C <- C * exp(-lr * (b - quantile))`` with ``b`` the noised unclipped share. The update
 noise then uses ``z_delta = (z**-2 - (2 sigma_b)**-2) ** -1/2`` so that both releases
 together cost what noise multiplier ``z`` costs (Andrew et al., Theorem 1). ``C`` is the
-node's state (``NodeState.clip``) and travels down in each child's ``RoundPlan``.
+rule's state (``NodeState.rule_state["dp/clip"]``) and travels down in each child's ``RoundPlan.fold``.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
-from bhfl_core.algorithm.aggregation import WeightedSum
+from bhfl_core.algorithm.contract import Partial
 from bhfl_core.algorithm.node_state import RoundKey
 from bhfl_core.algorithm.privacy_params import PrivacyParams
 from bhfl_core.rng import derive_seed
-
-if TYPE_CHECKING:
-    from bhfl_core.algorithm.aggregation import Allocator
 
 SHRINK = 1.0 - 2.0**-22
 """A clipped update's scale is multiplied by this: two float32 roundings (the norm's input, the result; each
@@ -74,42 +71,36 @@ def as_clipped(partial: object) -> ClippedSum:
 
 
 class ClippedSum:
-    """A DP server's running fold: the exact sum of clipped updates, with its counts.
+    """A DP server's running fold: the exact sum of clipped updates (``inner``, the sum it wraps), with its counts.
 
     ``reference`` (the model the children started from) and ``clip`` are what clipping
-    needs; they are not sent anywhere (the parent has both).
+    needs; they are not sent anywhere (the parent has both). ``inner`` is the wrapped
+    sum's partial: a ``WeightedSum`` of the clipped updates (each weight 1), or a
+    secure-aggregation ``MaskedSum`` of them (``dp_rule.py``).
     """
 
-    def __init__(
-        self,
-        reference: torch.Tensor | None,
-        clip: float,
-        allocate: Allocator | None = None,
-        total: WeightedSum | None = None,
-    ) -> None:
-        self.reference, self.clip = reference, clip
-        self.total = total if total is not None else WeightedSum(allocate=allocate)
-        self.clipped = 0  # contributions whose update was longer than clip
+    def __init__(self, reference: torch.Tensor | None, clip: float, inner: Partial, clipped: int = 0) -> None:
+        self.reference, self.clip, self.inner = reference, clip, inner
+        self.clipped = clipped  # contributions whose update was longer than clip
         self._reference_on: dict[torch.device, torch.Tensor] = {}
 
     @property
     def weight(self) -> float:
         """Contributions folded (each counts 1)."""
-        return self.total.weight
+        return self.inner.weight
 
     @property
     def empty(self) -> bool:
-        return self.total.empty
+        return self.inner.empty
 
-    def add(self, model: torch.Tensor) -> None:
+    def reference_on(self, device: torch.device) -> torch.Tensor:
+        """The reference on ``device``: once per device and fold (a GPU worker's clients share one copy)."""
         if self.reference is None:
             raise ValueError("a DP fold clips updates against the model the children were sent: none was given")
-        reference = self._reference_on.get(model.device)
-        if reference is None:  # once per device and fold: a GPU worker's clients share one copy
-            reference = self._reference_on[model.device] = self.reference.to(model.device)
-        update, norm = clip_update(model, reference, self.clip)
-        self.total.add(update, 1.0)
-        self.clipped += norm > self.clip
+        reference = self._reference_on.get(device)
+        if reference is None:
+            reference = self._reference_on[device] = self.reference.to(device)
+        return reference
 
 
 def noise(params: PrivacyParams, key: RoundKey, numel: int, std: float, purpose: str) -> torch.Tensor:
@@ -118,15 +109,18 @@ def noise(params: PrivacyParams, key: RoundKey, numel: int, std: float, purpose:
     return torch.randn(numel, generator=gen, dtype=torch.float64) * std
 
 
-def noised_mean(params: PrivacyParams, partial: ClippedSum, key: RoundKey) -> torch.Tensor:
-    """``theta + (sum of clipped updates + N(0, (z_delta C)^2)) / m`` as float32: the round's mean input."""
-    if partial.reference is None or partial.total.hi is None or partial.total.lo is None:
-        raise ValueError("cannot finalize an empty DP fold")
-    summed = partial.total.hi + partial.total.lo  # float64; exact sums of float32 updates
-    std = params.update_noise_multiplier * partial.clip
+def noised_mean(
+    params: PrivacyParams, reference: torch.Tensor, summed: torch.Tensor, clip: float, key: RoundKey
+) -> torch.Tensor:
+    """``theta + (sum of clipped updates + N(0, (z_delta C)^2)) / m`` as float32: the round's mean input.
+
+    ``summed``: the exact sum of the clipped updates (float64), from the sum DP wraps.
+    """
+    std = params.update_noise_multiplier * clip
     if std:
         summed = summed + noise(params, key, summed.numel(), std, "update").view_as(summed)
-    return (partial.reference.to(torch.float64) + summed / params.expected).to(torch.float32)
+    base = reference.to(summed.device, torch.float64).reshape(summed.shape)
+    return (base + summed / params.expected).to(torch.float32).view_as(reference)
 
 
 def next_clip(params: PrivacyParams, partial: ClippedSum, key: RoundKey) -> float:
@@ -164,15 +158,3 @@ def privacy_metrics(params: PrivacyParams, partial: Clipped, rounds: int) -> dic
         "privacy/noise_std": params.update_noise_multiplier * partial.clip / params.expected,
         "privacy/epsilon": epsilon(params, rounds),
     }
-
-
-def wire_counts(partial: ClippedSum) -> dict[str, float]:
-    return {"weight": partial.total.weight, "clipped": float(partial.clipped), "clip": partial.clip}
-
-
-def unwire(tensors: Mapping[str, torch.Tensor], numbers: Mapping[str, float]) -> ClippedSum:
-    """A ``ClippedSum`` from the wire: its sum and counts (no reference: the parent merges it into its own fold)."""
-    total = WeightedSum.of(tensors["hi"], tensors["lo"], float(numbers["weight"])) if tensors else WeightedSum()
-    out = ClippedSum(None, float(numbers["clip"]), total=total)
-    out.clipped = int(numbers["clipped"])
-    return out

@@ -1,4 +1,5 @@
-"""A server's differential-privacy settings, resolved for one node (no torch: configs build these).
+"""The parameters of the wrappers around a server's rule (DP, secure aggregation, zeroing) and of DP-SGD, resolved
+for one node (no torch: configs build these).
 
 What they mean: ``privacy.py``; how epsilon is counted: ``privacy_accounting.py``.
 """
@@ -78,3 +79,11 @@ class SecAggParams:
     mask_seed: int
     bits: int = 48
     fraction_bits: int = 24
+
+
+@dataclass(frozen=True)
+class ZeroingParams:
+    """A server's ``zeroing`` wrapper (``zeroing.py``): a child's update that is not finite, or whose L2 norm is
+    above ``max_norm``, is replaced by zero (the model the child was sent) and counted (TFF's zeroing factory)."""
+
+    max_norm: float = float("inf")

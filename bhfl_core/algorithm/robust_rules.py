@@ -35,12 +35,12 @@ time (dropped clients shrink it): an error naming the node.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from bhfl_core.algorithm.contract import Partial
+from bhfl_core.algorithm.contract import NO_PLAN, FoldPlan, Partial
 from bhfl_core.algorithm.node_state import Caller, RoundKey
-from bhfl_core.algorithm.rule_registry import AggregateParams, RuleTraits, register_rule
+from bhfl_core.algorithm.rule_registry import AggregateParams, RuleTraits, Stateless, register_rule
 
 if TYPE_CHECKING:
     import torch
@@ -65,7 +65,7 @@ def _stacked(partial: Partial) -> StackedModels:
     return as_stacked(partial)
 
 
-class StackedRule:
+class StackedRule(Stateless):
     """What the three rules share: each child's model kept by name (``StackedModels``); ``aggregate`` differs."""
 
     name = ""
@@ -83,10 +83,9 @@ class StackedRule:
     def start(
         self,
         round_of: Caller,
-        allocate: Allocator | None = None,
+        plan: FoldPlan = NO_PLAN,
         reference: torch.Tensor | None = None,
-        clip: float | None = None,
-        peers: Sequence[str] = (),
+        allocate: Allocator | None = None,
     ) -> StackedModels:
         from bhfl_core.algorithm.stacked import StackedModels
 
@@ -109,7 +108,7 @@ class StackedRule:
         stacked.close_with(self.aggregate)
         return True
 
-    def finalize(self, partial: Partial, key: RoundKey) -> torch.Tensor:
+    def mean_input(self, partial: Partial, key: RoundKey) -> torch.Tensor:
         stacked = _stacked(partial)
         if stacked.closed is not None:
             return stacked.closed

@@ -1,18 +1,24 @@
-"""Every aggregation rule, registered, and how a node's settings find theirs (``rule_for``).
+"""Every aggregation rule and wrapper, registered, and how a node's settings find theirs (``rule_for``).
 
-Importing this module imports each module that registers rules: ``aggregation_rule.py``
-(the mean; DP-FedAvg's and secure aggregation's, chosen by ``privacy:`` /
-``secure_aggregation:``), ``robust_rules.py`` (coordinate-wise median, trimmed mean,
-Krum) and ``fednova.py`` (FedNova). A new rule's module is added to that list. Each
-declares its ``RuleTraits`` (the ``aggregate`` keys it reads, what it needs of its
-node), which the config checks before any work (``config/aggregation_settings.py``).
+Importing this module imports each module that registers one: ``aggregation_rule.py``
+(the mean), ``robust_rules.py`` (coordinate-wise median, trimmed mean, Krum),
+``fednova.py`` (FedNova), and the wrappers ``zeroing.py``, ``dp_rule.py`` and
+``secagg_rule.py``. A new rule's module is added to that list. Each rule declares its
+``RuleTraits`` (the ``aggregate`` keys it reads, what it needs of its node), which the
+config checks before any work (``config/aggregation_settings.py``).
 """
 
 from __future__ import annotations
 
-from bhfl_core.algorithm import fednova, robust_rules  # noqa: F401  (they register their rules on import)
-from bhfl_core.algorithm.aggregation_rule import DpMeanRule, SecAggRule
-from bhfl_core.algorithm.rule_registry import AggregateParams, AggregationRule, RuleTraits, registered, registered_names
+from bhfl_core.algorithm import dp_rule, fednova, robust_rules, secagg_rule, zeroing  # noqa: F401  (they register)
+from bhfl_core.algorithm.rule_registry import (
+    AggregateParams,
+    AggregationRule,
+    RuleTraits,
+    registered,
+    registered_names,
+    registered_wrapper,
+)
 
 
 def available_rules() -> list[str]:
@@ -25,13 +31,12 @@ def rule_traits(name: str) -> RuleTraits:
 
 
 def rule_for(params: AggregateParams) -> AggregationRule:
-    """The rule a node's ``aggregate`` settings name (DP-FedAvg's where they carry ``privacy``)."""
-    if params.secagg is not None:
-        return SecAggRule(params.secagg, params.privacy)
-    if params.privacy is not None:
-        return DpMeanRule(params.privacy)
+    """The rule a node's ``aggregate`` settings name: the registered ``kind``, inside each registered wrapper."""
     try:
         factory, _ = registered(params.kind)
     except KeyError:
         raise ValueError(f"unknown aggregation rule {params.kind!r}; available: {available_rules()}") from None
-    return factory(params)
+    rule: AggregationRule = factory(params)
+    for wrapper in reversed(params.wrappers):  # innermost first: the first listed wraps all the others
+        rule = registered_wrapper(wrapper)(wrapper, rule)
+    return rule

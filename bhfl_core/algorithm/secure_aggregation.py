@@ -1,12 +1,13 @@
 """Secure aggregation at a server (simulated, as in Bonawitz et al. 2017): the server sees only masked vectors.
 
-A server with ``secure_aggregation:`` folds its children with ``SecAggRule``. Each child
+A server with the ``secagg`` wrapper (``secure_aggregation:``) folds its children with ``SecAggRule``
+(``secagg_rule.py``). Each child
 ``u`` of the round's called cohort ``U1`` (``RoundPlan.peers``) turns its update into a
 vector of integers modulo ``2**bits`` and masks it where it is folded (the worker that
 trained it, or the orchestrator for a child server):
 
 - ``v_u = w_u (x_u - theta)`` (its example-weighted update against the model it was sent;
-  with ``privacy:`` at the same server, its clipped update with weight 1 instead), each
+  with ``dp`` around it, its clipped update with weight 1 instead: ``dp_rule.py``), each
   value clamped to what ``|U1|`` of them can sum without wrapping (counted:
   ``secagg/clamped_values``), then fixed point: ``q_u = round(v_u 2**fraction_bits)``;
 - ``y_u = q_u + PRG(b_u) + sum_{v in U1, u < v} PRG(s_uv) - sum_{v in U1, v < u} PRG(s_uv)``
@@ -34,9 +35,8 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from bhfl_core.algorithm.node_state import Caller, RoundKey
-from bhfl_core.algorithm.privacy import clip_update, noise
-from bhfl_core.algorithm.privacy_params import PrivacyParams, SecAggParams
+from bhfl_core.algorithm.node_state import Caller
+from bhfl_core.algorithm.privacy_params import SecAggParams
 from bhfl_core.algorithm.secagg_crypto import agreed_seed, combine, key_seed, public_key, secret_key, split
 from bhfl_core.rng import derive_seed
 
@@ -79,25 +79,21 @@ def _prg(seed: int, numel: int, bits: int) -> torch.Tensor:
 
 
 class MaskedSum:
-    """A SecAgg server's running fold: the sum of masked vectors modulo ``2**bits``, and who contributed."""
+    """A SecAgg server's running fold: the sum of masked vectors modulo ``2**bits``, and who contributed.
+
+    ``reference``: the model the children were sent, where the fold computes their updates
+    itself (``secagg`` around the mean); None inside ``dp``, which hands it clipped updates.
+    """
 
     def __init__(
-        self,
-        params: SecAggParams,
-        round_of: Caller,
-        peers: Sequence[str],
-        reference: torch.Tensor | None,
-        privacy: PrivacyParams | None = None,
-        clip: float | None = None,
+        self, params: SecAggParams, round_of: Caller, peers: Sequence[str], reference: torch.Tensor | None = None
     ) -> None:
         self.params, self.round_of, self.peers = params, round_of, tuple(peers)
-        self.reference, self.privacy = reference, privacy
-        self.clip = clip if clip is not None else (privacy.clip if privacy is not None else 0.0)
+        self.reference = reference
         self.masked: torch.Tensor | None = None
         self.total_weight = 0.0
         self.members: list[str] = []
         self.clamped = 0
-        self.clipped = 0
 
     @property
     def weight(self) -> float:
@@ -111,16 +107,8 @@ class MaskedSum:
     def modulus_mask(self) -> int:
         return (1 << self.params.bits) - 1
 
-    def quantised(self, model: torch.Tensor, weight: float) -> torch.Tensor:
-        """``q_u``: the member's weighted (or, with DP, clipped) update in fixed point, modulo ``2**bits``."""
-        if self.reference is None:
-            raise ValueError("secure aggregation masks updates against the model the children were sent: none given")
-        if self.privacy is not None:
-            update, norm = clip_update(model, self.reference, self.clip)
-            self.clipped += norm > self.clip
-            values = update.to("cpu", torch.float64)
-        else:
-            values = (model.to("cpu", torch.float64) - self.reference.to("cpu", torch.float64)) * weight
+    def quantised(self, values: torch.Tensor) -> torch.Tensor:
+        """``q_u``: a member's weighted update (float64) in fixed point, modulo ``2**bits``, clamped first."""
         scale = 2.0**self.params.fraction_bits
         bound = ((2 ** (self.params.bits - 1) - 1) // max(len(self.peers), 1)) / scale
         outside = values.abs() > bound
@@ -139,15 +127,16 @@ class MaskedSum:
             out = (out + pair if member < other else out - pair) & self.modulus_mask
         return out
 
-    def add(self, member: str, model: torch.Tensor, weight: float) -> None:
+    def add(self, member: str, update: torch.Tensor, weight: float) -> None:
+        """Mask and add ``weight * update`` (``update``: the member's update, any float dtype and device)."""
         if member not in self.peers:
             raise ValueError(f"{member!r} is not in the round's cohort {list(self.peers)}: it holds no pairwise keys")
         keys = RoundKeys(self.params, self.round_of, self.peers)
-        q = self.quantised(model.detach().reshape(-1), weight)
+        q = self.quantised(update.detach().reshape(-1).to("cpu", torch.float64) * weight)
         masked = (q + self.masks(member, q.numel(), keys)) & self.modulus_mask
         self.masked = masked if self.masked is None else (self.masked + masked) & self.modulus_mask
         self.members.append(member)
-        self.total_weight += 1.0 if self.privacy is not None else float(weight)
+        self.total_weight += float(weight)
 
     def merge(self, other: MaskedSum) -> None:
         if other.masked is None:
@@ -156,7 +145,6 @@ class MaskedSum:
         self.members.extend(other.members)
         self.total_weight += other.total_weight
         self.clamped += other.clamped
-        self.clipped += other.clipped
 
     def unmasked(self) -> torch.Tensor:
         """``sum_{u in U2} q_u`` as signed integers: every mask that does not cancel removed, from recovered seeds."""
@@ -184,22 +172,13 @@ class MaskedSum:
         half = 2 ** (bits - 1)
         return torch.where(total >= half, total - 2**bits, total)
 
-    def finalize(self, key: RoundKey) -> torch.Tensor:
-        """The round's mean input (float32): ``theta`` plus the unmasked sum over the weights (with DP, noised)."""
-        assert self.reference is not None
-        summed = self.unmasked().to(torch.float64) / 2.0**self.params.fraction_bits
-        reference = self.reference.to("cpu", torch.float64).reshape(-1)
-        if self.privacy is None:
-            mean = reference + summed / self.total_weight
-        else:
-            std = self.privacy.noise_multiplier * self.clip
-            noised = summed + noise(self.privacy, key, summed.numel(), std, "update") if std else summed
-            mean = reference + noised / self.privacy.expected
-        return mean.to(torch.float32).view_as(self.reference)
+    def summed(self) -> torch.Tensor:
+        """The unmasked sum of the weighted updates (float64, flat): ``sum_{u in U2} q_u / 2**fraction_bits``."""
+        return self.unmasked().to(torch.float64) / 2.0**self.params.fraction_bits
 
     def wire(self) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
         tensors = {} if self.masked is None else {"masked": self.masked}
-        numbers = {"weight": self.total_weight, "clamped": float(self.clamped), "clipped": float(self.clipped)}
+        numbers = {"weight": self.total_weight, "clamped": float(self.clamped)}
         return tensors, {**numbers, **{f"{MEMBER}{m}": 1.0 for m in self.members}}
 
     def secagg_metrics(self) -> dict[str, float]:
@@ -220,13 +199,11 @@ def unwire(
     peers: Sequence[str],
     tensors: Mapping[str, torch.Tensor],
     numbers: Mapping[str, float],
-    privacy: PrivacyParams | None = None,
 ) -> MaskedSum:
     """A ``MaskedSum`` from the wire (no reference: the parent merges it into its own fold)."""
-    out = MaskedSum(params, round_of, peers, None, privacy)
+    out = MaskedSum(params, round_of, peers)
     out.masked = tensors.get("masked")
     out.total_weight = float(numbers.get("weight", 0.0))
     out.clamped = int(numbers.get("clamped", 0))
-    out.clipped = int(numbers.get("clipped", 0))
     out.members = [k[len(MEMBER) :] for k in numbers if k.startswith(MEMBER)]
     return out

@@ -9,21 +9,25 @@ rejected here, as is a tuned NODEOPT without held-out data.
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 from bhfl_core.algorithm.compression import CompressParams
 from bhfl_core.algorithm.node_opt import NodeOptParams, is_tuned
-from bhfl_core.algorithm.privacy_params import AdaptiveClip, PrivacyParams, SecAggParams
-from bhfl_core.algorithm.rule_registry import AggregateParams
+from bhfl_core.algorithm.privacy_params import AdaptiveClip, PrivacyParams, SecAggParams, ZeroingParams
+from bhfl_core.algorithm.rule_registry import AggregateParams, WrapperParams
 from bhfl_core.algorithm.rules import rule_traits
 from bhfl_core.algorithm.tree import Role
 from bhfl_core.config.base import ConfigError
 from bhfl_core.config.schema import ExperimentConfig
 from bhfl_core.config.tree_schema import (
+    WRAPPERS,
     AggregateSettings,
+    CompressSettings,
     PrivacySettings,
     SecureAggregationSettings,
     TrainSettings,
+    ZeroingSettings,
 )
 from bhfl_core.rng import derive_seed
 
@@ -68,22 +72,71 @@ def aggregate_params(
     cohort: int | None,
     num_children: int,
 ) -> AggregateParams:
-    """How ``node_id`` folds its children: rule, DP, secure aggregation and compression (checked in that order)."""
+    """How ``node_id`` folds its children: its rule inside its wrappers (compression, zeroing, DP, secure
+    aggregation, checked in that order); every error names the key."""
     settings = values["aggregate"]
     assert isinstance(settings, AggregateSettings)
     defaults = AggregateParams()
+    expected = cohort or num_children
+    wrappers: list[WrapperParams] = []
+    compress = None
+    entries = _wrap_entries(settings, node_id, values, origin)
+    dp_entry = next((chosen for name, chosen, _ in entries if name == "dp"), None)
+    for name, chosen, key in entries:
+        if name == "compress":
+            compress = _compress(chosen, key, node_id, role)
+        elif name == "zeroing":
+            wrappers.append(_zeroing(chosen, key, node_id, role))
+        elif name == "dp":
+            wrappers.append(_privacy(config, chosen, key, node_id, role, values, expected, num_children))
+        else:
+            wrappers.append(_secagg(config, chosen, key, node_id, role, values, expected, dp_entry))
     params = AggregateParams(
         settings.kind,
-        _privacy(config, node_id, role, values, origin, cohort or num_children, num_children),
-        _secagg(config, node_id, role, values, origin, cohort or num_children),
-        _compress(node_id, role, values, origin),
+        tuple(wrappers),
+        compress,
         trim=defaults.trim if settings.trim is None else settings.trim,
         byzantine=defaults.byzantine if settings.byzantine is None else settings.byzantine,
         keep=defaults.keep if settings.keep is None else settings.keep,
     )
     children_are_clients = role is Role.EDGE or (role is Role.ROOT and config.tree.flat)
-    _check_rule(params, node_id, role, values, origin, cohort or num_children, children_are_clients)
+    wrapped = {name: key for name, _, key in entries}
+    _check_rule(params, node_id, role, values, origin, expected, children_are_clients, wrapped)
     return params
+
+
+def _wrap_entries(
+    settings: AggregateSettings, node_id: str, values: dict[str, Any], origin: dict[str, str]
+) -> list[tuple[str, Any, str]]:
+    """The node's wrappers as (name, settings, key), outermost first: ``aggregate.wrap`` and the shorthands.
+
+    The list must follow the one order they compose in (``WRAPPERS``); a wrapper set both
+    in the list and by its shorthand (``privacy:``, ``secure_aggregation:``,
+    ``aggregate.compress``) is an error naming both keys.
+    """
+    base = origin["aggregate"]
+    listed = [(w.name, getattr(w, w.name), f"{base}.wrap[{i}].{w.name}") for i, w in enumerate(settings.wrap)]
+    for (before, _, before_key), (name, _, key) in itertools.pairwise(listed):
+        if WRAPPERS.index(name) <= WRAPPERS.index(before):
+            raise ConfigError(
+                f"{key}: {name} cannot come after {before} ({before_key}); wrappers compose outermost first in the "
+                f"order {', '.join(WRAPPERS)} (children's compressed updates are decoded before zeroing checks them; "
+                "dp clips before secagg masks and adds its noise after the sum is unmasked), each at most once"
+            )
+    shorthands = (
+        ("compress", settings.compress, f"{base}.compress"),
+        ("dp", values["privacy"], origin["privacy"]),
+        ("secagg", values["secure_aggregation"], origin["secure_aggregation"]),
+    )
+    entries = list(listed)
+    for name, chosen, key in shorthands:
+        if chosen is None:
+            continue
+        twice = [k for n, _, k in listed if n == name]
+        if twice:
+            raise ConfigError(f"{key} and {twice[0]} both set the {name} wrapper of {node_id!r}: keep one of them")
+        entries.append((name, chosen, key))
+    return sorted(entries, key=lambda entry: WRAPPERS.index(entry[0]))
 
 
 def _check_rule(
@@ -94,11 +147,13 @@ def _check_rule(
     origin: dict[str, str],
     cohort: int,
     children_are_clients: bool,
+    wrapped: dict[str, str],
 ) -> None:
     """What a rule other than the mean needs of its node (its ``RuleTraits``); errors name the key and the value.
 
-    DP and secure aggregation fold their own sums whatever the kind, so no other kind
-    goes with them; an asynchronous server folds buffers of arrivals, not a round's cohort.
+    DP and secure aggregation wrap a sum (the mean's), whatever the kind, so no other kind
+    goes inside them; an asynchronous server folds buffers of arrivals, not a round's cohort.
+    ``wrapped``: the node's wrappers, by name, with the key that set each.
     """
     kind = params.kind
     if kind == "mean":
@@ -106,10 +161,10 @@ def _check_rule(
     key, traits = f"{origin['aggregate']}.kind", rule_traits(kind)
     if role is Role.CLIENT:
         raise ConfigError(f"{key}: {kind} folds a server's children; {node_id!r} is a client and has none")
-    for other, what in (("privacy", "clipped, noised sums"), ("secure_aggregation", "masked sums")):
-        if values[other] is not None:
+    for other, what in (("dp", "clipped, noised sums"), ("secagg", "masked sums")):
+        if other in wrapped:
             raise ConfigError(
-                f"{key}: {kind} cannot be combined with {origin[other]} at {node_id!r}: that server folds "
+                f"{key}: {kind} cannot be combined with {wrapped[other]} at {node_id!r}: that server folds "
                 f"{what} of its children's updates, never a child's model, so its aggregate.kind must be mean"
             )
     if traits.whole_round and values["mode"] == "async":
@@ -136,20 +191,16 @@ def _check_rule(
 
 def _privacy(
     config: ExperimentConfig,
+    settings: PrivacySettings,
+    key: str,
     node_id: str,
     role: Role,
     values: dict[str, object],
-    origin: dict[str, str],
     expected: int,
     population: int,
-) -> PrivacyParams | None:
-    """A server's ``privacy`` settings resolved for its cohort (``expected`` of ``population`` children) and with its
-    noise seed; errors name the key."""
-    settings = values["privacy"]
-    if settings is None:
-        return None
-    assert isinstance(settings, PrivacySettings)
-    key = origin["privacy"]
+) -> PrivacyParams:
+    """A server's ``dp`` wrapper (``privacy:``) resolved for its cohort (``expected`` of ``population`` children) and
+    with its noise seed; errors name the key."""
     _check_server_fold(key, "client-level DP", node_id, role, values)
     adaptive = None
     if settings.adaptive is not None:
@@ -171,19 +222,21 @@ def _privacy(
     return params
 
 
-def _compress(node_id: str, role: Role, values: dict[str, object], origin: dict[str, str]) -> CompressParams | None:
-    """A server's ``aggregate.compress`` (what its children send it); a client has no children to compress."""
-    aggregate = values["aggregate"]
-    assert isinstance(aggregate, AggregateSettings)
-    settings = aggregate.compress
-    if settings is None:
-        return None
+def _compress(settings: CompressSettings, key: str, node_id: str, role: Role) -> CompressParams:
+    """A server's ``compress`` wrapper (what its children send it); a client has no children to compress."""
     if role is Role.CLIENT:
         raise ConfigError(
-            f"{origin['aggregate']}.compress: compression is set where updates are received (the parent); "
+            f"{key}: compression is set where updates are received (the parent); "
             f"{node_id!r} is a client and has no children"
         )
     return CompressParams(settings.kind, settings.fraction, settings.block, settings.error_feedback)
+
+
+def _zeroing(settings: ZeroingSettings, key: str, node_id: str, role: Role) -> ZeroingParams:
+    """A server's ``zeroing`` wrapper; a client folds no children."""
+    if role is Role.CLIENT:
+        raise ConfigError(f"{key}: zeroing checks a server's children's updates; {node_id!r} is a client")
+    return ZeroingParams(settings.max_norm if settings.max_norm is not None else float("inf"))
 
 
 def _check_server_fold(key: str, what: str, node_id: str, role: Role, values: dict[str, object]) -> None:
@@ -201,24 +254,28 @@ def _check_server_fold(key: str, what: str, node_id: str, role: Role, values: di
 
 
 def _secagg(
-    config: ExperimentConfig, node_id: str, role: Role, values: dict[str, object], origin: dict[str, str], cohort: int
-) -> SecAggParams | None:
-    """A server's ``secure_aggregation`` settings resolved (threshold, mask seed); errors name the key."""
-    settings = values["secure_aggregation"]
-    if settings is None:
-        return None
-    assert isinstance(settings, SecureAggregationSettings)
-    key = origin["secure_aggregation"]
+    config: ExperimentConfig,
+    settings: SecureAggregationSettings,
+    key: str,
+    node_id: str,
+    role: Role,
+    values: dict[str, object],
+    cohort: int,
+    privacy: PrivacySettings | None,
+) -> SecAggParams:
+    """A server's ``secagg`` wrapper (``secure_aggregation:``) resolved (threshold, mask seed); errors name the key.
+
+    ``privacy``: the node's ``dp`` settings, if ``dp`` wraps it.
+    """
     _check_server_fold(key, "secure aggregation", node_id, role, values)
     if settings.fraction_bits >= settings.bits - 1:
         raise ConfigError(
             f"{key}.fraction_bits: {settings.fraction_bits} leaves no integer part in {settings.bits} bits"
         )
-    privacy = values["privacy"]
-    if isinstance(privacy, PrivacySettings) and privacy.adaptive is not None:
+    if privacy is not None and privacy.adaptive is not None:
         raise ConfigError(
             f"{key}: adaptive clipping with secure aggregation is not supported yet (the unclipped count would need "
-            f"its own masked sum); set a fixed {origin['privacy']}.clip without adaptive"
+            f"its own masked sum); use a fixed dp clip without adaptive"
         )
     threshold = settings.threshold if settings.threshold is not None else cohort // 2 + 1
     if threshold > cohort:

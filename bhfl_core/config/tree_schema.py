@@ -71,9 +71,16 @@ class AggregateSettings(Strict):
     models (none: models as they are). ``trim`` (trimmed_mean [0.1]): the fraction cut from
     each end, in [0, 0.5); ``byzantine`` (krum [0]): the f children tolerated; ``keep``
     (krum [1]): Multi-Krum's m (1: Krum). A key the kind does not read is an error.
+
+    ``wrap``: wrappers around the rule, outermost first, each ``{name: {its keys}}`` (or
+    just ``name`` with its defaults): ``compress``, ``zeroing``, ``dp``, ``secagg``, in that
+    order (docs/config.md, "Aggregation rules and wrappers"). ``privacy:`` and
+    ``secure_aggregation:`` beside ``aggregate:``, and ``compress`` here, are shorthands for
+    the ``dp``, ``secagg`` and ``compress`` wrappers.
     """
 
     kind: str = "mean"
+    wrap: list[WrapSettings] = []
     compress: CompressSettings | None = None
     trim: float | None = None
     byzantine: int | None = None
@@ -112,7 +119,8 @@ class AggregateSettings(Strict):
         """Rule parameters left unset are not written: a config that sets none dumps (and hashes, ``sweep.py``
         ``config_hash``) as before they existed, so sweeps started earlier still recognise their finished runs."""
         data: dict[str, Any] = handler(self)
-        return {k: v for k, v in data.items() if not (k in RULE_PARAMETERS and v is None)}
+        unset = {k for k in RULE_PARAMETERS if data.get(k) is None} | ({"wrap"} if not self.wrap else set())
+        return {k: v for k, v in data.items() if k not in unset}
 
     @model_validator(mode="after")
     def _read_by_kind(self) -> AggregateSettings:
@@ -164,6 +172,46 @@ class SecureAggregationSettings(Strict):
     bits: Annotated[int, Field(ge=16, le=62)] = 48
     fraction_bits: Annotated[int, Field(ge=0, le=60)] = 24
     threshold: Annotated[int, Field(ge=1)] | None = None
+
+
+class ZeroingSettings(Strict):
+    """Zeroing (TFF's ``zeroing_factory``): a child's update with a non-finite value, or an L2 norm above
+    ``max_norm`` (unset: no bound), is replaced by zero and counted (``zeroing/zeroed``)."""
+
+    max_norm: Annotated[float, Field(gt=0)] | None = None
+
+
+WRAPPERS = ("compress", "zeroing", "dp", "secagg")
+"""The wrappers ``aggregate.wrap`` lists, in the one order they compose (outermost first)."""
+
+
+class WrapSettings(Strict):
+    """One wrapper of ``aggregate.wrap``: exactly one of its keys is set."""
+
+    compress: CompressSettings | None = None
+    zeroing: ZeroingSettings | None = None
+    dp: PrivacySettings | None = None
+    secagg: SecureAggregationSettings | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _named(cls, data: Any) -> Any:
+        if isinstance(data, str):  # ``- zeroing``: the wrapper with its defaults
+            if data not in WRAPPERS:
+                raise ValueError(f"unknown wrapper {data!r}; choose one of {list(WRAPPERS)}")
+            return {data: {}}
+        return data
+
+    @model_validator(mode="after")
+    def _one(self) -> WrapSettings:
+        chosen = [name for name in WRAPPERS if getattr(self, name) is not None]
+        if len(chosen) != 1:
+            raise ValueError(f"each wrap entry names one wrapper of {list(WRAPPERS)}, got {chosen or 'none'}")
+        return self
+
+    @property
+    def name(self) -> str:
+        return next(name for name in WRAPPERS if getattr(self, name) is not None)
 
 
 class DpSgdSettings(Strict):
@@ -432,3 +480,6 @@ class TreeConfig(Strict):
                     f"tree.groups has intermediate servers {where}"
                 )
         return self
+
+
+AggregateSettings.model_rebuild()  # ``wrap`` names wrapper settings defined after it

@@ -104,7 +104,7 @@ def state_info(state: NodeState) -> dict[str, Any]:
         "res_seen": state.res_seen,
         "result": {"loss": state.loss, "examples": state.examples, "virtual_s": state.virtual_s},
         **({"child_epochs": state.child_epochs} if state.child_epochs else {}),
-        **({"clip": state.clip} if state.clip is not None else {}),
+        **({"rule": state.rule_state} if state.rule_state else {}),
         **({"dp_steps": state.dp_steps} if state.dp_steps else {}),
         **({"async": _progress_info(state.pending)} if state.pending is not None else {}),
     }

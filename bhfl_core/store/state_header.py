@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -118,8 +119,16 @@ def state_from_file(tensors: dict[str, torch.Tensor], info: dict[str, Any]) -> N
         examples=int(result.get("examples", 0)),
         virtual_s=float(result.get("virtual_s", 0.0)),
         child_epochs={k: int(v) for k, v in info.get("child_epochs", {}).items()},
-        clip=None if info.get("clip") is None else float(info["clip"]),
+        rule_state=_rule_state(info),
         dp_steps=int(info.get("dp_steps", 0)),
         feedback=tensors.get(FEEDBACK),
         sent={k[len(SENT) :]: v for k, v in tensors.items() if k.startswith(SENT)},
     )
+
+
+def _rule_state(info: Mapping[str, Any]) -> dict[str, float]:
+    """The aggregation rule's state (``rule``); a checkpoint written before rules kept state had a DP server's
+    adaptive clipping norm as ``clip``."""
+    if "clip" in info and info["clip"] is not None:
+        return {"dp/clip": float(info["clip"])}
+    return {k: float(v) for k, v in info.get("rule", {}).items()}

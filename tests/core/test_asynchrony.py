@@ -48,7 +48,7 @@ def flush(
     partial = rule.start(Caller("A", 0))
     for i, (model, base, weight, staleness) in enumerate(arrivals):
         rule.contribute(partial, str(i), stale_model(theta, model, base, staleness_weight(staleness, params)), weight)
-    return rule.finalize(partial, RoundKey("A", 0))
+    return rule.finalize(partial, RoundKey("A", 0)).input
 
 
 def test_a_buffer_flushes_by_hand():

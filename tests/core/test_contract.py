@@ -40,9 +40,9 @@ def halving_rule():
 
     @register_rule("halved_mean")
     class Halved(MeanRule):
-        def finalize(self, partial, key):
+        def mean_input(self, partial, key):
             self.seen = key
-            return super().finalize(partial, key) / 2
+            return super().mean_input(partial, key) / 2
 
     yield "halved_mean"
     del rule_registry._RULES["halved_mean"], rule_registry._TRAITS["halved_mean"]
@@ -107,7 +107,7 @@ def test_fold_results_is_one_order_whatever_the_batching():
         [batch("c3"), batch("c2", "c1", dropped=("c4",)), server],
     ]
     folds = [fold_results(rule, KEY, results, order) for results in layouts]
-    means = [rule.finalize(f.partial, KEY) for f in folds]
+    means = [rule.finalize(f.partial, KEY).input for f in folds]
     assert all(torch.equal(means[0], m) for m in means)
     exact = sum(weights[m] * models[m].double() for m in models) / sum(weights.values())
     assert torch.equal(means[0], exact.float())  # a float64 sum of 4 is exact to far below float32's rounding
@@ -141,7 +141,7 @@ def test_async_buffers_fold_with_the_same_rule():
     partial = rule.start(Caller("A", 0))
     rule.contribute(partial, "a", fresh, 1.0)
     rule.contribute(partial, "b", stale, 3.0)
-    assert rule.finalize(partial, KEY).tolist() == [1.5, 2.5]
+    assert rule.finalize(partial, KEY).input.tolist() == [1.5, 2.5]
 
 
 def test_a_fresh_result_is_its_model_bit_for_bit():
@@ -261,11 +261,11 @@ def test_a_whole_round_closed_where_it_was_folded_finalizes_to_the_same_bits():
     tensors, numbers = rule.wire(closed.partial)
     assert tensors["mean"].dtype == torch.float32 and numbers == {"weight": 15.0}
     received = replace(closed, partial=rule.unwire(tensors, numbers))  # what the parent maps back
-    expected = rule.finalize(fold_results(rule, KEY, [opened], ["c0", "c1", "c2", "A"]).partial, KEY)
+    expected = rule.finalize(fold_results(rule, KEY, [opened], ["c0", "c1", "c2", "A"]).partial, KEY).input
     folded = fold_results(rule, KEY, [received], ["c0", "c1", "c2", "A"])
-    assert folded.partial.weight == 15.0 and torch.equal(rule.finalize(folded.partial, KEY), expected)
+    assert folded.partial.weight == 15.0 and torch.equal(rule.finalize(folded.partial, KEY).input, expected)
     exact = sum(w * m.double() for m, w in zip(models, weights)) / 15.0
-    assert (rule.finalize(folded.partial, KEY) != exact.float()).sum() <= 1  # within float64's own rounding here
+    assert (rule.finalize(folded.partial, KEY).input != exact.float()).sum() <= 1  # within float64's own rounding here
     # a closed fold is the whole round: nothing joins it, and it joins nothing
     with pytest.raises(ValueError, match="closed sum"):
         rule.contribute(folded.partial, "c3", models[0], 1.0)
@@ -273,8 +273,10 @@ def test_a_whole_round_closed_where_it_was_folded_finalizes_to_the_same_bits():
         fold_results(rule, KEY, [batch(), replace(closed, partial=rule.unwire(tensors, numbers))], ["c0", "A"])
     # DP finalizes at the server (its noise is the server's): it never closes
     dp = rule_for(
-        AggregateParams(privacy=PrivacyParams(clip=1.0, noise_multiplier=1.0, expected=3, population=3, noise_seed=0))
+        AggregateParams(
+            wrappers=(PrivacyParams(clip=1.0, noise_multiplier=1.0, expected=3, population=3, noise_seed=0),)
+        )
     )
-    partial = dp.start(Caller("A", 0), reference=torch.zeros(3), clip=1.0)
+    partial = dp.start(Caller("A", 0), dp.plan({}, ()), torch.zeros(3))
     dp.contribute(partial, "c0", torch.ones(3), 1.0)
     assert not dp.close(partial) and "mean" not in dp.wire(partial)[0]

@@ -37,13 +37,13 @@ def test_fednova_by_hand():
     # x_nova = [1, 1] - 1.75 * [0.25, 1.125] = [0.5625, -0.96875]
     assert isinstance(RULE, FedNovaRule)
     partial = fold(t(1, 1), {"c1": (t(0, 1), 1.0, 1), "c2": (t(1, -2), 3.0, 2)})
-    assert RULE.finalize(partial, KEY).tolist() == [0.5625, -0.96875]
+    assert RULE.finalize(partial, KEY).input.tolist() == [0.5625, -0.96875]
     # FedAvg would be (1 [0, 1] + 3 [1, -2]) / 4 = [0.75, -1.25]: c2's extra step pulls it further
     mean = MeanRule(AggregateParams())
     plain = mean.start(Caller("edge", 0))
     mean.contribute(plain, "c1", t(0, 1), 1.0)
     mean.contribute(plain, "c2", t(1, -2), 3.0)
-    assert mean.finalize(plain, KEY).tolist() == [0.75, -1.25]
+    assert mean.finalize(plain, KEY).input.tolist() == [0.75, -1.25]
     assert partial.weight == 4.0
 
 
@@ -60,7 +60,7 @@ def _clients(seed: int, k: int, size: int, steps: list[int] | None = None):
 
 def test_fednova_is_the_papers_formula_on_random_clients():
     reference, members = _clients(0, 9, 5000)
-    ours = RULE.finalize(fold(reference, members), KEY)
+    ours = RULE.finalize(fold(reference, members), KEY).input
     x_ref = reference.double()
     total = sum(w for _, w, _ in members.values())
     p = {m: w / total for m, (_, w, _) in members.items()}
@@ -77,16 +77,16 @@ def _mean(members) -> torch.Tensor:
     partial = rule.start(Caller("edge", 0))
     for name, (model, weight, _) in members.items():
         rule.contribute(partial, name, model, weight)
-    return rule.finalize(partial, KEY)
+    return rule.finalize(partial, KEY).input
 
 
 def test_with_equal_steps_fednova_is_the_weighted_mean_of_the_models():
     # steps a power of two: a_i = w_i / 4 exactly, x_ref cancels: the mean rule's mean, bit for bit
     reference, members = _clients(1, 7, 20_000, steps=[4] * 7)
-    assert torch.equal(RULE.finalize(fold(reference, members), KEY), _mean(members))
+    assert torch.equal(RULE.finalize(fold(reference, members), KEY).input, _mean(members))
     # other steps: a_i = w_i / 6 rounded to 29 bits, so the weights are w_i's to 2**-29: equal to float32 rounding
     reference, members = _clients(1, 7, 20_000, steps=[6] * 7)
-    nova, mean = RULE.finalize(fold(reference, members), KEY), _mean(members)
+    nova, mean = RULE.finalize(fold(reference, members), KEY).input, _mean(members)
     spread = max(float((x - reference).abs().max()) for x, _, _ in members.values())
     torch.testing.assert_close(nova, mean, rtol=2.5e-7, atol=2**-27 * spread)  # one ulp; near 0, the weights' error
     assert (nova == mean).float().mean() > 0.99
@@ -106,9 +106,9 @@ def test_the_same_bits_whatever_the_batching_and_the_wire():
 
     layouts = [[batch(*names[:4]), batch(*names[4:])], [batch(*names[5:]), batch(*names[:2]), batch(*names[2:5])]]
     layouts.append([batch(n) for n in reversed(names)])
-    finals = [RULE.finalize(fold_results(RULE, KEY, r, order, reference=reference).partial, KEY) for r in layouts]
+    finals = [RULE.finalize(fold_results(RULE, KEY, r, order, reference=reference).partial, KEY).input for r in layouts]
     assert all(torch.equal(finals[0], f) for f in finals[1:])
-    assert torch.equal(finals[0], RULE.finalize(fold(reference, members), KEY))
+    assert torch.equal(finals[0], RULE.finalize(fold(reference, members), KEY).input)
     assert not RULE.close(fold(reference, members))  # the parent holds x_ref: it finalizes
     with pytest.raises(ValueError, match="contributed twice"):
         fold_results(RULE, KEY, [batch(*names[:2]), batch(names[1])], order, reference=reference)

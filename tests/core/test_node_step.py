@@ -92,7 +92,7 @@ def test_node_up_aggregates_selects_residuals_and_folds_its_inbox():
         report.partial.add(c.theta, c.weight)
     report.candidates.extend(candidates)
     inbox = {"up1": pending("up1", "c9", 4, ([2.0, 0.0], 2.0))}
-    state, posts = node_up(NodeState(model=t(0, 0)), report, inbox, settings, KEY)
+    state, posts, _ = node_up(NodeState(model=t(0, 0)), report, inbox, settings, KEY)
     assert state.theta.tolist() == [1.5, 3.0]
     assert state.res_seen == {"up1/c9": 4} and int(state.opt_up["step"]) == 1
     [post] = posts
@@ -106,7 +106,7 @@ def test_node_up_mean_combine_posts_one_model_and_each_posts_k():
         report.partial.add(t(*values), w)
         report.candidates.append(Candidate(f"c{len(report.candidates)}", t(*values), w))
     links = (UpLink(0, "root", k=2, combine="mean"), UpLink(1, "mid", k=2, combine="each"))
-    _, posts = node_up(NodeState(model=t(0, 0)), report, {}, NodeSettings(res_up=links), KEY)
+    _, posts, _ = node_up(NodeState(model=t(0, 0)), report, {}, NodeSettings(res_up=links), KEY)
     assert [(p.target, p.models) for p in posts] == [("root", 1), ("mid", 2)]
     # the two largest updates are [0, 8] and [3, 0]: "mean" is their plain mean as one model
     assert posts[0].part.mean().tolist() == [1.5, 4.0] and posts[0].part.weight == 1.0
@@ -116,9 +116,9 @@ def test_node_up_mean_combine_posts_one_model_and_each_posts_k():
 def test_node_up_with_no_children_or_all_dropped_changes_nothing():
     settings = NodeSettings(res_up=(UpLink(0, "root"),))
     state = NodeState(model=t(1, 1))
-    assert node_up(state, None, {}, settings, KEY) == (state, [])
+    assert node_up(state, None, {}, settings, KEY) == (state, [], {})
     dropped = replace(folded_round(), dropped=["c1"])
-    assert node_up(state, dropped, {"up0": pending("up0", "x", 0, ([1.0, 1.0], 1.0))}, settings, KEY) == (state, [])
+    assert node_up(state, dropped, {"up0": pending("up0", "x", 0, ([1.0, 1.0], 1.0))}, settings, KEY) == (state, [], {})
 
 
 def test_down_posts_send_the_round_model_with_weight_one():

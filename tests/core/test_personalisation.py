@@ -78,7 +78,7 @@ def test_node_down_and_node_up_pass_the_scorer_to_interp():
     # distance to [3, 0.5]: 0.25, 0, 0.25, 1, 2.25 -> alpha 0.25
     report = FoldedRound(WeightedSum(), [], {}, [])
     report.partial.add(torch.tensor([3.5, 0.5]), 2.0)
-    up, posts = node_up(down, report, {}, node_settings, RoundKey("p", 0), distance_to([3.0, 0.5]))
+    up, posts, _ = node_up(down, report, {}, node_settings, RoundKey("p", 0), distance_to([3.0, 0.5]))
     assert up.theta.tolist() == [3.0, 0.5]
     assert up.opt_up["alpha"].item() == 0.25 and posts == []
 

@@ -46,15 +46,16 @@ def by_hand_clipped(update: torch.Tensor, clip: float) -> torch.Tensor:
 
 def fold(p: PrivacyParams, layout: list[list[str]], clip: float | None = None):
     """The models folded in worker batches (``layout``), each batch sent up as a partial, then merged in order."""
-    rule = rule_for(AggregateParams(privacy=p))
+    rule = rule_for(AggregateParams(wrappers=(p,)))
+    plan = rule.plan({} if clip is None else {"dp/clip": clip}, ())  # the round's clip: the rule's state
     results = []
     for batch in layout:
-        partial = rule.start(KEY.as_caller(), reference=REFERENCE, clip=clip)
+        partial = rule.start(KEY.as_caller(), plan, REFERENCE)
         for member in batch:
             rule.contribute(partial, member, MODELS[member], 1.0)
         tensors, numbers = rule.wire(partial)  # what crosses the process boundary
         results.append(ChildResult(members=tuple(batch), partial=rule.unwire(tensors, numbers)))
-    return rule, fold_results(rule, KEY, results, [*MODELS, "edge-en"], REFERENCE, clip)
+    return rule, fold_results(rule, KEY, results, [*MODELS, "edge-en"], REFERENCE, plan)
 
 
 def test_an_update_is_clipped_to_the_norm_and_one_within_it_is_kept():
@@ -70,7 +71,7 @@ def test_an_update_is_clipped_to_the_norm_and_one_within_it_is_kept():
 def test_the_noised_mean_is_the_reference_plus_clipped_updates_and_seeded_noise_over_the_expected_count():
     p = params(z=0.5, clip=1.0, expected=5)  # one of the five expected children dropped out
     rule, folded = fold(p, [["c0", "c1"], ["c2", "c3"]])
-    got = rule.finalize(folded.partial, KEY)
+    got = rule.finalize(folded.partial, KEY).input
 
     summed = sum(by_hand_clipped(m - REFERENCE, 1.0).double() for m in MODELS.values())
     gen = torch.Generator().manual_seed(derive_seed(77, "update", *KEY.parts()))
@@ -90,17 +91,17 @@ def test_the_same_round_gives_the_same_bits_however_children_were_batched_and_a_
     outs = []
     for layout in layouts:
         rule, folded = fold(p, layout)
-        outs.append(rule.finalize(folded.partial, KEY))
+        outs.append(rule.finalize(folded.partial, KEY).input)
     assert all(torch.equal(outs[0], o) for o in outs[1:])
     rule, folded = fold(p, layouts[0])
     later = RoundKey(KEY.node_id, KEY.round + 1, KEY.caller)
-    assert not torch.equal(rule.finalize(folded.partial, later), outs[0])
+    assert not torch.equal(rule.finalize(folded.partial, later).input, outs[0])
 
 
 def test_no_noise_and_a_large_clip_is_the_plain_unweighted_mean():
     rule, folded = fold(params(z=0.0, clip=100.0, expected=4), [["c0", "c1", "c2", "c3"]])
     plain = (sum(m.double() for m in MODELS.values()) / 4).to(torch.float32)
-    assert torch.allclose(rule.finalize(folded.partial, KEY), plain, atol=1e-6)
+    assert torch.allclose(rule.finalize(folded.partial, KEY).input, plain, atol=1e-6)
 
 
 def test_adaptive_clipping_moves_the_norm_by_the_noised_unclipped_share():
@@ -120,11 +121,12 @@ def test_adaptive_clipping_moves_the_norm_by_the_noised_unclipped_share():
 def test_node_up_steps_to_the_noised_mean_and_keeps_the_adaptive_clip_in_the_state():
     adaptive = AdaptiveClip(quantile=0.5, lr=0.2, count_noise=1.5)
     p = params(z=0.5, clip=1.0, adaptive=adaptive)
-    settings = NodeSettings(aggregate=AggregateParams(privacy=p))
+    settings = NodeSettings(aggregate=AggregateParams(wrappers=(p,)))
     rule, folded = fold(p, [["c0", "c1", "c2", "c3"]])
-    state, posts = node_up(NodeState(model=REFERENCE.clone()), folded, {}, settings, KEY)
-    assert torch.equal(state.theta, rule.finalize(folded.partial, KEY)) and not posts  # fedavg, eta 1: adopt it
-    assert state.clip == next_clip(p, folded.partial, KEY) != 1.0
+    state, posts, _ = node_up(NodeState(model=REFERENCE.clone()), folded, {}, settings, KEY)
+    assert torch.equal(state.theta, rule.finalize(folded.partial, KEY).input) and not posts  # fedavg, eta 1: adopt it
+    moved = next_clip(p, folded.partial, KEY)
+    assert state.rule_state == {"dp/clip": moved} and moved != 1.0
 
 
 def test_epsilon_is_the_replace_one_gaussian_mechanism_composed_over_rounds():

@@ -32,7 +32,7 @@ def fold(rule, models: dict[str, torch.Tensor], weights: dict[str, float] | None
 
 
 def result(rule, models, weights=None) -> torch.Tensor:
-    return rule.finalize(fold(rule, models, weights), KEY)
+    return rule.finalize(fold(rule, models, weights), KEY).input
 
 
 def test_the_median_by_hand():
@@ -157,10 +157,10 @@ def test_the_same_bits_whatever_the_batching_the_arrival_order_and_the_wire(para
         layout([names[5:6], names[:2], names[2:5]], False),
         layout([[n] for n in reversed(names[:6])], False),
     ]
-    finals = [rule.finalize(fold_results(rule, KEY, results, order).partial, KEY) for results in layouts]
+    finals = [rule.finalize(fold_results(rule, KEY, results, order).partial, KEY).input for results in layouts]
     # and folded directly in other orders (as a worker closing a whole round in its placement's order would)
     for permuted in (names[::-1], names[3:] + names[:3]):
-        finals.append(rule.finalize(fold(rule, {n: models[n] for n in permuted}, weights), KEY))
+        finals.append(rule.finalize(fold(rule, {n: models[n] for n in permuted}, weights), KEY).input)
     assert all(torch.equal(finals[0], f) for f in finals[1:])
     assert all(torch.equal(torch.signbit(finals[0]), torch.signbit(f)) for f in finals[1:])  # -0.0 == 0.0 above
     with pytest.raises(ValueError, match="contributed twice"):
@@ -178,7 +178,7 @@ def test_a_whole_round_closed_on_its_worker_gives_the_parents_bits(params):
     assert numbers == {"weight": sum(weights.values())}
     received = rule.unwire(tensors, numbers)
     folded = fold_results(rule, KEY, [ChildResult(members=tuple(models), partial=received)], [*models, "edge"])
-    assert torch.equal(rule.finalize(folded.partial, KEY), rule.finalize(opened, KEY))
+    assert torch.equal(rule.finalize(folded.partial, KEY).input, rule.finalize(opened, KEY).input)
     with pytest.raises(ValueError, match="closed fold"):
         rule.contribute(folded.partial, "late", models["client-00"], 1.0)
 

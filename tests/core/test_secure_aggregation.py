@@ -26,16 +26,17 @@ PEERS = tuple(MODELS)
 
 
 def fold(layout, contributors=PEERS, params=PARAMS, privacy=None):
-    rule = rule_for(AggregateParams(secagg=params, privacy=privacy))
+    rule = rule_for(AggregateParams(wrappers=(params,) if privacy is None else (privacy, params)))
+    plan = rule.plan({}, PEERS)  # the round's called cohort: every member's peers
     results = []
     for batch in layout:
-        partial = rule.start(KEY.as_caller(), reference=REFERENCE, peers=PEERS)
+        partial = rule.start(KEY.as_caller(), plan, REFERENCE)
         for member in batch:
             if member in contributors:
                 rule.contribute(partial, member, MODELS[member], WEIGHTS[member])
         tensors, numbers = rule.wire(partial)  # what a worker sends: masked sums and counts
         results.append(ChildResult(members=tuple(batch), partial=rule.unwire(tensors, numbers)))
-    return rule, fold_results(rule, KEY, results, [*PEERS, "edge-en"], REFERENCE, None, PEERS).partial
+    return rule, fold_results(rule, KEY, results, [*PEERS, "edge-en"], REFERENCE, plan).partial
 
 
 def quantised(member: str) -> torch.Tensor:
@@ -52,8 +53,8 @@ def test_the_unmasked_sum_is_the_plain_quantised_sum_exactly_however_batched():
 
 
 def test_one_masked_update_looks_uniform_and_the_unmasked_one_does_not():
-    rule = rule_for(AggregateParams(secagg=PARAMS))
-    alone = rule.start(KEY.as_caller(), reference=REFERENCE, peers=PEERS)
+    rule = rule_for(AggregateParams(wrappers=(PARAMS,)))
+    alone = rule.start(KEY.as_caller(), rule.plan({}, PEERS), REFERENCE)
     rule.contribute(alone, "c2", MODELS["c2"], WEIGHTS["c2"])
     top = (alone.masked >> 40) & 255  # the top byte of the 48-bit field
     assert chisquare(torch.bincount(top, minlength=256).numpy()).pvalue > 1e-3
@@ -67,7 +68,7 @@ def test_the_mean_is_within_the_documented_quantisation_error_of_the_exact_weigh
     exact = sum(WEIGHTS[m] * (MODELS[m].double() - REFERENCE.double()) for m in PEERS) / total
     got = partial.unmasked().double() / 2.0**24 / total
     assert (got - exact).abs().max() <= len(PEERS) * 2.0**-25 / total
-    mean = rule.finalize(partial, KEY)
+    mean = rule.finalize(partial, KEY).input
     assert torch.allclose(mean.double(), REFERENCE.double() + exact, atol=1e-6)
 
 
@@ -83,12 +84,12 @@ def test_a_client_that_never_sent_its_update_has_its_masks_removed_from_the_surv
 def test_with_dp_updates_are_clipped_before_masking_and_noised_after_unmasking():
     privacy = PrivacyParams(clip=0.5, noise_multiplier=0.8, expected=5, population=6, noise_seed=3)
     secure, masked = fold([["c1", "c3"], ["c0", "c2", "c4"]], privacy=privacy)
-    dp = rule_for(AggregateParams(privacy=privacy))
-    plain = dp.start(KEY.as_caller(), reference=REFERENCE, clip=0.5)
+    dp = rule_for(AggregateParams(wrappers=(privacy,)))
+    plain = dp.start(KEY.as_caller(), dp.plan({}, ()), REFERENCE)
     for m in PEERS:
         dp.contribute(plain, m, MODELS[m], WEIGHTS[m])
     assert masked.clipped == plain.clipped == 5  # every update (norm ~3) was longer than 0.5
-    together, separately = secure.finalize(masked, KEY), dp.finalize(plain, KEY)
+    together, separately = secure.finalize(masked, KEY).input, dp.finalize(plain, KEY).input
     assert torch.allclose(together, separately, atol=1e-6) and not torch.equal(together, REFERENCE)
 
 

@@ -46,7 +46,7 @@ def test_a_fold_made_in_mapped_files_is_sent_without_a_copy(tmp_path):
         allocated[part] = transfer.allocate(f"batch.{part}", numel, dtype)
         return allocated[part][1]
 
-    partial = rule.start(Caller("A", 0), allocate)
+    partial = rule.start(Caller("A", 0), allocate=allocate)
     xs = [torch.randn(500) for _ in range(3)]
     for i, x in enumerate(xs):
         rule.contribute(partial, f"c{i}", x, float(i + 1))
@@ -61,7 +61,7 @@ def test_a_fold_made_in_mapped_files_is_sent_without_a_copy(tmp_path):
     got = receive_result(sent, rule)
     assert not any((tmp_path / "t").iterdir())  # mapped, then removed
     want = sum(w * x.double() for w, x in zip((1, 2, 3), xs)) / 6
-    assert torch.equal(rule.finalize(got.partial, None), want.float())
+    assert torch.equal(rule.finalize(got.partial, None).input, want.float())
     assert got.members == result.members and got.losses == result.losses
     assert torch.equal(got.candidates[0].theta, xs[2]) and got.candidates[0].loss == 0.25
 

@@ -367,7 +367,7 @@ def test_a_batch_that_is_its_whole_round_sends_the_closed_mean(evaluated_runs):
         sent = runtime.train_clients(tree["run_path"], plan, clients, phi, batch_call)
         sizes.append({part: Path(ref.path).stat().st_size for part, ref in sent.partial.items()})
         folded = fold_results(rule, key, [receive_result(sent, rule)], [*clients, edge.id])
-        means.append(rule.finalize(folded.partial, key))
+        means.append(rule.finalize(folded.partial, key).input)
     numel = means[0].numel()
     assert sizes == [{"hi": 8 * numel, "lo": 8 * numel}, {"mean": 4 * numel}, {"mean": 4 * numel}]
     assert torch.equal(means[0], means[1]) and torch.equal(means[0], means[2])

@@ -1,0 +1,125 @@
+"""The ``zeroing`` wrapper: a child's update that is not finite, or too long, counts as no update (TFF's zeroing).
+
+A server with ``aggregate: {wrap: [{zeroing: {max_norm: B}}, ...]}`` checks every child's
+update ``x_i - theta`` (its model against the model it was sent) where the child is
+folded: if any value is NaN or infinite, or its L2 norm is above ``B`` (default: no bound,
+only non-finite updates), the child contributes ``theta`` itself (a zero update) with its
+weight, and the fold counts it (``zeroing/zeroed``, of which ``zeroing/nonfinite``). So a
+diverged client cannot turn the server's model into NaN, and one that sends a huge
+update moves nothing, as TensorFlow Federated's ``zeroing_factory`` does; the rule it
+wraps (the mean, a robust rule, ``dp``) folds what is left. The norm is taken in float64
+on the model's device; a contribution within the bound is passed on unchanged, so a
+round where nothing is zeroed gives the wrapped rule's bits.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from bhfl_core.algorithm.contract import NO_PLAN, FoldPlan, Partial
+from bhfl_core.algorithm.node_state import Caller, RoundKey
+from bhfl_core.algorithm.privacy_params import ZeroingParams
+from bhfl_core.algorithm.rule_registry import NO_STATE, AggregationRule, Finalized, RuleState, register_wrapper
+
+if TYPE_CHECKING:
+    import torch
+
+    from bhfl_core.algorithm.aggregation import Allocator
+
+ZEROED = "zeroing/zeroed"
+"""Metric: the children whose update was zeroed this round (non-finite or above ``max_norm``)."""
+
+NONFINITE = "zeroing/nonfinite"
+"""Metric: of those, the ones with a NaN or infinite value."""
+
+
+class Zeroed:
+    """The wrapped rule's partial, with the model the children were sent and what was zeroed."""
+
+    def __init__(self, inner: Partial, reference: torch.Tensor | None, zeroed: int = 0, nonfinite: int = 0) -> None:
+        self.inner, self.reference = inner, reference
+        self.zeroed, self.nonfinite = zeroed, nonfinite
+        self._reference_on: dict[Any, torch.Tensor] = {}
+
+    @property
+    def weight(self) -> float:
+        return self.inner.weight
+
+    @property
+    def empty(self) -> bool:
+        return self.inner.empty
+
+    def reference_on(self, device: torch.device) -> torch.Tensor:
+        """The reference on ``device``, copied once per device and fold."""
+        if self.reference is None:
+            raise ValueError("zeroing checks updates against the model the children were sent: none was given")
+        if device not in self._reference_on:
+            self._reference_on[device] = self.reference.to(device)
+        return self._reference_on[device]
+
+
+def _zeroed(partial: Partial) -> Zeroed:
+    if not isinstance(partial, Zeroed):
+        raise TypeError(f"the zeroing wrapper folds Zeroed partials, got {type(partial).__name__}")
+    return partial
+
+
+@register_wrapper("zeroing", ZeroingParams)
+class ZeroingRule:
+    """Zeroes non-finite or too-long updates (module docstring), then folds with the rule it wraps."""
+
+    def __init__(self, params: ZeroingParams, inner: AggregationRule) -> None:
+        self.params, self.inner = params, inner
+
+    def plan(self, state: RuleState, called: Sequence[str]) -> FoldPlan:
+        return self.inner.plan(state, called)
+
+    def start(
+        self,
+        round_of: Caller,
+        plan: FoldPlan = NO_PLAN,
+        reference: torch.Tensor | None = None,
+        allocate: Allocator | None = None,
+    ) -> Zeroed:
+        return Zeroed(self.inner.start(round_of, plan, reference, allocate), reference)
+
+    def contribute(
+        self, partial: Partial, member: str, model: torch.Tensor, weight: float, steps: int | None = None
+    ) -> None:
+        import torch
+
+        fold = _zeroed(partial)
+        reference = fold.reference_on(model.device)
+        norm = float(torch.linalg.vector_norm(model.to(torch.float64) - reference.to(torch.float64)))
+        if not math.isfinite(norm) or norm > self.params.max_norm:
+            fold.zeroed += 1
+            fold.nonfinite += not math.isfinite(norm)
+            model = reference.to(model.dtype)
+        self.inner.contribute(fold.inner, member, model, weight, steps)
+
+    def merge(self, into: Partial, other: Partial) -> None:
+        mine, theirs = _zeroed(into), _zeroed(other)
+        self.inner.merge(mine.inner, theirs.inner)
+        mine.zeroed += theirs.zeroed
+        mine.nonfinite += theirs.nonfinite
+
+    def close(self, partial: Partial) -> bool:
+        return self.inner.close(_zeroed(partial).inner)
+
+    def finalize(self, partial: Partial, key: RoundKey, state: RuleState = NO_STATE) -> Finalized:
+        fold = _zeroed(partial)
+        done = self.inner.finalize(fold.inner, key, state)
+        return Finalized(
+            done.input, done.state, {**done.metrics, ZEROED: float(fold.zeroed), NONFINITE: float(fold.nonfinite)}
+        )
+
+    def wire(self, partial: Partial) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+        fold = _zeroed(partial)
+        tensors, numbers = self.inner.wire(fold.inner)
+        return tensors, {**numbers, ZEROED: float(fold.zeroed), NONFINITE: float(fold.nonfinite)}
+
+    def unwire(self, tensors: Mapping[str, torch.Tensor], numbers: Mapping[str, float]) -> Zeroed:
+        rest = {k: v for k, v in numbers.items() if k not in (ZEROED, NONFINITE)}
+        return Zeroed(self.inner.unwire(tensors, rest), None, int(numbers[ZEROED]), int(numbers[NONFINITE]))
