@@ -3,8 +3,8 @@
 The default, ``mean``, is the exact weighted mean of ``aggregation.WeightedSum``: its
 partials are exact sums, so the mean does not depend on how the children were spread
 over workers or in which order they arrived. The wrappers around a rule (DP,
-``dp_rule.py``; secure aggregation, ``secagg_rule.py``; ``zeroing.py``) and the other
-rules (``robust_rules.py``, ``fednova.py``) live in their own modules.
+``dp_rule.py``; secure aggregation, ``secagg_rule.py``; ``zeroing_rule.py``) and the other
+rules (``robust_rules.py``, ``fednova_rule.py``) live in their own modules.
 
 ``fold_results`` is the one place a round's child results meet their parent. What a
 rule is and how one is registered: ``rule_registry.py``; looking one up: ``rules.py``.

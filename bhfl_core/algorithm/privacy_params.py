@@ -83,7 +83,7 @@ class SecAggParams:
 
 @dataclass(frozen=True)
 class ZeroingParams:
-    """A server's ``zeroing`` wrapper (``zeroing.py``): a child's update that is not finite, or whose L2 norm is
+    """A server's ``zeroing`` wrapper (``zeroing_rule.py``): a child's update that is not finite, or whose L2 norm is
     above ``max_norm``, is replaced by zero (the model the child was sent) and counted (TFF's zeroing factory)."""
 
     max_norm: float = float("inf")

@@ -1,16 +1,21 @@
 """Every aggregation rule and wrapper, registered, and how a node's settings find theirs (``rule_for``).
 
-Importing this module imports each module that registers one: ``aggregation_rule.py``
-(the mean), ``robust_rules.py`` (coordinate-wise median, trimmed mean, Krum),
-``fednova.py`` (FedNova), and the wrappers ``zeroing.py``, ``dp_rule.py`` and
-``secagg_rule.py``. A new rule's module is added to that list. Each rule declares its
-``RuleTraits`` (the ``aggregate`` keys it reads, what it needs of its node), which the
-config checks before any work (``config/aggregation_settings.py``).
+A rule lives in one module of this package named ``<name>_rule.py`` (or ``_rules.py``
+for several): importing this module imports each of them, and each registers its rules
+on import (``@register_rule`` / ``@register_wrapper``). So adding a rule is adding one
+file (docs/design.md, "An aggregation rule"). Today: ``aggregation_rule.py`` (the mean),
+``robust_rules.py`` (coordinate-wise median, trimmed mean, Krum), ``fednova_rule.py``
+(FedNova), and the wrappers ``zeroing_rule.py``, ``dp_rule.py`` and ``secagg_rule.py``.
+Each rule declares its ``RuleTraits`` (the ``aggregate`` keys it reads, what it needs of
+its node), which the config checks before any work (``config/aggregation_settings.py``).
 """
 
 from __future__ import annotations
 
-from bhfl_core.algorithm import dp_rule, fednova, robust_rules, secagg_rule, zeroing  # noqa: F401  (they register)
+import importlib
+import pkgutil
+
+import bhfl_core.algorithm
 from bhfl_core.algorithm.rule_registry import (
     AggregateParams,
     AggregationRule,
@@ -19,6 +24,18 @@ from bhfl_core.algorithm.rule_registry import (
     registered_names,
     registered_wrapper,
 )
+
+RULE_MODULES = tuple(
+    sorted(
+        info.name
+        for info in pkgutil.iter_modules(bhfl_core.algorithm.__path__)
+        if info.name.endswith(("_rule", "_rules"))
+    )
+)
+"""The modules that register rules, found by their names (imported below, in this order)."""
+
+for _module in RULE_MODULES:
+    importlib.import_module(f"bhfl_core.algorithm.{_module}")
 
 
 def available_rules() -> list[str]:

@@ -20,13 +20,12 @@ from bhfl_core.algorithm.rules import rule_traits
 from bhfl_core.algorithm.tree import Role
 from bhfl_core.config.base import ConfigError
 from bhfl_core.config.schema import ExperimentConfig
-from bhfl_core.config.tree_schema import (
+from bhfl_core.config.tree_schema import AggregateSettings, TrainSettings
+from bhfl_core.config.wrapper_schema import (
     WRAPPERS,
-    AggregateSettings,
     CompressSettings,
     PrivacySettings,
     SecureAggregationSettings,
-    TrainSettings,
     ZeroingSettings,
 )
 from bhfl_core.rng import derive_seed

@@ -20,10 +20,8 @@ from pydantic import Field, field_validator, model_validator
 from bhfl_core.config.base import Strict
 from bhfl_core.config.data import DataConfig, KMeansClustering
 from bhfl_core.config.tree_schema import (
-    AdaptiveClipSettings,
     AggregateSettings,
     ClockSettings,
-    CompressSettings,
     DownResidual,
     DpSgdSettings,
     GroupSpec,
@@ -31,13 +29,19 @@ from bhfl_core.config.tree_schema import (
     NodeOverride,
     OptKind,
     OptSettings,
-    PrivacySettings,
     ResidualsConfig,
-    SecureAggregationSettings,
     StalenessSettings,
     TrainSettings,
     TreeConfig,
     UpResidual,
+)
+from bhfl_core.config.wrapper_schema import (
+    AdaptiveClipSettings,
+    CompressSettings,
+    PrivacySettings,
+    SecureAggregationSettings,
+    WrapSettings,
+    ZeroingSettings,
 )
 from bhfl_core.learning.model_config import ModelConfig as ModelConfig  # noqa: PLC0414 (where callers find it)
 
@@ -67,6 +71,8 @@ __all__ = [  # the tree section's classes too (tree_schema.py): callers import t
     "TrainSettings",
     "TreeConfig",
     "UpResidual",
+    "WrapSettings",
+    "ZeroingSettings",
     "dump",
 ]
 

@@ -9,7 +9,7 @@ import torch
 
 from bhfl_core.algorithm.aggregation_rule import MeanRule, fold_results
 from bhfl_core.algorithm.contract import ChildResult
-from bhfl_core.algorithm.fednova import FedNovaRule, nova_weight
+from bhfl_core.algorithm.fednova_rule import FedNovaRule, nova_weight
 from bhfl_core.algorithm.node_state import Caller, RoundKey
 from bhfl_core.algorithm.rule_registry import AggregateParams
 from bhfl_core.algorithm.rules import rule_for

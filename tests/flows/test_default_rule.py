@@ -1,5 +1,6 @@
 """The parent-child contract and the new data path changed no result: models bit-identical to the code before;
-the streaming evaluation (issue 43) wrote the same evaluation tables.
+the streaming evaluation (issue 43) wrote the same evaluation tables; DP and secure aggregation as wrappers of a
+rule with state (issue 44) left their runs' node files as they were.
 
 The default aggregation rule (``mean``), the typed child results, folding on the worker,
 the background checkpoints and the shared-memory transfer replaced the code of d24387f
@@ -56,16 +57,18 @@ from tests.small import small_config
 def main():
     out = Path(sys.argv[1])
     print("capability", torch.backends.cpu.get_cpu_capability())
-    for config in sys.argv[2:]:
-        cfg = small_config("runtime.executor=inprocess", "eval.every=0", f"name={config[:-5]}", config=config)
+    for i, spec in enumerate(sys.argv[2:]):  # "<config>[+<override>;<override>...]"
+        config, _, extra = spec.partition("+")
+        overrides = [o for o in extra.split(";") if o]
+        cfg = small_config("runtime.executor=inprocess", "eval.every=0", f"name=c{i}", *overrides, config=config)
         run = Path(run_experiment(cfg, out, orchestration=PLAIN_CALLS)["run_path"])
         digest = hashlib.sha256()
         for path in sorted((run / "state" / "nodes").glob("*.safetensors")):
             tensors, _ = load_tensors(path)
             for name in sorted(tensors):
                 digest.update(f"{path.name}/{name}".encode() + tensors[name].contiguous().numpy().tobytes())
-        print(config, digest.hexdigest()[:16])
-        for table in EVAL_TABLES:
+        print(spec, digest.hexdigest()[:16])
+        for table in EVAL_TABLES if "+" not in spec else ():  # the plain configs' tables
             text = (run / "report" / "eval" / f"{table}.csv").read_bytes()
             print(f"{config}:{table}", hashlib.sha256(text).hexdigest()[:16])
 
@@ -74,12 +77,13 @@ if __name__ == "__main__":
 """.replace('"@TABLES@"', repr(EVAL_TABLES))
 
 
-def test_default_rule_and_data_path_leave_every_model_bit_identical(tmp_path):
+def _hashes(tmp_path, specs) -> tuple[str, dict[str, str], dict[str, str]]:
+    """Run each spec (a config and its overrides) with torch's AVX2 kernels: the capability, node and table hashes."""
     if not torch.backends.cpu.get_cpu_capability().startswith("AVX"):
         pytest.skip("the reference hashes were measured with x86 AVX kernels")
     env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}
     out = subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(tmp_path), *BEFORE["AVX2"]],
+        [sys.executable, "-c", SCRIPT, str(tmp_path), *specs],
         check=False,
         cwd=REPO,
         env=env,
@@ -88,9 +92,30 @@ def test_default_rule_and_data_path_leave_every_model_bit_identical(tmp_path):
         timeout=600,
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    lines = dict(line.split(" ", 1) for line in out.stdout.splitlines() if " " in line)
+    lines = dict(line.rsplit(" ", 1) for line in out.stdout.splitlines() if " " in line and not line[0].isdigit())
     capability = lines.pop("capability")
-    tables = {key: lines.pop(key) for key in list(lines) if ":" in key}
+    tables = {key: lines.pop(key) for key in list(lines) if "+" not in key and ":" in key}
+    return capability, lines, tables
+
+
+def test_default_rule_and_data_path_leave_every_model_bit_identical(tmp_path):
+    capability, lines, tables = _hashes(tmp_path, BEFORE["AVX2"])
     assert lines == BEFORE[capability]
     if capability == "AVX2":  # (measured with AVX2 kernels only)
         assert tables == {f"{c}:{t}": h for c, hashes in EVAL_BEFORE.items() for t, h in hashes.items()}
+
+
+SECAGG = "bhfl-secagg.yaml+tree.edge.secure_aggregation.threshold=2"  # the small tree's edges call 2 children
+PRIVATE_BEFORE = {  # measured at dd61377, before rules kept state and DP/SecAgg became wrappers (issue 44)
+    "bhfl-dp.yaml": "191223f2b997557e",  # adaptive clipping: the clip is the rule's state
+    "bhfl-dp.yaml+tree.edge.privacy.adaptive=null": "9195b412e9329776",
+    SECAGG: "6cbccf59c10d9632",
+    # DP around secure aggregation, written as the wrapper list (then: privacy: beside secure_aggregation:)
+    "bhfl-secagg.yaml+tree.edge.secure_aggregation=null;tree.edge.aggregate={wrap: [{dp: {clip: 1.0, "
+    "noise_multiplier: 1.0}}, {secagg: {threshold: 2}}]}": "27545736f0f1c052",
+}
+
+
+def test_dp_and_secure_aggregation_as_wrappers_leave_every_model_bit_identical(tmp_path):
+    capability, lines, _ = _hashes(tmp_path, PRIVATE_BEFORE)
+    assert capability == "AVX2" and lines == PRIVATE_BEFORE

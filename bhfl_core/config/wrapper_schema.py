@@ -1,0 +1,104 @@
+"""The settings of what wraps a server's aggregation rule (``aggregate.wrap``): compression, zeroing, DP, secure
+aggregation; each resolved per node by ``aggregation_settings.py`` (docs/config.md, "Aggregation rules and
+wrappers")."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, model_validator
+
+from bhfl_core.config.base import Strict
+
+
+class CompressSettings(Strict):
+    """What a server's children send it: their update compressed (``bhfl_core/algorithm/compression.py``).
+
+    ``int8``: stochastic 8-bit quantisation, one float32 scale per ``block`` values;
+    ``topk``: the ``fraction`` of entries largest in magnitude. ``error_feedback``: each
+    child adds what its earlier payloads left out (kept in its state) before compressing.
+    """
+
+    kind: Literal["int8", "topk"]
+    fraction: Annotated[float, Field(gt=0, le=1)] = 0.01
+    block: Annotated[int, Field(ge=1)] = 512
+    error_feedback: bool = True
+
+
+class AdaptiveClipSettings(Strict):
+    """Adaptive clipping (Andrew et al. 2021): the clipping norm follows a quantile of the update norms.
+
+    ``count_noise``: std of the noise on the count of unclipped updates (sigma_b); unset,
+    the paper's ``expected cohort / 20``. It must exceed ``noise_multiplier / 2``.
+    """
+
+    quantile: Annotated[float, Field(gt=0, lt=1)] = 0.5
+    lr: Annotated[float, Field(gt=0)] = 0.2
+    count_noise: Annotated[float, Field(gt=0)] | None = None
+
+
+class PrivacySettings(Strict):
+    """Client-level differential privacy at a server (DP-FedAvg; docs/privacy.md).
+
+    Each child's update (its model minus the model the server sent it) is clipped to L2
+    norm ``clip``; Gaussian noise of std ``noise_multiplier * clip`` is added to the sum;
+    the mean divides by the expected cohort size. ``delta``: the delta epsilon is reported at.
+    """
+
+    clip: Annotated[float, Field(gt=0)]
+    noise_multiplier: Annotated[float, Field(ge=0)]
+    adaptive: AdaptiveClipSettings | None = None
+    delta: Annotated[float, Field(gt=0, lt=1)] = 1e-5
+
+
+class SecureAggregationSettings(Strict):
+    """Secure aggregation at a server (simulated Bonawitz et al. 2017; docs/privacy.md).
+
+    Updates become fixed-point integers (``fraction_bits`` below the point) summed modulo
+    ``2**bits``; ``threshold``: how many of the round's children must send their masked
+    update for the masks to be removed (default: a majority of the cohort).
+    """
+
+    bits: Annotated[int, Field(ge=16, le=62)] = 48
+    fraction_bits: Annotated[int, Field(ge=0, le=60)] = 24
+    threshold: Annotated[int, Field(ge=1)] | None = None
+
+
+class ZeroingSettings(Strict):
+    """Zeroing (TFF's ``zeroing_factory``): a child's update with a non-finite value, or an L2 norm above
+    ``max_norm`` (unset: no bound), is replaced by zero and counted (``zeroing/zeroed``)."""
+
+    max_norm: Annotated[float, Field(gt=0)] | None = None
+
+
+WRAPPERS = ("compress", "zeroing", "dp", "secagg")
+"""The wrappers ``aggregate.wrap`` lists, in the one order they compose (outermost first)."""
+
+
+class WrapSettings(Strict):
+    """One wrapper of ``aggregate.wrap``: exactly one of its keys is set."""
+
+    compress: CompressSettings | None = None
+    zeroing: ZeroingSettings | None = None
+    dp: PrivacySettings | None = None
+    secagg: SecureAggregationSettings | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _named(cls, data: Any) -> Any:
+        if isinstance(data, str):  # ``- zeroing``: the wrapper with its defaults
+            if data not in WRAPPERS:
+                raise ValueError(f"unknown wrapper {data!r}; choose one of {list(WRAPPERS)}")
+            return {data: {}}
+        return data
+
+    @model_validator(mode="after")
+    def _one(self) -> WrapSettings:
+        chosen = [name for name in WRAPPERS if getattr(self, name) is not None]
+        if len(chosen) != 1:
+            raise ValueError(f"each wrap entry names one wrapper of {list(WRAPPERS)}, got {chosen or 'none'}")
+        return self
+
+    @property
+    def name(self) -> str:
+        return next(name for name in WRAPPERS if getattr(self, name) is not None)
