@@ -345,13 +345,15 @@ def _await_in_flight(run: _Execution) -> int:
 
 def _fill(run: _Execution, scope: _Scope, version: int, theta: torch.Tensor) -> None:
     """Send the newest model out: to the node's own proxy TRAIN if it is idle (``proxy_train: async``),
-    then to idle children until ``concurrency`` are in flight (or none is idle)."""
+    then to idle children until ``concurrency`` are in flight (or none is idle). Under a rule that folds one
+    contribution per child (``distinct_members``: DP), a child already in the buffer is not idle."""
     node, children = scope.node, list(scope.children.values())
     run.models.setdefault(version, theta)
     if node.settings.proxy_async and all(f.child != node.id for f in run.in_flight):
         _dispatch(run, scope, node, version, None)
+    held = set(run.buffered) if scope.rule.distinct_members else set()  # DP: one update per child and flush
     while sum(f.child != node.id for f in run.in_flight) < scope.params.concurrency:
-        busy = {f.child for f in run.in_flight}
+        busy = {f.child for f in run.in_flight} | held
         child = pick_idle(children, busy, scope.seed, node.id, run.dispatched)
         if child is None:
             return

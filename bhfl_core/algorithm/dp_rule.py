@@ -123,6 +123,8 @@ def _clipped(partial: Partial) -> ClippedSum:
 class DpRule:
     """DP-FedAvg around the sum it wraps (module docstring)."""
 
+    distinct_members = True  # the noise covers one clipped update per child and fold
+
     def __init__(self, params: PrivacyParams, inner: AggregationRule) -> None:
         self.params, self.sum = params, _as_sum(inner)
 

@@ -128,7 +128,14 @@ class RuleTraits:
 
 
 class AggregationRule(Protocol):
-    """What a rule provides; see the module docstring for where each step runs."""
+    """What a rule provides; see the module docstring for where each step runs.
+
+    ``distinct_members``: a fold may hold at most one contribution per child (``dp``: its
+    sensitivity is one child's clipped update). A synchronous round calls each child once;
+    an asynchronous node then sends no child whose result is already in its buffer.
+    """
+
+    distinct_members: bool
 
     def plan(self, state: RuleState, called: Sequence[str]) -> FoldPlan:
         """The rule's part of this round's child plans, from its state and the children the round called."""
@@ -190,6 +197,8 @@ class AggregationRule(Protocol):
 class Stateless:
     """The state half of a rule that keeps none and adds nothing to its children's plans (the mean, the robust
     rules, FedNova): such a rule only writes ``mean_input``."""
+
+    distinct_members = False
 
     def plan(self, state: RuleState, called: Sequence[str]) -> FoldPlan:
         return NO_PLAN

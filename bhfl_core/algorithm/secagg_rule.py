@@ -40,6 +40,8 @@ def _masked(partial: Partial) -> MaskedSum:
 class SecAggRule:
     """Masked where folded, unmasked only as a sum by the server (module docstring)."""
 
+    distinct_members = False  # each called child masks once; only synchronous rounds have a called cohort
+
     def __init__(self, params: SecAggParams, inner: AggregationRule) -> None:
         if not isinstance(inner, MeanRule):
             raise TypeError(f"secagg wraps the mean (a sum of updates), not {type(inner).__name__}")

@@ -76,7 +76,7 @@ def aggregate_params(
     settings = values["aggregate"]
     assert isinstance(settings, AggregateSettings)
     defaults = AggregateParams()
-    expected = cohort or num_children
+    expected = values["buffer"] if values["mode"] == "async" else cohort or num_children  # contributions a fold
     wrappers: list[WrapperParams] = []
     compress = None
     entries = _wrap_entries(settings, node_id, values, origin)
@@ -196,11 +196,22 @@ def _privacy(
     role: Role,
     values: dict[str, object],
     expected: int,
-    population: int,
+    children: int,
 ) -> PrivacyParams:
-    """A server's ``dp`` wrapper (``privacy:``) resolved for its cohort (``expected`` of ``population`` children) and
-    with its noise seed; errors name the key."""
-    _check_server_fold(key, "client-level DP", node_id, role, values)
+    """A server's ``dp`` wrapper (``privacy:``) resolved for its cohort (``expected`` of its ``children``) and
+    with its noise seed; errors name the key.
+
+    At an asynchronous server (DP-FedBuff) a fold is a flush of ``buffer`` updates, one per
+    child at most, so ``expected`` is the buffer and the accountant assumes no sampling
+    (``population == expected``: docs/privacy.md, "At an asynchronous server").
+    """
+    _check_server_fold(key, "client-level DP", node_id, role, values, async_ok=True)
+    asynchronous = values["mode"] == "async"
+    if asynchronous and expected > children:
+        raise ConfigError(
+            f"{key}: a DP flush takes at most one update per child, so buffer ({expected}) cannot exceed the "
+            f"{children} children {node_id!r} has"
+        )
     adaptive = None
     if settings.adaptive is not None:
         a = settings.adaptive
@@ -209,7 +220,7 @@ def _privacy(
         clip=settings.clip,
         noise_multiplier=settings.noise_multiplier,
         expected=expected,
-        population=population,
+        population=expected if asynchronous else children,  # asynchronous: every child may be in every flush
         noise_seed=derive_seed(config.seed, "privacy", node_id),
         delta=settings.delta,
         adaptive=adaptive,
@@ -238,12 +249,14 @@ def _zeroing(settings: ZeroingSettings, key: str, node_id: str, role: Role) -> Z
     return ZeroingParams(settings.max_norm if settings.max_norm is not None else float("inf"))
 
 
-def _check_server_fold(key: str, what: str, node_id: str, role: Role, values: dict[str, object]) -> None:
-    """DP and secure aggregation change how a server folds a round's cohort of children: not for clients, for
-    asynchronous servers (no cohort: children arrive one by one) or for a proxy TRAIN folded like a child."""
+def _check_server_fold(
+    key: str, what: str, node_id: str, role: Role, values: dict[str, object], async_ok: bool = False
+) -> None:
+    """DP and secure aggregation change how a server folds its children: not for clients, for a proxy TRAIN folded
+    like a child, nor (secure aggregation: no called cohort to mask with) for asynchronous servers."""
     if role is Role.CLIENT:
         raise ConfigError(f"{key}: {what} is a server's (it folds its children's updates); {node_id!r} is a client")
-    if values["mode"] == "async":
+    if values["mode"] == "async" and not async_ok:
         raise ConfigError(f"{key}: {what} at an asynchronous server is not supported yet ({node_id!r} has mode: async)")
     if values["proxy_train"] == "async":
         raise ConfigError(

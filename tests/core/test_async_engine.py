@@ -322,3 +322,36 @@ def test_a_synchronous_round_leaves_out_clients_that_drop_out_and_waits_for_them
     edge_a = hooks.metrics[("A", 0)]
     assert edge_a["Training/dropped_clients"] == 1.0 and edge_a["comm/up_models"] == 1.0
     assert edge_a[VIRTUAL_TIME] == 7.0 and hooks.metrics[("B", 0)][VIRTUAL_TIME] == 0.0  # A waited for a2's call
+
+
+def test_dp_fedbuff_clips_each_buffered_update_takes_one_per_child_and_divides_by_the_buffer(tmp_path):
+    """DP-FedBuff at the same star (root async, buffer 2), clip 1.5, no noise: the flushes by hand.
+
+    t=0: a1 @1, b1 @2, a2 @3 (theta0 = 0). t=1: a1 arrives ([1, 0], norm 1: kept); it is in the
+    buffer, so it is not sent again before the flush (without DP it would be: test above).
+    t=2: b1 arrives ([2, 2], norm 2.83: clipped to 1.5) -> flush 1: theta1 = ([1, 0] + clipped) / 2.
+    a1 and b1 are sent theta1 (a1 @3, b1 @4). t=3: a2 (dispatch 2) then a1 (s 0): a2's update is
+    w(1) [0, 2] = [0, 1.41] (kept) -> flush 2: theta2 = theta1 + ([0, 2/sqrt2] + [1, 0]) / 2.
+    """
+    from bhfl_core.algorithm.privacy import clip_update
+    from bhfl_core.algorithm.privacy_params import PrivacyParams
+    from bhfl_core.algorithm.rule_registry import AggregateParams
+
+    dp = PrivacyParams(clip=1.5, noise_multiplier=0.0, expected=2, population=2, noise_seed=0)
+    tree = star(2, POLY)
+    root = replace(tree.root, settings=replace(tree.root.settings, aggregate=AggregateParams(wrappers=(dp,))))
+    tree = Tree(nodes={**tree.nodes, "root": root}, root_id="root")
+    store = StateStore(tmp_path)
+    store.save("root", NodeState(model=torch.zeros(2)))
+    hooks = FakeChildren()
+    result = execute_async_node(tree, tree.root, None, store, hooks, 0)
+    clipped = clip_update(torch.tensor([2.0, 2.0]), torch.zeros(2), 1.5)[0].double()
+    theta1 = (torch.tensor([1.0, 0.0], dtype=torch.float64) + clipped) / 2
+    theta2 = theta1.float().double() + (torch.tensor([1.0, 2 / math.sqrt(2)], dtype=torch.float64)) / 2
+    assert torch.allclose(result.theta.double(), theta2, atol=1e-6)
+    dispatched = [(child, d) for child, d, _ in hooks.started]
+    assert {c for c, _ in dispatched[:3]} == {"a1", "b1", "a2"}
+    assert sorted(c for c, d in dispatched[3:]) == ["a1", "b1"]  # a1 was not sent again while it was buffered
+    first, second = hooks.rounds
+    assert (first["privacy/clipped_fraction"], second["privacy/clipped_fraction"]) == (0.5, 0.0)
+    assert first["privacy/noise_std"] == 0.0 and "privacy/epsilon" in second

@@ -68,3 +68,13 @@ def test_the_list_resolves_to_the_same_rule_as_the_shorthands():
 def test_mistakes_are_named_by_their_key(overrides, message):
     with pytest.raises(ConfigError, match=message):
         tree(COHORT, *overrides)
+
+
+def test_dp_at_an_asynchronous_server_divides_by_its_buffer_and_assumes_no_sampling():
+    fedbuff = ["tree.edge.mode=async", "tree.edge.concurrency=2", "tree.edge.buffer=2"]
+    dp = tree(*fedbuff, f"tree.edge.aggregate={{wrap: [zeroing, {{dp: {DP}}}]}}")["edge-en"].settings.aggregate.privacy
+    assert dp is not None and (dp.expected, dp.population) == (2, 2)  # a flush of 2, every child in every flush
+    with pytest.raises(ConfigError, match=r"tree.edge.privacy: a DP flush takes at most one update per child, so "):
+        tree("tree.edge.mode=async", "tree.edge.buffer=4", f"tree.edge.privacy={DP}")  # 3 children
+    with pytest.raises(ConfigError, match=r"secagg: secure aggregation at an asynchronous server is not supported"):
+        tree(*fedbuff, "tree.edge.aggregate={wrap: [{secagg: {threshold: 2}}]}")

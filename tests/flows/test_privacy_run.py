@@ -19,6 +19,8 @@ EDGE_DP = "tree.edge.privacy={clip: 0.5, noise_multiplier: 1.0, adaptive: {quant
 SECAGG = "tree.edge.secure_aggregation={threshold: 2}"  # 2 of the cohort of 2
 FIXED_DP = "tree.edge.privacy={clip: 0.5, noise_multiplier: 1.0}"
 DP_SGD = "tree.client.train.dp_sgd={noise_multiplier: 1.0, max_grad_norm: 1.0}"
+# DP-FedBuff: asynchronous edges (2 in flight, flushes of 2), each buffered update clipped, noise per flush
+DP_FEDBUFF = ["tree.edge.mode=async", "tree.edge.concurrency=2", "tree.edge.buffer=2", EDGE_DP]
 
 
 def _run(folder: Path, *overrides: str) -> dict:
@@ -42,6 +44,8 @@ def runs(tmp_path_factory):
         "secagg-dp": _plain(base / "g", SECAGG, FIXED_DP, "runtime.executor=inprocess"),
         "dp-sgd": _plain(base / "h", DP_SGD, "runtime.executor=inprocess"),
         "dp-sgd-workers": _plain(base / "i", DP_SGD, "runtime.executor=local", "runtime.workers=2"),
+        "dp-fedbuff": _plain(base / "j", *DP_FEDBUFF, "runtime.executor=inprocess"),
+        "dp-fedbuff-workers": _plain(base / "k", *DP_FEDBUFF, "runtime.executor=local", "runtime.workers=2"),
     }
 
 
@@ -71,7 +75,7 @@ def test_each_edge_logs_its_clip_noise_and_growing_epsilon_and_keeps_the_adaptiv
         noise = client.get_metric_history(run_id, "privacy/noise_std")[0].value
         assert noise == pytest.approx((1.0**-2 - 2.0**-2) ** -0.5 * 0.5 / 2)  # z_delta * C / cohort of 2
         header = load_tensors(Path(result["run_path"]) / "state" / "nodes" / f"{edge}.safetensors", [])[1]
-        assert header["clip"] > 0 and header["clip"] != clips[1]  # the state holds the next round's norm
+        assert header["rule"]["dp/clip"] > 0 and header["rule"]["dp/clip"] != clips[1]  # the next round's norm
     for server in ("root", "west", "east"):
         assert "privacy/epsilon" not in client.get_run(by_node[server].info.run_id).data.metrics
 
@@ -144,3 +148,30 @@ def test_a_dp_run_killed_after_an_adaptive_round_resumes_bit_identically(runs, t
     `bhfl resume` finishes it: the same noise, the same clips, the same node files as the uninterrupted run."""
     run_path = killed_and_resumed([*SMALL, EDGE_DP, "runtime.executor=inprocess"], tmp_path)
     assert node_files(run_path) == node_files(Path(runs["inprocess"]["run_path"]))
+
+
+def test_a_dp_fedbuff_run_is_the_same_on_any_workers_and_logs_epsilon_per_flush(runs):
+    """DP at asynchronous edges: each flush's epsilon is the accountant's for that many flushes of the Gaussian
+    mechanism on a buffer of 2 with no sampling assumed (docs/privacy.md, "At an asynchronous server")."""
+    from bhfl_core.algorithm.privacy_accounting import epsilon
+    from bhfl_core.config.topology import build_tree, placeholder_clients
+
+    result = runs["dp-fedbuff"]
+    assert node_files(Path(result["run_path"])) == node_files(Path(runs["dp-fedbuff-workers"]["run_path"]))
+    config = small_config(*DP_FEDBUFF)
+    params = build_tree(config, placeholder_clients(config))["edge-en"].settings.aggregate.privacy
+    assert params is not None and (params.expected, params.population) == (2, 2)
+    client = MlflowClient(result["tracking_uri"])
+    exp = client.get_experiment_by_name("itest")
+    (edge,) = client.search_runs([exp.experiment_id], "tags.`bhfl.node` = 'edge-en'")
+    history = sorted(client.get_metric_history(edge.info.run_id, "privacy/epsilon"), key=lambda m: m.step)
+    flushes = [m.step for m in client.get_metric_history(edge.info.run_id, "async/buffered")]
+    assert len(history) == len(flushes) >= 2
+    assert [m.value for m in history] == pytest.approx([epsilon(params, i + 1) for i in range(len(history))])
+    assert history[0].value < history[-1].value < float("inf")
+
+
+@pytest.mark.timeout(900)
+def test_a_dp_fedbuff_run_killed_mid_way_resumes_bit_identically(runs, tmp_path):
+    run_path = killed_and_resumed([*SMALL, *DP_FEDBUFF, "runtime.executor=inprocess"], tmp_path)
+    assert node_files(run_path) == node_files(Path(runs["dp-fedbuff"]["run_path"]))
