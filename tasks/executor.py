@@ -48,6 +48,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Concatenate, Generic, ParamSpec, Protocol, TypeVar
 
+from bhfl_core.config.base import ConfigError
 from bhfl_core.config.schema import RuntimeConfig
 from bhfl_core.placement import Slot
 from tasks.cluster_access import connected, security_for
@@ -119,9 +120,12 @@ def cluster_workers(address: str, runtime: RuntimeConfig) -> list[dict[str, str]
     with connected(address, runtime) as client:  # (a tls:// cluster: with the run's certificates)
         client.register_plugin(BhflWorkerPlugin())
         workers = sorted(client.run(_describe).values(), key=lambda w: w["name"])
-    if not workers:
-        raise RuntimeError(
-            f"the Dask cluster at {address} has no workers; start some with `dask worker {address} --nthreads 1`"
+    if not workers:  # a ConfigError: one paragraph with the fix and `bhfl resume` (exit 2), not a traceback
+        tls = " with the scheduler's --tls-ca-file, --tls-cert and --tls-key" if address.startswith("tls://") else ""
+        raise ConfigError(
+            f"runtime.cluster: the Dask scheduler at {address} has no workers. Start one per GPU or CPU slot, from "
+            f"the .venv bhfl is installed in (`dask worker {address} --nthreads 1 --memory-limit 0`{tls}), and wait "
+            f'until each worker\'s log says "Registered to" (one that exited at once says why at the end of its log).'
         )
     if runtime.executor == "cluster" and runtime.workers != "auto":
         workers = workers[: int(runtime.workers)]

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from bhfl_core.config.base import ConfigError
 from bhfl_core.config.schema import RuntimeConfig
 from tasks import local_cluster
 from tasks.executor import cluster_workers
@@ -35,6 +36,19 @@ def test_a_user_started_cluster_is_set_up_and_its_workers_listed(dask_cluster):
     assert len({w["pid"] for w in workers}) == 2  # separate processes
     one = cluster_workers(dask_cluster, RuntimeConfig(executor="cluster", cluster=dask_cluster, workers=1))
     assert [w["name"] for w in one] == ["w0"]
+
+
+def test_a_cluster_without_workers_is_a_message_with_the_fix_not_a_traceback():
+    """A scheduler no worker has joined yet (the README's walk-through run too early, a worker that exited):
+    a ConfigError (one paragraph, exit 2, `bhfl resume`), saying how to start a worker and check it joined."""
+    from distributed import LocalCluster
+
+    with LocalCluster(n_workers=0, host="127.0.0.1", protocol="tcp://", dashboard_address="127.0.0.1:0") as empty:
+        address = empty.scheduler_address
+        with pytest.raises(ConfigError, match=r"runtime\.cluster: the Dask scheduler at .* has no workers") as err:
+            cluster_workers(address, RuntimeConfig(executor="cluster", cluster=address))
+    assert f"dask worker {address} --nthreads 1" in str(err.value)
+    assert "Registered to" in str(err.value)
 
 
 def test_local_workers_are_warm_before_they_take_work():
