@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from bhfl_core.algorithm.engine import VIRTUAL_TIME
+from bhfl_core.algorithm.round_tail import VIRTUAL_TIME
 from bhfl_core.analysis.evaluation import Evaluation
 from bhfl_core.analysis.matrix_axes import ModelRef
 from bhfl_core.analysis.model_values import ModelValues

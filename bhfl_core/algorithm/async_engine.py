@@ -55,21 +55,13 @@ import torch
 from bhfl_core.algorithm.aggregation_rule import FoldedRound
 from bhfl_core.algorithm.asynchrony import AsyncParams, stale_model, staleness_weight
 from bhfl_core.algorithm.contract import ROOT_PLAN, ChildResult, Partial, RoundPlan
-from bhfl_core.algorithm.engine import (
-    VIRTUAL_TIME,
-    load_for_execution,
-    proxy_child,
-    proxy_metrics,
-    saved_result,
-    send_up,
-    train_metrics,
-    tuned_metrics,
-)
+from bhfl_core.algorithm.engine import load_for_execution, proxy_child, proxy_metrics, saved_result, send_up
 from bhfl_core.algorithm.engine_hooks import EngineHooks, PendingResult, PendingTrain
 from bhfl_core.algorithm.node_opt import Scorer
 from bhfl_core.algorithm.node_state import AsyncProgress, Caller, InFlight, NodeResult, NodeState, RoundKey
-from bhfl_core.algorithm.node_step import down_posts, node_down, node_up
+from bhfl_core.algorithm.node_step import down_posts, node_down
 from bhfl_core.algorithm.residuals import Candidate
+from bhfl_core.algorithm.round_tail import VIRTUAL_TIME, RoundScope, Traffic, round_tail
 from bhfl_core.algorithm.rule_registry import AggregationRule
 from bhfl_core.algorithm.rules import rule_for
 from bhfl_core.algorithm.store_protocol import ExecutionStore
@@ -217,7 +209,8 @@ def _fill_buffer(run: _Execution, key: RoundKey, state: NodeState, scope: _Scope
 
 
 def _flush(run: _Execution, state: NodeState, key: RoundKey, scope: _Scope) -> NodeState:
-    """One flush: NODEOPT_up on the buffer, the flush's metrics, the node's TRAIN, then the commit.
+    """One flush: the round tail both engines share (``round_tail.py``: NODEOPT_up on the buffer, the node's TRAIN),
+    the flush's own metrics, then the commit.
 
     The last flush of an execution first awaits the children still in flight (their
     results are dropped), so the commit never runs behind a persistent child's state.
@@ -226,23 +219,17 @@ def _flush(run: _Execution, state: NodeState, key: RoundKey, scope: _Scope) -> N
     settings = node.settings
     assert run.partial is not None
     folded = FoldedRound(run.partial, run.candidates, {}, [])
-    inbox = store.inbox(node.id, "up", state.res_seen)
-    state, posts, rule_metrics = node_up(state, folded, inbox, settings, key, scope.scorer)
+    traffic = Traffic(run.sent, sum(b != node.id for b in run.buffered), run.sent_bytes)
+    tail = round_tail(RoundScope(node, key, scope.plan, hooks, store, scope.scorer), state, folded, traffic)
     del folded  # its partial is model-sized: not kept while the next flush fills
-    store.post(node.id, key.round, posts)
-    metrics = {**_flush_metrics(run, node, posts), **rule_metrics}
-    metrics.update(tuned_metrics(state))
-    if settings.train is not None and not settings.proxy_async:
-        trained = hooks.train(node, state.theta, key, scope.plan)
-        state = replace(state, model=trained.theta)
-        metrics.update(train_metrics(node, trained))
-        run.now += float(trained.steps)  # speed 1, as in engine.round_virtual_s
-        metrics[VIRTUAL_TIME] = run.now
+    run.now += tail.train_s  # the node's own TRAIN, at speed 1 (engine.round_virtual_s)
+    metrics = {**_flush_metrics(run), **tail.metrics, VIRTUAL_TIME: run.now}
     run.partial, run.buffered, run.candidates, run.staleness, run.sent, run.dropped = None, [], [], [], 0, 0
     run.sent_bytes = 0
     run.proxy_metrics = {}
     if key.round + 1 - state.exec_start >= settings.rounds:  # an execution returns a model, not pending work
         metrics["async/dropped_results"] = float(_await_in_flight(run))
+    state = tail.state
     run.models[key.round + 1] = state.theta
     state = replace(
         state,
@@ -386,19 +373,14 @@ def _forget_unused_versions(run: _Execution, current: int) -> None:
         del run.models[version]
 
 
-def _flush_metrics(run: _Execution, node: Node, posts: Sequence[object]) -> dict[str, float]:
+def _flush_metrics(run: _Execution) -> dict[str, float]:
+    """What only an asynchronous flush reports (the shared ``comm/*`` lines are the round tail's)."""
     staleness = run.staleness
-    compressed = {"comm/up_bytes": float(run.sent_bytes)} if node.settings.aggregate.compress is not None else {}
     return {
-        **compressed,
         "async/buffered": float(len(run.buffered)),
         "async/staleness_mean": sum(staleness) / len(staleness),
         "async/staleness_max": float(max(staleness)),
         "async/in_flight": float(len(run.in_flight)),
-        VIRTUAL_TIME: run.now,
-        "comm/down_models": float(run.sent),
         "Training/dropped_clients": float(run.dropped),
-        "comm/up_models": float(sum(b != node.id for b in run.buffered)),
-        "comm/res_up_models": float(sum(getattr(p, "models", 0) for p in posts)),
         **run.proxy_metrics,
     }

@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Mapping
 from dataclasses import replace
 
 import torch
@@ -56,22 +55,14 @@ import torch
 from bhfl_core.algorithm.aggregation_rule import FoldedRound, fold_results
 from bhfl_core.algorithm.compression import compress_update, payload_bytes, received_model
 from bhfl_core.algorithm.contract import ROOT_PLAN, ChildResult, FoldPlan, MemberLoss, RoundPlan
-from bhfl_core.algorithm.engine_hooks import EngineHooks
+from bhfl_core.algorithm.engine_hooks import EngineHooks, PendingTrain
 from bhfl_core.algorithm.node_opt import Scorer
 from bhfl_core.algorithm.node_state import Caller, NodeResult, NodeState, RoundKey
-from bhfl_core.algorithm.node_step import (
-    Inbox,
-    ResidualPost,
-    down_posts,
-    keeps_state,
-    node_down,
-    node_up,
-    reads_own_model,
-)
+from bhfl_core.algorithm.node_step import down_posts, keeps_state, node_down, reads_own_model
 from bhfl_core.algorithm.round_commits import RoundCommits, commits_behind
+from bhfl_core.algorithm.round_tail import VIRTUAL_TIME, RoundScope, Tail, Traffic, round_tail
 from bhfl_core.algorithm.rules import rule_for
 from bhfl_core.algorithm.store_protocol import ExecutionStore
-from bhfl_core.algorithm.tempo import omega, tempo_epochs
 from bhfl_core.algorithm.tree import Node, NodeSettings, Tree
 from bhfl_core.algorithm.virtual_clock import drops_out
 from bhfl_core.rng import derive_seed, sample_cohort
@@ -135,7 +126,8 @@ def _round(
 
     A function of its own so that what the round held — its children's results and
     their folded partial, model-sized each — is released when it returns, before the
-    next round's children are even started.
+    next round's children are even started. Everything after the fold is the round tail
+    both engines share (``round_tail.py``).
     """
     settings = node.settings
     children = tree.children(node.id)
@@ -146,72 +138,28 @@ def _round(
     rule = rule_for(settings.aggregate)
     fold = rule.plan(state.rule_state, [c.id for c in present])  # the rule's part of every child's plan
     plans = {c.id: child_plan(plan, key, state, c, fold) for c in cohort}
-    proxy = hooks.start_train(node, state.theta, key) if settings.proxy_async else None
+    proxy = start_proxy(node, state, key, hooks)
     results = hooks.run_children(node, present, state.theta, plans) if present else []
     commits.settle()  # the previous round's commit, if it was written while these children trained
     absent = [c for c in cohort if c not in present]  # dropped out: never trained, known when the call would end
-    mine = [proxy_child(node, proxy.result())] if proxy is not None else []
+    mine = proxy_results(node, proxy)
     order = [c.id for c in children] + [node.id]
     folded = fold_results(rule, key, [*results, *mine], order, state.theta, fold)
     del results  # folded: the partials they carried are the fold's now
     folded.dropped.extend(c.id for c in absent)
     waited = [hooks.call_duration(node, c, plans[c.id]) or 0.0 for c in absent]
     folded.virtual_s = max([folded.virtual_s, *waited])
-    inbox = inbox_up(store, node, state)
-    state, posts, rule_metrics = node_up(state, folded if children else None, inbox, settings, key, scorer)
-    store.post(node.id, key.round, posts)
-    metrics = {**round_metrics(node, cohort, present, folded, posts), **rule_metrics}
-    for own in mine:
-        metrics.update(proxy_metrics(own))
-    metrics.update(tuned_metrics(state))
-    if settings.personal is not None:  # Ditto: v_k from its last value (first: theta) towards theta
-        start = state.personal if state.personal is not None else state.theta
-        personal = hooks.train_personal(node, start, state.theta, key)
-        state = replace(state, personal=personal.theta)
-        metrics.update({"personal/loss": personal.loss, "personal/steps": float(personal.steps)})
-    train_s = 0.0
-    trained: NodeResult | None = None
-    if settings.train is not None and not settings.proxy_async:
-        trained = hooks.train(node, state.theta, key, plan)
-        state = replace(state, model=trained.theta)
-        metrics.update(train_metrics(node, trained))
-        if settings.train.dp_sgd is not None:  # a DP-SGD client: its steps so far, and what they cost
-            state = replace(state, dp_steps=state.dp_steps + trained.steps)
-            metrics[SAMPLE_EPSILON] = client_epsilon(node, state.dp_steps)
-        train_s = float(trained.steps) if not node.is_leaf else 0.0
-    if settings.tempo is not None:  # Eq. 9 after this round: the children's epochs in the next
-        state, tempo_values = tempo_step(state, folded, plans, settings.tempo)
-        metrics.update(tempo_values)
-    virtual_s = state.virtual_s + round_virtual_s(folded, train_s)
-    metrics[VIRTUAL_TIME] = virtual_s
-    loss, examples = (trained.loss, trained.examples) if node.is_leaf and trained else folded.reported()
+    scope = RoundScope(node, key, plan, hooks, store, scorer, plans)
+    tail = round_tail(scope, state, folded, Traffic(len(cohort), len(cohort) - len(folded.dropped), folded.sent_bytes))
+    virtual_s = state.virtual_s + round_virtual_s(folded, tail.train_s)
+    metrics = {**round_metrics(present, folded, mine), **tail.metrics, VIRTUAL_TIME: virtual_s}
+    loss, examples = reported(node, tail, folded)
     state = replace(
-        state, rounds_done=key.round + 1, metrics=metrics, virtual_s=virtual_s, loss=loss, examples=examples
+        tail.state, rounds_done=key.round + 1, metrics=metrics, virtual_s=virtual_s, loss=loss, examples=examples
     )
     state = send_up(state, phi, settings, key, seed)
     commits.commit(state, persist, key, metrics)
     return state
-
-
-def client_epsilon(node: Node, steps: int) -> float:
-    """A DP-SGD client's epsilon after ``steps`` steps of TRAIN over its rows (``learning/dp_sgd.py``)."""
-    from bhfl_core.algorithm.privacy_accounting import sample_epsilon
-
-    params = node.settings.train
-    assert params is not None and params.dp_sgd is not None
-    return sample_epsilon(params.dp_sgd, int(node.weight), params.batch_size, steps)
-
-
-SAMPLE_EPSILON = "privacy/sample_epsilon"
-"""Metric (a DP-SGD client's state): the epsilon its TRAIN calls have spent so far."""
-
-VIRTUAL_TIME = "time/virtual_s"
-"""Metric: virtual seconds since the node's execution began (the root's: since the run began)."""
-
-
-def inbox_up(store: ExecutionStore, node: Node, state: NodeState) -> Inbox:
-    """The node's waiting up-residuals (a leaf has none to fold)."""
-    return store.inbox(node.id, "up", state.res_seen) if not node.is_leaf else {}
 
 
 def child_plan(plan: RoundPlan, key: RoundKey, state: NodeState, child: Node, fold: FoldPlan) -> RoundPlan:
@@ -225,19 +173,20 @@ def child_plan(plan: RoundPlan, key: RoundKey, state: NodeState, child: Node, fo
     return RoundPlan(key.as_caller(), epochs, fold)
 
 
-def tempo_step(
-    state: NodeState, folded: FoldedRound, plans: Mapping[str, RoundPlan], c: int
-) -> tuple[NodeState, dict[str, float]]:
-    """Tempo (seeds/001 Eq. 9) after a root round: next round's epochs per child, and what to log.
+def start_proxy(node: Node, state: NodeState, key: RoundKey, hooks: EngineHooks) -> PendingTrain | None:
+    """A server's proxy TRAIN alongside its children (``proxy_train: async``), started from theta_t; else None."""
+    return hooks.start_train(node, state.theta, key) if node.settings.proxy_async else None
 
-    ``omega_m = ||w_m - w_root||``: each child's model as sent up this round against the
-    root's model at the end of the round (after its own TRAIN). The schedule is part of
-    the root's state, committed with the round, so a resume uses exactly these epochs.
-    """
-    omegas = {m: omega(folded.models[m], state.theta) for m in sorted(folded.models) if m in plans}
-    values = {f"tempo/omega/{m}": w for m, w in omegas.items()}
-    values.update({f"tempo/epochs/{m}": float(plans[m].epochs or c) for m in omegas})
-    return replace(state, child_epochs=tempo_epochs(omegas, c)), values
+
+def proxy_results(node: Node, proxy: PendingTrain | None) -> list[ChildResult]:
+    """The proxy TRAIN run alongside the children, as one more child result (none without one)."""
+    return [proxy_child(node, proxy.result())] if proxy is not None else []
+
+
+def reported(node: Node, tail: Tail, folded: FoldedRound) -> tuple[float | None, int]:
+    """The training loss and examples the node reports up: a client's TRAIN's, a server's children's."""
+    trained = tail.trained
+    return (trained.loss, trained.examples) if node.is_leaf and trained is not None else folded.reported()
 
 
 def send_up(state: NodeState, phi: torch.Tensor | None, settings: NodeSettings, key: RoundKey, seed: int) -> NodeState:
@@ -266,16 +215,6 @@ def saved_result(state: NodeState, phi: torch.Tensor | None = None, settings: No
         return NodeResult(state.theta, loss, state.examples, virtual_s=state.virtual_s)
     theta = received_model(phi, state.sent, uplink)
     return NodeResult(theta, loss, state.examples, virtual_s=state.virtual_s, sent_bytes=payload_bytes(state.sent))
-
-
-def train_metrics(node: Node, result: NodeResult) -> dict[str, float]:
-    """A TRAIN call's metrics: ``Training/{loss,steps,examples}`` at a client, ``Training/proxy_*`` at a server."""
-    prefix = "Training/" if node.is_leaf else "Training/proxy_"
-    return {
-        f"{prefix}loss": result.loss,
-        f"{prefix}steps": float(result.steps),
-        f"{prefix}examples": float(result.examples),
-    }
 
 
 def round_virtual_s(folded: FoldedRound, train_s: float) -> float:
@@ -317,34 +256,17 @@ def proxy_metrics(result: ChildResult) -> dict[str, float]:
     }
 
 
-def tuned_metrics(state: NodeState) -> dict[str, float]:
-    """The ``alpha`` each tuned NODEOPT (``interp``) last chose: ``opt/alpha_up``, ``_down``, ``_<residual kind>``."""
-    opts = {"up": state.opt_up, "down": state.opt_down, **state.opt_res}
-    return {f"opt/alpha_{name}": float(opt["alpha"]) for name, opt in opts.items() if "alpha" in opt}
-
-
-def round_metrics(
-    node: Node, cohort: list[Node], present: list[Node], folded: FoldedRound, posts: list[ResidualPost]
-) -> dict[str, float]:
-    """A round's communication (in models, i.e. flat vectors), dropped clients and the children's statistics."""
+def round_metrics(present: list[Node], folded: FoldedRound, mine: list[ChildResult]) -> dict[str, float]:
+    """What a synchronous round adds to the shared tail's metrics: dropped and trained clients, the children's
+    training loss, and the node's own proxy TRAIN run alongside them."""
     metrics: dict[str, float] = {}
-    dropped = len(folded.dropped)
-    if not node.is_leaf:
-        metrics.update(
-            {
-                "comm/down_models": float(len(cohort)),
-                "comm/up_models": float(len(cohort) - dropped),
-                "comm/res_down_models": float(len(node.settings.res_down)),
-                "comm/res_up_models": float(sum(p.models for p in posts)),
-            }
-        )
-    if node.settings.aggregate.compress is not None:
-        metrics["comm/up_bytes"] = float(folded.sent_bytes)
-    if dropped:
+    if dropped := len(folded.dropped):
         metrics["Training/dropped_clients"] = float(dropped)
     if leaves := sum(c.is_leaf for c in present):  # the clients called (those that dropped out were not)
         metrics["Training/clients"] = float(leaves)
     if folded.examples is not None:
         metrics["Training/loss"] = folded.loss
         metrics["Training/examples"] = float(folded.examples)
+    for own in mine:
+        metrics.update(proxy_metrics(own))
     return metrics

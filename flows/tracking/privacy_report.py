@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from bhfl_core.algorithm.engine import client_epsilon
+from bhfl_core.algorithm.round_tail import client_epsilon
 from bhfl_core.algorithm.tree import Tree
 from bhfl_core.store.node_store import StateStore
 from flows.tracking.tracker import Tracker

@@ -35,7 +35,7 @@ from pathlib import Path
 
 from matplotlib.figure import Figure
 
-from bhfl_core.algorithm.engine import VIRTUAL_TIME
+from bhfl_core.algorithm.round_tail import VIRTUAL_TIME
 from bhfl_core.analysis import communication as comm
 from bhfl_core.analysis import proximity
 from bhfl_core.analysis import time_to_accuracy as tta

@@ -21,7 +21,7 @@ from mlflow.entities import Run
 from mlflow.exceptions import MlflowException
 from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 
-from bhfl_core.algorithm.engine import VIRTUAL_TIME
+from bhfl_core.algorithm.round_tail import VIRTUAL_TIME
 from bhfl_core.analysis import seeds
 from bhfl_core.analysis import time_to_accuracy as tta
 from bhfl_core.analysis.comparison import BASELINE_COLUMNS, ByConfig, baseline_column, headline, headline_keys

@@ -150,7 +150,8 @@ def test_pick_idle_and_next_arrival():
 
 
 def test_synchronous_rounds_take_their_slowest_child_plus_the_own_train_on_the_virtual_clock(tmp_path):
-    from bhfl_core.algorithm.engine import VIRTUAL_TIME, execute_node
+    from bhfl_core.algorithm.engine import execute_node
+    from bhfl_core.algorithm.round_tail import VIRTUAL_TIME
     from tests.core.fake_tree import AddVectorHooks, two_edge_tree
 
     seconds = {"a1": 1.0, "a2": 3.0, "b1": 2.0, "b2": 4.0}
@@ -249,7 +250,8 @@ def test_asynchronous_proxy_training_is_buffered_like_a_child_result(tmp_path):
 
 
 def test_synchronous_round_merges_an_asynchronous_proxy_training_like_a_child(tmp_path):
-    from bhfl_core.algorithm.engine import VIRTUAL_TIME, execute_node
+    from bhfl_core.algorithm.engine import execute_node
+    from bhfl_core.algorithm.round_tail import VIRTUAL_TIME
     from tests.core.fake_tree import AddVectorHooks, two_edge_tree
 
     started: list[torch.Tensor] = []
@@ -301,7 +303,8 @@ def test_clients_that_drop_out_are_not_trained_and_hold_their_slot_until_the_cal
 
 
 def test_a_synchronous_round_leaves_out_clients_that_drop_out_and_waits_for_them_on_the_clock(tmp_path):
-    from bhfl_core.algorithm.engine import VIRTUAL_TIME, execute_node
+    from bhfl_core.algorithm.engine import execute_node
+    from bhfl_core.algorithm.round_tail import VIRTUAL_TIME
     from bhfl_core.algorithm.virtual_clock import drops_out
     from tests.core.fake_tree import AddVectorHooks, two_edge_tree
 
@@ -355,3 +358,31 @@ def test_dp_fedbuff_clips_each_buffered_update_takes_one_per_child_and_divides_b
     first, second = hooks.rounds
     assert (first["privacy/clipped_fraction"], second["privacy/clipped_fraction"]) == (0.5, 0.0)
     assert first["privacy/noise_std"] == 0.0 and "privacy/epsilon" in second
+
+
+def test_both_engines_report_the_same_comm_lines(tmp_path):
+    """One round tail (round_tail.py): a synchronous round and an asynchronous flush log the same ``comm/*`` keys,
+    counted the same way (models sent down, folded up, residual models both ways)."""
+    from bhfl_core.algorithm.engine import execute_node
+    from tests.core.fake_tree import AddVectorHooks, two_edge_tree
+
+    _, _ = run(tmp_path / "async", hooks := FakeChildren())
+    flush = {k: v for k, v in hooks.rounds[0].items() if k.startswith("comm/")}
+    tree = two_edge_tree(settings(), root_rounds=1)
+    store = StateStore(tmp_path / "sync")
+    store.save("root", NodeState(model=torch.zeros(2)))
+    sync_hooks = AddVectorHooks(tree, store)
+    execute_node(tree, tree.root, None, store, sync_hooks, seed=0)
+    synced = {k: v for k, v in sync_hooks.metrics[("root", 0)].items() if k.startswith("comm/")}
+    assert (
+        flush.keys()
+        == synced.keys()
+        == {
+            "comm/down_models",
+            "comm/up_models",
+            "comm/res_down_models",
+            "comm/res_up_models",
+        }
+    )
+    assert (flush["comm/down_models"], flush["comm/up_models"]) == (4.0, 2.0)  # 4 sent, a flush of 2
+    assert (synced["comm/down_models"], synced["comm/up_models"]) == (2.0, 2.0)  # the root's two edges

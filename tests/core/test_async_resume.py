@@ -17,9 +17,10 @@ import torch
 from bhfl_core.algorithm.async_engine import execute_async_node
 from bhfl_core.algorithm.asynchrony import AsyncParams
 from bhfl_core.algorithm.contract import ROOT_PLAN, ChildResult
-from bhfl_core.algorithm.engine import VIRTUAL_TIME, execute_node
+from bhfl_core.algorithm.engine import execute_node
 from bhfl_core.algorithm.node_opt import NodeOptParams
 from bhfl_core.algorithm.node_state import NodeResult, NodeState
+from bhfl_core.algorithm.round_tail import VIRTUAL_TIME
 from bhfl_core.algorithm.tree import Node, Role, Tree
 from bhfl_core.store.node_store import StateStore
 from tests.core.fake_tree import STEPS, settings

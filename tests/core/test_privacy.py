@@ -186,8 +186,8 @@ def test_privacy_at_a_level_resolves_per_node_with_its_cohort_and_its_own_noise_
     [
         (["tree.client.privacy={clip: 1, noise_multiplier: 1}"], "tree.client.privacy: client-level DP is a server's"),
         (
-            ["tree.edge.privacy={clip: 1, noise_multiplier: 1}", "tree.edge.mode=async"],
-            "tree.edge.privacy: client-level DP at an asynchronous server is not supported yet "
+            ["tree.edge.secure_aggregation={threshold: 2}", "tree.edge.mode=async"],
+            "tree.edge.secure_aggregation: secure aggregation at an asynchronous server is not supported yet "
             "('edge-en' has mode: async)",
         ),
         (

@@ -16,7 +16,7 @@ from mlflow import MlflowClient
 from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 from typer.testing import CliRunner
 
-from bhfl_core.algorithm.engine import VIRTUAL_TIME
+from bhfl_core.algorithm.round_tail import VIRTUAL_TIME
 from bhfl_core.analysis import seeds
 from flows.cli.app import app
 from flows.tracking.seed_plots import metric_vs_key, save_metric_plots
