@@ -267,7 +267,8 @@ def _buffer(
     weight = staleness_weight(staleness, scope.params.staleness)
     stale = stale_model(run.models[version], result.model, run.models[arrival.version], weight)
     if run.partial is None:
-        run.partial = rule.start(key.as_caller(), rule.plan(state.rule_state, ()), run.models[version])
+        called = list(scope.children)  # every child may be in this flush (secure aggregation: its mask group)
+        run.partial = rule.start(key.as_caller(), rule.plan(state.rule_state, called), run.models[version])
     rule.contribute(run.partial, member.id, stale, result.weight)
     run.buffered.append(member.id)
     run.sent_bytes += result.sent_bytes

@@ -21,7 +21,10 @@ Ditto clients (``settings.personal``) also train their personal model each round
 ``v = TRAIN(v, Omega_q) with (lambda/2)·||v - theta'||²``, before the TRAIN of the
 model they send up (both start from theta': Li et al. 2021, Algorithm 1).
 
-``execute_node`` is that loop; the maths is in the pure steps of ``node_step.py``.
+``execute_node`` is that loop; the maths is in the pure steps of ``node_step.py``, and
+everything after a round's fold (NODEOPT_up through the node's rule, its metrics, Ditto's
+and the node's TRAIN, Tempo's schedule) is ``round_tail.py``'s, which the asynchronous
+engine's flushes share.
 *Where* children run (Prefect subflows, worker tasks, or plain recursion in tests)
 and *how* TRAIN is done are injected through ``EngineHooks``, so the same function
 drives clients inside a worker, servers inside subflows, and fake trees in unit tests

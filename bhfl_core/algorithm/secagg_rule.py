@@ -6,8 +6,10 @@ unmasked, by the server: the mean input is ``theta + sum / sum_u w_u``. Inside `
 (``wrap: [{dp: ...}, {secagg: ...}]``) it is the sum DP adds its clipped updates to
 (``dp_rule.UpdateSum``): clipped before masking, noised after unmasking. Its part of
 the children's plans is the round's called cohort (``FoldPlan.peers``: every child masks
-with a pairwise mask per peer); it keeps no state. Only the mean can be inside it: a
-robust rule needs each child's vector, which masking hides.
+with a pairwise mask per peer); it keeps no state. At an asynchronous server a flush is
+one masked round whose peers are all the server's children: the buffer's senders are its
+survivors, the others are recovered from their shares like dropped clients. Only the mean
+can be inside it: a robust rule needs each child's vector, which masking hides.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ def _masked(partial: Partial) -> MaskedSum:
 class SecAggRule:
     """Masked where folded, unmasked only as a sum by the server (module docstring)."""
 
-    distinct_members = False  # each called child masks once; only synchronous rounds have a called cohort
+    distinct_members = True  # a member masks once per fold: its self-mask is removed once
 
     def __init__(self, params: SecAggParams, inner: AggregationRule) -> None:
         if not isinstance(inner, MeanRule):

@@ -89,7 +89,7 @@ def aggregate_params(
         elif name == "dp":
             wrappers.append(_privacy(config, chosen, key, node_id, role, values, expected, num_children))
         else:
-            wrappers.append(_secagg(config, chosen, key, node_id, role, values, expected, dp_entry))
+            wrappers.append(_secagg(config, chosen, key, node_id, role, values, (expected, num_children), dp_entry))
     params = AggregateParams(
         settings.kind,
         tuple(wrappers),
@@ -205,13 +205,9 @@ def _privacy(
     child at most, so ``expected`` is the buffer and the accountant assumes no sampling
     (``population == expected``: docs/privacy.md, "At an asynchronous server").
     """
-    _check_server_fold(key, "client-level DP", node_id, role, values, async_ok=True)
+    _check_server_fold(key, "client-level DP", node_id, role, values)
     asynchronous = values["mode"] == "async"
-    if asynchronous and expected > children:
-        raise ConfigError(
-            f"{key}: a DP flush takes at most one update per child, so buffer ({expected}) cannot exceed the "
-            f"{children} children {node_id!r} has"
-        )
+    _check_flush(key, "a DP flush", node_id, values, expected, children)
     adaptive = None
     if settings.adaptive is not None:
         a = settings.adaptive
@@ -249,19 +245,24 @@ def _zeroing(settings: ZeroingSettings, key: str, node_id: str, role: Role) -> Z
     return ZeroingParams(settings.max_norm if settings.max_norm is not None else float("inf"))
 
 
-def _check_server_fold(
-    key: str, what: str, node_id: str, role: Role, values: dict[str, object], async_ok: bool = False
-) -> None:
-    """DP and secure aggregation change how a server folds its children: not for clients, for a proxy TRAIN folded
-    like a child, nor (secure aggregation: no called cohort to mask with) for asynchronous servers."""
+def _check_server_fold(key: str, what: str, node_id: str, role: Role, values: dict[str, object]) -> None:
+    """DP and secure aggregation change how a server folds its children: not for clients, nor for a proxy TRAIN
+    folded like a child."""
     if role is Role.CLIENT:
         raise ConfigError(f"{key}: {what} is a server's (it folds its children's updates); {node_id!r} is a client")
-    if values["mode"] == "async" and not async_ok:
-        raise ConfigError(f"{key}: {what} at an asynchronous server is not supported yet ({node_id!r} has mode: async)")
     if values["proxy_train"] == "async":
         raise ConfigError(
             f"{key}: {node_id!r} trains on its proxy split alongside its children (proxy_train: async), which "
             f"{what} would fold as one of them; use proxy_train: true (after aggregating) or false"
+        )
+
+
+def _check_flush(key: str, what: str, node_id: str, values: dict[str, object], buffer: int, children: int) -> None:
+    """At an asynchronous server a DP or secure-aggregation flush takes one update per child: its buffer must fit."""
+    if values["mode"] == "async" and buffer > children:
+        raise ConfigError(
+            f"{key}: {what} takes at most one update per child, so buffer ({buffer}) cannot exceed the "
+            f"{children} children {node_id!r} has"
         )
 
 
@@ -272,14 +273,18 @@ def _secagg(
     node_id: str,
     role: Role,
     values: dict[str, object],
-    cohort: int,
+    sizes: tuple[int, int],
     privacy: PrivacySettings | None,
 ) -> SecAggParams:
     """A server's ``secagg`` wrapper (``secure_aggregation:``) resolved (threshold, mask seed); errors name the key.
 
-    ``privacy``: the node's ``dp`` settings, if ``dp`` wraps it.
+    ``sizes``: the contributions a fold expects (a round's cohort, or an asynchronous
+    server's buffer) and the node's children; ``privacy``: the node's ``dp`` settings, if
+    ``dp`` wraps it.
     """
+    cohort, children = sizes
     _check_server_fold(key, "secure aggregation", node_id, role, values)
+    _check_flush(key, "a secure-aggregation flush", node_id, values, cohort, children)
     if settings.fraction_bits >= settings.bits - 1:
         raise ConfigError(
             f"{key}.fraction_bits: {settings.fraction_bits} leaves no integer part in {settings.bits} bits"
@@ -291,7 +296,8 @@ def _secagg(
         )
     threshold = settings.threshold if settings.threshold is not None else cohort // 2 + 1
     if threshold > cohort:
-        raise ConfigError(f"{key}.threshold: {threshold} is more than the {cohort} children {node_id!r} calls a round")
+        folds = "its buffer holds at a flush" if values["mode"] == "async" else f"{node_id!r} calls a round"
+        raise ConfigError(f"{key}.threshold: {threshold} is more than the {cohort} children {folds}")
     return SecAggParams(threshold, derive_seed(config.seed, "secagg", node_id), settings.bits, settings.fraction_bits)
 
 

@@ -386,3 +386,25 @@ def test_both_engines_report_the_same_comm_lines(tmp_path):
     )
     assert (flush["comm/down_models"], flush["comm/up_models"]) == (4.0, 2.0)  # 4 sent, a flush of 2
     assert (synced["comm/down_models"], synced["comm/up_models"]) == (2.0, 2.0)  # the root's two edges
+
+
+def test_secure_aggregation_at_an_asynchronous_node_unmasks_each_flush_and_recovers_the_absent_children(tmp_path):
+    """Every child of the node is in each flush's mask group; the K that arrived are its survivors, the others
+    are recovered like dropouts from their Shamir shares. The same star as above (one update per child and
+    flush): flush 1 = a1 (w 1, [1, 0]) and b1 (w 2, [2, 2]); flush 2 = a2 (w 3, s 1: [0, 2/sqrt2]) and a1
+    (w 1, s 0, [1, 0]); example-weighted means, to the fixed point's 2**-24."""
+    from bhfl_core.algorithm.privacy_params import SecAggParams
+    from bhfl_core.algorithm.rule_registry import AggregateParams
+
+    secagg = SecAggParams(threshold=2, mask_seed=7)
+    tree = star(2, POLY)
+    root = replace(tree.root, settings=replace(tree.root.settings, aggregate=AggregateParams(wrappers=(secagg,))))
+    tree = Tree(nodes={**tree.nodes, "root": root}, root_id="root")
+    store = StateStore(tmp_path)
+    store.save("root", NodeState(model=torch.zeros(2)))
+    hooks = FakeChildren()
+    result = execute_async_node(tree, tree.root, None, store, hooks, 0)
+    theta1 = torch.tensor([5 / 3, 4 / 3], dtype=torch.float64)
+    theta2 = theta1 + (3 * torch.tensor([0.0, 2 / math.sqrt(2)], dtype=torch.float64) + torch.tensor([1.0, 0.0])) / 4
+    assert torch.allclose(result.theta.double(), theta2, atol=1e-6)
+    assert [r["secagg/recovered_clients"] for r in hooks.rounds] == [1.0, 1.0]  # a2, then b1, not in the flush

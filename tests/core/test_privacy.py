@@ -186,9 +186,9 @@ def test_privacy_at_a_level_resolves_per_node_with_its_cohort_and_its_own_noise_
     [
         (["tree.client.privacy={clip: 1, noise_multiplier: 1}"], "tree.client.privacy: client-level DP is a server's"),
         (
-            ["tree.edge.secure_aggregation={threshold: 2}", "tree.edge.mode=async"],
-            "tree.edge.secure_aggregation: secure aggregation at an asynchronous server is not supported yet "
-            "('edge-en' has mode: async)",
+            ["tree.edge.secure_aggregation={threshold: 2}", "tree.edge.mode=async", "tree.edge.buffer=7"],
+            "tree.edge.secure_aggregation: a secure-aggregation flush takes at most one update per child, so "
+            "buffer (7) cannot exceed the 6 children 'edge-en' has",
         ),
         (
             ["tree.root.privacy={clip: 1, noise_multiplier: 1}", "tree.root.proxy_train=async"],

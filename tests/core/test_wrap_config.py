@@ -70,11 +70,13 @@ def test_mistakes_are_named_by_their_key(overrides, message):
         tree(COHORT, *overrides)
 
 
-def test_dp_at_an_asynchronous_server_divides_by_its_buffer_and_assumes_no_sampling():
+def test_dp_and_secagg_at_an_asynchronous_server_fold_flushes_of_the_buffer():
     fedbuff = ["tree.edge.mode=async", "tree.edge.concurrency=2", "tree.edge.buffer=2"]
     dp = tree(*fedbuff, f"tree.edge.aggregate={{wrap: [zeroing, {{dp: {DP}}}]}}")["edge-en"].settings.aggregate.privacy
     assert dp is not None and (dp.expected, dp.population) == (2, 2)  # a flush of 2, every child in every flush
     with pytest.raises(ConfigError, match=r"tree.edge.privacy: a DP flush takes at most one update per child, so "):
         tree("tree.edge.mode=async", "tree.edge.buffer=4", f"tree.edge.privacy={DP}")  # 3 children
-    with pytest.raises(ConfigError, match=r"secagg: secure aggregation at an asynchronous server is not supported"):
-        tree(*fedbuff, "tree.edge.aggregate={wrap: [{secagg: {threshold: 2}}]}")
+    secagg = tree(*fedbuff, f"tree.edge.aggregate={{wrap: [{{dp: {DP}}}, secagg]}}")["edge-en"].settings.aggregate
+    assert secagg.secagg is not None and secagg.secagg.threshold == 2  # a majority of the buffer of 2
+    with pytest.raises(ConfigError, match=r"wrap\[0\].secagg.threshold: 3 is more than the 2 children its buffer"):
+        tree(*fedbuff, "tree.edge.aggregate={wrap: [{secagg: {threshold: 3}}]}")

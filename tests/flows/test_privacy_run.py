@@ -21,6 +21,8 @@ FIXED_DP = "tree.edge.privacy={clip: 0.5, noise_multiplier: 1.0}"
 DP_SGD = "tree.client.train.dp_sgd={noise_multiplier: 1.0, max_grad_norm: 1.0}"
 # DP-FedBuff: asynchronous edges (2 in flight, flushes of 2), each buffered update clipped, noise per flush
 DP_FEDBUFF = ["tree.edge.mode=async", "tree.edge.concurrency=2", "tree.edge.buffer=2", EDGE_DP]
+# the same edges with DP around secure aggregation: each flush one masked round over the edge's 3 clients
+SECAGG_FEDBUFF = [*DP_FEDBUFF[:3], "tree.edge.aggregate={wrap: [{dp: {clip: 0.5, noise_multiplier: 1.0}}, secagg]}"]
 
 
 def _run(folder: Path, *overrides: str) -> dict:
@@ -46,6 +48,8 @@ def runs(tmp_path_factory):
         "dp-sgd-workers": _plain(base / "i", DP_SGD, "runtime.executor=local", "runtime.workers=2"),
         "dp-fedbuff": _plain(base / "j", *DP_FEDBUFF, "runtime.executor=inprocess"),
         "dp-fedbuff-workers": _plain(base / "k", *DP_FEDBUFF, "runtime.executor=local", "runtime.workers=2"),
+        "secagg-fedbuff": _plain(base / "l", *SECAGG_FEDBUFF, "runtime.executor=inprocess"),
+        "secagg-fedbuff-workers": _plain(base / "m", *SECAGG_FEDBUFF, "runtime.executor=local", "runtime.workers=2"),
     }
 
 
@@ -175,3 +179,14 @@ def test_a_dp_fedbuff_run_is_the_same_on_any_workers_and_logs_epsilon_per_flush(
 def test_a_dp_fedbuff_run_killed_mid_way_resumes_bit_identically(runs, tmp_path):
     run_path = killed_and_resumed([*SMALL, *DP_FEDBUFF, "runtime.executor=inprocess"], tmp_path)
     assert node_files(run_path) == node_files(Path(runs["dp-fedbuff"]["run_path"]))
+
+
+def test_secure_aggregation_at_asynchronous_edges_unmasks_every_flush_the_same_on_any_workers(runs):
+    result = runs["secagg-fedbuff"]
+    assert node_files(Path(result["run_path"])) == node_files(Path(runs["secagg-fedbuff-workers"]["run_path"]))
+    client = MlflowClient(result["tracking_uri"])
+    exp = client.get_experiment_by_name("itest")
+    (edge,) = client.search_runs([exp.experiment_id], "tags.`bhfl.node` = 'edge-en'")
+    recovered = [m.value for m in client.get_metric_history(edge.info.run_id, "secagg/recovered_clients")]
+    epsilons = client.get_metric_history(edge.info.run_id, "privacy/epsilon")
+    assert len(recovered) == len(epsilons) >= 2 and set(recovered) == {1.0}  # 3 children, flushes of 2
