@@ -162,7 +162,7 @@ def bhfl_rounds(
         received = receive_result(sent, rule)
         key = RoundKey("root", r)
         folded = fold_results(rule, key, [received], [*ids, "root"])
-        state, _ = node_up(state, folded, {}, ctx.tree.root.settings, key)
+        state, _, _ = node_up(state, folded, {}, ctx.tree.root.settings, key)
         _sync(device)
         timings.append(time.perf_counter() - started - clients * train_s)
     ctx.transfer.clear()

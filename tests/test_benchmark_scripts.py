@@ -1,0 +1,21 @@
+"""The benchmark scripts still run against today's code (a tiny size, not a measurement): an API change that
+breaks one fails here, not in the next session that needs its figures."""
+
+import subprocess
+import sys
+
+from tests.small import REPO
+
+
+def test_the_data_path_benchmark_runs_both_scenarios_at_a_tiny_size():
+    out = subprocess.run(
+        [sys.executable, "benchmarks/datapath.py", "--sizes", "1", "--clients", "2", "--rounds", "2", "--train-s", "0"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [line.split() for line in out.stdout.splitlines() if line.strip().startswith("1M")]
+    assert [row[1] for row in rows] == ["replace", "persistent"] and all(row[-1].endswith("x") for row in rows)
