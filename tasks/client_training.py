@@ -218,7 +218,8 @@ def train_clients(
                 rule.contribute(partial, client_id, result.theta, node.weight, steps=local_steps(node, plan.epochs))
             else:
                 model = result.theta
-            losses.append(MemberLoss(client_id, result.loss, result.examples))
+            if rule.sees_members:  # (not under secure aggregation: its server sees the masked sum only)
+                losses.append(MemberLoss(client_id, result.loss, result.examples))
             if keep and select:
                 found = Candidate(client_id, result.theta.cpu(), node.weight, result.loss)
                 candidates = keep_top(candidates, found, phi, keep, select)

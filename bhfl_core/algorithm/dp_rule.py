@@ -16,6 +16,7 @@ lines (``privacy/*``) come out of ``finalize``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol
 
@@ -35,6 +36,9 @@ CLIP = "dp/clip"
 """The rule state's (and ``FoldPlan``'s) clipping norm: the round's, moved by adaptive clipping."""
 
 CLIPPED = "dp/clipped"
+
+NONFINITE = "privacy/nonfinite"
+"""Metric: children whose update had a NaN or infinite value this round: folded as no update (zero)."""
 
 
 class UpdateSum(Protocol):
@@ -71,6 +75,8 @@ def _total(partial: Partial) -> WeightedSum:
 
 class PlainSum:
     """The exact sum ``aggregation.WeightedSum`` keeps (``hi + lo``): what ``dp`` wraps around ``kind: mean``."""
+
+    sees_members = True  # the DP server is trusted with its children's updates (central DP)
 
     def plan(self, state: RuleState, called: Sequence[str]) -> FoldPlan:
         return NO_PLAN
@@ -124,9 +130,11 @@ class DpRule:
     """DP-FedAvg around the sum it wraps (module docstring)."""
 
     distinct_members = True  # the noise covers one clipped update per child and fold
+    reports_up = False  # above it, only the noised model: not the children's losses or example totals
 
     def __init__(self, params: PrivacyParams, inner: AggregationRule) -> None:
         self.params, self.sum = params, _as_sum(inner)
+        self.sees_members: bool = getattr(self.sum, "sees_members", True)
 
     def plan(self, state: RuleState, called: Sequence[str]) -> FoldPlan:
         return self.sum.plan(state, called).with_number(CLIP, state.get(CLIP, self.params.clip))
@@ -147,10 +155,15 @@ class DpRule:
     def contribute(
         self, partial: Partial, member: str, model: torch.Tensor, weight: float, steps: int | None = None
     ) -> None:
+        import torch
+
         from bhfl_core.algorithm.privacy import clip_update
 
         fold = _clipped(partial)
         update, norm = clip_update(model.detach(), fold.reference_on(model.device), fold.clip)
+        if not math.isfinite(norm):  # a diverged child: no update, counted (its NaN would make the mean NaN)
+            update, norm = torch.zeros_like(update), 0.0
+            fold.nonfinite += 1
         self.sum.add_update(fold.inner, member, update, 1.0)
         fold.clipped += norm > fold.clip
 
@@ -160,6 +173,7 @@ class DpRule:
             raise ValueError(f"a fold clipped at {theirs.clip} cannot join one clipped at {mine.clip}")
         self.sum.merge(mine.inner, theirs.inner)
         mine.clipped += theirs.clipped
+        mine.nonfinite += theirs.nonfinite
 
     def close(self, partial: Partial) -> bool:
         return False  # the noise is the server's to add
@@ -175,15 +189,18 @@ class DpRule:
         if self.params.adaptive is not None:  # the next round's norm, from the noised count
             after[CLIP] = next_clip(self.params, fold, key)
         metrics = {**privacy_metrics(self.params, fold, key.round + 1), **self.sum.sum_metrics(fold.inner)}
+        metrics[NONFINITE] = float(fold.nonfinite)
         return Finalized(mean, after, metrics)
 
     def wire(self, partial: Partial) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
         fold = _clipped(partial)
         tensors, numbers = self.sum.wire(fold.inner)
-        return tensors, {**numbers, CLIP: fold.clip, CLIPPED: float(fold.clipped)}
+        return tensors, {**numbers, CLIP: fold.clip, CLIPPED: float(fold.clipped), NONFINITE: float(fold.nonfinite)}
 
     def unwire(self, tensors: Mapping[str, torch.Tensor], numbers: Mapping[str, float]) -> ClippedSum:
         from bhfl_core.algorithm.privacy import ClippedSum
 
-        rest = {k: v for k, v in numbers.items() if k not in (CLIP, CLIPPED)}
-        return ClippedSum(None, float(numbers[CLIP]), self.sum.unwire(tensors, rest), int(numbers[CLIPPED]))
+        rest = {k: v for k, v in numbers.items() if k not in (CLIP, CLIPPED, NONFINITE)}
+        out = ClippedSum(None, float(numbers[CLIP]), self.sum.unwire(tensors, rest), int(numbers[CLIPPED]))
+        out.nonfinite = int(numbers[NONFINITE])
+        return out

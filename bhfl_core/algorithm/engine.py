@@ -156,7 +156,7 @@ def _round(
     tail = round_tail(scope, state, folded, Traffic(len(cohort), len(cohort) - len(folded.dropped), folded.sent_bytes))
     virtual_s = state.virtual_s + round_virtual_s(folded, tail.train_s)
     metrics = {**round_metrics(present, folded, mine), **tail.metrics, VIRTUAL_TIME: virtual_s}
-    loss, examples = reported(node, tail, folded)
+    loss, examples = reported(node, tail, folded, rule.reports_up)
     state = replace(
         tail.state, rounds_done=key.round + 1, metrics=metrics, virtual_s=virtual_s, loss=loss, examples=examples
     )
@@ -186,10 +186,13 @@ def proxy_results(node: Node, proxy: PendingTrain | None) -> list[ChildResult]:
     return [proxy_child(node, proxy.result())] if proxy is not None else []
 
 
-def reported(node: Node, tail: Tail, folded: FoldedRound) -> tuple[float | None, int]:
-    """The training loss and examples the node reports up: a client's TRAIN's, a server's children's."""
+def reported(node: Node, tail: Tail, folded: FoldedRound, reports_up: bool) -> tuple[float | None, int]:
+    """The training loss and examples the node reports up: a client's TRAIN's, a server's children's (none past a
+    rule that publishes only a noised or masked sum: ``AggregationRule.reports_up``)."""
     trained = tail.trained
-    return (trained.loss, trained.examples) if node.is_leaf and trained is not None else folded.reported()
+    if node.is_leaf and trained is not None:
+        return trained.loss, trained.examples
+    return folded.reported() if reports_up else (None, 0)
 
 
 def send_up(state: NodeState, phi: torch.Tensor | None, settings: NodeSettings, key: RoundKey, seed: int) -> NodeState:

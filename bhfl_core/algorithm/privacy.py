@@ -82,6 +82,7 @@ class ClippedSum:
     def __init__(self, reference: torch.Tensor | None, clip: float, inner: Partial, clipped: int = 0) -> None:
         self.reference, self.clip, self.inner = reference, clip, inner
         self.clipped = clipped  # contributions whose update was longer than clip
+        self.nonfinite = 0  # contributions whose update was not finite: folded as zero
         self._reference_on: dict[torch.device, torch.Tensor] = {}
 
     @property

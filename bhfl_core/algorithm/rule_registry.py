@@ -133,9 +133,15 @@ class AggregationRule(Protocol):
     ``distinct_members``: a fold may hold at most one contribution per child (``dp``: its
     sensitivity is one child's clipped update). A synchronous round calls each child once;
     an asynchronous node then sends no child whose result is already in its buffer.
+    ``reports_up``: the node may tell its parent its children's training loss and examples
+    (not past ``dp`` or ``secagg``: the parent may learn only the noised or masked sum).
+    ``sees_members``: the node may see each child's training loss (not under ``secagg``,
+    whose server sees only the masked sum).
     """
 
     distinct_members: bool
+    reports_up: bool
+    sees_members: bool
 
     def plan(self, state: RuleState, called: Sequence[str]) -> FoldPlan:
         """The rule's part of this round's child plans, from its state and the children the round called."""
@@ -199,6 +205,8 @@ class Stateless:
     rules, FedNova): such a rule only writes ``mean_input``."""
 
     distinct_members = False
+    reports_up = True
+    sees_members = True
 
     def plan(self, state: RuleState, called: Sequence[str]) -> FoldPlan:
         return NO_PLAN

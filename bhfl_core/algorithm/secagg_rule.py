@@ -43,6 +43,8 @@ class SecAggRule:
     """Masked where folded, unmasked only as a sum by the server (module docstring)."""
 
     distinct_members = True  # a member masks once per fold: its self-mask is removed once
+    reports_up = False  # the parent learns the published model, not the children's losses
+    sees_members = False  # the server sees masked vectors only: no child's loss either
 
     def __init__(self, params: SecAggParams, inner: AggregationRule) -> None:
         if not isinstance(inner, MeanRule):

@@ -73,6 +73,7 @@ class ZeroingRule:
     def __init__(self, params: ZeroingParams, inner: AggregationRule) -> None:
         self.params, self.inner = params, inner
         self.distinct_members = inner.distinct_members
+        self.reports_up, self.sees_members = inner.reports_up, inner.sees_members
 
     def plan(self, state: RuleState, called: Sequence[str]) -> FoldPlan:
         return self.inner.plan(state, called)

@@ -100,6 +100,14 @@ def aggregate_params(
     )
     children_are_clients = role is Role.EDGE or (role is Role.ROOT and config.tree.flat)
     wrapped = {name: key for name, _, key in entries}
+    if config.tree.tempo and role is Role.ROOT:
+        for name in ("dp", "secagg"):
+            if name in wrapped:
+                raise ConfigError(
+                    f"tree.tempo: Tempo sets each edge's next epochs from the model it sent up (omega = ||w_m - "
+                    f"w_root||), which {wrapped[name]} at 'root' protects (the root may see only a clipped-and-noised "
+                    "or masked sum); put the privacy at the edges, or turn Tempo off"
+                )
     _check_rule(params, node_id, role, values, origin, expected, children_are_clients, wrapped)
     return params
 
@@ -301,10 +309,27 @@ def _secagg(
     return SecAggParams(threshold, derive_seed(config.seed, "secagg", node_id), settings.bits, settings.fraction_bits)
 
 
-def check_dp_sgd(train: TrainSettings, key: str, node_id: str, role: Role) -> None:
-    """DP-SGD protects a client's examples; what it cannot be combined with is rejected here."""
+def check_dp_sgd(train: TrainSettings, key: str, node_id: str, role: Role, task: str, tuned: str | None = None) -> None:
+    """DP-SGD protects a client's examples; what it cannot be combined with is rejected here.
+
+    ``task``: the run's ``data.task``; ``tuned``: the key of a tuned NODEOPT (``interp``) at the
+    node, which would choose its model by the loss on held-out rows no DP-SGD step protects.
+    """
     if train.dp_sgd is None:
         return
+    from bhfl_core.learning.task_kinds import get_task_kind
+
+    if not get_task_kind(task).per_example_loss:
+        raise ConfigError(
+            f"{key}.dp_sgd: data.task {task!r} averages its loss over the batch's tokens, so one example's gradient "
+            "depends on the others in its batch and per-example clipping bounds nothing; DP-SGD needs a task with a "
+            "per-example loss (classification)"
+        )
+    if tuned is not None:
+        raise ConfigError(
+            f"{key}.dp_sgd: {tuned} is interp, which picks {node_id!r}'s model by its loss on held-out rows that no "
+            "DP-SGD step protects; use a NODEOPT that is not tuned there"
+        )
     if role is not Role.CLIENT:
         raise ConfigError(
             f"{key}.dp_sgd: sample-level DP-SGD protects clients' private examples; {node_id!r} trains on the proxy "

@@ -32,6 +32,12 @@ def _receiver_opt(
     if is_tuned(opt.kind):
         has_data = node.is_leaf or holds_proxy(config, node.id, node.role, node.depth)
         check_tuned(key, node.id, has_data, node.settings.holdout, f"tree.nodes.{node.id}.holdout")
+        train = node.settings.train
+        if train is not None and train.dp_sgd is not None:
+            raise ConfigError(
+                f"{key}: interp at {node.id!r} would pick its model by its loss on held-out rows that no DP-SGD step "
+                "protects (the client trains with dp_sgd); use a NODEOPT that is not tuned"
+            )
     return NodeOptParams(
         kind=opt.kind,
         eta=own.eta if eta is None else eta,
@@ -58,21 +64,29 @@ def _check_robust_path(tree: Tree, source: str, target: str, key: str) -> None:
 
 
 def _check_private_path(tree: Tree, source: str, target: str, key: str) -> None:
-    """An up-residual must not carry children's models past a DP server's noise or a secure aggregation's masks."""
+    """An up-residual must not carry children's models past a DP server's noise or a secure aggregation's masks,
+    nor into such a server: it would be folded into the model that server publishes, unclipped and un-noised."""
     path = [source, *tree.ancestors(source)]
-    for node_id in path[: path.index(target)]:
+    for node_id in path[: path.index(target) + 1]:
         aggregate = tree[node_id].settings.aggregate
-        via = "" if node_id == source else f" through {node_id!r}"
+        via = "" if node_id in (source, target) else f" through {node_id!r}"
+        into = node_id == target
         if aggregate.secagg is not None:
+            where = (
+                f"into {node_id!r}, whose secure aggregation may see"
+                if into
+                else (f"in the clear, past the secure aggregation of {node_id!r}, where")
+            )
             raise ConfigError(
-                f"{key}: {source!r} would send its children's models to {target!r}{via} in the clear, past the "
-                f"secure aggregation of {node_id!r}, where only their masked sum may be seen: drop the residual"
+                f"{key}: {source!r} would send its children's models to {target!r}{via} {where} only their masked "
+                "sum: drop the residual"
             )
         if aggregate.privacy is not None:
+            where = "into the differential privacy of" if into else "past the differential privacy of"
             raise ConfigError(
                 f"{key}: {source!r} would send its children's models to {target!r}{via} unclipped and un-noised, "
-                f"past the differential privacy of {node_id!r} (its privacy: settings); residuals cannot skip a DP "
-                "server: drop the residual, or move the privacy settings above the residual's target"
+                f"{where} {node_id!r} (its dp wrapper, privacy:); residuals cannot skip or enter a DP server's "
+                "noise: drop the residual, or move the privacy settings above the residual's target"
             )
 
 

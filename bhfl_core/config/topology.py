@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from bhfl_core.algorithm.asynchrony import AsyncParams, StalenessParams
+from bhfl_core.algorithm.node_opt import is_tuned
 from bhfl_core.algorithm.privacy_params import DpSgdParams
 from bhfl_core.algorithm.tree import Node, NodeSettings, Role, TrainParams, Tree
 from bhfl_core.config.aggregation_settings import aggregate_params, check_dp_sgd, node_opt
@@ -117,7 +118,8 @@ def _resolve(config: ExperimentConfig, node_id: str, role: Role, depth: int, num
                 f"data.proxy.train_per_language is {config.data.proxy.train_per_language})"
             )
         train = _train_params(values["train"])
-        check_dp_sgd(values["train"], origin["train"], node_id, role)
+        tuned = next((origin[f"opt_{d}"] for d in ("down", "up") if is_tuned(values[f"opt_{d}"].kind)), None)
+        check_dp_sgd(values["train"], origin["train"], node_id, role, config.data.task, tuned)
     proxy_async = values["proxy_train"] == "async"
     if proxy_async and role is Role.CLIENT:
         raise ConfigError(f"{origin['proxy_train']}: 'async' proxy training is for servers; {node_id!r} is a client")

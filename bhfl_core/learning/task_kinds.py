@@ -94,6 +94,9 @@ class TaskKind:
     scoring_table: Callable[[Mapping[str, torch.Tensor], TaskFacts], dict[str, torch.Tensor]] | None = None
     needs_labels: bool = False  # trains and scores on class labels (a proxy corpus must name its label column)
     needs_mask_token: bool = False  # the tokenizer must have a mask token
+    # its loss is a mean of per-example terms, so one example's gradient does not depend on the others in its
+    # batch (DP-SGD's per-example clipping needs it; a masked LM's mean over the batch's masked tokens is not)
+    per_example_loss: bool = True
 
     def model_class(self) -> Any:
         import transformers  # ~1 s to import: only where a model is built
@@ -238,5 +241,6 @@ register_task_kind(
             "mlm", _lm_metrics, ("loss", "perplexity"), {"loss": False, "perplexity": False}, "perplexity"
         ),
         needs_mask_token=True,
+        per_example_loss=False,
     )
 )

@@ -77,7 +77,7 @@ def test_zeroing_that_zeroes_nothing_gives_the_wrapped_rules_bits():
         )
 
 
-def test_zeroing_outside_dp_keeps_a_nan_out_of_the_noised_mean():
+def test_a_nan_update_is_folded_as_no_update_by_dp_itself_or_by_zeroing_outside_it():
     rule = rule_for(AggregateParams(wrappers=(ZeroingParams(), DP)))
     models = {"a": REFERENCE + t(0.6, 0.8, 0.0), "b": t(math.nan, 0.0, 0.0), "c": REFERENCE + t(0.0, 0.0, 3.0)}
     done = rule.finalize(folded(rule, models, dict.fromkeys(models, 1.0), rule.plan({}, ())), KEY)
@@ -89,8 +89,10 @@ def test_zeroing_outside_dp_keeps_a_nan_out_of_the_noised_mean():
     )
     assert torch.equal(done.input, expected.float())
     assert done.metrics[ZEROED] == 1.0 and done.metrics["privacy/clipped_fraction"] == pytest.approx(1 / 3)
-    without = rule_for(AggregateParams(wrappers=(DP,)))
-    assert torch.isnan(without.finalize(folded(without, models, dict.fromkeys(models, 1.0)), KEY).input).all()
+    assert done.metrics["privacy/nonfinite"] == 0.0  # zeroing took it first
+    alone = rule_for(AggregateParams(wrappers=(DP,)))  # DP zeroes a non-finite update itself, and counts it
+    by_dp = alone.finalize(folded(alone, models, dict.fromkeys(models, 1.0), alone.plan({}, ())), KEY)
+    assert torch.equal(by_dp.input, expected.float()) and by_dp.metrics["privacy/nonfinite"] == 1.0
 
 
 def test_the_dp_rules_state_is_its_adaptive_clip_which_goes_down_in_the_plan_and_is_saved_with_the_node():

@@ -126,7 +126,10 @@ def test_secure_aggregation_resolves_per_edge_with_a_majority_threshold():
     "overrides, message",
     [
         (["tree.client.secure_aggregation={}"], "tree.client.secure_aggregation: secure aggregation is a server's"),
-        (["tree.edge.secure_aggregation={}", "tree.edge.mode=async"], "not supported yet ('edge-en' has mode: async)"),
+        (
+            ["tree.edge.secure_aggregation={threshold: 2}", "tree.edge.mode=async", "tree.edge.buffer=9"],
+            "a secure-aggregation flush takes at most one update per child, so buffer (9) cannot exceed",
+        ),
         (["tree.edge.secure_aggregation={threshold: 5}"], "tree.edge.secure_aggregation.threshold: 5 is more than"),
         (["tree.edge.secure_aggregation={bits: 20, fraction_bits: 19}"], "fraction_bits: 19 leaves no integer part"),
         (["tree.edge.secure_aggregation={bits: 70}"], "tree.edge.secure_aggregation.bits"),

@@ -190,3 +190,21 @@ def test_secure_aggregation_at_asynchronous_edges_unmasks_every_flush_the_same_o
     recovered = [m.value for m in client.get_metric_history(edge.info.run_id, "secagg/recovered_clients")]
     epsilons = client.get_metric_history(edge.info.run_id, "privacy/epsilon")
     assert len(recovered) == len(epsilons) >= 2 and set(recovered) == {1.0}  # 3 children, flushes of 2
+
+
+def test_no_childs_loss_leaves_a_dp_server_and_a_secagg_server_sees_none(runs):
+    """Side values: a DP edge reports no training loss or example total to its parent (only its noised model
+    goes up), so the servers above log none; a secure-aggregation edge is not even told its clients' losses."""
+
+    def metrics(result: dict, node: str) -> dict[str, float]:
+        client = MlflowClient(result["tracking_uri"])
+        exp = client.get_experiment_by_name("itest")
+        (run,) = client.search_runs([exp.experiment_id], f"tags.`bhfl.node` = '{node}'")
+        return run.data.metrics
+
+    assert "Training/loss" in metrics(runs["plain"], "west") and "Training/loss" in metrics(runs["plain"], "edge-en")
+    dp = runs["inprocess"]
+    assert "Training/loss" in metrics(dp, "edge-en")  # the DP server is trusted with its children's values
+    assert "Training/loss" not in metrics(dp, "west") and "Training/loss" not in metrics(dp, "root")
+    secure = metrics(runs["secagg"], "edge-en")
+    assert "Training/loss" not in secure and secure["Training/clients"] == 2.0
