@@ -48,8 +48,20 @@ class UpdateSum(Protocol):
 
     def start_sum(self, round_of: Caller, plan: FoldPlan, allocate: Allocator | None) -> Partial: ...
 
-    def add_update(self, partial: Partial, member: str, update: torch.Tensor, weight: float) -> None:
-        """Add ``weight * update`` (and count ``weight``)."""
+    def add_update(
+        self,
+        partial: Partial,
+        member: str,
+        update: torch.Tensor,
+        weight: float,
+        counts: Mapping[str, int] | None = None,
+    ) -> None:
+        """Add ``weight * update`` (and count ``weight``); ``counts``: the member's flags, summed with it where the
+        server may not see them one by one (``sees_members`` False)."""
+        ...
+
+    def counts(self, partial: Partial) -> dict[str, int]:
+        """The flags' totals (empty where the caller counts them itself)."""
         ...
 
     def merge(self, into: Partial, other: Partial) -> None: ...
@@ -86,8 +98,18 @@ class PlainSum:
 
         return WeightedSum(allocate=allocate)
 
-    def add_update(self, partial: Partial, member: str, update: torch.Tensor, weight: float) -> None:
+    def add_update(
+        self,
+        partial: Partial,
+        member: str,
+        update: torch.Tensor,
+        weight: float,
+        counts: Mapping[str, int] | None = None,
+    ) -> None:
         _total(partial).add(update, weight)
+
+    def counts(self, partial: Partial) -> dict[str, int]:
+        return {}
 
     def merge(self, into: Partial, other: Partial) -> None:
         _total(into).merge(_total(other), consume=True)
@@ -161,11 +183,16 @@ class DpRule:
 
         fold = _clipped(partial)
         update, norm = clip_update(model.detach(), fold.reference_on(model.device), fold.clip)
-        if not math.isfinite(norm):  # a diverged child: no update, counted (its NaN would make the mean NaN)
+        nonfinite = not math.isfinite(norm)
+        if nonfinite:  # a diverged child: no update, counted (its NaN would make the mean NaN)
             update, norm = torch.zeros_like(update), 0.0
-            fold.nonfinite += 1
-        self.sum.add_update(fold.inner, member, update, 1.0)
-        fold.clipped += norm > fold.clip
+        flags = {"clipped": int(norm > fold.clip), "nonfinite": int(nonfinite)}
+        if self.sees_members:  # a trusted server counts them
+            fold.clipped += flags["clipped"]
+            fold.nonfinite += flags["nonfinite"]
+            self.sum.add_update(fold.inner, member, update, 1.0)
+        else:  # secure aggregation: the flags are masked with the update, only their totals are seen
+            self.sum.add_update(fold.inner, member, update, 1.0, flags)
 
     def merge(self, into: Partial, other: Partial) -> None:
         mine, theirs = _clipped(into), _clipped(other)
@@ -184,6 +211,9 @@ class DpRule:
         fold = _clipped(partial)
         if fold.reference is None:
             raise ValueError("cannot finalize a DP fold without the model the children were sent")
+        if not self.sees_members:  # the flags' totals, unmasked with the sum
+            totals = self.sum.counts(fold.inner)
+            fold.clipped, fold.nonfinite = totals["clipped"], totals["nonfinite"]
         mean = noised_mean(self.params, fold.reference, self.sum.summed(fold.inner), fold.clip, key)
         after = dict(state)
         if self.params.adaptive is not None:  # the next round's norm, from the noised count
@@ -195,12 +225,14 @@ class DpRule:
     def wire(self, partial: Partial) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
         fold = _clipped(partial)
         tensors, numbers = self.sum.wire(fold.inner)
+        if not self.sees_members:  # the flags travel masked, inside the sum
+            return tensors, {**numbers, CLIP: fold.clip}
         return tensors, {**numbers, CLIP: fold.clip, CLIPPED: float(fold.clipped), NONFINITE: float(fold.nonfinite)}
 
     def unwire(self, tensors: Mapping[str, torch.Tensor], numbers: Mapping[str, float]) -> ClippedSum:
         from bhfl_core.algorithm.privacy import ClippedSum
 
         rest = {k: v for k, v in numbers.items() if k not in (CLIP, CLIPPED, NONFINITE)}
-        out = ClippedSum(None, float(numbers[CLIP]), self.sum.unwire(tensors, rest), int(numbers[CLIPPED]))
-        out.nonfinite = int(numbers[NONFINITE])
+        out = ClippedSum(None, float(numbers[CLIP]), self.sum.unwire(tensors, rest), int(numbers.get(CLIPPED, 0)))
+        out.nonfinite = int(numbers.get(NONFINITE, 0))
         return out

@@ -104,8 +104,18 @@ class SecAggRule:
     def start_sum(self, round_of: Caller, plan: FoldPlan, allocate: Allocator | None) -> MaskedSum:
         return self.start(round_of, plan)
 
-    def add_update(self, partial: Partial, member: str, update: torch.Tensor, weight: float) -> None:
-        _masked(partial).add(member, update, weight)
+    def add_update(
+        self,
+        partial: Partial,
+        member: str,
+        update: torch.Tensor,
+        weight: float,
+        counts: Mapping[str, int] | None = None,
+    ) -> None:
+        _masked(partial).add(member, update, weight, counts)
+
+    def counts(self, partial: Partial) -> dict[str, int]:
+        return _masked(partial).totals()
 
     def summed(self, partial: Partial) -> torch.Tensor:
         return _masked(partial).summed()

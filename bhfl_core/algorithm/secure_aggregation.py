@@ -78,11 +78,17 @@ def _prg(seed: int, numel: int, bits: int) -> torch.Tensor:
     return torch.randint(0, 2**bits, (numel,), generator=torch.Generator().manual_seed(seed), dtype=torch.int64)
 
 
+COUNTER = "counter."  # wire numbers: the names of the counters masked after the update's values
+
+
 class MaskedSum:
     """A SecAgg server's running fold: the sum of masked vectors modulo ``2**bits``, and who contributed.
 
     ``reference``: the model the children were sent, where the fold computes their updates
     itself (``secagg`` around the mean); None inside ``dp``, which hands it clipped updates.
+    Each masked vector is the member's quantised update followed by its counters (how many
+    of its values were clamped; inside ``dp``, whether it was clipped and whether it was not
+    finite), masked like the rest: the server learns only their totals, never one batch's.
     """
 
     def __init__(
@@ -93,7 +99,8 @@ class MaskedSum:
         self.masked: torch.Tensor | None = None
         self.total_weight = 0.0
         self.members: list[str] = []
-        self.clamped = 0
+        self.counters: tuple[str, ...] = ()
+        self._open: torch.Tensor | None = None  # the unmasked sum, once computed
 
     @property
     def weight(self) -> float:
@@ -107,14 +114,14 @@ class MaskedSum:
     def modulus_mask(self) -> int:
         return (1 << self.params.bits) - 1
 
-    def quantised(self, values: torch.Tensor) -> torch.Tensor:
-        """``q_u``: a member's weighted update (float64) in fixed point, modulo ``2**bits``, clamped first."""
+    def quantised(self, values: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """``q_u``: a member's weighted update (float64) in fixed point, modulo ``2**bits``, clamped first; and how
+        many of its values were clamped."""
         scale = 2.0**self.params.fraction_bits
         bound = ((2 ** (self.params.bits - 1) - 1) // max(len(self.peers), 1)) / scale
-        outside = values.abs() > bound
-        self.clamped += int(outside.sum())
+        clamped = int((values.abs() > bound).sum())
         values = values.clamp(-bound, bound)
-        return torch.round(values * scale).to(torch.int64) & self.modulus_mask
+        return torch.round(values * scale).to(torch.int64) & self.modulus_mask, clamped
 
     def masks(self, member: str, numel: int, keys: RoundKeys) -> torch.Tensor:
         """``PRG(b_u) + sum_{u<v} PRG(s_uv) - sum_{v<u} PRG(s_uv)`` modulo ``2**bits``."""
@@ -127,12 +134,18 @@ class MaskedSum:
             out = (out + pair if member < other else out - pair) & self.modulus_mask
         return out
 
-    def add(self, member: str, update: torch.Tensor, weight: float) -> None:
-        """Mask and add ``weight * update`` (``update``: the member's update, any float dtype and device)."""
+    def add(self, member: str, update: torch.Tensor, weight: float, counts: Mapping[str, int] | None = None) -> None:
+        """Mask and add ``weight * update`` (``update``: the member's update, any float dtype and device) and its
+        counters (``counts``: named 0/1 flags of the caller's, after the clamped count)."""
         if member not in self.peers:
             raise ValueError(f"{member!r} is not in the round's cohort {list(self.peers)}: it holds no pairwise keys")
         keys = RoundKeys(self.params, self.round_of, self.peers)
-        q = self.quantised(update.detach().reshape(-1).to("cpu", torch.float64) * weight)
+        q, clamped = self.quantised(update.detach().reshape(-1).to("cpu", torch.float64) * weight)
+        named = {"clamped": clamped, **dict(sorted((counts or {}).items()))}
+        if self.counters and tuple(named) != self.counters:
+            raise ValueError(f"counters {tuple(named)} cannot join a fold of {self.counters}")
+        self.counters = tuple(named)
+        q = torch.cat([q, torch.tensor(list(named.values()), dtype=torch.int64)])
         masked = (q + self.masks(member, q.numel(), keys)) & self.modulus_mask
         self.masked = masked if self.masked is None else (self.masked + masked) & self.modulus_mask
         self.members.append(member)
@@ -144,12 +157,15 @@ class MaskedSum:
         self.masked = other.masked if self.masked is None else (self.masked + other.masked) & self.modulus_mask
         self.members.extend(other.members)
         self.total_weight += other.total_weight
-        self.clamped += other.clamped
+        self.counters = self.counters or other.counters
 
     def unmasked(self) -> torch.Tensor:
-        """``sum_{u in U2} q_u`` as signed integers: every mask that does not cancel removed, from recovered seeds."""
+        """``sum_{u in U2} q_u`` as signed integers (the counters' totals last): every mask that does not cancel
+        removed, from recovered seeds."""
         if self.masked is None:
             raise ValueError("cannot unmask an empty secure-aggregation fold")
+        if self._open is not None:
+            return self._open
         survivors = [p for p in self.peers if p in self.members]
         dropped = [p for p in self.peers if p not in self.members]
         t = self.params.threshold
@@ -170,20 +186,25 @@ class MaskedSum:
                 pair = _prg(agreed_seed(secret, keys.public(member)), numel, bits)
                 total = (total - pair if member < gone else total + pair) & self.modulus_mask
         half = 2 ** (bits - 1)
-        return torch.where(total >= half, total - 2**bits, total)
+        self._open = torch.where(total >= half, total - 2**bits, total)
+        return self._open
 
     def summed(self) -> torch.Tensor:
         """The unmasked sum of the weighted updates (float64, flat): ``sum_{u in U2} q_u / 2**fraction_bits``."""
-        return self.unmasked().to(torch.float64) / 2.0**self.params.fraction_bits
+        return self.unmasked()[: -len(self.counters)].to(torch.float64) / 2.0**self.params.fraction_bits
+
+    def totals(self) -> dict[str, int]:
+        """The counters summed over the members, unmasked with the update (no batch's own count is ever seen)."""
+        return dict(zip(self.counters, self.unmasked()[-len(self.counters) :].tolist(), strict=True))
 
     def wire(self) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
         tensors = {} if self.masked is None else {"masked": self.masked}
-        numbers = {"weight": self.total_weight, "clamped": float(self.clamped)}
+        numbers = {"weight": self.total_weight, **{f"{COUNTER}{name}": 1.0 for name in self.counters}}
         return tensors, {**numbers, **{f"{MEMBER}{m}": 1.0 for m in self.members}}
 
     def secagg_metrics(self) -> dict[str, float]:
         return {
-            "secagg/clamped_values": float(self.clamped),
+            "secagg/clamped_values": float(self.totals()["clamped"]),
             "secagg/recovered_clients": float(len([p for p in self.peers if p not in self.members])),
         }
 
@@ -204,6 +225,7 @@ def unwire(
     out = MaskedSum(params, round_of, peers)
     out.masked = tensors.get("masked")
     out.total_weight = float(numbers.get("weight", 0.0))
-    out.clamped = int(numbers.get("clamped", 0))
+    named = [k[len(COUNTER) :] for k in numbers if k.startswith(COUNTER)]  # in add's order: clamped, then sorted
+    out.counters = tuple(["clamped", *sorted(n for n in named if n != "clamped")]) if named else ()
     out.members = [k[len(MEMBER) :] for k in numbers if k.startswith(MEMBER)]
     return out

@@ -49,7 +49,8 @@ def test_the_unmasked_sum_is_the_plain_quantised_sum_exactly_however_batched():
     expected = sum(quantised(m) for m in PEERS)
     for layout in ([list(PEERS)], [["c4", "c1"], ["c0"], ["c3", "c2"]]):
         _, partial = fold(layout)
-        assert torch.equal(partial.unmasked(), expected)
+        assert torch.equal(partial.unmasked()[:-1], expected)  # (then the clamped counter's total)
+        assert partial.totals() == {"clamped": 0}
 
 
 def test_one_masked_update_looks_uniform_and_the_unmasked_one_does_not():
@@ -66,7 +67,7 @@ def test_the_mean_is_within_the_documented_quantisation_error_of_the_exact_weigh
     rule, partial = fold([list(PEERS)])
     total = sum(WEIGHTS.values())
     exact = sum(WEIGHTS[m] * (MODELS[m].double() - REFERENCE.double()) for m in PEERS) / total
-    got = partial.unmasked().double() / 2.0**24 / total
+    got = partial.summed() / total
     assert (got - exact).abs().max() <= len(PEERS) * 2.0**-25 / total
     mean = rule.finalize(partial, KEY).input
     assert torch.allclose(mean.double(), REFERENCE.double() + exact, atol=1e-6)
@@ -75,7 +76,7 @@ def test_the_mean_is_within_the_documented_quantisation_error_of_the_exact_weigh
 def test_a_client_that_never_sent_its_update_has_its_masks_removed_from_the_survivors_shares():
     survivors = ("c0", "c2", "c3")
     _, partial = fold([["c0", "c1"], ["c2", "c3", "c4"]], contributors=survivors)
-    assert torch.equal(partial.unmasked(), sum(quantised(m) for m in survivors))
+    assert torch.equal(partial.unmasked()[:-1], sum(quantised(m) for m in survivors))
     assert partial.secagg_metrics()["secagg/recovered_clients"] == 2
     with pytest.raises(SecureAggregationError, match=r"'edge-en' .*2 of 5 children .* fewer than the threshold 3"):
         fold([list(PEERS)], contributors=("c0", "c4"))[1].unmasked()
@@ -88,8 +89,9 @@ def test_with_dp_updates_are_clipped_before_masking_and_noised_after_unmasking()
     plain = dp.start(KEY.as_caller(), dp.plan({}, ()), REFERENCE)
     for m in PEERS:
         dp.contribute(plain, m, MODELS[m], WEIGHTS[m])
-    assert masked.clipped == plain.clipped == 5  # every update (norm ~3) was longer than 0.5
+    assert masked.clipped == 0 and plain.clipped == 5  # under secagg the server holds no batch's count...
     together, separately = secure.finalize(masked, KEY).input, dp.finalize(plain, KEY).input
+    assert masked.clipped == 5 and masked.inner.totals() == {"clamped": 0, "clipped": 5, "nonfinite": 0}  # ...totals
     assert torch.allclose(together, separately, atol=1e-6) and not torch.equal(together, REFERENCE)
 
 
@@ -152,3 +154,22 @@ def test_secure_aggregation_configs_that_cannot_work_are_rejected_naming_the_key
     with pytest.raises(ConfigError) as err:
         _tree(*overrides)
     assert message in str(err.value)
+
+
+def test_what_a_batch_sends_a_secagg_server_holds_no_count_of_its_own_only_masked_values():
+    """Per-batch counts (values clamped; under DP, updates clipped or not finite) would tell the server about the
+    batch's clients: they travel masked, as extra coordinates of the masked vector, and only their totals open."""
+    privacy = PrivacyParams(clip=0.5, noise_multiplier=0.8, expected=5, population=6, noise_seed=3)
+    rule = rule_for(AggregateParams(wrappers=(privacy, PARAMS)))
+    partial = rule.start(KEY.as_caller(), rule.plan({}, PEERS), REFERENCE)
+    for member in ("c0", "c1"):
+        rule.contribute(partial, member, MODELS[member], WEIGHTS[member])
+    tensors, numbers = rule.wire(partial)
+    counts = {k: v for k, v in numbers.items() if not k.startswith(("member.", "counter."))}
+    assert counts == {"weight": 2.0, "dp/clip": 0.5}  # how many it folded (the server called them), its clip
+    assert {k for k in numbers if k.startswith("counter.")} == {
+        "counter.clamped",
+        "counter.clipped",
+        "counter.nonfinite",
+    }
+    assert set(numbers.values()) - {2.0, 0.5} == {1.0} and tensors["masked"].numel() == REFERENCE.numel() + 3
