@@ -33,6 +33,10 @@ entries above every finite one and sends their values. The parent decodes a non-
 model, which zeroing counts and zeroes as it does an uncompressed child's. The sender's
 residual is not touched by such an update (nothing of it was delivered, and a NaN
 residual would poison every later payload): it keeps the one it had.
+
+Under secure aggregation at the parent only ``int8`` is accepted (the config refuses
+``topk``: masking makes every upload dense, so its ``8 k`` bytes would be a false count);
+``comm/up_bytes`` then counts the int8 payloads, not the masked vectors.
 """
 
 from __future__ import annotations

@@ -236,11 +236,18 @@ def _compress(
     ``wrapped``: the server's wrappers by name, with the key that set each. With
     ``zeroing`` among them its children send a non-finite update as it is, for zeroing to
     count (``nonfinite: "send"``); otherwise they refuse to compress one (``compression.py``).
+    Top-k with ``secagg`` is refused: masking makes every child's upload dense.
     """
     if role is Role.CLIENT:
         raise ConfigError(
             f"{key}: compression is set where updates are received (the parent); "
             f"{node_id!r} is a client and has no children"
+        )
+    if settings.kind == "topk" and "secagg" in wrapped:
+        raise ConfigError(
+            f"{key}.kind: topk cannot be combined with {wrapped['secagg']} at {node_id!r}: secure aggregation masks "
+            "every value of each child's update, so the upload is dense whatever top-k keeps; the sparsity would "
+            "save nothing and comm/up_bytes would count 8k bytes for it. Use kind: int8, or no compression"
         )
     nonfinite = "send" if "zeroing" in wrapped else "error"
     return CompressParams(settings.kind, settings.fraction, settings.block, settings.error_feedback, nonfinite)

@@ -1,4 +1,4 @@
-"""Compression that never hides a fault (``compression.py``): non-finite updates.
+"""Compression that never hides a fault (``compression.py``): non-finite updates, secure aggregation with top-k.
 
 Engine tree (tests/core/fake_tree.py): root -> A(a1 w=1, a2 w=3), B(b1 w=2, b2 w=2); TRAIN adds a1=[1,0],
 a2=[0,2], b1=[2,2], b2=[4,0], root=[0,-1]. One root round from 0: every update but b1's is 1-sparse and exact in
@@ -24,6 +24,7 @@ from bhfl_core.algorithm.engine import execute_node
 from bhfl_core.algorithm.node_state import Caller, NodeResult, NodeState, RoundKey
 from bhfl_core.algorithm.privacy_params import ZeroingParams
 from bhfl_core.algorithm.zeroing_rule import NONFINITE, ZEROED
+from bhfl_core.config.base import ConfigError
 from bhfl_core.store.node_store import StateStore
 from tests.core.fake_tree import AddVectorHooks, settings, two_edge_tree
 from tests.core.test_robust_config import tree as config_tree
@@ -122,3 +123,25 @@ def test_zeroing_at_the_parent_makes_its_children_send_a_nonfinite_update_and_no
     plain = config_tree("tree.edge.aggregate={compress: {kind: int8}}", "tree.server.aggregate={wrap: [zeroing]}")
     assert plain["en-00"].settings.uplink == CompressParams("int8")  # zeroing above its parent does not count
     assert plain["en-00"].settings.uplink.nonfinite == "error"
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["tree.edge.aggregate={compress: {kind: topk}}", "tree.edge.secure_aggregation={threshold: 2}"],
+        ["tree.edge.aggregate={compress: {kind: topk}, wrap: [{secagg: {threshold: 2}}]}"],
+    ],
+)
+def test_secure_aggregation_with_topk_is_refused_naming_both_keys(overrides):
+    with pytest.raises(ConfigError) as err:
+        config_tree(*overrides)
+    message = str(err.value)
+    assert message.startswith("tree.edge.aggregate.compress.kind: topk cannot be combined with tree.edge.")
+    assert "secure_aggregation" in message or "wrap[0].secagg" in message
+    assert "dense" in message
+
+
+def test_secure_aggregation_with_int8_is_accepted():
+    t = config_tree("tree.edge.aggregate={compress: {kind: int8}}", "tree.edge.secure_aggregation={threshold: 2}")
+    assert t["en-00"].settings.uplink == CompressParams("int8") and t["edge-en"].settings.aggregate.secagg is not None
+    assert config_tree("tree.edge.aggregate={compress: {kind: topk}}", "tree.server.secure_aggregation={threshold: 1}")
