@@ -19,8 +19,9 @@ the sender's ``NodeState`` (``feedback``), committed with its last round, so a r
 continues with it. The payload itself is state too (``sent``): a sender re-run after a
 crash hands back exactly what it sent.
 
-Every draw comes from a generator seeded by (seed, sender, round, caller), on the
-tensor's device; the same inputs give the same payload, bit for bit.
+Every draw comes from a CPU generator seeded by (seed, sender, round, caller), moved to
+the tensor's device: the same inputs give the same payload, bit for bit, whether a CPU
+or a GPU worker compresses them (a CUDA generator draws other numbers from the same seed).
 
 A compressor never hides a fault. An update ``u + e`` with a NaN or infinite value is
 not compressed as if it were finite (top-k would rank NaN nowhere and send nothing of
@@ -123,11 +124,22 @@ def _quantize(x: torch.Tensor, block: int, seed: int) -> Payload:
     rows = torch.where(faulty.view(-1, 1), torch.zeros_like(rows), rows)
     scale = rows.abs().amax(dim=1) / LEVELS
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero block: any scale gives q = 0
-    generator = torch.Generator(device=x.device).manual_seed(seed)
-    noise = torch.rand(rows.shape, generator=generator, device=x.device, dtype=torch.float32)
+    noise = rounding_draws(rows.shape, seed).to(x.device)
     q = torch.floor(rows / scale.view(-1, 1) + noise).clamp_(-LEVELS, LEVELS).to(torch.int8)
     scale = torch.where(faulty, torch.full_like(scale, math.nan), scale)
     return {"q": q.view(-1)[:n].clone(), "scale": scale}
+
+
+def rounding_draws(shape: torch.Size | tuple[int, ...], seed: int) -> torch.Tensor:
+    """int8's uniform draws ``u ~ U[0, 1)`` for one payload, from a CPU generator seeded by ``seed``.
+
+    On the CPU whatever the tensor's device (the caller moves them): a CUDA generator
+    draws other numbers from the same seed, and a payload must not depend on where it was made.
+    """
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    return torch.rand(shape, generator=generator, dtype=torch.float32)
 
 
 def _top_k(x: torch.Tensor, fraction: float) -> Payload:

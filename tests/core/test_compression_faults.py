@@ -1,4 +1,5 @@
-"""Compression that never hides a fault (``compression.py``): non-finite updates, secure aggregation with top-k.
+"""Compression that never hides a fault (``compression.py``): non-finite updates, secure aggregation with top-k,
+rounding draws that depend on the sender and not on the device.
 
 Engine tree (tests/core/fake_tree.py): root -> A(a1 w=1, a2 w=3), B(b1 w=2, b2 w=2); TRAIN adds a1=[1,0],
 a2=[0,2], b1=[2,2], b2=[4,0], root=[0,-1]. One root round from 0: every update but b1's is 1-sparse and exact in
@@ -17,8 +18,10 @@ from bhfl_core.algorithm.compression import (
     CompressParams,
     NonFiniteUpdate,
     compress_update,
+    decode,
     encode,
     received_model,
+    rounding_draws,
 )
 from bhfl_core.algorithm.engine import execute_node
 from bhfl_core.algorithm.node_state import Caller, NodeResult, NodeState, RoundKey
@@ -145,3 +148,24 @@ def test_secure_aggregation_with_int8_is_accepted():
     t = config_tree("tree.edge.aggregate={compress: {kind: int8}}", "tree.edge.secure_aggregation={threshold: 2}")
     assert t["en-00"].settings.uplink == CompressParams("int8") and t["edge-en"].settings.aggregate.secagg is not None
     assert config_tree("tree.edge.aggregate={compress: {kind: topk}}", "tree.server.secure_aggregation={threshold: 1}")
+
+
+def test_int8_rounds_with_draws_from_a_cpu_generator_seeded_by_the_seed():
+    x = torch.randn(10, generator=torch.Generator().manual_seed(3))
+    params = CompressParams("int8", block=4)  # blocks of 4, 4, 2 (padded with zeros to 4)
+    payload = encode(x, params, seed=11)
+    by_hand = torch.rand((3, 4), generator=torch.Generator().manual_seed(11), dtype=torch.float32)
+    assert torch.equal(rounding_draws((3, 4), 11), by_hand)
+    rows = torch.cat([x, torch.zeros(2)]).view(3, 4)
+    scale = rows.abs().amax(dim=1) / LEVELS
+    q = torch.floor(rows / scale.view(-1, 1) + by_hand).clamp(-LEVELS, LEVELS).to(torch.int8)
+    assert torch.equal(payload["q"], q.view(-1)[:10]) and torch.equal(payload["scale"], scale)
+    assert torch.allclose(decode(payload, 10, params), x, atol=float(scale.max()))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: a CUDA generator draws other numbers")
+def test_a_gpu_worker_sends_the_payload_a_cpu_worker_sends():
+    x = torch.randn(3000, generator=torch.Generator().manual_seed(0))
+    cpu = encode(x, CompressParams("int8", block=64), seed=5)
+    gpu = encode(x.cuda(), CompressParams("int8", block=64), seed=5)
+    assert torch.equal(gpu["q"].cpu(), cpu["q"]) and torch.equal(gpu["scale"].cpu(), cpu["scale"])
