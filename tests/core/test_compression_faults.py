@@ -23,7 +23,7 @@ from bhfl_core.algorithm.compression import (
     received_model,
     rounding_draws,
 )
-from bhfl_core.algorithm.engine import execute_node
+from bhfl_core.algorithm.engine import execute_node, send_up
 from bhfl_core.algorithm.node_state import Caller, NodeResult, NodeState, RoundKey
 from bhfl_core.algorithm.privacy_params import ZeroingParams
 from bhfl_core.algorithm.zeroing_rule import NONFINITE, ZEROED
@@ -169,3 +169,25 @@ def test_a_gpu_worker_sends_the_payload_a_cpu_worker_sends():
     cpu = encode(x, CompressParams("int8", block=64), seed=5)
     gpu = encode(x.cuda(), CompressParams("int8", block=64), seed=5)
     assert torch.equal(gpu["q"].cpu(), cpu["q"]) and torch.equal(gpu["scale"].cpu(), cpu["scale"])
+
+
+CALLER = Caller("A", 0)
+
+
+def _sent(node_id: str, round_: int = 0, caller: Caller = CALLER, seed: int = 0) -> torch.Tensor:
+    """What ``node_id`` sends (int8) for the same update as every other sender."""
+    phi = torch.zeros(64)
+    theta = torch.linspace(-1.0, 1.0, 64) / 3  # values between the int8 steps: the rounding draws matter
+    state = NodeState(model=theta, rounds_done=round_ + 1, exec_start=round_)
+    uplink = CompressParams("int8", block=64)
+    sent = send_up(state, phi, replace(settings(), uplink=uplink), RoundKey(node_id, round_, caller), seed)
+    return sent.sent["q"]
+
+
+def test_each_sender_round_and_caller_draws_its_own_rounding_for_the_same_update():
+    a1 = _sent("a1")
+    assert torch.equal(a1, _sent("a1"))  # seeded: the same sender, round and caller send the same payload
+    assert not torch.equal(a1, _sent("a2"))  # two children with the same update send different payloads
+    assert not torch.equal(a1, _sent("a1", round_=1))
+    assert not torch.equal(a1, _sent("a1", caller=Caller("A", 1)))
+    assert not torch.equal(a1, _sent("a1", seed=1))
