@@ -200,12 +200,15 @@ def send_up(state: NodeState, phi: torch.Tensor | None, settings: NodeSettings, 
 
     The payload and the new error-feedback residual join the state committed with the
     round, so a crash after the commit hands back the same payload (``saved_result``).
+    An update with NaN or inf raises ``NonFiniteUpdate`` naming the node and ``key``,
+    unless the parent zeroes such updates (``uplink.nonfinite``: then it is sent as it is).
     Any other round, and any node whose parent does not compress, is left as it is.
     """
     uplink = settings.uplink
     if uplink is None or phi is None or state.rounds_done - state.exec_start < settings.rounds:
         return state
-    sent = compress_update(state.theta, phi, state.feedback, uplink, derive_seed(seed, "compress", *key.parts()))
+    rounding_seed = derive_seed(seed, "compress", *key.parts())  # each sender, round and caller its own draws
+    sent = compress_update(state.theta, phi, state.feedback, uplink, rounding_seed, key)
     return replace(state, sent=sent.payload, feedback=sent.feedback)
 
 

@@ -80,10 +80,11 @@ def aggregate_params(
     wrappers: list[WrapperParams] = []
     compress = None
     entries = _wrap_entries(settings, node_id, values, origin)
+    wrapped = {name: key for name, _, key in entries}
     dp_entry = next((chosen for name, chosen, _ in entries if name == "dp"), None)
     for name, chosen, key in entries:
         if name == "compress":
-            compress = _compress(chosen, key, node_id, role)
+            compress = _compress(chosen, key, node_id, role, wrapped)
         elif name == "zeroing":
             wrappers.append(_zeroing(chosen, key, node_id, role))
         elif name == "dp":
@@ -99,7 +100,6 @@ def aggregate_params(
         keep=defaults.keep if settings.keep is None else settings.keep,
     )
     children_are_clients = role is Role.EDGE or (role is Role.ROOT and config.tree.flat)
-    wrapped = {name: key for name, _, key in entries}
     if config.tree.tempo and role is Role.ROOT:
         for name in ("dp", "secagg"):
             if name in wrapped:
@@ -236,14 +236,30 @@ def _privacy(
     return params
 
 
-def _compress(settings: CompressSettings, key: str, node_id: str, role: Role) -> CompressParams:
-    """A server's ``compress`` wrapper (what its children send it); a client has no children to compress."""
+def _compress(
+    settings: CompressSettings, key: str, node_id: str, role: Role, wrapped: dict[str, str]
+) -> CompressParams:
+    """A server's ``compress`` wrapper (what its children send it); a client has no children to compress.
+
+    ``wrapped``: the server's wrappers by name, with the key that set each. With
+    ``zeroing`` or ``dp`` among them its children send a non-finite update as it is, for
+    the server to fold as no update and count (``nonfinite: "send"``); otherwise they
+    refuse to compress one (``compression.py``).
+    Top-k with ``secagg`` is refused: masking makes every child's upload dense.
+    """
     if role is Role.CLIENT:
         raise ConfigError(
             f"{key}: compression is set where updates are received (the parent); "
             f"{node_id!r} is a client and has no children"
         )
-    return CompressParams(settings.kind, settings.fraction, settings.block, settings.error_feedback)
+    if settings.kind == "topk" and "secagg" in wrapped:
+        raise ConfigError(
+            f"{key}.kind: topk cannot be combined with {wrapped['secagg']} at {node_id!r}: secure aggregation masks "
+            "every value of each child's update, so the upload is dense whatever top-k keeps; the sparsity would "
+            "save nothing and comm/up_bytes would count 8k bytes for it. Use kind: int8, or no compression"
+        )
+    nonfinite = "send" if "zeroing" in wrapped or "dp" in wrapped else "error"  # both fold it as no update, counted
+    return CompressParams(settings.kind, settings.fraction, settings.block, settings.error_feedback, nonfinite)
 
 
 def _zeroing(settings: ZeroingSettings, key: str, node_id: str, role: Role) -> ZeroingParams:

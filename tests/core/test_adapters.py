@@ -1,5 +1,7 @@
 """LoRA adapters as the federated parameters (``model.adapter``; bhfl_core/learning/models.py::with_adapter)."""
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -85,3 +87,22 @@ def test_adapters_for_masked_lm_are_rejected_naming_the_key():
         ConfigError, match=r"model\.adapter: LoRA adapters are supported for data\.task: classification"
     ):
         small_config("model.adapter={r: 4}", "data.task=mlm")
+
+
+def _lora_layers(model) -> dict[str, Any]:
+    from peft.tuners.lora import LoraLayer
+
+    return {name: m for name, m in model.named_modules() if isinstance(m, LoraLayer)}
+
+
+def test_alpha_dropout_and_target_modules_reach_peft():
+    custom = _lora_layers(_model("model.adapter={r: 4, alpha: 12, dropout: 0.25, target_modules: [query, key]}"))
+    assert sorted(name.rsplit(".", 1)[-1] for name in custom) == ["key", "query"]  # not peft's default: value
+    for layer in custom.values():
+        assert layer.scaling == {"default": 3.0}  # lora_alpha / r = 12 / 4 (peft's default alpha, 8: 2.0)
+        assert isinstance(layer.lora_dropout["default"], torch.nn.Dropout)
+        assert layer.lora_dropout["default"].p == 0.25
+    default = _lora_layers(_model("model.adapter={r: 4}"))  # alpha 16, no dropout, query and value
+    assert sorted(name.rsplit(".", 1)[-1] for name in default) == ["query", "value"]
+    assert all(layer.scaling == {"default": 4.0} for layer in default.values())
+    assert all(not isinstance(layer.lora_dropout["default"], torch.nn.Dropout) for layer in default.values())

@@ -21,13 +21,14 @@ from bhfl_core.algorithm.compression import (
 )
 from bhfl_core.algorithm.contract import RoundPlan
 from bhfl_core.algorithm.engine import execute_node
-from bhfl_core.algorithm.node_state import Caller, NodeState
+from bhfl_core.algorithm.node_state import Caller, NodeState, RoundKey
 from bhfl_core.algorithm.node_step import keeps_state
 from bhfl_core.store.node_store import StateStore
 from tests.core.fake_tree import AddVectorHooks, settings, two_edge_tree
 
 INT8 = CompressParams("int8", block=2)
 TOP1 = CompressParams("topk", fraction=0.5)
+KEY = RoundKey("a1", 0, Caller("A", 0))
 
 
 def test_int8_sends_one_byte_per_value_and_a_scale_per_block_and_decodes_within_one_step():
@@ -61,13 +62,15 @@ def test_topk_keeps_the_largest_magnitudes_and_breaks_ties_by_the_lowest_index()
 
 def test_error_feedback_sends_what_earlier_payloads_left_out():
     phi = torch.tensor([10.0, 20.0])
-    first = compress_update(phi + torch.tensor([1.0, 0.5]), phi, None, TOP1, seed=0)
+    first = compress_update(phi + torch.tensor([1.0, 0.5]), phi, None, TOP1, 0, KEY)
     assert received_model(phi, first.payload, TOP1).tolist() == [11.0, 20.0]
     assert first.feedback is not None and first.feedback.tolist() == [0.0, 0.5]
-    second = compress_update(phi + torch.tensor([0.2, 0.4]), phi, first.feedback, TOP1, seed=0)  # u + e = [0.2, 0.9]
+    second = compress_update(phi + torch.tensor([0.2, 0.4]), phi, first.feedback, TOP1, 0, KEY)  # u + e = [0.2, 0.9]
     assert received_model(phi, second.payload, TOP1).tolist() == [10.0, pytest.approx(20.9)]
     assert second.feedback is not None and second.feedback.tolist() == [pytest.approx(0.2), 0.0]
-    plain = compress_update(phi + torch.tensor([0.2, 0.4]), phi, first.feedback, replace(TOP1, error_feedback=False), 0)
+    plain = compress_update(
+        phi + torch.tensor([0.2, 0.4]), phi, first.feedback, replace(TOP1, error_feedback=False), 0, KEY
+    )
     assert plain.feedback is None and received_model(phi, plain.payload, TOP1).tolist() == [10.0, pytest.approx(20.4)]
 
 
