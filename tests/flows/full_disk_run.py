@@ -18,6 +18,7 @@ folder, the resume's exit code, the sha256 of every node file after it, and the
 temporary files left in the run folder's state.
 """
 
+import errno
 import hashlib
 import json
 import os
@@ -33,15 +34,17 @@ PAUSE = "round@2:pause"  # the second server round committed (root round 1): hel
 
 
 def _fill(disk: Path) -> Path:
-    """Write zeros to ``disk`` until the kernel says it is full."""
+    """Write zeros to ``disk`` until the kernel says it is full; a disk the held run already filled (it happened on
+    a 40 MB tmpfs: the disks are 96 MB now) cannot even make the file, which is full too."""
     filler = disk / "filler"
-    with open(filler, "wb") as fh:
-        try:
+    try:
+        with open(filler, "wb") as fh:
             while True:
                 fh.write(b"\0" * (1 << 16))
                 fh.flush()
-        except OSError:
-            pass
+    except OSError as error:
+        if error.errno != errno.ENOSPC:
+            raise
     return filler
 
 
@@ -74,7 +77,7 @@ def _case(disk: Path, outside: Path, where: str) -> dict:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     (run_path,) = (run_dir / "itest").iterdir()
-    filler.unlink()
+    filler.unlink(missing_ok=True)
     resumed = _ended(["resume", str(run_path), "--run-dir", str(run_dir)], own_servers_env(**env), outside / "r.log")
     nodes = sorted((run_path / "state" / "nodes").glob("*.safetensors"))
     return {

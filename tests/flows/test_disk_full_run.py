@@ -40,7 +40,7 @@ def test_a_disk_full_mid_run_is_one_paragraph_and_resume_after_freeing_is_bit_id
     prefix = namespace_prefix(disks[0])
     if prefix is None:
         pytest.skip(NO_NAMESPACE + "no real full disk to test on")
-    mount = tmpfs_mount("40m").replace('"$1"', '"$d"')
+    mount = tmpfs_mount("96m").replace('"$1"', '"$d"')
     run = 'exec "$p" -m tests.flows.full_disk_run "$o" "$@"'
     script = f'o=$1; p=$2; shift 2; for d in "$@"; do {mount} || exit 9; done; {run}'
     outside = tmp_path / "outside"
@@ -66,7 +66,7 @@ def test_a_disk_full_mid_run_is_one_paragraph_and_resume_after_freeing_is_bit_id
         assert message.startswith("error: The disk is full"), message
         # (what the failed write had taken is free again: a reserved transfer file, a database's journal)
         named = f"the filesystem mounted at {disk} (tmpfs bhfl-full-disk): "
-        assert re.search(re.escape(named) + r"[\d.]+ (bytes|KiB) free of 40.0 MiB", message), message
+        assert re.search(re.escape(named) + r"[\d.]+ (bytes|KiB) free of 96.0 MiB", message), message
         assert holds in message and f"continue with `bhfl resume {run_path}`" in message, message
         assert case["resumed"] == 0, f"{where}: the resume failed\n{case['resume_output']}"
         assert case["nodes"] == reference, f"{where}: the resumed run differs from one that never stopped"
