@@ -41,6 +41,7 @@ import torch
 from bhfl_core.algorithm.contract import Partial
 from bhfl_core.algorithm.node_state import RoundKey
 from bhfl_core.algorithm.privacy_params import PrivacyParams
+from bhfl_core.algorithm.rule_registry import WrapperPartial
 from bhfl_core.rng import derive_seed
 
 SHRINK = 1.0 - 2.0**-22
@@ -70,7 +71,7 @@ def as_clipped(partial: object) -> ClippedSum:
     return partial
 
 
-class ClippedSum:
+class ClippedSum(WrapperPartial):
     """A DP server's running fold: the exact sum of clipped updates (``inner``, the sum it wraps), with its counts.
 
     ``reference`` (the model the children started from) and ``clip`` are what clipping
@@ -79,29 +80,13 @@ class ClippedSum:
     secure-aggregation ``MaskedSum`` of them (``dp_rule.py``).
     """
 
+    needs_reference = "a DP fold clips updates against the model the children were sent: none was given"
+
     def __init__(self, reference: torch.Tensor | None, clip: float, inner: Partial, clipped: int = 0) -> None:
-        self.reference, self.clip, self.inner = reference, clip, inner
+        super().__init__(inner, reference)  # weight: the contributions folded (each counts 1)
+        self.clip = clip
         self.clipped = clipped  # contributions whose update was longer than clip
         self.nonfinite = 0  # contributions whose update was not finite: folded as zero
-        self._reference_on: dict[torch.device, torch.Tensor] = {}
-
-    @property
-    def weight(self) -> float:
-        """Contributions folded (each counts 1)."""
-        return self.inner.weight
-
-    @property
-    def empty(self) -> bool:
-        return self.inner.empty
-
-    def reference_on(self, device: torch.device) -> torch.Tensor:
-        """The reference on ``device``: once per device and fold (a GPU worker's clients share one copy)."""
-        if self.reference is None:
-            raise ValueError("a DP fold clips updates against the model the children were sent: none was given")
-        reference = self._reference_on.get(device)
-        if reference is None:
-            reference = self._reference_on[device] = self.reference.to(device)
-        return reference
 
 
 def noise(params: PrivacyParams, key: RoundKey, numel: int, std: float, purpose: str) -> torch.Tensor:

@@ -200,6 +200,33 @@ class AggregationRule(Protocol):
         ...
 
 
+class WrapperPartial:
+    """A wrapper's fold: the partial of the rule it wraps (``inner``), and the model the children were sent
+    (``reference``: what their updates are measured against, copied once per device and fold, so a GPU worker's
+    clients share one copy). Nothing of the reference is sent anywhere: the parent has it."""
+
+    needs_reference = "this wrapper measures updates against the model the children were sent: none was given"
+
+    def __init__(self, inner: Partial, reference: torch.Tensor | None) -> None:
+        self.inner, self.reference = inner, reference
+        self._reference_on: dict[Any, torch.Tensor] = {}
+
+    @property
+    def weight(self) -> float:
+        return self.inner.weight
+
+    @property
+    def empty(self) -> bool:
+        return self.inner.empty
+
+    def reference_on(self, device: torch.device) -> torch.Tensor:
+        if self.reference is None:
+            raise ValueError(self.needs_reference)
+        if device not in self._reference_on:
+            self._reference_on[device] = self.reference.to(device)
+        return self._reference_on[device]
+
+
 class Stateless:
     """The state half of a rule that keeps none and adds nothing to its children's plans (the mean, the robust
     rules, FedNova): such a rule only writes ``mean_input``."""

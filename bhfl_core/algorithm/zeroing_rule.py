@@ -16,12 +16,19 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from bhfl_core.algorithm.contract import NO_PLAN, FoldPlan, Partial
 from bhfl_core.algorithm.node_state import Caller, RoundKey
 from bhfl_core.algorithm.privacy_params import ZeroingParams
-from bhfl_core.algorithm.rule_registry import NO_STATE, AggregationRule, Finalized, RuleState, register_wrapper
+from bhfl_core.algorithm.rule_registry import (
+    NO_STATE,
+    AggregationRule,
+    Finalized,
+    RuleState,
+    WrapperPartial,
+    register_wrapper,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -35,29 +42,14 @@ NONFINITE = "zeroing/nonfinite"
 """Metric: of those, the ones with a NaN or infinite value."""
 
 
-class Zeroed:
+class Zeroed(WrapperPartial):
     """The wrapped rule's partial, with the model the children were sent and what was zeroed."""
 
+    needs_reference = "zeroing checks updates against the model the children were sent: none was given"
+
     def __init__(self, inner: Partial, reference: torch.Tensor | None, zeroed: int = 0, nonfinite: int = 0) -> None:
-        self.inner, self.reference = inner, reference
+        super().__init__(inner, reference)
         self.zeroed, self.nonfinite = zeroed, nonfinite
-        self._reference_on: dict[Any, torch.Tensor] = {}
-
-    @property
-    def weight(self) -> float:
-        return self.inner.weight
-
-    @property
-    def empty(self) -> bool:
-        return self.inner.empty
-
-    def reference_on(self, device: torch.device) -> torch.Tensor:
-        """The reference on ``device``, copied once per device and fold."""
-        if self.reference is None:
-            raise ValueError("zeroing checks updates against the model the children were sent: none was given")
-        if device not in self._reference_on:
-            self._reference_on[device] = self.reference.to(device)
-        return self._reference_on[device]
 
 
 def _zeroed(partial: Partial) -> Zeroed:
