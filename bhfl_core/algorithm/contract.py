@@ -43,11 +43,14 @@ class FoldPlan:
     it on unread. ``numbers``: named values, each wrapper's under its own prefix (the
     ``dp`` wrapper's clipping norm this round, ``dp/clip``: adaptive, so it is the rule's
     state); ``peers``: the children the round called (secure aggregation masks with a
-    pairwise mask per peer).
+    pairwise mask per peer); ``drawn``: random bytes the rule drew for the round where it
+    planned it (secure aggregation's root secret with ``randomness: secure``: simulated key
+    distribution by the orchestrator).
     """
 
     numbers: tuple[tuple[str, float], ...] = ()
     peers: tuple[str, ...] = ()
+    drawn: bytes = b""
 
     def number(self, name: str) -> float | None:
         """The value named ``name``, or None if the plan has none."""
@@ -55,10 +58,10 @@ class FoldPlan:
 
     def with_number(self, name: str, value: float) -> FoldPlan:
         rest = tuple((k, v) for k, v in self.numbers if k != name)
-        return FoldPlan((*rest, (name, value)), self.peers)
+        return FoldPlan((*rest, (name, value)), self.peers, self.drawn)
 
-    def with_peers(self, peers: Sequence[str]) -> FoldPlan:
-        return FoldPlan(self.numbers, tuple(peers))
+    def with_peers(self, peers: Sequence[str], drawn: bytes = b"") -> FoldPlan:
+        return FoldPlan(self.numbers, tuple(peers), drawn)
 
 
 NO_PLAN = FoldPlan()

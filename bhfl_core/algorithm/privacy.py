@@ -39,6 +39,7 @@ from typing import Protocol
 import torch
 
 from bhfl_core.algorithm.contract import Partial
+from bhfl_core.algorithm.csprng import secure_normal
 from bhfl_core.algorithm.node_state import RoundKey
 from bhfl_core.algorithm.privacy_params import PrivacyParams
 from bhfl_core.algorithm.rule_registry import WrapperPartial
@@ -90,7 +91,10 @@ class ClippedSum(WrapperPartial):
 
 
 def noise(params: PrivacyParams, key: RoundKey, numel: int, std: float, purpose: str) -> torch.Tensor:
-    """``numel`` Gaussian draws of std ``std`` (float64, CPU) from (node's noise seed, round, purpose)."""
+    """``numel`` Gaussian draws of std ``std`` (float64, CPU) from (node's noise seed, round, purpose), or, with
+    ``randomness: secure``, from a CSPRNG keyed by the OS (``csprng.secure_normal``: not reproducible)."""
+    if params.randomness == "secure":
+        return secure_normal(numel) * std
     gen = torch.Generator().manual_seed(derive_seed(params.noise_seed, purpose, *key.parts()))
     return torch.randn(numel, generator=gen, dtype=torch.float64) * std
 

@@ -35,6 +35,7 @@ class PrivacyParams:
     noise_seed: int
     delta: float = 1e-5
     adaptive: AdaptiveClip | None = None
+    randomness: str = "seeded"  # or "secure": the noise from a CSPRNG keyed by the OS (privacy.noise)
 
     @property
     def update_noise_multiplier(self) -> float:
@@ -70,15 +71,20 @@ class SecAggParams:
     """A server's secure aggregation (``secure_aggregation:`` in the config), resolved for one node.
 
     Updates are fixed-point integers with ``fraction_bits`` below the point, summed modulo
-    ``2**bits``; ``threshold``: Shamir's t, the survivors needed to remove a dropped
-    client's masks. ``mask_seed``: derived from (run seed, node); every key, mask and share
-    of a round derives from it and the round (simulated cryptography: secagg_crypto.py).
+    ``2**bits``; ``threshold``: Shamir's t, the shares (per neighbourhood) needed to rebuild a
+    client's secret. ``mask_seed``: derived from (run seed, node); with ``randomness:
+    seeded`` every key, mask and share of a round derives from it and the round, with
+    ``secure`` from 32 bytes of ``os.urandom`` drawn at the round's plan
+    (secagg_parties.py). ``neighbours``: SecAgg+'s sparse graph's k, None for the complete
+    graph (secagg_graph.py).
     """
 
     threshold: int
     mask_seed: int
     bits: int = 48
     fraction_bits: int = 24
+    neighbours: int | None = None
+    randomness: str = "seeded"  # or "secure"
 
 
 @dataclass(frozen=True)

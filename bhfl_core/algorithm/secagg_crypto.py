@@ -1,71 +1,91 @@
-"""The cryptography secure aggregation stands on, simulated with real arithmetic and seeded keys.
+"""The primitives secure aggregation stands on, all real (the ``cryptography`` package); only their use is simulated.
 
 Bonawitz et al. 2017 ("Practical secure aggregation for privacy-preserving machine
-learning") needs two primitives, both here in their textbook form:
+learning") needs three:
 
-- **Key agreement** (Diffie-Hellman in the 1536-bit MODP group of RFC 3526): client ``u``
-  has a secret key ``sk_u`` and publishes ``g^sk_u``; two clients derive the same seed
-  ``H(g^(sk_u sk_v))`` without sending it. The secret keys are *derived* from (run seed,
-  server, round, client) instead of drawn from the OS, so runs are reproducible: this is a
-  simulation for experiments, not protection against a real adversary.
-- **Shamir secret sharing** over the prime field ``2^127 - 1``: a secret split into ``n``
-  shares, any ``t`` of which give it back (Lagrange interpolation at 0) and fewer reveal
-  nothing. A client shares its secret key and its self-mask seed with its peers, so the
-  server can remove the masks of a client that dropped out after masking (from the
-  survivors' shares of its key) and the self-masks of those that did not.
+- **Key agreement**: X25519 (RFC 7748). Each party has a private key and publishes its
+  public key; two parties derive the same shared secret without sending it, and
+  **HKDF-SHA256** (RFC 5869) turns it into a 32-byte mask seed bound to the round.
+- **A PRG** expanding a seed into a mask vector: ``csprng.prg``, AES-256 in counter mode.
+- **Shamir secret sharing** over the prime field ``2^130 - 5``: a 16-byte secret split
+  into shares, any ``threshold`` of which give it back (Lagrange interpolation at 0) and
+  fewer say nothing about it. What a party shares is its 16-byte *key material* (its X25519
+  private key is ``HKDF(material)``: 128 bits, X25519's own security level) and its 16-byte
+  self-mask seed.
+
+Where the randomness comes from (derived from the run seed, or drawn from the OS) is
+the caller's: ``secagg_parties.RoundDealer``.
 """
 
 from __future__ import annotations
 
-import hashlib
-import random
 from collections.abc import Sequence
 
-from bhfl_core.rng import derive_seed
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
-# RFC 3526, group 5 (1536-bit MODP), generator 2
-MODP_1536 = int(
-    "FFFFFFFFFFFFFFFFC90FDAA22168C234C4C6628B80DC1CD129024E088A67CC74020BBEA63B139B22514A08798E3404DD"
-    "EF9519B3CD3A431B302B0A6DF25F14374FE1356D6D51C245E485B576625E7EC6F44C42E9A637ED6B0BFF5CB6F406B7ED"
-    "EE386BFB5A899FA5AE9F24117C4B1FE649286651ECE45B3DC2007CB8A163BF0598DA48361C55D39A69163FA8FD24CF5F"
-    "83655D23DCA3AD961C62F356208552BB9ED529077096966D670C354E4ABC9804F1746C08CA237327FFFFFFFFFFFFFFFF",
-    16,
-)
-GENERATOR = 2
-SHAMIR_PRIME = 2**127 - 1
+from bhfl_core.algorithm.csprng import prg_bytes
 
+SHAMIR_PRIME = 2**130 - 5  # Poly1305's prime: holds any 16-byte secret
+SECRET_BYTES = 16
 
-def key_seed(seed: int, *where: str | int) -> int:
-    """A party's 126-bit key material (what it secret-shares), derived from ``seed`` and where it is used."""
-    return (derive_seed(seed, *where, "high") << 63) | derive_seed(seed, *where, "low")
+Share = tuple[int, int]
+"""A Shamir share ``(x, f(x))``: the holder's point and the polynomial's value there."""
 
 
-def secret_key(material: int) -> int:
-    """The 256-bit secret exponent behind a party's key material."""
-    return int.from_bytes(hashlib.sha256(f"sk:{material}".encode()).digest(), "big")
+def hkdf(material: bytes, info: bytes, length: int = 32) -> bytes:
+    """HKDF-SHA256 of ``material`` (no salt), bound to ``info``: what every key and seed here derives through."""
+    return HKDF(algorithm=hashes.SHA256(), length=length, salt=None, info=info).derive(material)
 
 
-def public_key(secret: int) -> int:
-    return pow(GENERATOR, secret, MODP_1536)
+def private_key(material: bytes) -> X25519PrivateKey:
+    """The X25519 private key behind 16 bytes of key material (what a party secret-shares)."""
+    return X25519PrivateKey.from_private_bytes(hkdf(material, b"bhfl secagg x25519"))
 
 
-def agreed_seed(own_secret: int, their_public: int) -> int:
-    """The 63-bit seed two parties share: a hash of ``g^(sk_u sk_v)``, the same from either side."""
-    shared = pow(their_public, own_secret, MODP_1536)
-    return int.from_bytes(hashlib.sha256(shared.to_bytes(192, "big")).digest()[:8], "big") >> 1
+def public_bytes(key: X25519PrivateKey) -> bytes:
+    """The 32-byte public key a party advertises."""
+    return key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
 
 
-def split(secret: int, holders: int, threshold: int, seed: int) -> list[tuple[int, int]]:
-    """``holders`` Shamir shares ``(x, f(x))`` of ``secret`` (< 2^127 - 1); any ``threshold`` recover it."""
-    if not 1 <= threshold <= holders:
-        raise ValueError(f"a threshold of {threshold} cannot work with {holders} share holders")
-    draw = random.Random(seed)  # the polynomial's coefficients: seeded, so runs repeat
-    coefficients = [secret % SHAMIR_PRIME, *(draw.randrange(SHAMIR_PRIME) for _ in range(threshold - 1))]
-    return [(x, _polynomial(coefficients, x)) for x in range(1, holders + 1)]
+def agreed_seed(own: X25519PrivateKey, their_public: bytes, context: bytes) -> bytes:
+    """The 32-byte pairwise mask seed: HKDF of the X25519 shared secret, bound to ``context`` (the round).
+
+    The same from either side: ``agreed_seed(a, pub(b)) == agreed_seed(b, pub(a))``.
+    """
+    shared = own.exchange(X25519PublicKey.from_public_bytes(their_public))
+    return hkdf(shared, b"bhfl secagg pair mask " + context)
 
 
-def combine(shares: Sequence[tuple[int, int]]) -> int:
-    """The secret behind ``shares`` (at least the threshold's number of them): Lagrange interpolation at 0."""
+def polynomial(secret: bytes, threshold: int, entropy: bytes) -> list[int]:
+    """Shamir's polynomial for ``secret``: the secret at 0, ``threshold - 1`` coefficients drawn from ``entropy``.
+
+    Each coefficient is 32 bytes of AES-CTR output reduced modulo the 130-bit prime (a bias
+    below ``2^-120``).
+    """
+    if threshold < 1:
+        raise ValueError(f"a Shamir threshold must be at least 1, got {threshold}")
+    stream = prg_bytes(entropy, 32 * (threshold - 1))
+    drawn = [int.from_bytes(stream[32 * i : 32 * i + 32], "big") % SHAMIR_PRIME for i in range(threshold - 1)]
+    return [int.from_bytes(secret, "big"), *drawn]
+
+
+def share(coefficients: Sequence[int], x: int) -> Share:
+    """The share held at point ``x`` (``x >= 1``; 0 is the secret): Horner's rule modulo the prime."""
+    value = 0
+    for c in reversed(coefficients):
+        value = (value * x + c) % SHAMIR_PRIME
+    return x, value
+
+
+def interpolate(shares: Sequence[Share]) -> int:
+    """The polynomial through ``shares`` (distinct points) evaluated at 0: Lagrange interpolation modulo the prime.
+
+    With at least the threshold's number of shares this is the secret; with fewer it is
+    *some* field element, and every secret is equally consistent with them.
+    """
     secret = 0
     for i, (x_i, y_i) in enumerate(shares):
         numerator, denominator = 1, 1
@@ -77,8 +97,9 @@ def combine(shares: Sequence[tuple[int, int]]) -> int:
     return secret
 
 
-def _polynomial(coefficients: Sequence[int], x: int) -> int:
-    value = 0
-    for c in reversed(coefficients):
-        value = (value * x + c) % SHAMIR_PRIME
-    return value
+def combine(shares: Sequence[Share]) -> bytes:
+    """The 16-byte secret behind ``shares`` (at least the threshold's number); a value past 16 bytes is refused."""
+    secret = interpolate(shares)
+    if secret >= 1 << (8 * SECRET_BYTES):
+        raise ValueError("these shares do not interpolate to a 16-byte secret (too few, or not of one polynomial)")
+    return secret.to_bytes(SECRET_BYTES, "big")

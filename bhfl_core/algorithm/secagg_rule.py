@@ -14,6 +14,7 @@ can be inside it: a robust rule needs each child's vector, which masking hides.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
@@ -52,7 +53,8 @@ class SecAggRule:
         self.params = params
 
     def plan(self, state: RuleState, called: Sequence[str]) -> FoldPlan:
-        return NO_PLAN.with_peers(called)
+        """The mask group (the called cohort) and, with ``randomness: secure``, the round's root from the OS."""
+        return NO_PLAN.with_peers(called, os.urandom(32) if self.params.randomness == "secure" else b"")
 
     def start(
         self,
@@ -63,7 +65,7 @@ class SecAggRule:
     ) -> MaskedSum:
         from bhfl_core.algorithm.secure_aggregation import MaskedSum
 
-        return MaskedSum(self.params, round_of, plan.peers, reference)
+        return MaskedSum(self.params, round_of, plan.peers, reference, plan.drawn)
 
     def contribute(
         self, partial: Partial, member: str, model: torch.Tensor, weight: float, steps: int | None = None

@@ -10,19 +10,25 @@ trained it, or the orchestrator for a child server):
   with ``dp`` around it, its clipped update with weight 1 instead: ``dp_rule.py``), each
   value clamped to what ``|U1|`` of them can sum without wrapping (counted:
   ``secagg/clamped_values``), then fixed point: ``q_u = round(v_u 2**fraction_bits)``;
-- ``y_u = q_u + PRG(b_u) + sum_{v in U1, u < v} PRG(s_uv) - sum_{v in U1, v < u} PRG(s_uv)``
-  modulo ``2**bits``: ``b_u`` is its self-mask seed, ``s_uv`` the seed it agreed with ``v``
-  by Diffie-Hellman (``secagg_crypto.py``). Every ``y_u`` alone is uniformly distributed.
+- ``y_u = q_u + PRG(b_u) + sum_{v in N(u), u < v} PRG(s_uv) - sum_{v in N(u), v < u} PRG(s_uv)``
+  modulo ``2**bits``: ``b_u`` is its self-mask seed, ``s_uv`` the seed it agreed with
+  neighbour ``v`` by X25519 and HKDF, PRG is AES-256-CTR (``secagg_crypto.py``); ``N(u)``
+  is every other member of ``U1`` (``graph: complete``) or its ``k`` neighbours on SecAgg+'s
+  sparse graph (``secagg_graph.py``). Every ``y_u`` alone is uniformly distributed.
 
 Workers add masked vectors modulo ``2**bits`` and send that sum; the server merges, then
-(``finalize``) removes what does not cancel: every contributor's self-mask (its seed
-recovered from the other survivors' Shamir shares) and, for each client of ``U1`` that
-never sent its vector (``U2`` are those who did), the pairwise masks the survivors added
-with it (its key recovered from their shares). Fewer survivors than the ``threshold``:
-the round fails with an error naming the server. What is left is ``sum_{u in U2} q_u``
-exactly: the same integer however the children were batched or ordered. The mean input is
-``theta + sum / (2**fraction_bits sum_u w_u)`` (with DP: ``theta + (sum + noise) / m``,
-noise added by the server after unmasking). Example counts ``w_u`` are not hidden.
+(``finalize``) removes what does not cancel, as the protocol's parties
+(``secagg_parties.py``: a client object per member, a server object holding public keys,
+the masked sum and the shares handed to it): every contributor's self-mask (its seed
+rebuilt from ``threshold`` of its surviving neighbours' Shamir shares) and, for each
+client of ``U1`` that never sent its vector (``U2`` are those who did), the pairwise masks
+its surviving neighbours added with it (its key rebuilt from their shares). Fewer
+survivors, or surviving holders of a secret, than the ``threshold``: the round fails with
+an error naming the server. What is left is ``sum_{u in U2} q_u`` exactly: the same
+integer however the children were batched or ordered, and whatever the keys (seeded or
+drawn from the OS). The mean input is ``theta + sum / (2**fraction_bits sum_u w_u)`` (with
+DP: ``theta + (sum + noise) / m``, noise added by the server after unmasking). Example
+counts ``w_u`` are not hidden.
 
 Quantisation error: each value is rounded once, so the mean is within
 ``|U2| 2**-(fraction_bits + 1) / sum_u w_u`` of the exact mean of the clamped updates, per
@@ -37,45 +43,22 @@ import torch
 
 from bhfl_core.algorithm.node_state import Caller
 from bhfl_core.algorithm.privacy_params import SecAggParams
-from bhfl_core.algorithm.secagg_crypto import agreed_seed, combine, key_seed, public_key, secret_key, split
-from bhfl_core.rng import derive_seed
+from bhfl_core.algorithm.secagg_crypto import hkdf
+from bhfl_core.algorithm.secagg_parties import RoundDealer, SecAggServer, SecureAggregationError
+
+__all__ = ["MaskedSum", "SecureAggregationError", "round_root", "unwire"]
 
 MEMBER = "member."  # wire numbers: one key per contributor
 
 
-class SecureAggregationError(RuntimeError):
-    """A round whose masks cannot be removed (too few survivors): it fails rather than publish garbage."""
-
-
-class RoundKeys:
-    """One round's simulated key material: every party's keys, self-mask seeds and Shamir shares of both."""
-
-    def __init__(self, params: SecAggParams, round_of: Caller, peers: Sequence[str]) -> None:
-        self.params, self.where, self.peers = params, round_of.key, tuple(peers)
-        self._secret: dict[str, int] = {}
-
-    def material(self, party: str) -> int:
-        return key_seed(self.params.mask_seed, self.where, "key", party)
-
-    def secret(self, party: str) -> int:
-        if party not in self._secret:
-            self._secret[party] = secret_key(self.material(party))
-        return self._secret[party]
-
-    def public(self, party: str) -> int:
-        return public_key(self.secret(party))
-
-    def self_seed(self, party: str) -> int:
-        return derive_seed(self.params.mask_seed, self.where, "self", party)
-
-    def shares(self, owner: str, secret: int, what: str) -> dict[str, tuple[int, int]]:
-        """The Shamir shares of ``owner``'s ``secret``, by holder (every party of ``U1`` holds one)."""
-        seed = derive_seed(self.params.mask_seed, self.where, "shares", what, owner)
-        return dict(zip(self.peers, split(secret, len(self.peers), self.params.threshold, seed), strict=True))
-
-
-def _prg(seed: int, numel: int, bits: int) -> torch.Tensor:
-    return torch.randint(0, 2**bits, (numel,), generator=torch.Generator().manual_seed(seed), dtype=torch.int64)
+def round_root(params: SecAggParams, round_of: Caller, drawn: bytes = b"") -> bytes:
+    """The 32 bytes every key, seed and share of the round derives from: ``drawn`` (from the OS when the round was
+    planned, ``randomness: secure``) or derived from the node's mask seed and the round (``seeded``)."""
+    if params.randomness == "secure":
+        if len(drawn) != 32:
+            raise ValueError("secure aggregation with randomness: secure needs the round's root drawn at its plan")
+        return drawn
+    return hkdf(params.mask_seed.to_bytes(8, "big"), b"bhfl secagg round " + round_of.key.encode())
 
 
 COUNTER = "counter."  # wire numbers: the names of the counters masked after the update's values
@@ -92,10 +75,18 @@ class MaskedSum:
     """
 
     def __init__(
-        self, params: SecAggParams, round_of: Caller, peers: Sequence[str], reference: torch.Tensor | None = None
+        self,
+        params: SecAggParams,
+        round_of: Caller,
+        peers: Sequence[str],
+        reference: torch.Tensor | None = None,
+        drawn: bytes = b"",
     ) -> None:
         self.params, self.round_of, self.peers = params, round_of, tuple(peers)
         self.reference = reference
+        self._drawn = drawn  # the round's root drawn from the OS at its plan (randomness: secure), else empty
+        self._dealer: RoundDealer | None = None
+        self.server: SecAggServer | None = None  # the server party, once it unmasked (what it holds: tests)
         self.masked: torch.Tensor | None = None
         self.total_weight = 0.0
         self.members: list[str] = []
@@ -123,30 +114,27 @@ class MaskedSum:
         values = values.clamp(-bound, bound)
         return torch.round(values * scale).to(torch.int64) & self.modulus_mask, clamped
 
-    def masks(self, member: str, numel: int, keys: RoundKeys) -> torch.Tensor:
-        """``PRG(b_u) + sum_{u<v} PRG(s_uv) - sum_{v<u} PRG(s_uv)`` modulo ``2**bits``."""
-        bits = self.params.bits
-        out = _prg(keys.self_seed(member), numel, bits)
-        for other in self.peers:
-            if other == member:
-                continue
-            pair = _prg(agreed_seed(keys.secret(member), keys.public(other)), numel, bits)
-            out = (out + pair if member < other else out - pair) & self.modulus_mask
-        return out
+    def dealer(self) -> RoundDealer:
+        """The round's simulated set-up (``secagg_parties.RoundDealer``), made once per fold."""
+        if self._dealer is None:
+            root = round_root(self.params, self.round_of, self._drawn)
+            context = self.round_of.key.encode()
+            self._dealer = RoundDealer(root, context, self.peers, self.params.neighbours, self.params.threshold)
+        return self._dealer
 
     def add(self, member: str, update: torch.Tensor, weight: float, counts: Mapping[str, int] | None = None) -> None:
         """Mask and add ``weight * update`` (``update``: the member's update, any float dtype and device) and its
         counters (``counts``: named 0/1 flags of the caller's, after the clamped count)."""
         if member not in self.peers:
             raise ValueError(f"{member!r} is not in the round's cohort {list(self.peers)}: it holds no pairwise keys")
-        keys = RoundKeys(self.params, self.round_of, self.peers)
         q, clamped = self.quantised(update.detach().reshape(-1).to("cpu", torch.float64) * weight)
         named = {"clamped": clamped, **dict(sorted((counts or {}).items()))}
         if self.counters and tuple(named) != self.counters:
             raise ValueError(f"counters {tuple(named)} cannot join a fold of {self.counters}")
         self.counters = tuple(named)
         q = torch.cat([q, torch.tensor(list(named.values()), dtype=torch.int64)])
-        masked = (q + self.masks(member, q.numel(), keys)) & self.modulus_mask
+        masks = self.dealer().client(member).masks(q.numel(), self.params.bits)  # round 2, at the member
+        masked = (q + masks) & self.modulus_mask
         self.masked = masked if self.masked is None else (self.masked + masked) & self.modulus_mask
         self.members.append(member)
         self.total_weight += float(weight)
@@ -167,7 +155,6 @@ class MaskedSum:
         if self._open is not None:
             return self._open
         survivors = [p for p in self.peers if p in self.members]
-        dropped = [p for p in self.peers if p not in self.members]
         t = self.params.threshold
         if len(survivors) < t:
             raise SecureAggregationError(
@@ -175,16 +162,12 @@ class MaskedSum:
                 f"{len(survivors)} of {len(self.peers)} children sent their masked update, fewer than the threshold "
                 f"{t}, so the masks cannot be removed (secure_aggregation.threshold)"
             )
-        keys = RoundKeys(self.params, self.round_of, self.peers)
-        numel, bits, total = self.masked.numel(), self.params.bits, self.masked.cpu()
-        for member in survivors:  # self-masks: seeds recovered from t survivors' shares
-            seed = combine(_held(keys.shares(member, keys.self_seed(member), "self"), survivors, t))
-            total = (total - _prg(seed, numel, bits)) & self.modulus_mask
-        for gone in dropped:  # pairwise masks with a client that never sent: its key from the survivors' shares
-            secret = secret_key(combine(_held(keys.shares(gone, keys.material(gone), "key"), survivors, t)))
-            for member in survivors:
-                pair = _prg(agreed_seed(secret, keys.public(member)), numel, bits)
-                total = (total - pair if member < gone else total + pair) & self.modulus_mask
+        dealer = self.dealer()
+        self.server = SecAggServer(
+            self.round_of.node_id, dealer.context, t, self.params.bits, dealer.public_keys(), dealer.graph
+        )
+        total = self.server.unmask(self.masked.cpu(), survivors, lambda member: dealer.client(member, with_shares=True))
+        bits = self.params.bits
         half = 2 ** (bits - 1)
         self._open = torch.where(total >= half, total - 2**bits, total)
         return self._open
@@ -207,11 +190,6 @@ class MaskedSum:
             "secagg/clamped_values": float(self.totals()["clamped"]),
             "secagg/recovered_clients": float(len([p for p in self.peers if p not in self.members])),
         }
-
-
-def _held(shares: Mapping[str, tuple[int, int]], survivors: Sequence[str], threshold: int) -> list[tuple[int, int]]:
-    """The shares the first ``threshold`` survivors hand the server."""
-    return [shares[s] for s in survivors[:threshold]]
 
 
 def unwire(

@@ -10,6 +10,7 @@ rejected here, as is a tuned NODEOPT without held-out data.
 from __future__ import annotations
 
 import itertools
+import math
 from typing import Any
 
 from bhfl_core.algorithm.compression import CompressParams
@@ -228,6 +229,7 @@ def _privacy(
         noise_seed=derive_seed(config.seed, "privacy", node_id),
         delta=settings.delta,
         adaptive=adaptive,
+        randomness=settings.randomness,
     )
     try:
         params.update_noise_multiplier  # noqa: B018  (validates the split of the budget)
@@ -318,11 +320,39 @@ def _secagg(
             f"{key}: adaptive clipping with secure aggregation is not supported yet (the unclipped count would need "
             f"its own masked sum); use a fixed dp clip without adaptive"
         )
-    threshold = settings.threshold if settings.threshold is not None else cohort // 2 + 1
+    neighbours = _neighbours(settings, key, children if values["mode"] == "async" else cohort)
+    threshold = settings.threshold if settings.threshold is not None else (neighbours or cohort) // 2 + 1
     if threshold > cohort:
         folds = "its buffer holds at a flush" if values["mode"] == "async" else f"{node_id!r} calls a round"
         raise ConfigError(f"{key}.threshold: {threshold} is more than the {cohort} children {folds}")
-    return SecAggParams(threshold, derive_seed(config.seed, "secagg", node_id), settings.bits, settings.fraction_bits)
+    if neighbours is not None and threshold > neighbours:
+        raise ConfigError(
+            f"{key}.threshold: {threshold} is more than the {neighbours} neighbours of graph: sparse (a dropped "
+            f"client's key is rebuilt from its neighbours' shares alone)"
+        )
+    seed = derive_seed(config.seed, "secagg", node_id)
+    return SecAggParams(threshold, seed, settings.bits, settings.fraction_bits, neighbours, settings.randomness)
+
+
+def _neighbours(settings: SecureAggregationSettings, key: str, group: int) -> int | None:
+    """SecAgg+'s k for ``graph: sparse`` (even, below the mask group of ``group`` children), None for complete.
+
+    Unset: ``2 ceil(log2 group)`` (Bell et al.'s O(log n)), capped at the largest even k below the group.
+    """
+    if settings.graph == "complete":
+        if settings.neighbours is not None:
+            raise ConfigError(
+                f"{key}.neighbours: {settings.neighbours} needs graph: sparse (complete masks every pair)"
+            )
+        return None
+    k = settings.neighbours
+    if k is None:
+        k = min(2 * math.ceil(math.log2(max(group, 2))), (group - 1) // 2 * 2)
+    if k % 2:
+        raise ConfigError(f"{key}.neighbours: {k} is odd; the Harary mask graph needs an even number of neighbours")
+    if k < 2 or k >= group:
+        raise ConfigError(f"{key}.neighbours: {k} must be at least 2 and below the mask group of {group} children")
+    return k
 
 
 def check_dp_sgd(train: TrainSettings, key: str, node_id: str, role: Role, task: str, tuned: str | None = None) -> None:

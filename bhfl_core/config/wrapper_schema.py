@@ -43,25 +43,35 @@ class PrivacySettings(Strict):
     Each child's update (its model minus the model the server sent it) is clipped to L2
     norm ``clip``; Gaussian noise of std ``noise_multiplier * clip`` is added to the sum;
     the mean divides by the expected cohort size. ``delta``: the delta epsilon is reported at.
+    ``randomness``: the noise from a generator seeded by (run seed, node, round) (``seeded``:
+    runs repeat) or from a CSPRNG keyed by the OS (``secure``: never repeats).
     """
 
     clip: Annotated[float, Field(gt=0)]
     noise_multiplier: Annotated[float, Field(ge=0)]
     adaptive: AdaptiveClipSettings | None = None
     delta: Annotated[float, Field(gt=0, lt=1)] = 1e-5
+    randomness: Literal["seeded", "secure"] = "seeded"
 
 
 class SecureAggregationSettings(Strict):
-    """Secure aggregation at a server (simulated Bonawitz et al. 2017; docs/privacy.md).
+    """Secure aggregation at a server (Bonawitz et al. 2017, SecAgg+ of Bell et al. 2020; docs/privacy.md).
 
     Updates become fixed-point integers (``fraction_bits`` below the point) summed modulo
-    ``2**bits``; ``threshold``: how many of the round's children must send their masked
-    update for the masks to be removed (default: a majority of the cohort).
+    ``2**bits``; ``threshold``: the Shamir threshold, how many shares (of the round's
+    children; per neighbourhood with ``graph: sparse``) rebuild a client's secret (default:
+    a majority of the cohort, or of the neighbours). ``graph``: who masks with whom (every
+    pair, or ``neighbours`` each on a Harary graph; default ``2 ceil(log2 m)``).
+    ``randomness``: keys and seeds derived from the run seed (``seeded``: runs repeat) or
+    drawn from the OS (``secure``: masks never repeat, the unmasked sum is the same).
     """
 
     bits: Annotated[int, Field(ge=16, le=62)] = 48
     fraction_bits: Annotated[int, Field(ge=0, le=60)] = 24
     threshold: Annotated[int, Field(ge=1)] | None = None
+    graph: Literal["complete", "sparse"] = "complete"
+    neighbours: Annotated[int, Field(ge=2)] | None = None
+    randomness: Literal["seeded", "secure"] = "seeded"
 
 
 class ZeroingSettings(Strict):

@@ -13,8 +13,7 @@ from bhfl_core.algorithm.node_state import Caller, RoundKey
 from bhfl_core.algorithm.privacy_params import PrivacyParams, SecAggParams
 from bhfl_core.algorithm.rule_registry import AggregateParams
 from bhfl_core.algorithm.rules import rule_for
-from bhfl_core.algorithm.secagg_crypto import agreed_seed, combine, public_key, secret_key, split
-from bhfl_core.algorithm.secure_aggregation import RoundKeys, SecureAggregationError
+from bhfl_core.algorithm.secure_aggregation import SecureAggregationError
 
 KEY = RoundKey("edge-en", 2, Caller("root", 1))
 PARAMS = SecAggParams(threshold=3, mask_seed=11, bits=48, fraction_bits=24)
@@ -95,17 +94,6 @@ def test_with_dp_updates_are_clipped_before_masking_and_noised_after_unmasking()
     assert torch.allclose(together, separately, atol=1e-6) and not torch.equal(together, REFERENCE)
 
 
-def test_shamir_shares_recover_the_secret_from_any_threshold_and_key_agreement_is_symmetric():
-    secret = 2**120 + 12345
-    shares = split(secret, 5, 3, seed=9)
-    assert combine(shares[:3]) == combine([shares[4], shares[1], shares[2]]) == secret
-    assert combine(shares[:2]) != secret  # below the threshold: another polynomial fits
-    a, b = secret_key(1), secret_key(2)
-    assert agreed_seed(a, public_key(b)) == agreed_seed(b, public_key(a)) != agreed_seed(a, public_key(secret_key(3)))
-    keys = RoundKeys(PARAMS, KEY.as_caller(), PEERS)
-    assert combine(list(keys.shares("c1", keys.material("c1"), "key").values())[2:]) == keys.material("c1")
-
-
 def _tree(*overrides: str):
     from bhfl_core.config.loader import load_config
     from bhfl_core.config.topology import ClientInfo, build_tree
@@ -122,6 +110,10 @@ def test_secure_aggregation_resolves_per_edge_with_a_majority_threshold():
     assert secagg is not None and (secagg.bits, secagg.fraction_bits, secagg.threshold) == (40, 20, 3)  # 4 // 2 + 1
     assert secagg.mask_seed != tree["edge-de"].settings.aggregate.secagg.mask_seed
     assert math.isclose(tree["edge-en"].settings.cohort, 4)
+    assert (secagg.neighbours, secagg.randomness) == (None, "seeded")  # the complete graph, keys from the seed
+    sparse = _tree("tree.edge.secure_aggregation={graph: sparse, randomness: secure}")["edge-en"]
+    secagg = sparse.settings.aggregate.secagg
+    assert (secagg.neighbours, secagg.threshold, secagg.randomness) == (2, 2, "secure")  # k: 2 ceil(log2 4), capped
 
 
 @pytest.mark.parametrize(
@@ -135,6 +127,17 @@ def test_secure_aggregation_resolves_per_edge_with_a_majority_threshold():
         (["tree.edge.secure_aggregation={threshold: 5}"], "tree.edge.secure_aggregation.threshold: 5 is more than"),
         (["tree.edge.secure_aggregation={bits: 20, fraction_bits: 19}"], "fraction_bits: 19 leaves no integer part"),
         (["tree.edge.secure_aggregation={bits: 70}"], "tree.edge.secure_aggregation.bits"),
+        (["tree.edge.secure_aggregation={neighbours: 2}"], "tree.edge.secure_aggregation.neighbours: 2 needs graph"),
+        (["tree.edge.secure_aggregation={graph: sparse, neighbours: 3}"], "neighbours: 3 is odd; the Harary"),
+        (
+            ["tree.edge.secure_aggregation={graph: sparse, neighbours: 4}"],
+            "tree.edge.secure_aggregation.neighbours: 4 must be at least 2 and below the mask group of 4 children",
+        ),
+        (
+            ["tree.edge.secure_aggregation={graph: sparse, neighbours: 2, threshold: 3}"],
+            "tree.edge.secure_aggregation.threshold: 3 is more than the 2 neighbours of graph: sparse",
+        ),
+        (["tree.edge.secure_aggregation={graph: ring}"], "tree.edge.secure_aggregation.graph"),
         (
             [
                 "tree.edge.secure_aggregation={}",
