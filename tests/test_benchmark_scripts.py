@@ -19,3 +19,18 @@ def test_the_data_path_benchmark_runs_both_scenarios_at_a_tiny_size():
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [line.split() for line in out.stdout.splitlines() if line.strip().startswith("1M")]
     assert [row[1] for row in rows] == ["replace", "persistent"] and all(row[-1].endswith("x") for row in rows)
+
+
+def test_the_secure_aggregation_benchmark_runs_at_a_tiny_size():
+    out = subprocess.run(
+        [sys.executable, "benchmarks/secagg.py", "--numel", "1000", "--cohorts", "4"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "X25519+HKDF" in out.stdout and "AES-256-CTR" in out.stdout
+    rows = [line.split() for line in out.stdout.splitlines() if line.strip().startswith("4 ")]
+    assert [row[1] for row in rows] == ["complete", "sparse"]

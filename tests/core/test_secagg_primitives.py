@@ -52,9 +52,8 @@ def test_shamir_any_threshold_shares_rebuild_the_secret_and_fewer_say_nothing_ab
     shares = [share(polynomial(secret, t, bytes(32)), x) for x in points]
     assert combine(shares[:t]) == combine([shares[6], shares[1], shares[4], shares[2]]) == secret
     # below the threshold: over fresh polynomials of one secret, t - 1 shares interpolate to unrelated values
-    guesses = {
-        interpolate([share(polynomial(secret, t, os.urandom(32)), x) for x in points][: t - 1]) for _ in range(50)
-    }
+    fresh = [polynomial(secret, t, os.urandom(32)) for _ in range(50)]
+    guesses = {interpolate([share(coefficients, x) for x in points[: t - 1]]) for coefficients in fresh}
     assert len(guesses) == 50 and int.from_bytes(secret, "big") not in guesses
     assert max(guesses) > SHAMIR_PRIME // 2  # spread over the whole field, not near the secret
 
