@@ -23,6 +23,12 @@ DP_SGD = "tree.client.train.dp_sgd={noise_multiplier: 1.0, max_grad_norm: 1.0}"
 DP_FEDBUFF = ["tree.edge.mode=async", "tree.edge.concurrency=2", "tree.edge.buffer=2", EDGE_DP]
 # the same edges with DP around secure aggregation: each flush one masked round over the edge's 3 clients
 SECAGG_FEDBUFF = [*DP_FEDBUFF[:3], "tree.edge.aggregate={wrap: [{dp: {clip: 0.5, noise_multiplier: 1.0}}, secagg]}"]
+# the workers' runs draw their keys from the OS (each round's root travels in the plan): other masks, the same models
+SECURE = "tree.edge.secure_aggregation={threshold: 2, randomness: secure}"
+SECURE_FEDBUFF = [
+    *DP_FEDBUFF[:3],
+    "tree.edge.aggregate={wrap: [{dp: {clip: 0.5, noise_multiplier: 1.0}}, {secagg: {randomness: secure}}]}",
+]
 
 
 def _run(folder: Path, *overrides: str) -> dict:
@@ -42,14 +48,14 @@ def runs(tmp_path_factory):
         "workers": _run(base / "c", "runtime.executor=local", "runtime.workers=2"),
         "plain": run_experiment(small_config("runtime.executor=inprocess"), base / "d", orchestration=PLAIN_CALLS),
         "secagg": _plain(base / "e", SECAGG, "runtime.executor=inprocess"),
-        "secagg-workers": _plain(base / "f", SECAGG, "runtime.executor=local", "runtime.workers=2"),
+        "secagg-workers": _plain(base / "f", SECURE, "runtime.executor=local", "runtime.workers=2"),
         "secagg-dp": _plain(base / "g", SECAGG, FIXED_DP, "runtime.executor=inprocess"),
         "dp-sgd": _plain(base / "h", DP_SGD, "runtime.executor=inprocess"),
         "dp-sgd-workers": _plain(base / "i", DP_SGD, "runtime.executor=local", "runtime.workers=2"),
         "dp-fedbuff": _plain(base / "j", *DP_FEDBUFF, "runtime.executor=inprocess"),
         "dp-fedbuff-workers": _plain(base / "k", *DP_FEDBUFF, "runtime.executor=local", "runtime.workers=2"),
         "secagg-fedbuff": _plain(base / "l", *SECAGG_FEDBUFF, "runtime.executor=inprocess"),
-        "secagg-fedbuff-workers": _plain(base / "m", *SECAGG_FEDBUFF, "runtime.executor=local", "runtime.workers=2"),
+        "secagg-fedbuff-workers": _plain(base / "m", *SECURE_FEDBUFF, "runtime.executor=local", "runtime.workers=2"),
     }
 
 
