@@ -321,7 +321,8 @@ def _secagg(
             f"its own masked sum); use a fixed dp clip without adaptive"
         )
     neighbours = _neighbours(settings, key, children if values["mode"] == "async" else cohort)
-    threshold = settings.threshold if settings.threshold is not None else (neighbours or cohort) // 2 + 1
+    majority = min(neighbours or cohort, cohort) // 2 + 1  # of the neighbours, and of an asynchronous buffer
+    threshold = settings.threshold if settings.threshold is not None else majority
     if threshold > cohort:
         folds = "its buffer holds at a flush" if values["mode"] == "async" else f"{node_id!r} calls a round"
         raise ConfigError(f"{key}.threshold: {threshold} is more than the {cohort} children {folds}")
