@@ -7,6 +7,10 @@ What they mean: ``privacy.py``; how epsilon is counted: ``privacy_accounting.py`
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
+
+Randomness = Literal["seeded", "secure"]
+"""Where a wrapper's random draws come from: generators seeded by where they happen, or the OS (not reproducible)."""
 
 
 @dataclass(frozen=True)
@@ -35,7 +39,7 @@ class PrivacyParams:
     noise_seed: int
     delta: float = 1e-5
     adaptive: AdaptiveClip | None = None
-    randomness: str = "seeded"  # or "secure": the noise from a CSPRNG keyed by the OS (privacy.noise)
+    randomness: Randomness = "seeded"  # or "secure": the noise from a CSPRNG keyed by the OS (privacy.noise)
 
     @property
     def update_noise_multiplier(self) -> float:
@@ -84,7 +88,7 @@ class SecAggParams:
     bits: int = 48
     fraction_bits: int = 24
     neighbours: int | None = None
-    randomness: str = "seeded"  # or "secure"
+    randomness: Randomness = "seeded"
 
 
 @dataclass(frozen=True)

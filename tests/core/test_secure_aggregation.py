@@ -44,10 +44,11 @@ def quantised(member: str) -> torch.Tensor:
     return torch.round(update * 2.0**24).to(torch.int64)
 
 
-def test_the_unmasked_sum_is_the_plain_quantised_sum_exactly_however_batched():
+@pytest.mark.parametrize("params", [PARAMS, SecAggParams(threshold=2, mask_seed=11, neighbours=2)])  # complete, ring
+def test_the_unmasked_sum_is_the_plain_quantised_sum_exactly_however_batched(params):
     expected = sum(quantised(m) for m in PEERS)
     for layout in ([list(PEERS)], [["c4", "c1"], ["c0"], ["c3", "c2"]]):
-        _, partial = fold(layout)
+        _, partial = fold(layout, params=params)
         assert torch.equal(partial.unmasked()[:-1], expected)  # (then the clamped counter's total)
         assert partial.totals() == {"clamped": 0}
 
