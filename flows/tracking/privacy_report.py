@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from bhfl_core.algorithm.privacy_accounting import epsilon
 from bhfl_core.algorithm.round_tail import client_epsilon
 from bhfl_core.algorithm.tree import Tree
 from bhfl_core.store.node_store import StateStore
@@ -16,7 +17,7 @@ EPSILON_MAX = "privacy/epsilon_max"
 
 @dataclass(frozen=True)
 class PrivacyRow:
-    """A DP server at the end of the run: its last round's logged values."""
+    """A DP server at the end of the run: its last round's logged values, its plan, and its epsilon each round."""
 
     node: str
     delta: float
@@ -25,13 +26,22 @@ class PrivacyRow:
     clip: float
     noise_std: float
     clipped: float
+    planned_rounds: int
+    planned_epsilon: float
+    budget: float | None  # max_epsilon, else target_epsilon, else None
+    curve: tuple[tuple[int, float], ...]  # (step, epsilon) for every round it logged
 
     def cells(self) -> list[str]:
         numbers = (self.epsilon, self.clip, self.noise_std, self.clipped)
-        return [self.node, f"{self.delta:g}", str(self.rounds), *(f"{v:.3g}" for v in numbers)]
+        budget = "-" if self.budget is None else f"{self.budget:g}"
+        plan = [str(self.planned_rounds), f"{self.planned_epsilon:.3g}", budget]
+        return [self.node, f"{self.delta:g}", str(self.rounds), *(f"{v:.3g}" for v in numbers), *plan]
 
 
-HEADERS = ["server", "delta", "rounds", "epsilon", "clip", "noise std", "clipped"]
+HEADERS = [
+    "server", "delta", "rounds", "epsilon", "clip", "noise std", "clipped", "planned rounds", "planned epsilon",
+    "budget",
+]  # fmt: skip
 
 
 def privacy_rows(tracker: Tracker, tree: Tree) -> list[PrivacyRow]:
@@ -47,8 +57,22 @@ def privacy_rows(tracker: Tracker, tree: Tree) -> list[PrivacyRow]:
             continue
         last = max(history["privacy/epsilon"])
         values = [history[key].get(last, float("nan")) for key in KEYS]
-        rows.append(PrivacyRow(node.id, privacy.delta, len(history["privacy/epsilon"]), *values))
+        budget = privacy.budget
+        planned = budget.planned_rounds if budget is not None else 0
+        limit = None if budget is None else (budget.max_epsilon or budget.target_epsilon)
+        curve = tuple(sorted(history["privacy/epsilon"].items()))
+        rows.append(
+            PrivacyRow(node.id, privacy.delta, len(curve), *values, planned, epsilon(privacy, planned), limit, curve)
+        )
     return rows
+
+
+def curve_csv(rows: list[PrivacyRow]) -> str:
+    """``eval/privacy_epsilon.csv``: every DP server's epsilon after each of its logged rounds."""
+    lines = ["server,step,round,epsilon"]
+    for row in rows:
+        lines += [f"{row.node},{step},{i + 1},{value!r}" for i, (step, value) in enumerate(row.curve)]
+    return "\n".join(lines) + "\n"
 
 
 def epsilon_max(rows: list[PrivacyRow]) -> dict[str, float]:

@@ -208,3 +208,23 @@ def test_no_childs_loss_leaves_a_dp_server_and_a_secagg_server_sees_none(runs):
     assert "Training/loss" not in metrics(dp, "west") and "Training/loss" not in metrics(dp, "root")
     secure = metrics(runs["secagg"], "edge-en")
     assert "Training/loss" not in secure and secure["Training/clients"] == 2.0
+
+
+def test_the_report_plots_each_dp_servers_epsilon_per_round_beside_its_plan(runs):
+    from bhfl_core.config.topology import build_tree, placeholder_clients
+
+    result = runs["inprocess"]
+    report = Path(result["run_path"]) / "report"
+    lines = (report / "eval" / "privacy_epsilon.csv").read_text().splitlines()
+    client = MlflowClient(result["tracking_uri"])
+    exp = client.get_experiment_by_name("itest")
+    (edge,) = client.search_runs([exp.experiment_id], "tags.`bhfl.node` = 'edge-en'")
+    logged = sorted(client.get_metric_history(edge.info.run_id, "privacy/epsilon"), key=lambda m: m.step)
+    mine = [line.split(",") for line in lines[1:] if line.startswith("edge-en,")]
+    assert lines[0] == "server,step,round,epsilon" and [float(v) for *_, v in mine] == [m.value for m in logged]
+    assert (report / "eval" / "privacy.png").stat().st_size > 0
+    config = small_config(EDGE_DP)
+    tree = build_tree(config, placeholder_clients(config))
+    planned = tree["edge-en"].settings.aggregate.privacy.budget.planned_rounds
+    assert planned == tree["edge-en"].settings.rounds * tree.root.settings.rounds == len(logged)  # all it could run
+    assert "| planned rounds | planned epsilon | budget |" in (report / "report.md").read_text()
