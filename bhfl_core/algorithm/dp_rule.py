@@ -208,6 +208,7 @@ class DpRule:
     def finalize(self, partial: Partial, key: RoundKey, state: RuleState = NO_STATE) -> Finalized:
         import torch
 
+        from bhfl_core.algorithm.canaries import insert, observe
         from bhfl_core.algorithm.privacy import check_budget, next_clip, noised_mean, privacy_metrics
 
         fold = _clipped(partial)
@@ -221,8 +222,14 @@ class DpRule:
                 totals = self.sum.counts(fold.inner)
                 fold.clipped, fold.nonfinite = totals["clipped"], totals["nonfinite"]
             summed = self.sum.summed(fold.inner)
+        canaries = self.params.canaries
+        if canaries is not None:  # an audit's canary clients, each in with a real child's chance (canaries.py)
+            rate = min(1.0, self.params.expected / self.params.population)
+            summed = insert(summed, canaries, key, rate, fold.clip)
         mean = noised_mean(self.params, fold.reference, summed, fold.clip, key)
         after = dict(state)
+        if canaries is not None:
+            after = observe(mean.to(torch.float64) - fold.reference.to(mean.device, torch.float64), canaries, after)
         if self.params.adaptive is not None:  # the next round's norm, from the noised count
             after[CLIP] = next_clip(self.params, fold, key)
         metrics = {**privacy_metrics(self.params, fold, key.round + 1), **self.sum.sum_metrics(fold.inner)}

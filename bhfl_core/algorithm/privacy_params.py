@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from bhfl_core.algorithm.canaries import CanaryParams
+
 
 @dataclass(frozen=True)
 class AdaptiveClip:
@@ -58,6 +60,7 @@ class PrivacyParams:
     poisson: bool = False
     accountant: Literal["pld", "rdp"] = "pld"
     budget: PrivacyBudget | None = None
+    canaries: CanaryParams | None = None  # an empirical audit's canary clients (canaries.py); None: no audit
 
     @property
     def update_noise_multiplier(self) -> float:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
+from bhfl_core.algorithm.canaries import CanaryParams
 from bhfl_core.algorithm.compression import CompressParams
 from bhfl_core.algorithm.node_opt import NodeOptParams, is_tuned
 from bhfl_core.algorithm.privacy_params import AdaptiveClip, PrivacyBudget, PrivacyParams, SecAggParams, ZeroingParams
@@ -243,10 +244,17 @@ def _privacy(
         poisson=values["sampling"] == "poisson" and not asynchronous,
         accountant=settings.accountant,
         budget=PrivacyBudget(key, settings.target_epsilon, settings.max_epsilon),
+        canaries=_canaries(config, node_id),
     )
     if settings.target_epsilon is None:
         check_noise_split(params, key)
     return params
+
+
+def _canaries(config: ExperimentConfig, node_id: str) -> CanaryParams | None:
+    """The audit's canaries at a DP server (``eval.privacy_audit``), seeded by (run seed, server); None without."""
+    audit = config.eval.privacy_audit
+    return None if audit is None else CanaryParams(audit.canaries, derive_seed(config.seed, "canary", node_id))
 
 
 def check_noise_split(params: PrivacyParams, key: str) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from bhfl_core.algorithm.canaries import empirical_epsilon, statistics
 from bhfl_core.algorithm.privacy_accounting import epsilon
 from bhfl_core.algorithm.round_tail import client_epsilon
 from bhfl_core.algorithm.tree import Tree
@@ -11,6 +12,8 @@ from bhfl_core.store.node_store import StateStore
 from flows.tracking.tracker import Tracker
 
 KEYS = ("privacy/epsilon", "privacy/clip", "privacy/noise_std", "privacy/clipped_fraction")
+EMPIRICAL_MAX = "privacy/epsilon_empirical_max"
+"""Parent-run metric with an audit (``eval.privacy_audit``): the largest epsilon the canaries imply at any DP server."""
 EPSILON_MAX = "privacy/epsilon_max"
 """Parent-run metric: the largest epsilon any DP server spent (what the run as a whole guarantees its clients)."""
 
@@ -30,22 +33,25 @@ class PrivacyRow:
     planned_epsilon: float
     budget: float | None  # max_epsilon, else target_epsilon, else None
     curve: tuple[tuple[int, float], ...]  # (step, epsilon) for every round it logged
+    empirical: float | None = None  # the canary audit's estimate (eval.privacy_audit), None without one
 
     def cells(self) -> list[str]:
         numbers = (self.epsilon, self.clip, self.noise_std, self.clipped)
         budget = "-" if self.budget is None else f"{self.budget:g}"
         plan = [str(self.planned_rounds), f"{self.planned_epsilon:.3g}", budget]
-        return [self.node, f"{self.delta:g}", str(self.rounds), *(f"{v:.3g}" for v in numbers), *plan]
+        audit = "-" if self.empirical is None else f"{self.empirical:.3g}"
+        return [self.node, f"{self.delta:g}", str(self.rounds), *(f"{v:.3g}" for v in numbers), *plan, audit]
 
 
 HEADERS = [
     "server", "delta", "rounds", "epsilon", "clip", "noise std", "clipped", "planned rounds", "planned epsilon",
-    "budget",
+    "budget", "audit epsilon",
 ]  # fmt: skip
 
 
-def privacy_rows(tracker: Tracker, tree: Tree) -> list[PrivacyRow]:
-    """One row per DP server that logged a round (none without DP)."""
+def privacy_rows(tracker: Tracker, tree: Tree, store: StateStore) -> list[PrivacyRow]:
+    """One row per DP server that logged a round (none without DP); with an audit, its empirical epsilon from the
+    canaries' statistics in the server's saved rule state (``bhfl_core/algorithm/canaries.py``)."""
     rows = []
     for node in tree.servers():
         privacy = node.settings.aggregate.privacy
@@ -61,9 +67,18 @@ def privacy_rows(tracker: Tracker, tree: Tree) -> list[PrivacyRow]:
         planned = budget.planned_rounds if budget is not None else 0
         limit = None if budget is None else (budget.max_epsilon or budget.target_epsilon)
         curve = tuple(sorted(history["privacy/epsilon"].items()))
+        empirical = None
+        if privacy.canaries is not None:
+            inserted, held_out = statistics(store.load_header(node.id).rule_state, privacy.canaries.count)
+            empirical = empirical_epsilon(inserted, held_out, privacy.delta)
+        spent, clip, noise_std, clipped = values
+        planned_epsilon = epsilon(privacy, planned)
         rows.append(
-            PrivacyRow(node.id, privacy.delta, len(curve), *values, planned, epsilon(privacy, planned), limit, curve)
-        )
+            PrivacyRow(
+                node.id, privacy.delta, len(curve), spent, clip, noise_std, clipped, planned, planned_epsilon,
+                limit, curve, empirical,
+            )
+        )  # fmt: skip
     return rows
 
 
@@ -76,8 +91,10 @@ def curve_csv(rows: list[PrivacyRow]) -> str:
 
 
 def epsilon_max(rows: list[PrivacyRow]) -> dict[str, float]:
-    """The parent's ``privacy/epsilon_max`` (none without a DP server)."""
-    return {EPSILON_MAX: max(r.epsilon for r in rows)} if rows else {}
+    """The parent's ``privacy/epsilon_max`` and, with an audit, ``privacy/epsilon_empirical_max`` (none without DP)."""
+    out = {EPSILON_MAX: max(r.epsilon for r in rows)} if rows else {}
+    audited = [r.empirical for r in rows if r.empirical is not None]
+    return {**out, EMPIRICAL_MAX: max(audited)} if audited else out
 
 
 CLIENT_EPSILON_MAX = "privacy/client_epsilon_max"

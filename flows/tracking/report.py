@@ -165,7 +165,7 @@ def write_report(
     if curves:
         write_text_atomic(folder / "eval" / "time_to_accuracy.csv", _curves_csv(curves))
         save_figure(plots.time_to_accuracy_plot(curves, ev.task.primary), folder / "eval" / "time_to_accuracy.png")
-    dp_rows = privacy_rows(tracker, ctx.tree)
+    dp_rows = privacy_rows(tracker, ctx.tree, ctx.store)
     if dp_rows:
         write_text_atomic(folder / "eval" / "privacy_epsilon.csv", curve_csv(dp_rows))
         budgets = {r.node: r.budget for r in dp_rows if r.budget is not None}

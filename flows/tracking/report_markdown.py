@@ -296,7 +296,9 @@ def _privacy(r: ReportInputs) -> list[str]:
             "Client-level DP-FedAvg at these servers (docs/privacy.md): epsilon spent by their clients at the "
             "end (fixed cohorts: replace-one neighbours; Poisson cohorts: add/remove-one), the last round's clip, "
             "the noise std on the mean update, the share of updates clipped, and the plan: the most rounds the "
-            "server could run in this run, their epsilon, and the budget (`max_epsilon`, else `target_epsilon`).",
+            "server could run in this run, their epsilon, and the budget (`max_epsilon`, else `target_epsilon`); "
+            "with `eval.privacy_audit`, the epsilon the canary clients' traces imply (an estimate, docs/privacy.md "
+            '"Empirical audit").',
             "",
             _table(PRIVACY_HEADERS, [row.cells() for row in r.dp_rows]),
             "",
