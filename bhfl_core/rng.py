@@ -32,12 +32,18 @@ def generator(seed: int, *keys: str | int) -> np.random.Generator:
     return np.random.default_rng(derive_seed(seed, *keys))
 
 
-def sample_cohort(children: Sequence[T], size: int | None, seed: int, node_id: str, round_index: int) -> list[T]:
-    """Sample ``size`` children without replacement (all of them when ``size`` is None).
+def sample_cohort(
+    children: Sequence[T], size: int | None, seed: int, node_id: str, round_index: int, rate: float | None = None
+) -> list[T]:
+    """The round's cohort: ``size`` children drawn without replacement (all of them when ``size`` is None), or,
+    with ``rate``, each child independently with that chance (Poisson sampling: any number, none included).
 
     The order of the returned cohort follows the order of ``children`` so that
     aggregation order, and hence floating-point sums, do not depend on the draw.
     """
+    if rate is not None:
+        chances = generator(seed, "cohort", node_id, round_index).random(len(children))
+        return [child for child, chance in zip(children, chances.tolist()) if chance < rate]
     if size is None or size >= len(children):
         return list(children)
     rng = generator(seed, "cohort", node_id, round_index)

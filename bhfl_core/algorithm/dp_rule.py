@@ -206,16 +206,30 @@ class DpRule:
         return False  # the noise is the server's to add
 
     def finalize(self, partial: Partial, key: RoundKey, state: RuleState = NO_STATE) -> Finalized:
-        from bhfl_core.algorithm.privacy import next_clip, noised_mean, privacy_metrics
+        import torch
+
+        from bhfl_core.algorithm.canaries import insert, observe
+        from bhfl_core.algorithm.privacy import check_budget, next_clip, noised_mean, privacy_metrics
 
         fold = _clipped(partial)
         if fold.reference is None:
             raise ValueError("cannot finalize a DP fold without the model the children were sent")
-        if not self.sees_members:  # the flags' totals, unmasked with the sum
-            totals = self.sum.counts(fold.inner)
-            fold.clipped, fold.nonfinite = totals["clipped"], totals["nonfinite"]
-        mean = noised_mean(self.params, fold.reference, self.sum.summed(fold.inner), fold.clip, key)
+        check_budget(self.params, key)
+        if fold.inner.empty:  # nobody came (a Poisson draw of none, all dropped): the noise alone, so as not to
+            summed = torch.zeros(fold.reference.numel(), dtype=torch.float64)  # tell empty rounds from others
+        else:
+            if not self.sees_members:  # the flags' totals, unmasked with the sum
+                totals = self.sum.counts(fold.inner)
+                fold.clipped, fold.nonfinite = totals["clipped"], totals["nonfinite"]
+            summed = self.sum.summed(fold.inner)
+        canaries = self.params.canaries
+        if canaries is not None:  # an audit's canary clients, each in with a real child's chance (canaries.py)
+            rate = min(1.0, self.params.expected / self.params.population)
+            summed = insert(summed, canaries, key, rate, fold.clip)
+        mean = noised_mean(self.params, fold.reference, summed, fold.clip, key)
         after = dict(state)
+        if canaries is not None:
+            after = observe(mean.to(torch.float64) - fold.reference.to(mean.device, torch.float64), canaries, after)
         if self.params.adaptive is not None:  # the next round's norm, from the noised count
             after[CLIP] = next_clip(self.params, fold, key)
         metrics = {**privacy_metrics(self.params, fold, key.round + 1), **self.sum.sum_metrics(fold.inner)}

@@ -136,7 +136,7 @@ def _round(
     children = tree.children(node.id)
     key = RoundKey(node.id, state.rounds_done, plan.caller)
     store.post(node.id, key.round, down_posts(state.theta, settings))
-    cohort = sample_cohort(children, settings.cohort, seed, node.id, key.round)
+    cohort = sample_cohort(children, settings.cohort, seed, node.id, key.round, settings.poisson_rate)
     present = [c for c in cohort if not drops_out(c.settings.dropout, seed, c.id, key.round)]
     rule = rule_for(settings.aggregate)
     fold = rule.plan(state.rule_state, [c.id for c in present])  # the rule's part of every child's plan

@@ -19,7 +19,8 @@ Choices where ALGORITHMS.md is silent:
 - ``persistent: false`` nodes start every execution from ``phi`` with fresh optimiser
   states (their round counter and consumed-residual marks are kept).
 - A round whose children all failed (empty aggregate) leaves the model as it was and
-  sends no up-residuals.
+  sends no up-residuals; a DP server's still gets the round's noise (whether a round was
+  empty would otherwise show, and under Poisson sampling that depends on who is in the data).
 """
 
 from __future__ import annotations
@@ -133,8 +134,8 @@ def node_up(
     lines. ``inbox`` holds the node's waiting up-residuals; ``scorer`` scores candidates for
     tuned NODEOPTs (``interp``).
     """
-    if folded is None or folded.empty:  # a leaf, or every child failed and was dropped
-        return state, [], {}
+    if folded is None or (folded.empty and settings.aggregate.privacy is None):  # a leaf, or no child came
+        return state, [], {}  # (a DP server publishes its noise even then: privacy.py)
     theta = state.model
     assert theta is not None, "a node aggregates only after node_down gave it a model"
     mean_input, rule_state, metrics = rule_for(settings.aggregate).finalize(folded.partial, key, state.rule_state)

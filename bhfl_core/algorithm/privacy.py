@@ -124,6 +124,26 @@ def next_clip(params: PrivacyParams, partial: ClippedSum, key: RoundKey) -> floa
     return partial.clip * math.exp(-adaptive.lr * (share - adaptive.quantile))
 
 
+class PrivacyBudgetSpent(RuntimeError):
+    """A DP server's next round would spend more than its ``max_epsilon``: the round is not published."""
+
+
+def check_budget(params: PrivacyParams, key: RoundKey) -> None:
+    """Refuse the round ``key`` if its epsilon would pass the server's ``max_epsilon`` (``config/privacy_plan.py``
+    refuses such a plan before the run starts; this holds whatever the plan counted)."""
+    from bhfl_core.algorithm.privacy_accounting import epsilon
+
+    budget = params.budget
+    if budget is None or budget.max_epsilon is None:
+        return
+    spent = epsilon(params, key.round + 1)
+    if spent > budget.max_epsilon:
+        raise PrivacyBudgetSpent(
+            f"{key.node_id!r} round {key.round + 1}: publishing it would spend epsilon {spent:.4g}, over "
+            f"{budget.key}.max_epsilon ({budget.max_epsilon:g}); the run stops before it"
+        )
+
+
 class Clipped(Protocol):
     """What a DP fold reports: the clip it used, how many updates it clipped, how many it holds."""
 

@@ -6,8 +6,10 @@ What they mean: ``privacy.py``; how epsilon is counted: ``privacy_accounting.py`
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
+
+from bhfl_core.algorithm.canaries import CanaryParams
 
 Randomness = Literal["seeded", "secure"]
 """Where a wrapper's random draws come from: generators seeded by where they happen, or the OS (not reproducible)."""
@@ -23,23 +25,46 @@ class AdaptiveClip:
 
 
 @dataclass(frozen=True)
+class PrivacyBudget:
+    """What a DP server may spend over the whole run (``privacy.target_epsilon`` / ``max_epsilon``).
+
+    ``planned_rounds``: the most rounds (flushes) the server can run in the run, over all
+    its executions (``config/privacy_plan.py``); ``key``: the config key that set the
+    server's privacy, for the errors that name it.
+    """
+
+    key: str = field(compare=False)  # where it was written is not what it is (a shorthand and a list agree)
+    target_epsilon: float | None = None
+    max_epsilon: float | None = None
+    planned_rounds: int = 0
+
+
+@dataclass(frozen=True)
 class PrivacyParams:
     """A server's client-level DP (``privacy:`` in the config), resolved for one node.
 
-    ``expected``: contributions a round expects (its cohort size): the mean's denominator.
-    ``population``: the children a cohort is drawn from (the accountant's sampling rate is
-    ``expected / population``). ``noise_seed``: derived from (run seed, node) when the tree
-    is built; each round's draws derive from it and the round key.
+    ``expected``: contributions a round expects (its cohort size; with Poisson sampling the
+    rate times the children, not a whole number): the mean's denominator.
+    ``population``: the children a cohort is drawn from (the sampling rate is ``expected /
+    population``). ``poisson``: each child is in a round independently (add/remove-one
+    accounting) rather than ``expected`` of them without replacement (replace-one).
+    ``noise_seed``: derived from (run seed, node) when the tree is built; each round's draws
+    derive from it and the round key. ``accountant``: ``pld`` or ``rdp``
+    (``privacy_accounting.py``). ``budget``: the run's plan and limits, once known.
     """
 
     clip: float
     noise_multiplier: float
-    expected: int
+    expected: float
     population: int
     noise_seed: int
     delta: float = 1e-5
     adaptive: AdaptiveClip | None = None
     randomness: Randomness = "seeded"  # or "secure": the noise from a CSPRNG keyed by the OS (privacy.noise)
+    poisson: bool = False
+    accountant: Literal["pld", "rdp"] = "pld"
+    budget: PrivacyBudget | None = None
+    canaries: CanaryParams | None = None  # an empirical audit's canary clients (canaries.py); None: no audit
 
     @property
     def update_noise_multiplier(self) -> float:
@@ -68,6 +93,7 @@ class DpSgdParams:
     noise_multiplier: float
     max_grad_norm: float
     delta: float = 1e-5
+    accountant: Literal["pld", "rdp"] = "rdp"  # rdp: a client's epsilon is computed every round, ~0.3 s with pld
 
 
 @dataclass(frozen=True)

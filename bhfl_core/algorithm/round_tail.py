@@ -29,7 +29,7 @@ from bhfl_core.algorithm.node_state import NodeResult, NodeState, RoundKey
 from bhfl_core.algorithm.node_step import Inbox, ResidualPost, node_up
 from bhfl_core.algorithm.store_protocol import ExecutionStore
 from bhfl_core.algorithm.tempo import omega, tempo_epochs
-from bhfl_core.algorithm.tree import Node
+from bhfl_core.algorithm.tree import Node, held_out_rows
 
 SAMPLE_EPSILON = "privacy/sample_epsilon"
 """Metric (a DP-SGD client's state): the epsilon its TRAIN calls have spent so far."""
@@ -165,12 +165,14 @@ ROUND_STEPS: tuple[RoundStep, ...] = (personal_step, train_step, tempo_step)
 
 
 def client_epsilon(node: Node, steps: int) -> float:
-    """A DP-SGD client's epsilon after ``steps`` steps of TRAIN over its rows (``learning/dp_sgd.py``)."""
+    """A DP-SGD client's epsilon after ``steps`` steps of TRAIN over the rows it trains on (its held-out rows are
+    never in a batch, so they are not in the sampling rate's denominator; ``learning/dp_sgd.py``)."""
     from bhfl_core.algorithm.privacy_accounting import sample_epsilon
 
     params = node.settings.train
     assert params is not None and params.dp_sgd is not None
-    return sample_epsilon(params.dp_sgd, int(node.weight), params.batch_size, steps)
+    rows = int(node.weight)
+    return sample_epsilon(params.dp_sgd, rows - held_out_rows(rows, node.settings.holdout), params.batch_size, steps)
 
 
 def train_metrics(node: Node, result: NodeResult) -> dict[str, float]:

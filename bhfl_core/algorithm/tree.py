@@ -77,6 +77,7 @@ class NodeSettings:
 
     rounds: int = 1
     cohort: int | None = None  # children sampled per round; None = all
+    poisson_rate: float | None = None  # sampling: poisson: each child called with this chance a round (cohort None)
     opt_up: NodeOptParams = field(default_factory=NodeOptParams)
     opt_down: NodeOptParams = field(default_factory=NodeOptParams)
     persistent: bool = True

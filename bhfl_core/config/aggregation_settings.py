@@ -13,9 +13,10 @@ import itertools
 import math
 from typing import Any
 
+from bhfl_core.algorithm.canaries import CanaryParams
 from bhfl_core.algorithm.compression import CompressParams
 from bhfl_core.algorithm.node_opt import NodeOptParams, is_tuned
-from bhfl_core.algorithm.privacy_params import AdaptiveClip, PrivacyParams, SecAggParams, ZeroingParams
+from bhfl_core.algorithm.privacy_params import AdaptiveClip, PrivacyBudget, PrivacyParams, SecAggParams, ZeroingParams
 from bhfl_core.algorithm.rule_registry import AggregateParams, WrapperParams
 from bhfl_core.algorithm.rules import rule_traits
 from bhfl_core.algorithm.tree import Role
@@ -69,11 +70,14 @@ def aggregate_params(
     role: Role,
     values: dict[str, Any],
     origin: dict[str, str],
-    cohort: int | None,
+    cohort: float | None,
     num_children: int,
 ) -> AggregateParams:
     """How ``node_id`` folds its children: its rule inside its wrappers (compression, zeroing, DP, secure
-    aggregation, checked in that order); every error names the key."""
+    aggregation, checked in that order); every error names the key.
+
+    ``cohort``: the contributions a round expects (``None``: all children; under Poisson
+    sampling the rate times the children, a fraction)."""
     settings = values["aggregate"]
     assert isinstance(settings, AggregateSettings)
     defaults = AggregateParams()
@@ -90,8 +94,15 @@ def aggregate_params(
             wrappers.append(_zeroing(chosen, key, node_id, role))
         elif name == "dp":
             wrappers.append(_privacy(config, chosen, key, node_id, role, values, expected, num_children))
+        elif values["sampling"] == "poisson" and values["mode"] == "sync":
+            raise ConfigError(
+                f"{key}: secure aggregation needs each round's cohort known in advance (its threshold and mask "
+                f"group); {origin['sampling']}: poisson draws a cohort of any size. Use sampling: fixed there"
+            )
         else:
-            wrappers.append(_secagg(config, chosen, key, node_id, role, values, (expected, num_children), dp_entry))
+            wrappers.append(
+                _secagg(config, chosen, key, node_id, role, values, (int(expected), num_children), dp_entry)
+            )
     params = AggregateParams(
         settings.kind,
         tuple(wrappers),
@@ -109,7 +120,7 @@ def aggregate_params(
                     f"w_root||), which {wrapped[name]} at 'root' protects (the root may see only a clipped-and-noised "
                     "or masked sum); put the privacy at the edges, or turn Tempo off"
                 )
-    _check_rule(params, node_id, role, values, origin, expected, children_are_clients, wrapped)
+    _check_rule(params, node_id, role, values, origin, max(1, round(expected)), children_are_clients, wrapped)
     return params
 
 
@@ -204,7 +215,7 @@ def _privacy(
     node_id: str,
     role: Role,
     values: dict[str, object],
-    expected: int,
+    expected: float,
     children: int,
 ) -> PrivacyParams:
     """A server's ``dp`` wrapper (``privacy:``) resolved for its cohort (``expected`` of its ``children``) and
@@ -212,30 +223,48 @@ def _privacy(
 
     At an asynchronous server (DP-FedBuff) a fold is a flush of ``buffer`` updates, one per
     child at most, so ``expected`` is the buffer and the accountant assumes no sampling
-    (``population == expected``: docs/privacy.md, "At an asynchronous server").
+    (``population == expected``: docs/privacy.md, "At an asynchronous server"). A
+    ``target_epsilon`` leaves the noise multiplier to ``privacy_plan.py``, which knows the
+    rounds the server is planned to run.
     """
     _check_server_fold(key, "client-level DP", node_id, role, values)
     asynchronous = values["mode"] == "async"
-    _check_flush(key, "a DP flush", node_id, values, expected, children)
+    _check_flush(key, "a DP flush", node_id, values, int(expected), children)
     adaptive = None
     if settings.adaptive is not None:
         a = settings.adaptive
         adaptive = AdaptiveClip(a.quantile, a.lr, a.count_noise if a.count_noise is not None else expected / 20)
     params = PrivacyParams(
         clip=settings.clip,
-        noise_multiplier=settings.noise_multiplier,
+        noise_multiplier=settings.noise_multiplier if settings.noise_multiplier is not None else 0.0,
         expected=expected,
-        population=expected if asynchronous else children,  # asynchronous: every child may be in every flush
+        population=int(expected) if asynchronous else children,  # asynchronous: every child may be in every flush
         noise_seed=derive_seed(config.seed, "privacy", node_id),
         delta=settings.delta,
         adaptive=adaptive,
         randomness=settings.randomness,
+        poisson=values["sampling"] == "poisson" and not asynchronous,
+        accountant=settings.accountant,
+        budget=PrivacyBudget(key, settings.target_epsilon, settings.max_epsilon),
+        canaries=_canaries(config, node_id),
     )
+    if settings.target_epsilon is None:
+        check_noise_split(params, key)
+    return params
+
+
+def _canaries(config: ExperimentConfig, node_id: str) -> CanaryParams | None:
+    """The audit's canaries at a DP server (``eval.privacy_audit``), seeded by (run seed, server); None without."""
+    audit = config.eval.privacy_audit
+    return None if audit is None else CanaryParams(audit.canaries, derive_seed(config.seed, "canary", node_id))
+
+
+def check_noise_split(params: PrivacyParams, key: str) -> None:
+    """Adaptive clipping's count noise must leave the update some of the noise multiplier (error names the key)."""
     try:
         params.update_noise_multiplier  # noqa: B018  (validates the split of the budget)
     except ValueError as exc:
         raise ConfigError(f"{key}.adaptive.count_noise: {exc}") from None
-    return params
 
 
 def _compress(

@@ -227,6 +227,13 @@ class LocalAdaptation(Strict):
     rounds: Annotated[int, Field(ge=1)] = 1  # TRAIN calls with the client level's train settings
 
 
+class PrivacyAudit(Strict):
+    """An empirical privacy audit (Andrew et al. 2024): ``canaries`` canary clients inserted at every DP server and
+    as many held out; the report gives the epsilon their traces imply beside the analytical one."""
+
+    canaries: Annotated[int, Field(ge=2)] = 200
+
+
 class EvalConfig(Strict):
     """When and what is evaluated.
 
@@ -251,6 +258,7 @@ class EvalConfig(Strict):
         clients, per_ring = self.clients, self.client_model_sample
         return (None if clients == "all" else clients), (None if per_ring == "all" else per_ring)
 
+    privacy_audit: PrivacyAudit | None = None  # canary clients at every DP server (docs/privacy.md, "Audit")
     local_only: LocalOnlyBaseline | None = None  # final evaluation: the local-only baseline (off: null)
     local_adaptation: LocalAdaptation | None = None  # final evaluation: locally fine-tuned models (off: null)
 

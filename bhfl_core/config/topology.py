@@ -30,6 +30,7 @@ from bhfl_core.algorithm.tree import Node, NodeSettings, Role, TrainParams, Tree
 from bhfl_core.config.aggregation_settings import aggregate_params, check_dp_sgd, node_opt
 from bhfl_core.config.base import ConfigError
 from bhfl_core.config.data import KMeansClustering, LanguageClustering
+from bhfl_core.config.privacy_plan import plan_privacy
 from bhfl_core.config.residual_wiring import wire_residuals
 from bhfl_core.config.schema import ExperimentConfig
 from bhfl_core.config.selectors import DEPTH_SELECTOR, LEVEL_KEY, holds_proxy, matches
@@ -107,7 +108,7 @@ def placeholder_clients(config: ExperimentConfig) -> list[ClientInfo]:
 def _resolve(config: ExperimentConfig, node_id: str, role: Role, depth: int, num_children: int) -> NodeSettings:
     """A node's settings: its merged keys (``_layered``) checked against each other and its place in the tree."""
     values, origin = _layered(config, node_id, role, depth)
-    cohort = _cohort(values["cohort"], origin["cohort"], node_id, role, num_children)
+    cohort, poisson_rate = _cohort(values, origin, node_id, role, num_children)
     has_data = role is Role.CLIENT or holds_proxy(config, node_id, role, depth)
     train: TrainParams | None = None
     if role is Role.CLIENT or values["proxy_train"]:
@@ -136,6 +137,7 @@ def _resolve(config: ExperimentConfig, node_id: str, role: Role, depth: int, num
     return NodeSettings(
         rounds=values["rounds"],
         cohort=cohort,
+        poisson_rate=poisson_rate,
         opt_up=node_opt(values, origin, "up", node_id, has_data),
         opt_down=node_opt(values, origin, "down", node_id, has_data),
         persistent=values["persistent"],
@@ -145,7 +147,9 @@ def _resolve(config: ExperimentConfig, node_id: str, role: Role, depth: int, num
         personal=_train_params(personal) if personal is not None else None,
         asynchronous=asynchronous,
         dropout=config.tree.clock.dropout_p if role is Role.CLIENT else 0.0,
-        aggregate=aggregate_params(config, node_id, role, values, origin, cohort, num_children),
+        aggregate=aggregate_params(
+            config, node_id, role, values, origin, _expected(cohort, poisson_rate, num_children), num_children
+        ),
         tempo=config.tree.client.train.epochs if config.tree.tempo and role is Role.ROOT else None,
         evaluated=role is not Role.CLIENT or _client_state_read(config),
     )
@@ -170,15 +174,37 @@ def _layered(config: ExperimentConfig, node_id: str, role: Role, depth: int) -> 
     return values, origin
 
 
-def _cohort(cohort: int | float | None, key: str, node_id: str, role: Role, num_children: int) -> int | None:
-    """Children sampled per round (``None``: all): a fraction of the children becomes a count; a client has none."""
+def _cohort(
+    values: dict[str, Any], origin: dict[str, str], node_id: str, role: Role, num_children: int
+) -> tuple[int | None, float | None]:
+    """A round's cohort as ``(size, None)`` (``None``: all children) or, with ``sampling: poisson``, ``(None,
+    rate)``: each child's chance to be called; a fraction of the children becomes a count. A client has none."""
+    cohort, key = values["cohort"], origin["cohort"]
     if role is Role.CLIENT:
-        cohort = None
-    elif isinstance(cohort, float):
-        cohort = max(1, round(cohort * num_children))
-    elif isinstance(cohort, int) and cohort > num_children:
+        return None, None
+    if values["sampling"] == "poisson":
+        where = origin["sampling"]
+        if values["mode"] == "async":
+            raise ConfigError(
+                f"{where}: {node_id!r} runs asynchronously (FedBuff): it calls children as others finish and "
+                "draws no cohort; Poisson sampling is for synchronous rounds"
+            )
+        if not isinstance(cohort, float):
+            raise ConfigError(
+                f"{key}: with {where}: poisson the cohort is each child's chance to be called in a round, a number "
+                f"in (0, 1] such as 0.1; got {cohort!r}"
+            )
+        return None, cohort
+    if isinstance(cohort, float):
+        return max(1, round(cohort * num_children)), None
+    if isinstance(cohort, int) and cohort > num_children:
         raise ConfigError(f"{key}: cohort of {cohort} is larger than the {num_children} children of node {node_id!r}")
-    return cohort
+    return cohort, None
+
+
+def _expected(cohort: int | None, poisson_rate: float | None, num_children: int) -> float | None:
+    """The contributions a round expects: its cohort's size, or the Poisson rate times the children."""
+    return cohort if poisson_rate is None else poisson_rate * num_children
 
 
 def _client_state_read(config: ExperimentConfig) -> bool:
@@ -198,7 +224,9 @@ def _train_params(t: TrainSettings) -> TrainParams:
         weight_decay=t.weight_decay,
         mu=t.mu,
         precision=t.precision,
-        dp_sgd=DpSgdParams(t.dp_sgd.noise_multiplier, t.dp_sgd.max_grad_norm, t.dp_sgd.delta) if t.dp_sgd else None,
+        dp_sgd=DpSgdParams(t.dp_sgd.noise_multiplier, t.dp_sgd.max_grad_norm, t.dp_sgd.delta, t.dp_sgd.accountant)
+        if t.dp_sgd
+        else None,
     )
 
 
@@ -280,10 +308,10 @@ def build_tree(config: ExperimentConfig, clients: Sequence[ClientInfo]) -> Tree:
 
 
 def _finish(config: ExperimentConfig, nodes: dict[str, Node]) -> Tree:
-    """Check node-name references, wire residual links and compressed uplinks, freeze the tree."""
+    """Check node-name references, wire residual links and compressed uplinks, plan DP budgets, freeze the tree."""
     _check_names(config, nodes)
     tree = Tree(nodes=_wire_uplinks(nodes), root_id=ROOT_ID)
-    return wire_residuals(config, tree)
+    return plan_privacy(wire_residuals(config, tree))
 
 
 def _wire_uplinks(nodes: dict[str, Node]) -> dict[str, Node]:

@@ -133,6 +133,7 @@ class DpSgdSettings(Strict):
     noise_multiplier: Annotated[float, Field(ge=0)]
     max_grad_norm: Annotated[float, Field(gt=0)]
     delta: Annotated[float, Field(gt=0, lt=1)] = 1e-5
+    accountant: Literal["pld", "rdp"] = "rdp"  # rdp: computed for every client every round (pld: ~0.3 s each)
 
 
 class TrainSettings(Strict):
@@ -161,6 +162,7 @@ class LevelSettings(Strict):
 
     rounds: Annotated[int, Field(ge=1)] = 1
     cohort: Annotated[int, Field(ge=1)] | Annotated[float, Field(gt=0, le=1)] | None = None
+    sampling: Literal["fixed", "poisson"] = "fixed"  # poisson: each child called with chance `cohort`
     eta_up: Annotated[float, Field(ge=0)] = 1.0  # 0 with fedavg: keep the own model
     eta_down: Annotated[float, Field(ge=0)] = 1.0
     opt_up: OptSettings = OptSettings()
@@ -186,6 +188,7 @@ class NodeOverride(Strict):
 
     rounds: Annotated[int, Field(ge=1)] | None = None
     cohort: Annotated[int, Field(ge=1)] | Annotated[float, Field(gt=0, le=1)] | None = None
+    sampling: Literal["fixed", "poisson"] | None = None
     eta_up: Annotated[float, Field(ge=0)] | None = None
     eta_down: Annotated[float, Field(ge=0)] | None = None
     opt_up: OptSettings | None = None

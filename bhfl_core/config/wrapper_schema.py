@@ -45,13 +45,29 @@ class PrivacySettings(Strict):
     the mean divides by the expected cohort size. ``delta``: the delta epsilon is reported at.
     ``randomness``: the noise from a generator seeded by (run seed, node, round) (``seeded``:
     runs repeat) or from a CSPRNG keyed by the OS (``secure``: never repeats).
+    Instead of ``noise_multiplier``, ``target_epsilon`` has the smallest multiplier that keeps
+    epsilon within it after every round the server is planned to run computed when the
+    config is read; ``max_epsilon`` refuses a run planned to spend more. ``accountant``:
+    ``pld`` (privacy loss distributions, near-tight) or ``rdp`` (Renyi DP).
     """
 
     clip: Annotated[float, Field(gt=0)]
-    noise_multiplier: Annotated[float, Field(ge=0)]
+    noise_multiplier: Annotated[float, Field(ge=0)] | None = None
+    target_epsilon: Annotated[float, Field(gt=0)] | None = None
+    max_epsilon: Annotated[float, Field(gt=0)] | None = None
+    accountant: Literal["pld", "rdp"] = "pld"
     adaptive: AdaptiveClipSettings | None = None
     delta: Annotated[float, Field(gt=0, lt=1)] = 1e-5
     randomness: Literal["seeded", "secure"] = "seeded"
+
+    @model_validator(mode="after")
+    def _noise(self) -> PrivacySettings:
+        if (self.noise_multiplier is None) == (self.target_epsilon is None):
+            raise ValueError(
+                "set exactly one of noise_multiplier (the noise std over the clip) and target_epsilon (the noise "
+                "multiplier is then calibrated to it over the server's planned rounds)"
+            )
+        return self
 
 
 class SecureAggregationSettings(Strict):

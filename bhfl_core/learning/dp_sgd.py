@@ -1,8 +1,9 @@
 """Sample-level DP-SGD inside one TRAIN call, with Opacus's per-sample gradients and DP optimizer.
 
-Opacus's ``PrivacyEngine.make_private`` wants to own the data loader (to sample batches
-by Poisson); TRAIN keeps its own seeded batches, so this uses the two parts the engine
-is made of: ``GradSampleModule`` (hooks that compute every example's gradient) and
+Opacus's ``PrivacyEngine.make_private`` wants to own the data loader; TRAIN draws its own
+seeded Poisson batches (``local_train._poisson_batches``: Opacus's uniform sampler, each row
+in each batch with chance ``batch_size / rows``), so this uses the two parts the engine is
+made of: ``GradSampleModule`` (hooks that compute every example's gradient) and
 ``DPOptimizer`` (clips each example's gradient to ``max_grad_norm``, sums, adds Gaussian
 noise of std ``noise_multiplier * max_grad_norm`` from a generator seeded by the call's
 seed, divides by the expected batch size, then steps). The hooks are removed when the
@@ -55,6 +56,21 @@ def private_training(
         yield module, private
     finally:
         module._close()  # removes the hooks and the per-sample gradients
+
+
+def noise_only_step(optimizer: torch.optim.Optimizer) -> None:
+    """A DP-SGD step on a batch that drew no row: no per-example gradient, so the update is the noise alone.
+
+    Skipping the step would tell an observer of the model that the batch was empty, which
+    depends on how many rows there are: the Poisson analysis counts the noised step.
+    """
+    from opacus.optimizers import DPOptimizer
+
+    assert isinstance(optimizer, DPOptimizer)
+    for p in optimizer.params:
+        p.grad_sample = torch.zeros((0, *p.shape), dtype=p.dtype, device=p.device)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
 
 
 def batch_ids(model: nn.Module, batch: Batch) -> Batch:

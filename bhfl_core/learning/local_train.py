@@ -34,7 +34,7 @@ from torch import nn
 
 from bhfl_core.algorithm.tree import TrainParams, held_out_rows
 from bhfl_core.algorithm.tree import planned_steps as planned_steps  # noqa: PLC0414 (where callers find it)
-from bhfl_core.learning.dp_sgd import batch_ids, private_training
+from bhfl_core.learning.dp_sgd import batch_ids, noise_only_step, private_training
 from bhfl_core.learning.params import trainable_parameters
 
 Batch = dict[str, torch.Tensor]
@@ -196,7 +196,16 @@ def train_model(
         steps = 0
         losses: list[tuple[torch.Tensor, int]] = []  # (batch loss on the device, batch size): read once, at the end
         for _ in range(params.epochs):
-            for raw in _batches(data, torch.randperm(n, generator=generator), params.batch_size):
+            epoch = (
+                _poisson_batches(data, n, params.batch_size, generator) if dp else _shuffled(data, n, params, generator)
+            )
+            for raw in epoch:
+                if raw is None:  # a Poisson draw of no row: the step is the noise alone (dp_sgd.py)
+                    noise_only_step(optimizer)
+                    steps += 1
+                    if params.max_steps is not None and steps >= params.max_steps:
+                        return _result(losses)
+                    continue
                 batch = transform(raw, generator) if transform is not None else raw
                 batch = _to_device(batch, device)
                 with precision.autocast():
@@ -211,6 +220,29 @@ def train_model(
                 if params.max_steps is not None and steps >= params.max_steps:
                     return _result(losses)
     return _result(losses)
+
+
+def _shuffled(
+    data: Mapping[str, torch.Tensor], n: int, params: TrainParams, generator: torch.Generator
+) -> Iterator[Batch]:
+    """One epoch in a shuffled order: ``ceil(n / batch_size)`` batches of ``batch_size`` rows (the last fewer)."""
+    return _batches(data, torch.randperm(n, generator=generator), params.batch_size)
+
+
+def _poisson_batches(
+    data: Mapping[str, torch.Tensor], n: int, batch_size: int, generator: torch.Generator
+) -> Iterator[Batch | None]:
+    """One DP-SGD epoch: ``ceil(n / batch_size)`` batches, each row in each independently with chance
+    ``batch_size / n`` (Opacus's ``UniformWithReplacementSampler``; None for a batch that drew no row).
+
+    Poisson batches are what DP-SGD's accountant assumes (``privacy_accounting.sample_epsilon``);
+    shuffled fixed-size batches are not covered by it. As many steps as a shuffled epoch,
+    so a client's step count (``tree.planned_steps``) does not depend on the draw.
+    """
+    rate = min(1.0, batch_size / n)
+    for _ in range(-(-n // batch_size)):
+        rows = (torch.rand(n, generator=generator) < rate).nonzero().flatten()
+        yield {k: v[rows] for k, v in data.items()} if len(rows) else None
 
 
 def _to_device(batch: Batch, device: torch.device) -> Batch:

@@ -76,7 +76,9 @@ def _walk(ctx: _Run, node: Node, caller: Caller, out: Progress) -> str:
     if node.is_leaf:
         return "under way" if started else "to do"
     round_index = state.rounds_done  # the node's current round (cumulative over the run)
-    cohort = sample_cohort(ctx.tree.children(node.id), settings.cohort, ctx.seed, node.id, round_index)
+    cohort = sample_cohort(
+        ctx.tree.children(node.id), settings.cohort, ctx.seed, node.id, round_index, settings.poisson_rate
+    )
     at = len(out.lines)
     out.lines.append("")  # this node's line, written once its children are known
     statuses = [_walk(ctx, child, Caller(node.id, round_index), out) for child in cohort]

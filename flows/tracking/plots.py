@@ -242,3 +242,17 @@ def time_to_accuracy_plot(curves: Mapping[str, Sequence[CurvePoint]], metric: st
     ax.set_ylabel(metric)
     _legend_below(ax)
     return fig
+
+
+def epsilon_plot(curves: Mapping[str, Sequence[tuple[int, float]]], budgets: Mapping[str, float]) -> Figure:
+    """Each DP server's epsilon after each of its rounds, with its budget (a dashed line) where it has one."""
+    fig = Figure(figsize=(6.5, 4.2))
+    ax = fig.subplots()
+    for label, points in curves.items():
+        (line,) = ax.plot(range(1, len(points) + 1), [v for _, v in points], "-o", markersize=3, label=label)
+        if label in budgets:
+            ax.axhline(budgets[label], color=line.get_color(), linestyle="--", linewidth=0.8)
+    ax.set_xlabel("rounds (flushes) of the server")
+    ax.set_ylabel("epsilon spent")
+    _legend_below(ax)
+    return fig

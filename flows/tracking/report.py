@@ -48,7 +48,7 @@ from bhfl_core.store.tables import table_csv, write_csv_atomic
 from data_prep.figures import save_png
 from flows.tracking import plots
 from flows.tracking.baselines import trivial_baseline
-from flows.tracking.privacy_report import CLIENT_EPSILON_MAX, client_epsilons, epsilon_max, privacy_rows
+from flows.tracking.privacy_report import CLIENT_EPSILON_MAX, client_epsilons, curve_csv, epsilon_max, privacy_rows
 from flows.tracking.report_html import write_report_html
 from flows.tracking.report_markdown import RELATION_NAMES, ReportInputs, render_markdown
 from flows.tracking.tracker import Tracker
@@ -165,7 +165,11 @@ def write_report(
     if curves:
         write_text_atomic(folder / "eval" / "time_to_accuracy.csv", _curves_csv(curves))
         save_figure(plots.time_to_accuracy_plot(curves, ev.task.primary), folder / "eval" / "time_to_accuracy.png")
-    dp_rows = privacy_rows(tracker, ctx.tree)
+    dp_rows = privacy_rows(tracker, ctx.tree, ctx.store)
+    if dp_rows:
+        write_text_atomic(folder / "eval" / "privacy_epsilon.csv", curve_csv(dp_rows))
+        budgets = {r.node: r.budget for r in dp_rows if r.budget is not None}
+        save_figure(plots.epsilon_plot({r.node: r.curve for r in dp_rows}, budgets), folder / "eval" / "privacy.png")
     dp_clients = client_epsilons(ctx.tree, ctx.store)
     privacy = {**epsilon_max(dp_rows), **({CLIENT_EPSILON_MAX: max(dp_clients.values())} if dp_clients else {})}
     headline = {

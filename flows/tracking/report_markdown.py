@@ -294,10 +294,18 @@ def _privacy(r: ReportInputs) -> list[str]:
     if r.dp_rows:
         lines += [
             "Client-level DP-FedAvg at these servers (docs/privacy.md): epsilon spent by their clients at the "
-            "end (replace-one neighbours, cohorts sampled without replacement), the last round's clip, the noise "
-            "std on the mean update, and the share of updates clipped.",
+            "end (fixed cohorts: replace-one neighbours; Poisson cohorts: add/remove-one), the last round's clip, "
+            "the noise std on the mean update, the share of updates clipped, and the plan: the most rounds the "
+            "server could run in this run, their epsilon, and the budget (`max_epsilon`, else `target_epsilon`); "
+            "with `eval.privacy_audit`, the epsilon the canary clients' traces imply (an estimate, docs/privacy.md "
+            '"Empirical audit").',
             "",
             _table(PRIVACY_HEADERS, [row.cells() for row in r.dp_rows]),
+            "",
+            "![epsilon per round](eval/privacy.png)",
+            "",
+            "Epsilon after each round, per server: `eval/privacy_epsilon.csv` (and `privacy/epsilon` in each "
+            "server's MLflow run).",
             "",
         ]
     return lines if r.dp_rows or r.dp_clients else []

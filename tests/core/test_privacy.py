@@ -136,11 +136,11 @@ def test_epsilon_is_the_replace_one_gaussian_mechanism_composed_over_rounds():
     conversion is a little tighter. With z instead of z/2 (sensitivity C) it would be about 4x smaller.
     """
     z, rounds, delta = 2.0, 10, 1e-5
-    full = PrivacyParams(clip=1.0, noise_multiplier=z, expected=6, population=6, noise_seed=0, delta=delta)
+    full = PrivacyParams(1.0, z, expected=6, population=6, noise_seed=0, delta=delta, accountant="rdp")
     rho = rounds / (2 * (z / 2) ** 2)
     bound = rho + 2 * math.sqrt(rho * math.log(1 / delta))
     assert 0.8 * bound < epsilon(full, rounds) <= bound
-    sampled = PrivacyParams(clip=1.0, noise_multiplier=z, expected=2, population=6, noise_seed=0, delta=delta)
+    sampled = PrivacyParams(1.0, z, expected=2, population=6, noise_seed=0, delta=delta, accountant="rdp")
     assert epsilon(sampled, rounds) < epsilon(full, rounds)  # amplification by sampling 2 of 6
     assert epsilon(sampled, rounds) < epsilon(sampled, rounds + 5)
     assert epsilon(sampled, 0) == 0.0
@@ -154,7 +154,7 @@ def test_epsilon_matches_the_librarys_accountant_for_the_sampling_we_do():
     accountant = RdpAccountant(neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_ONE)
     event = dp_accounting.SampledWithoutReplacementDpEvent(30, 6, dp_accounting.GaussianDpEvent(1.5 / 2))
     accountant.compose(dp_accounting.SelfComposedDpEvent(event, 20))
-    p = PrivacyParams(clip=0.5, noise_multiplier=1.5, expected=6, population=30, noise_seed=0, delta=1e-6)
+    p = PrivacyParams(0.5, 1.5, expected=6, population=30, noise_seed=0, delta=1e-6, accountant="rdp")
     assert epsilon(p, 20) == accountant.get_epsilon(1e-6)
 
 
@@ -225,16 +225,15 @@ def test_a_residual_that_ends_below_the_dp_server_is_allowed():
 
 
 def test_epsilon_reproduces_the_libraries_worked_example():
-    """dp-accounting's own test (rdp_privacy_accountant_test.test_compute_epsilon_delta_gaussian): the Gaussian
+    """dp-accounting's own test (rdp_privacy_accountant_test.test_compute_epsilon_delta_gaussian), with the RDP
+    accountant (the PLD one is tighter: tests/core/test_privacy_accounting.py): the Gaussian
     mechanism with noise multiplier 4.530877117 is exactly (1, 1e-6)-DP. A DP server that calls all its children
     has replace-one sensitivity 2C, so it needs twice that z; a DP-SGD client whose batch is all its rows, z itself.
     """
     from bhfl_core.algorithm.privacy_accounting import sample_epsilon
     from bhfl_core.algorithm.privacy_params import DpSgdParams
 
-    server = PrivacyParams(
-        clip=1.0, noise_multiplier=2 * 4.530877117, expected=5, population=5, noise_seed=0, delta=1e-6
-    )
+    server = PrivacyParams(1.0, 2 * 4.530877117, expected=5, population=5, noise_seed=0, delta=1e-6, accountant="rdp")
     assert epsilon(server, 1) == pytest.approx(1.0, abs=1e-5)
     client = DpSgdParams(noise_multiplier=4.530877117, max_grad_norm=1.0, delta=1e-6)
     assert sample_epsilon(client, 10, 10, 1) == pytest.approx(1.0, abs=1e-5)

@@ -56,6 +56,7 @@ def runs(tmp_path_factory):
         "dp-fedbuff-workers": _plain(base / "k", *DP_FEDBUFF, "runtime.executor=local", "runtime.workers=2"),
         "secagg-fedbuff": _plain(base / "l", *SECAGG_FEDBUFF, "runtime.executor=inprocess"),
         "secagg-fedbuff-workers": _plain(base / "m", *SECURE_FEDBUFF, "runtime.executor=local", "runtime.workers=2"),
+        "audit": _run(base / "n", "runtime.executor=inprocess", "eval.privacy_audit={canaries: 20}"),
     }
 
 
@@ -214,3 +215,38 @@ def test_no_childs_loss_leaves_a_dp_server_and_a_secagg_server_sees_none(runs):
     assert "Training/loss" not in metrics(dp, "west") and "Training/loss" not in metrics(dp, "root")
     secure = metrics(runs["secagg"], "edge-en")
     assert "Training/loss" not in secure and secure["Training/clients"] == 2.0
+
+
+def test_the_report_plots_each_dp_servers_epsilon_per_round_beside_its_plan(runs):
+    from bhfl_core.config.topology import build_tree, placeholder_clients
+
+    result = runs["inprocess"]
+    report = Path(result["run_path"]) / "report"
+    lines = (report / "eval" / "privacy_epsilon.csv").read_text().splitlines()
+    client = MlflowClient(result["tracking_uri"])
+    exp = client.get_experiment_by_name("itest")
+    (edge,) = client.search_runs([exp.experiment_id], "tags.`bhfl.node` = 'edge-en'")
+    logged = sorted(client.get_metric_history(edge.info.run_id, "privacy/epsilon"), key=lambda m: m.step)
+    mine = [line.split(",") for line in lines[1:] if line.startswith("edge-en,")]
+    assert lines[0] == "server,step,round,epsilon" and [float(v) for *_, v in mine] == [m.value for m in logged]
+    assert (report / "eval" / "privacy.png").stat().st_size > 0
+    config = small_config(EDGE_DP)
+    tree = build_tree(config, placeholder_clients(config))
+    planned = tree["edge-en"].settings.aggregate.privacy.budget.planned_rounds
+    assert planned == tree["edge-en"].settings.rounds * tree.root.settings.rounds == len(logged)  # all it could run
+    assert "| planned rounds | planned epsilon | budget |" in (report / "report.md").read_text()
+
+
+def test_an_audit_run_reports_each_edges_empirical_epsilon_below_its_bound(runs):
+    """Canary clients at every DP edge (eval.privacy_audit): the report's audit column and the parent's
+    privacy/epsilon_empirical_max, below the analytical privacy/epsilon_max; the canaries changed the run."""
+    result = runs["audit"]
+    parent = MlflowClient(result["tracking_uri"]).get_run(result["run_id"]).data.metrics
+    assert 0 <= parent["privacy/epsilon_empirical_max"] < parent["privacy/epsilon_max"]
+    lines = (Path(result["run_path"]) / "report" / "report.md").read_text().splitlines()
+    header = next(i for i, line in enumerate(lines) if line.endswith("| budget | audit epsilon |"))
+    table = lines[header + 2 : header + 5]  # the privacy table's rows: one per DP edge
+    audited = [float(line.split("|")[-2]) for line in table]
+    assert all(line.startswith("| edge-") for line in table) and all(0 <= value < float("inf") for value in audited)
+    files = node_files(Path(result["run_path"]))
+    assert files["edge-en.safetensors"] != node_files(Path(runs["inprocess"]["run_path"]))["edge-en.safetensors"]
