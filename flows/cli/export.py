@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from bhfl_core.config.base import ConfigError
 
@@ -73,7 +73,7 @@ def export_model(
     if out.exists():
         raise ExportError(f"--to: {out} already exists; give a new folder")
     hf_logging.disable_progress_bar()  # this command's output is its one line, not a shard-writing bar
-    model = float32_model(ctx, adapter=True)
+    model: Any = float32_model(ctx, adapter=True)  # a peft model (LoRA) or a transformers one
     set_flat(model, theta)
     ref = ctx.manifest.tokenizer
     tokenizer = load_tokenizer(
@@ -85,7 +85,7 @@ def export_model(
         if fmt == "adapter":
             _save_adapter(ctx, model, tmp)
         else:
-            merged = model.merge_and_unload() if ctx.config.model.adapter is not None else model  # type: ignore[operator]
+            merged = model.merge_and_unload() if ctx.config.model.adapter is not None else model
             merged.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         tmp.rename(out)
@@ -110,15 +110,16 @@ def float32_model(ctx: RunContext, *, adapter: bool) -> nn.Module:
     return build_model(model_cfg, m.task, m.labels, m.vocab_size, m.pad_token_id, cfg.seed, backbone=backbone)
 
 
-def _save_adapter(ctx: RunContext, model: nn.Module, folder: Path) -> None:
+def _save_adapter(ctx: RunContext, model: Any, folder: Path) -> None:
     """peft's adapter layout in ``folder``; with ``folder/base`` when no hub holds the base."""
     from bhfl_core.learning.models import TINY
 
     cfg = ctx.config.model
     own_base = cfg.name == TINY or ctx.backbone_path() is not None
-    peft_config = model.peft_config["default"]  # type: ignore[index]
+    peft_config = model.peft_config["default"]  # a PeftModel: its LoraConfig
     peft_config.base_model_name_or_path = None if own_base else cfg.name
     peft_config.revision = None if own_base else cfg.revision
-    model.save_pretrained(folder)  # type: ignore[operator]
+    model.save_pretrained(folder)
     if own_base:
-        float32_model(ctx, adapter=False).save_pretrained(folder / BASE_DIR)  # type: ignore[operator]
+        base: Any = float32_model(ctx, adapter=False)
+        base.save_pretrained(folder / BASE_DIR)
