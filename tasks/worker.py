@@ -71,6 +71,7 @@ def worker_device(setting: str | None = None) -> torch.device:
         gpu_deterministic()
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
+        torch.cuda.set_device(device)  # what builds on "the" GPU (a quantised backbone, model.quantization) uses it
     return device
 
 

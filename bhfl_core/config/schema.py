@@ -273,12 +273,9 @@ class ExperimentConfig(Strict):
     eval: EvalConfig = EvalConfig()
 
     @model_validator(mode="after")
-    def _adapter_task(self) -> ExperimentConfig:
-        if self.model.adapter is not None and self.data.task != "classification":
-            raise ValueError(
-                f"model.adapter: LoRA adapters are supported for data.task: classification, not {self.data.task!r} "
-                "yet (a masked-LM head is tied to the embeddings, which the adapters leave frozen)"
-            )
+    def _quantized_on_a_gpu(self) -> ExperimentConfig:
+        if self.model.quantization is not None and self.runtime.device == "cpu":
+            raise ValueError("model.quantization: bitsandbytes backbones need CUDA devices, and runtime.device is cpu")
         return self
 
     @model_validator(mode="after")

@@ -47,6 +47,21 @@ class AdapterSettings(Strict):
     target_modules: list[str] | None = None
 
 
+class Quantization(Strict):
+    """``model.quantization``: the frozen backbone's linear layers held in 4 or 8 bits (bitsandbytes, GPU only).
+
+    4 bits: QLoRA's NF4 (``quant_type: nf4``; ``fp4`` also), optionally double-quantised,
+    the matmuls computed in ``compute_dtype``; 8 bits: LLM.int8(). The adapters and the
+    head stay float32 (``prepare_model_for_kbit_training``); the package is the optional
+    extra ``pip install '.[gpu]'``.
+    """
+
+    bits: Literal[4, 8]
+    quant_type: Literal["nf4", "fp4"] = "nf4"
+    double_quant: bool = True
+    compute_dtype: Literal["bf16", "float32"] = "bf16"
+
+
 class ModelConfig(Strict):
     """``name: tiny-bert`` builds ``tiny``; any other name (hub id or local folder) goes through
     ``AutoModelForSequenceClassification`` / ``AutoModelForMaskedLM.from_pretrained`` (by ``data.task``)."""
@@ -63,3 +78,21 @@ class ModelConfig(Strict):
     init_from: str | None = None
     # LoRA adapters (and the task head) are what is trained, stored, sent and aggregated (docs/config.md)
     adapter: AdapterSettings | None = None
+
+    # how the frozen backbone is held (docs/config.md, "model.backbone_dtype"): float32 (as before), or bf16
+    # (half the memory) or quantised (GPU), under float32 adapters and head; both need model.adapter
+    backbone_dtype: Literal["float32", "bf16"] = "float32"
+    quantization: Quantization | None = None
+
+    @model_validator(mode="after")
+    def _frozen_backbone_precision(self) -> ModelConfig:
+        """A backbone below float32 must be frozen: only float32 adapters (and head) are trained and aggregated."""
+        if self.quantization is not None and self.backbone_dtype != "float32":
+            raise ValueError("model.backbone_dtype: a quantised backbone computes in model.quantization.compute_dtype")
+        lowered = "model.quantization" if self.quantization is not None else "model.backbone_dtype"
+        if (self.quantization is not None or self.backbone_dtype != "float32") and self.adapter is None:
+            raise ValueError(
+                f"{lowered}: a backbone below float32 needs model.adapter (LoRA): full fine-tuning would train, send "
+                "and aggregate the rounded weights themselves"
+            )
+        return self

@@ -108,12 +108,28 @@ def build_model(
                 **head,
             )
             built: nn.Module = auto.from_config(config)
-            return with_adapter(_with_backbone(built, backbone), model)
-        try:
-            loaded: nn.Module = auto.from_pretrained(model.name, revision=model.revision, **head)
-        except Exception as exc:
-            raise hub_error("model", model, exc) from None
-        return with_adapter(_with_backbone(loaded, backbone), model)
+        else:
+            try:
+                built = auto.from_pretrained(model.name, revision=model.revision, **head)
+            except Exception as exc:
+                raise hub_error("model", model, exc) from None
+        return _held(with_adapter(_quantized(_with_backbone(built, backbone), model), model, task), model)
+
+
+def _quantized(base: nn.Module, model: ModelConfig) -> nn.Module:
+    """``base`` quantised to ``model.quantization`` (bitsandbytes, CUDA), or as it is."""
+    if model.quantization is None:
+        return base
+    from bhfl_core.learning.backbone_precision import quantized_base
+
+    return quantized_base(base, model.quantization)
+
+
+def _held(wrapped: nn.Module, model: ModelConfig) -> nn.Module:
+    """``wrapped`` with its frozen backbone in ``model.backbone_dtype`` (float32: as it is)."""
+    from bhfl_core.learning.backbone_precision import lower_backbone
+
+    return lower_backbone(wrapped, model.backbone_dtype)
 
 
 def _with_backbone(base: nn.Module, backbone: torch.Tensor | None) -> nn.Module:
@@ -125,7 +141,7 @@ def _with_backbone(base: nn.Module, backbone: torch.Tensor | None) -> nn.Module:
     return base
 
 
-def with_adapter(built: nn.Module, model: ModelConfig) -> nn.Module:
+def with_adapter(built: nn.Module, model: ModelConfig, task: str = "classification") -> nn.Module:
     """``built`` with LoRA adapters (``model.adapter``) wrapped in by peft, or as it is.
 
     Only the adapters and the classification head then require gradients, so the flat
@@ -133,6 +149,9 @@ def with_adapter(built: nn.Module, model: ModelConfig) -> nn.Module:
     adapter vector; the frozen backbone is whatever every worker builds or loads from the
     same seed or checkpoint, identical everywhere. Called inside ``build_model``'s seeded
     block: the adapters' random initialisation is part of the run's initial model.
+
+    ``task``'s kind says what else peft trains (``TaskKind.peft_task_type``): a classifier's
+    head; for a masked LM nothing else, its decoder being the frozen, tied word embeddings.
     """
     adapter = model.adapter
     if adapter is None:
@@ -143,7 +162,7 @@ def with_adapter(built: nn.Module, model: ModelConfig) -> nn.Module:
     warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
 
     config = LoraConfig(
-        task_type="SEQ_CLS",  # the classifier head is trained and federated with the adapters
+        task_type=get_task_kind(task).peft_task_type,  # classification: the head is trained with the adapters
         r=adapter.r,
         lora_alpha=adapter.alpha,
         lora_dropout=adapter.dropout,

@@ -97,6 +97,9 @@ class TaskKind:
     # its loss is a mean of per-example terms, so one example's gradient does not depend on the others in its
     # batch (DP-SGD's per-example clipping needs it; a masked LM's mean over the batch's masked tokens is not)
     per_example_loss: bool = True
+    # peft's task type for LoRA (model.adapter): "SEQ_CLS" trains and federates the classifier head with the
+    # adapters; None trains the adapters alone (models.with_adapter)
+    peft_task_type: str | None = None
 
     def model_class(self) -> Any:
         import transformers  # ~1 s to import: only where a model is built
@@ -180,6 +183,7 @@ register_task_kind(
             {"accuracy": (0.0, 1.0), "macro_f1": (0.0, 1.0)},
         ),
         needs_labels=True,
+        peft_task_type="SEQ_CLS",
     )
 )
 

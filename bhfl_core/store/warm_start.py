@@ -43,6 +43,9 @@ AGREEING_SECTIONS = ("model", "data.task")
 """What the source run's config must share with the new one (``model.init_from`` itself aside,
 and ``model.adapter`` for a backbone start): the model's architecture and task decide the
 shape and meaning of every saved vector."""
+PRECISION_KEYS = ("model.backbone_dtype", "model.quantization")
+"""Never compared: how the frozen backbone is held changes no saved vector (adapters and head are float32),
+so a bf16 or 4-bit run starts from a float32 one and back (and from runs made before these keys)."""
 BACKBONE = "backbone"
 """The backbone file's one tensor: the source node's full flat vector (``params.get_flat``)."""
 
@@ -147,10 +150,10 @@ def is_backbone_start(source: Mapping[str, Any], target: Mapping[str, Any]) -> b
 def config_mismatch(source: Mapping[str, Any], target: Mapping[str, Any]) -> tuple[str, Any, Any] | None:
     """The first key of ``AGREEING_SECTIONS`` whose value differs between two dumped configs, else None.
 
-    Returns ``(dotted key, source value, target value)``; ``model.init_from`` is ignored,
-    and so is ``model.adapter`` for a backbone start (``is_backbone_start``).
+    Returns ``(dotted key, source value, target value)``; ``model.init_from`` and
+    ``PRECISION_KEYS`` are ignored, and so is ``model.adapter`` for a backbone start (``is_backbone_start``).
     """
-    ignored = {KEY, ADAPTER_KEY} if is_backbone_start(source, target) else {KEY}
+    ignored = {KEY, ADAPTER_KEY, *PRECISION_KEYS} if is_backbone_start(source, target) else {KEY, *PRECISION_KEYS}
     for section in AGREEING_SECTIONS:
         found = _first_difference(_at(source, section), _at(target, section), section, ignored)
         if found is not None:

@@ -1,27 +1,53 @@
 """``bhfl export``: a node's final model in the hub's ``save_pretrained`` layout, with its tokenizer.
 
-What a user takes out of a run to use elsewhere (``from_pretrained(DIR)``, the hub):
-the node's saved parameters loaded into the run's model, and, for a LoRA run
-(``model.adapter``), the adapters folded into the backbone (peft's
-``merge_and_unload``), so the folder is a plain transformers model. The tokenizer is the
-one the run's data were prepared with. The folder is written under a temporary name and
-renamed, so a failed export leaves nothing half-written.
+What a user takes out of a run to use elsewhere (``from_pretrained(DIR)``, the hub).
+Two formats:
+
+* ``merged`` (default): the node's saved parameters loaded into the run's model and, for
+  a LoRA run (``model.adapter``), the adapters folded into the backbone (peft's
+  ``merge_and_unload``), so the folder is a plain transformers model.
+* ``adapter`` (LoRA runs): the adapters (and a classifier's head) alone, in peft's
+  ``PeftModel.save_pretrained`` layout (``adapter_config.json`` and
+  ``adapter_model.safetensors``), loadable with ``PeftModel.from_pretrained(base, DIR)`` or
+  transformers' ``base.load_adapter(DIR)``; ~1.2 MB at BERT-base. ``base_model_name_or_path``
+  names the hub model (and ``revision``); a base no hub holds (``tiny-bert``, or a backbone
+  warm-started from a full run) is written under ``DIR/base``, without adapters.
+
+``personal``: a Ditto client's personal model instead of its federated one.
+
+The base is always the float32 one (the seeded build or the hub weights): a run with
+``model.backbone_dtype: bf16`` or ``model.quantization`` trained its adapters on that
+backbone rounded, and what leaves the run is the adapters for the real weights, as
+QLoRA merges into the full-precision base (the export needs no GPU either). The
+tokenizer is the one the run's data were prepared with. The folder is written under a
+temporary name and renamed, so a failed export leaves nothing half-written.
 """
 
 from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
 
 from bhfl_core.config.base import ConfigError
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from tasks.context import RunContext
+
+ExportFormat = Literal["merged", "adapter"]
+BASE_DIR = "base"  # DIR/base: an adapter export's base model when no hub holds it
 
 
 class ExportError(ConfigError):
     """A run or node that cannot be exported; the message names it."""
 
 
-def export_model(run_path: Path, node_id: str, out: Path) -> Path:
-    """Write ``node_id``'s model of the run at ``run_path`` to ``out`` (a new folder); return ``out``."""
+def export_model(
+    run_path: Path, node_id: str, out: Path, fmt: ExportFormat = "merged", *, personal: bool = False
+) -> Path:
+    """Write ``node_id``'s model (``personal``: its Ditto personal model) of the run at ``run_path`` to ``out``."""
     from transformers.utils import logging as hf_logging
 
     from bhfl_core.learning.params import set_flat
@@ -32,26 +58,68 @@ def export_model(run_path: Path, node_id: str, out: Path) -> Path:
     if node_id not in ctx.tree.nodes:
         servers = ", ".join(n.id for n in ctx.tree.servers())
         raise ExportError(f"--node: {run_path} has no node {node_id!r} (servers: {servers}; clients: <language>-NN)")
-    theta = ctx.store.load_model(node_id)
+    if fmt == "adapter" and ctx.config.model.adapter is None:
+        raise ExportError(
+            f"--format adapter: {run_path} is a full fine-tuning run (no model.adapter); export it merged"
+        )
+    theta = ctx.store.load_model(node_id, personal=personal)
+    if theta is None and personal:
+        raise ExportError(
+            f"--personal: node {node_id!r} of {run_path} has no personal model (only the clients of a Ditto run, "
+            "tree.client.personal, keep one)"
+        )
     if theta is None:
         raise ExportError(f"--node: node {node_id!r} of {run_path} has no saved model (it never trained, or kept none)")
     if out.exists():
         raise ExportError(f"--to: {out} already exists; give a new folder")
     hf_logging.disable_progress_bar()  # this command's output is its one line, not a shard-writing bar
-    cfg = ctx.config
-    model = ctx.training_model()  # the backbone every worker trained on (for a LoRA run, not the initial model's)
+    model: Any = float32_model(ctx, adapter=True)  # a peft model (LoRA) or a transformers one
     set_flat(model, theta)
-    if cfg.model.adapter is not None:
-        model = model.merge_and_unload()  # type: ignore[operator]
     ref = ctx.manifest.tokenizer
-    tokenizer = load_tokenizer(ctx.data_root / ref if (ctx.data_root / ref).is_dir() else ref, cfg.model.revision)
+    tokenizer = load_tokenizer(
+        ctx.data_root / ref if (ctx.data_root / ref).is_dir() else ref, ctx.config.model.revision
+    )
     tmp = out.with_name(f".{out.name}.partial")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        model.save_pretrained(tmp)  # type: ignore[operator]
+        if fmt == "adapter":
+            _save_adapter(ctx, model, tmp)
+        else:
+            merged = model.merge_and_unload() if ctx.config.model.adapter is not None else model
+            merged.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         tmp.rename(out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def float32_model(ctx: RunContext, *, adapter: bool) -> nn.Module:
+    """The run's training model (seeded by ``seed``, on the run's backbone file) with a float32 backbone.
+
+    ``adapter=False``: the base alone, as the adapters were wrapped around it.
+    """
+    from bhfl_core.learning.models import build_model
+    from bhfl_core.store.warm_start import load_backbone
+
+    cfg, m, path = ctx.config, ctx.manifest, ctx.backbone_path()
+    update = {"backbone_dtype": "float32", "quantization": None, **({} if adapter else {"adapter": None})}
+    model_cfg = cfg.model.model_copy(update=update)
+    backbone = load_backbone(path) if path is not None else None
+    return build_model(model_cfg, m.task, m.labels, m.vocab_size, m.pad_token_id, cfg.seed, backbone=backbone)
+
+
+def _save_adapter(ctx: RunContext, model: Any, folder: Path) -> None:
+    """peft's adapter layout in ``folder``; with ``folder/base`` when no hub holds the base."""
+    from bhfl_core.learning.models import TINY
+
+    cfg = ctx.config.model
+    own_base = cfg.name == TINY or ctx.backbone_path() is not None
+    peft_config = model.peft_config["default"]  # a PeftModel: its LoraConfig
+    peft_config.base_model_name_or_path = None if own_base else cfg.name
+    peft_config.revision = None if own_base else cfg.revision
+    model.save_pretrained(folder)
+    if own_base:
+        base: Any = float32_model(ctx, adapter=False)
+        base.save_pretrained(folder / BASE_DIR)

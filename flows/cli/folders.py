@@ -48,20 +48,38 @@ def export(
     run_spec: RunSpecArgument,
     to: Annotated[Path, typer.Option("--to", metavar="DIR", help="A new folder for the model and its tokenizer.")],
     node: Annotated[str, typer.Option("--node", metavar="NODE", help="Whose model: a server or a client id.")] = "root",
+    fmt: Annotated[
+        str,
+        typer.Option(
+            "--format",
+            metavar="FORMAT",
+            help="merged: a plain transformers model (LoRA adapters merged in); adapter (LoRA runs): the adapters "
+            "alone, peft's layout (PeftModel.from_pretrained, load_adapter).",
+        ),
+    ] = "merged",
+    personal: Annotated[
+        bool, typer.Option("--personal", help="The client's personal model (a Ditto run) instead of its federated one.")
+    ] = False,
     run_dir: RunDirOption = DEFAULT_RUN_DIR,
 ) -> None:
-    """Write a node's final model in save_pretrained layout with its tokenizer (LoRA adapters merged in)."""
+    """Write a node's final model in save_pretrained layout with its tokenizer (merged, or its LoRA adapters)."""
     prepare_environment(run_dir, verbose=False)
     from bhfl_core.config.base import ConfigError
     from flows.cli.export import export_model
     from flows.records.listing import resolve_run
     from flows.records.run_state import RunStateError
 
+    if fmt not in ("merged", "adapter"):
+        fail(f"--format: {fmt!r} is not a format; give merged or adapter")
     try:
-        written = export_model(resolve_run(run_spec, run_dir), node, to)
+        written = export_model(
+            resolve_run(run_spec, run_dir), node, to, "adapter" if fmt == "adapter" else "merged", personal=personal
+        )
     except (RunStateError, ConfigError) as exc:
         fail(str(exc))
-    out.print(f"{node}'s model and tokenizer: {written}  (load with from_pretrained)", highlight=False, soft_wrap=True)
+    whose = f"{node}'s personal" if personal else f"{node}'s"
+    what, how = ("adapters", "PeftModel.from_pretrained") if fmt == "adapter" else ("model", "from_pretrained")
+    out.print(f"{whose} {what} and tokenizer: {written}  (load with {how})", highlight=False, soft_wrap=True)
 
 
 def runs(

@@ -170,6 +170,10 @@ def preflight(cfg: ExperimentConfig, run_dir: Path) -> None:
 
     try:
         preflight(cfg, run_dir / "cache")
+        if cfg.model.quantization is not None and cfg.runtime.executor != "cluster":  # the workers are this machine
+            from bhfl_core.learning.backbone_precision import check_quantization
+
+            check_quantization(cfg.model.quantization)
         if cfg.runtime.executor == "cluster" and cfg.runtime.cluster:
             from tasks.cluster_access import security_for
 

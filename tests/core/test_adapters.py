@@ -80,13 +80,34 @@ def test_a_backbone_is_loaded_under_adapters_drawn_as_without_it():
         build_model(cfg, "classification", LABELS, 400, 0, 0, backbone=backbone[:-1])
 
 
-def test_adapters_for_masked_lm_are_rejected_naming_the_key():
-    from bhfl_core.config.base import ConfigError
+def test_lora_masked_lm_trains_the_adapters_alone_and_its_loss_goes_down():
+    """Continued pretraining: the decoder stays the frozen, tied word embeddings; the adapters lower the loss."""
+    from bhfl_core.learning.mlm import MaskingSpec, mask_tokens, mlm_transform
 
-    with pytest.raises(
-        ConfigError, match=r"model\.adapter: LoRA adapters are supported for data\.task: classification"
-    ):
-        small_config("model.adapter={r: 4}", "data.task=mlm")
+    full = build_model(small_config("data.task=mlm").model, "mlm", [], 400, 0, 0)
+    with torch.no_grad():  # a pretrained model's embeddings (std ~1), not a fresh init's 0.02 that caps the logits
+        full.get_input_embeddings().weight.mul_(25)
+    cfg = small_config("model.adapter={r: 4}", "data.task=mlm").model
+    model = build_model(cfg, "mlm", [], 400, 0, 0, backbone=get_flat(full))
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert len(trainable) == 4 and all("lora_" in n for n in trainable), trainable  # query and value: A and B
+    base = model.get_base_model()
+    assert base.get_output_embeddings().weight is base.get_input_embeddings().weight  # still tied, frozen
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    spec = MaskingSpec((0, 1, 2, 3), 4, 400, 0.15)
+    ids = torch.randint(5, 21, (64, 16), generator=torch.Generator().manual_seed(0))  # 16 of 400 tokens occur
+    held_out = mask_tokens(ids, None, spec.special_ids, 4, 400, 0.15, torch.Generator().manual_seed(9))
+
+    def loss() -> float:
+        model.eval()
+        with torch.no_grad():
+            return float(model(input_ids=held_out[0], labels=held_out[1]).loss)
+
+    before = loss()
+    data = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    train_model(model, data, TrainParams(lr=0.01, batch_size=16, epochs=5), 1, CPU, transform=mlm_transform(spec))
+    assert loss() < before - 0.5  # 9.09 -> 8.21 measured
+    assert all(torch.equal(p, frozen[n]) for n, p in model.named_parameters() if not p.requires_grad)
 
 
 def _lora_layers(model) -> dict[str, Any]:
