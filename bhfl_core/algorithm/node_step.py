@@ -20,6 +20,8 @@ Choices where ALGORITHMS.md is silent:
   states (their round counter and consumed-residual marks are kept).
 - A round whose children all failed (empty aggregate) leaves the model as it was and
   sends no up-residuals.
+- A LoRA node with ``adapter_rank`` (``settings.rank``) caps theta_0 and the mean input
+  to its rank (``adapter_fold.cap_rank``: HetLoRA's zero-padding, FlexLoRA's truncation).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from bhfl_core.algorithm.adapter_fold import cap_rank
 from bhfl_core.algorithm.aggregation import WeightedSum
 from bhfl_core.algorithm.aggregation_rule import FoldedRound
 from bhfl_core.algorithm.node_opt import NodeOptParams, OptState, Scorer, node_opt_step
@@ -103,7 +106,7 @@ def node_down(
         base = state.model
         opt_down, theta = node_opt_step(state.opt_down, state.model, phi, settings.opt_down, scorer)
     theta, opt_res, seen = fold_residuals(inbox, base, theta, state.opt_res, state.res_seen, settings, scorer)
-    return replace(state, model=theta, opt_down=opt_down, opt_res=opt_res, res_seen=seen)
+    return replace(state, model=cap_rank(theta, settings.rank), opt_down=opt_down, opt_res=opt_res, res_seen=seen)
 
 
 def down_posts(theta: torch.Tensor, settings: NodeSettings) -> list[ResidualPost]:
@@ -138,6 +141,7 @@ def node_up(
     theta = state.model
     assert theta is not None, "a node aggregates only after node_down gave it a model"
     mean_input, rule_state, metrics = rule_for(settings.aggregate).finalize(folded.partial, key, state.rule_state)
+    mean_input = cap_rank(mean_input, settings.rank)
     posts = []
     for link in settings.res_up:
         chosen = select_residuals(folded.candidates, theta, link.k, link.select, mean_input)
