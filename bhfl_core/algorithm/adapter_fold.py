@@ -92,3 +92,32 @@ def cap_rank(vector: torch.Tensor, cap: RankCap | None) -> torch.Tensor:
         out[b.a_offset + cap.rank * b.fan_in : b.a_offset + b.rank * b.fan_in] = 0.0
         out[b.b_offset : b.b_offset + b.fan_out * b.rank].view(b.fan_out, b.rank)[:, cap.rank :] = 0.0
     return out
+
+
+@dataclass(frozen=True)
+class OwnB:
+    """FedSA-LoRA (Guo et al. 2025) at a client: its B matrices are its own, A is shared (``aggregation: fedsa``).
+
+    The client starts each execution from its parent's model with its own B from the
+    model it saved last (its first: the parent's); it sends its whole vector up, so its
+    parent's B is the mean of its children's (what a new client starts from, and what
+    the server's model is evaluated with). ``blocks``: the layout (``with_adapter_layout``).
+    """
+
+    blocks: tuple[AdapterBlock, ...] = ()
+    size: int = 0
+
+
+def keep_own_b(received: torch.Tensor, own: torch.Tensor | None, keep: OwnB | None) -> torch.Tensor:
+    """``received`` with every block's B taken from ``own`` (a new tensor); as it is without ``keep`` or ``own``."""
+    if keep is None or own is None:
+        return received
+    if not keep.blocks:
+        raise ValueError("aggregation: fedsa needs the model's layout of A and B (learning/adapter_layout.py)")
+    if received.numel() != keep.size or own.numel() != keep.size:
+        raise ValueError(f"adapter vectors of {received.numel()} and {own.numel()} values, the layout has {keep.size}")
+    out = received.clone()
+    for b in keep.blocks:
+        part = slice(b.b_offset, b.b_offset + b.fan_out * b.rank)
+        out[part] = own[part].to(out.device, out.dtype)
+    return out

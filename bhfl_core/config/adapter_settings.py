@@ -1,5 +1,5 @@
 """Where a LoRA run's servers fold their children's products (``model.adapter``: ``aggregation``, ``error_metric``),
-and the nodes' own ranks (``adapter_rank``).
+the nodes' own ranks (``adapter_rank``) and FedSA's clients' own B.
 
 ``exact`` and the ab-mean error need every child's model at the fold: the ``adapter``
 wrapper (bhfl_core/algorithm/adapter_rule.py) sits directly around ``kind: mean`` in
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from bhfl_core.algorithm.adapter_fold import AdapterFold, RankCap
+from bhfl_core.algorithm.adapter_fold import AdapterFold, OwnB, RankCap
 from bhfl_core.algorithm.tree import Role
 from bhfl_core.config.base import ConfigError
 from bhfl_core.config.schema import ExperimentConfig
@@ -73,3 +73,9 @@ def rank_cap(config: ExperimentConfig, rank: int | None, key: str) -> RankCap | 
             "cannot be cut from them; use ab-mean or exact with per-node ranks"
         )
     return RankCap(rank)
+
+
+def own_b(config: ExperimentConfig, role: Role) -> OwnB | None:
+    """A client's FedSA part (``aggregation: fedsa``): its B matrices, kept from its own saved model."""
+    adapter = config.model.adapter
+    return OwnB() if adapter is not None and adapter.aggregation == "fedsa" and role is Role.CLIENT else None

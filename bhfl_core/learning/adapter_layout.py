@@ -47,7 +47,7 @@ def _weight(linear: nn.Module) -> torch.Tensor:
 
 
 def with_adapter_layout(tree: Tree, model: nn.Module) -> Tree:
-    """``tree`` with ``model``'s layout in every node's ``AdapterFold`` and ``RankCap`` (other nodes as they are)."""
+    """``tree`` with ``model``'s layout in every ``AdapterFold``, ``RankCap`` and ``OwnB`` (other nodes as they are)."""
     blocks, size = adapter_layout(model)
     nodes = dict(tree.nodes)
     for node_id, node in tree.nodes.items():
@@ -57,10 +57,16 @@ def with_adapter_layout(tree: Tree, model: nn.Module) -> Tree:
             settings = replace(settings, aggregate=aggregate)
         if settings.rank is not None:
             settings = replace(settings, rank=replace(settings.rank, blocks=blocks, size=size))
+        if settings.own_b is not None:
+            settings = replace(settings, own_b=replace(settings.own_b, blocks=blocks, size=size))
         nodes[node_id] = replace(node, settings=settings)
     return replace(tree, nodes=nodes)
 
 
 def needs_layout(tree: Tree) -> bool:
-    """Whether a node of ``tree`` folds adapter products or caps its rank (``with_adapter_layout`` then)."""
-    return any(node.settings.aggregate.adapter is not None or node.settings.rank is not None for node in tree)
+    """Whether a node of ``tree`` folds adapter products, caps its rank or keeps its own B (then
+    ``with_adapter_layout``)."""
+    return any(
+        s.aggregate.adapter is not None or s.rank is not None or s.own_b is not None
+        for s in (node.settings for node in tree)
+    )

@@ -33,10 +33,11 @@ class TinyBert(Strict):
         return self
 
 
-AdapterAggregation = Literal["ab-mean", "ffa", "exact"]
+AdapterAggregation = Literal["ab-mean", "ffa", "exact", "fedsa"]
 """How a server folds its children's adapters (bhfl_core/algorithm/adapter_rule.py; docs/config.md):
 ``ab-mean`` averages A and B apart (FedIT), ``ffa`` freezes A (FFA-LoRA: the mean of B is exact),
-``exact`` re-factorises the mean of the products B_i·A_i to rank r by SVD."""
+``exact`` re-factorises the mean of the products B_i·A_i to rank r by SVD, ``fedsa`` averages A
+while each client keeps its own B (FedSA-LoRA)."""
 
 
 class AdapterSettings(Strict):
@@ -71,7 +72,8 @@ class AdapterSettings(Strict):
         if self.error_metric and self.aggregation != "ab-mean":
             raise ValueError(
                 "model.adapter.error_metric: it measures ab-mean's error (mean(B)·mean(A) against mean(B_i·A_i)); "
-                f"aggregation {self.aggregation} logs its own (ffa: exact, no error; exact: adapter/truncation_error)"
+                f"aggregation {self.aggregation} does not average A and B apart "
+                "(ffa: exact; exact: adapter/truncation_error; fedsa: B is each client's own)"
             )
         return self
 

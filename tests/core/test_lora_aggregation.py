@@ -228,7 +228,7 @@ def test_an_option_peft_would_ignore_is_refused_naming_the_key(overrides, messag
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["model.adapter={aggregation: fedsa}"], r"model\.adapter\.aggregation: Input should be 'ab-mean', 'ffa'"),
+        (["model.adapter={aggregation: fedit}"], r"model\.adapter\.aggregation: Input should be 'ab-mean', 'ffa'"),
         (["model.adapter={aggregation: ffa, error_metric: true}"], r"model\.adapter\.error_metric: it measures"),
         (
             ["model.adapter={aggregation: exact}", "tree.edge.aggregate={kind: median}"],
@@ -256,3 +256,43 @@ def test_an_option_peft_would_ignore_is_refused_naming_the_key(overrides, messag
 def test_bad_adapter_settings_are_refused_naming_the_key(overrides, message):
     with pytest.raises(ConfigError, match=message):
         small_config(*overrides)
+
+
+def test_fedsa_clients_keep_their_own_b_and_share_a(tmp_path):
+    from dataclasses import replace
+
+    from bhfl_core.algorithm.adapter_fold import OwnB
+    from bhfl_core.algorithm.engine import execute_node
+    from bhfl_core.algorithm.node_state import NodeResult, NodeState
+    from bhfl_core.algorithm.tree import Node, Role, Tree
+    from bhfl_core.store.node_store import StateStore
+    from tests.core.fake_tree import AddVectorHooks, settings
+
+    steps = {"c1": C1, "c2": C2}
+
+    class Hooks(AddVectorHooks):
+        def train(self, node, theta, key, plan):
+            return NodeResult(theta + steps[node.id])
+
+    client = replace(settings(train=True, persistent=False), own_b=OwnB((RANK1,), 7))
+    nodes = {c: Node(c, Role.CLIENT, 1, "root", (), client, w) for c, w in (("c1", 1.0), ("c2", 3.0))}
+    nodes["root"] = Node("root", Role.ROOT, 0, None, ("c1", "c2"), settings(rounds=2), 4.0)
+    tree = Tree(nodes=nodes, root_id="root")
+    store = StateStore(tmp_path)
+    theta0 = torch.tensor([0.5, 0, 0, 1, 1, 0, 0])  # A = [.5 0 0], B = [1 1]^T
+    store.save("root", NodeState(model=theta0))
+    execute_node(tree, tree.root, None, store, Hooks(tree, store), seed=0)
+    # round 1: each client from theta0, theta1 = theta0 + (C1 + 3 C2) / 4; round 2: each client from theta1 with
+    # the B it trained in round 1 (theta0's B + its step), then its step again
+    theta1 = theta0 + (C1 + 3 * C2) / 4
+    b = slice(3, 5)
+    for c in ("c1", "c2"):
+        mine = store.load(c).theta
+        expected = theta1 + steps[c]
+        expected[b] = theta0[b] + 2 * steps[c][b]
+        assert torch.equal(mine, expected), c
+    ends = [store.load(c).theta for c in ("c1", "c2")]
+    assert torch.equal(store.load("root").theta, (ends[0] + 3 * ends[1]) / 4)  # A (and the mean B) shared
+    cfg = small_config("model.adapter={r: 4, aggregation: fedsa}")
+    built = build_tree(cfg, placeholder_clients(cfg))
+    assert all((n.settings.own_b is not None) == n.is_leaf for n in built)

@@ -104,8 +104,10 @@ LORA_BEFORE = {  # AVX2 kernels
     LORA: "1f69df44cf6153fb",  # measured at 9d035fa, before named adapter aggregations (issue 47 items 1-2)
     # ab-mean with its error metric: the products are folded beside the mean, which keeps its bits
     "embedded.yaml+model.adapter={r: 4, alpha: 8, error_metric: true}": "1f69df44cf6153fb",
-    # exact (SVD re-factorised products) with rank-2 clients under rank-4 servers: measured with that change
+    # exact (SVD re-factorised products) with rank-2 clients under rank-4 servers, and FedSA (clients keep their B):
+    # measured with that change (the same with 2 local workers)
     "embedded.yaml+model.adapter={r: 4, alpha: 8, aggregation: exact};tree.client.adapter_rank=2": "0ee4c96c6e7a98d5",
+    "embedded.yaml+model.adapter={r: 4, alpha: 8, aggregation: fedsa}": "197e4002dfc3746a",
 }
 
 
