@@ -4,7 +4,8 @@ A child's adapted matrix moves by ``s·B_i·A_i``. Averaging A and B apart (``ab
 FedIT: what the mean of the flat vectors does) gives ``s·mean(B)·mean(A)``, which is
 not ``mean(s·B_i·A_i)``: the cross terms ``B_i·A_j`` enter. This wrapper folds each
 child's products beside the vector (an exact ``WeightedSum`` of their float32 values:
-the same bits however the children are spread over workers) and, at ``finalize``:
+the same bits however the children are spread over workers, and on any device: see
+``products``) and, at ``finalize``:
 
 - ``ab-mean``: keeps the mean vector as it is (the same bits as without the wrapper)
   and logs ``adapter/ab_error`` = ``||mean(s·B_i·A_i) - s·mean(B)·mean(A)|| /
@@ -76,12 +77,20 @@ def _adapter(partial: Partial) -> AdapterPartial:
 def products(fold: AdapterFold, model: torch.Tensor) -> torch.Tensor:
     """``s·B·A`` of every block of ``model`` (a flat vector), each row major, as one float32 vector.
 
-    Computed in float64 (each term of the r-term dot products is exact) and rounded once.
+    In float64 as r outer products added in rank order (each term is exact, each addition
+    correctly rounded), not a matrix product whose summation order is the kernel's: the
+    same bits on any device and CPU kernel, as the fold's other sums.
     """
     import torch
 
-    parts = [(_factor(model, b, "B").double() @ _factor(model, b, "A").double()).mul_(b.scaling) for b in fold.blocks]
-    return torch.cat([p.flatten() for p in parts]).to(torch.float32)
+    parts = []
+    for b in fold.blocks:
+        a, bb = _factor(model, b, "A").double(), _factor(model, b, "B").double()
+        product = bb[:, :1] * a[:1]
+        for k in range(1, b.rank):
+            product.add_(bb[:, k : k + 1] * a[k : k + 1])
+        parts.append(product.mul_(b.scaling).flatten())
+    return torch.cat(parts).to(torch.float32)
 
 
 def _factor(model: torch.Tensor, block: AdapterBlock, which: str) -> torch.Tensor:
