@@ -296,3 +296,17 @@ def test_fedsa_clients_keep_their_own_b_and_share_a(tmp_path):
     cfg = small_config("model.adapter={r: 4, aggregation: fedsa}")
     built = build_tree(cfg, placeholder_clients(cfg))
     assert all((n.settings.own_b is not None) == n.is_leaf for n in built)
+
+
+def test_a_lora_run_made_before_these_keys_existed_still_warm_starts_one(tmp_path):
+    import yaml
+
+    from bhfl_core.config.schema import dump
+    from bhfl_core.store.warm_start import config_mismatch
+    from flows.records.warm_source import _source_config
+
+    target = dump(small_config("model.adapter={r: 4, alpha: 8}"))
+    old = {**target, "model": {**target["model"], "adapter": {"kind": "lora", "r": 4, "alpha": 8, "dropout": 0.0}}}
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(old))
+    assert config_mismatch(old, target) is not None  # as written, the keys added since would differ
+    assert config_mismatch(_source_config("RUN", tmp_path), target) is None
