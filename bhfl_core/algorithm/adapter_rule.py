@@ -201,12 +201,15 @@ def refactorise(fold: AdapterFold, mean: torch.Tensor, mean_product: torch.Tenso
         offset += block.product_size
         u, s, vh = torch.linalg.svd(m, full_matrices=False)
         r = block.rank
-        kept = s[:r]
         lost += float((s[r:] ** 2).sum())
         total += float((s**2).sum())
+        kept = torch.zeros(r, dtype=torch.float64)  # r may exceed min(fan_in, fan_out): those rows have no direction
+        kept[: min(r, len(s))] = s[:r]
         root = (kept / block.scaling).sqrt()
-        b_new = u[:, :r] * root
-        a_new = root[:, None] * vh[:r]
+        b_new = torch.zeros(block.fan_out, r, dtype=torch.float64)
+        a_new = torch.zeros(r, block.fan_in, dtype=torch.float64)
+        b_new[:, : len(s)] = u[:, :r] * root[: len(s)]
+        a_new[: len(s)] = root[: len(s), None] * vh[:r]
         dead = kept <= (float(s[0]) if len(s) else 0.0) * 1e-12  # no direction: keep ab-mean's row of A, B's column 0
         if bool(dead.any()):
             a_new[dead] = _factor(mean, block, "A").cpu().double()[dead]

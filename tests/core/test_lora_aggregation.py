@@ -310,3 +310,16 @@ def test_a_lora_run_made_before_these_keys_existed_still_warm_starts_one(tmp_pat
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(old))
     assert config_mismatch(old, target) is not None  # as written, the keys added since would differ
     assert config_mismatch(_source_config("RUN", tmp_path), target) is None
+
+
+def test_exact_with_a_rank_above_the_matrix_size_keeps_the_rows_without_a_direction():
+    block = AdapterBlock("toy", a_offset=0, b_offset=9, rank=3, fan_in=3, fan_out=2, scaling=2.0)
+    gen = torch.Generator().manual_seed(5)
+    children = [torch.randn(15, generator=gen) for _ in range(2)]
+    rule = _rule(block, "exact", 15)
+    out = rule.finalize(_fold(rule, [(children[0], 1.0), (children[1], 1.0)]), KEY).input.double()
+    a, b = out[:9].view(3, 3), out[9:].view(2, 3)
+    by_hand = sum(2 * c[9:].double().view(2, 3) @ c[:9].double().view(3, 3) for c in children) / 2
+    assert torch.allclose(2 * b @ a, by_hand, atol=1e-5)  # a 2 x 3 product has 2 directions: nothing truncated
+    assert torch.equal(out[6:9], ((children[0][6:9] + children[1][6:9]) / 2).double())  # A's third row: the mean
+    assert torch.equal(b[:, 2], torch.zeros(2))
