@@ -69,11 +69,11 @@ class AdapterSettings(Strict):
 
     @model_validator(mode="after")
     def _aggregation(self) -> AdapterSettings:
-        if self.error_metric and self.aggregation != "ab-mean":
+        if self.error_metric and self.aggregation in ("ffa", "fedsa"):
             raise ValueError(
-                "model.adapter.error_metric: it measures ab-mean's error (mean(B)·mean(A) against mean(B_i·A_i)); "
-                f"aggregation {self.aggregation} does not average A and B apart "
-                "(ffa: exact; exact: adapter/truncation_error; fedsa: B is each client's own)"
+                "model.adapter.error_metric: it measures ab-mean's error (mean(B)·mean(A) against mean(B_i·A_i)), "
+                f"which aggregation {self.aggregation} does not make (ffa: A is the same everywhere, the mean of B "
+                "is exact; fedsa: B is each client's own); exact logs it without the key"
             )
         return self
 
