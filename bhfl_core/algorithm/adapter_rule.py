@@ -23,9 +23,11 @@ Stacking (FLoRA) is exact too but grows the rank by the children's ranks each ro
 the vector would not keep its size; SVD keeps it. The rest of the vector (the head,
 ``modules_to_save``, DoRA's magnitudes) is the wrapped rule's mean. ``ffa`` needs no
 wrapper: A is frozen and identical everywhere (``learning/lora_options.py``), so the mean
-of B is already exact. The wrapper sits directly around ``kind: mean`` in synchronous
-rounds, never inside ``dp`` or ``secagg`` (the server may not see a child's product
-there): ``config/adapter_settings.py`` decides where it goes.
+of B is already exact; nor does ``fedsa`` (each client keeps its B: ``adapter_fold.OwnB``,
+spliced in by ``node_step.node_down``; its server's mean of A is the mean). The wrapper
+sits directly around ``kind: mean`` in synchronous rounds, never inside ``dp`` or
+``secagg`` (the server may not see a child's product there): ``config/adapter_settings.py``
+decides where it goes.
 """
 
 from __future__ import annotations
