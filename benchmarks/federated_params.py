@@ -2,7 +2,10 @@
 
 The same `bhfl run` is made three times on the throughput workload (../shared/bench/
 WORKLOAD.md through benchmarks/workload.py: flat FedAvg over its 100 clients, here with
-BERT-base dimensions, 110M parameters, and K clients a round for R rounds):
+BERT-base dimensions and K clients a round for R rounds). The model's parameter count is
+printed from the full run's vector, not written here: BERT-base's 110M counts its
+30,522-token vocabulary; the run's tokenizer, trained on the workload's text, has about
+7.6k (91.8M parameters on 2026-11-25):
 
 - full: every parameter trained, stored, sent and aggregated (today's default);
 - lora: ``model.adapter={r: 8, alpha: 16}``: the adapters (query, value) and the head;
@@ -107,7 +110,8 @@ def main() -> None:
             folder.mkdir()
             rows[variant] = measure(config, name, k * rounds, overrides, folder)
             print(f"{variant}: {json.dumps(rows[variant])}", flush=True)
-    print(f"\n{args.model} model, {args.setting} (K clients a round x R rounds), one run each")
+    parameters = rows["full"]["federated values"]  # the full run federates every parameter
+    print(f"\n{args.model} model ({parameters / 1e6:.1f}M parameters), {args.setting} (K clients a round x R rounds)")
     print(table(rows))
 
 

@@ -31,6 +31,7 @@ from bhfl_core.analysis.model_values import MatrixBuilder
 from bhfl_core.config.base import ConfigError
 from bhfl_core.config.schema import ExperimentConfig
 from bhfl_core.config.topology import build_tree
+from bhfl_core.learning.adapter_layout import needs_layout, with_adapter_layout
 from bhfl_core.learning.local_train import compact
 from bhfl_core.learning.models import build_model
 from bhfl_core.learning.task_kinds import TaskFacts, TaskKind, get_task_kind
@@ -68,7 +69,13 @@ class RunContext:
 
     @cached_property
     def tree(self) -> Tree:
-        return build_tree(self.config, self.manifest.tree_clients())
+        """The run's tree. In a LoRA run where servers fold the adapters' products (``model.adapter.aggregation:
+        exact``, ``error_metric``) or nodes cap their rank (``adapter_rank``), with the model's layout of A and B
+        filled in (one model built for it: bhfl_core/learning/adapter_layout.py)."""
+        tree = build_tree(self.config, self.manifest.tree_clients())
+        if needs_layout(tree):
+            tree = with_adapter_layout(tree, self.training_model())
+        return tree
 
     @cached_property
     def store(self) -> StateStore:

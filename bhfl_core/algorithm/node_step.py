@@ -21,6 +21,10 @@ Choices where ALGORITHMS.md is silent:
 - A round whose children all failed (empty aggregate) leaves the model as it was and
   sends no up-residuals; a DP server's still gets the round's noise (whether a round was
   empty would otherwise show, and under Poisson sampling that depends on who is in the data).
+- A LoRA node with ``adapter_rank`` (``settings.rank``) caps theta_0 and the mean input
+  to its rank (``adapter_fold.cap_rank``: HetLoRA's zero-padding, FlexLoRA's truncation).
+  A FedSA client (``settings.own_b``) takes theta_0's B matrices from the model it saved
+  (``adapter_fold.keep_own_b``), persistent or not: it always keeps its state.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from bhfl_core.algorithm.adapter_fold import cap_rank, keep_own_b
 from bhfl_core.algorithm.aggregation import WeightedSum
 from bhfl_core.algorithm.aggregation_rule import FoldedRound
 from bhfl_core.algorithm.node_opt import NodeOptParams, OptState, Scorer, node_opt_step
@@ -104,6 +109,7 @@ def node_down(
         base = state.model
         opt_down, theta = node_opt_step(state.opt_down, state.model, phi, settings.opt_down, scorer)
     theta, opt_res, seen = fold_residuals(inbox, base, theta, state.opt_res, state.res_seen, settings, scorer)
+    theta = cap_rank(keep_own_b(theta, stored.model, settings.own_b), settings.rank)
     return replace(state, model=theta, opt_down=opt_down, opt_res=opt_res, res_seen=seen)
 
 
@@ -139,6 +145,7 @@ def node_up(
     theta = state.model
     assert theta is not None, "a node aggregates only after node_down gave it a model"
     mean_input, rule_state, metrics = rule_for(settings.aggregate).finalize(folded.partial, key, state.rule_state)
+    mean_input = cap_rank(mean_input, settings.rank)
     posts = []
     for link in settings.res_up:
         chosen = select_residuals(folded.candidates, theta, link.k, link.select, mean_input)
@@ -162,12 +169,12 @@ def keeps_state(settings: NodeSettings, is_leaf: bool) -> bool:
     Servers always (the run's commit points). A client when it is persistent and its next
     execution mixes its model in (``reads_own_model``) or evaluation scores it
     (``settings.evaluated``), when it receives residuals (their bookkeeping), or when it
-    keeps a Ditto personal model, or counts its DP-SGD steps (its privacy accounting), or
+    keeps a Ditto personal model or its own B (FedSA), or counts its DP-SGD steps (its privacy accounting), or
     keeps an error-feedback residual for its compressed updates (``compression.py``). A
     client whose next round replaces its model and that nobody evaluates keeps nothing: a
     retried batch trains it again, to the same result.
     """
-    if not is_leaf or settings.res_in or settings.personal is not None:
+    if not is_leaf or settings.res_in or settings.personal is not None or settings.own_b is not None:
         return True
     if settings.uplink is not None and settings.uplink.error_feedback:
         return True
@@ -183,6 +190,8 @@ def reads_own_model(settings: NodeSettings, is_leaf: bool) -> bool:
     at a server, so does up-aggregation; a client's TRAIN then starts from its parent's
     model. Evaluation still reads the saved model; this is about the round loop.
     """
+    if settings.own_b is not None:  # a FedSA client's B
+        return True
     if not settings.persistent:
         return False
     folds_up = not is_leaf and not replaces(settings.opt_up)

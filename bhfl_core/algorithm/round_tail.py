@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
+from bhfl_core.algorithm.adapter_fold import cap_rank
 from bhfl_core.algorithm.aggregation_rule import FoldedRound
 from bhfl_core.algorithm.contract import RoundPlan
 from bhfl_core.algorithm.engine_hooks import EngineHooks
@@ -133,7 +134,7 @@ def train_step(scope: RoundScope, tail: Tail, folded: FoldedRound) -> None:
     if train is None or node.settings.proxy_async:
         return
     trained = scope.hooks.train(node, tail.state.theta, scope.key, scope.plan)
-    tail.state = replace(tail.state, model=trained.theta)
+    tail.state = replace(tail.state, model=cap_rank(trained.theta, node.settings.rank))  # (DP-SGD's noise: all)
     tail.metrics.update(train_metrics(node, trained))
     if train.dp_sgd is not None:  # a DP-SGD client: its steps so far, and what they cost
         tail.state = replace(tail.state, dp_steps=tail.state.dp_steps + trained.steps)

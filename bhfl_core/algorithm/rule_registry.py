@@ -34,6 +34,7 @@ from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
+from bhfl_core.algorithm.adapter_fold import AdapterFold
 from bhfl_core.algorithm.compression import CompressParams
 from bhfl_core.algorithm.contract import NO_PLAN, FoldPlan, Partial
 from bhfl_core.algorithm.node_state import Caller, RoundKey
@@ -59,7 +60,9 @@ class AggregateParams:
     checks the order). ``compress``: what the node's children send instead of their models
     (``compression.py``); each child compresses its own update and keeps its own error
     feedback, so it is carried to the children as their ``NodeSettings.uplink``, and the
-    rule folds what they decode to.
+    rule folds what they decode to. ``adapter``: in a LoRA run, how the adapters' A and B
+    are folded (``model.adapter.aggregation``); the ``adapter`` wrapper then sits directly
+    around ``kind`` (``rules.rule_for``), inside every listed wrapper.
     """
 
     kind: str = "mean"
@@ -68,6 +71,7 @@ class AggregateParams:
     trim: float = 0.1  # trimmed_mean: the fraction of the contributions cut from each end, per coordinate
     byzantine: int = 0  # krum: f, the Byzantine children it tolerates
     keep: int = 1  # krum: m, the children Multi-Krum averages (1: Krum)
+    adapter: AdapterFold | None = None  # LoRA: the ``adapter`` wrapper, innermost (``adapter_rule.py``)
 
     def _wrapper(self, kind: type) -> Any:
         return next((w for w in self.wrappers if isinstance(w, kind)), None)
@@ -293,6 +297,6 @@ def registered(name: str) -> tuple[RuleFactory, RuleTraits]:
     return _RULES[name], _TRAITS[name]
 
 
-def registered_wrapper(params: WrapperParams) -> WrapperFactory:
+def registered_wrapper(params: WrapperParams | AdapterFold) -> WrapperFactory:
     """The wrapper factory ``params`` belong to (a KeyError if none is registered for their type)."""
     return _WRAPPERS[type(params)][1]

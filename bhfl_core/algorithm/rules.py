@@ -5,7 +5,8 @@ for several): importing this module imports each of them, and each registers its
 on import (``@register_rule`` / ``@register_wrapper``). So adding a rule is adding one
 file (docs/design.md, "An aggregation rule"). Today: ``aggregation_rule.py`` (the mean),
 ``robust_rules.py`` (coordinate-wise median, trimmed mean, Krum), ``fednova_rule.py``
-(FedNova), and the wrappers ``zeroing_rule.py``, ``dp_rule.py`` and ``secagg_rule.py``.
+(FedNova), and the wrappers ``zeroing_rule.py``, ``dp_rule.py``, ``secagg_rule.py`` and
+``adapter_rule.py`` (LoRA's A and B, ``AggregateParams.adapter``).
 Each rule declares its ``RuleTraits`` (the ``aggregate`` keys it reads, what it needs of
 its node), which the config checks before any work (``config/aggregation_settings.py``).
 """
@@ -54,6 +55,8 @@ def rule_for(params: AggregateParams) -> AggregationRule:
     except KeyError:
         raise ValueError(f"unknown aggregation rule {params.kind!r}; available: {available_rules()}") from None
     rule: AggregationRule = factory(params)
+    if params.adapter is not None:  # around the kind, inside the listed wrappers (it needs every child's model)
+        rule = registered_wrapper(params.adapter)(params.adapter, rule)
     for wrapper in reversed(params.wrappers):  # innermost first: the first listed wraps all the others
         rule = registered_wrapper(wrapper)(wrapper, rule)
     return rule

@@ -12,6 +12,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from enum import Enum
 
+from bhfl_core.algorithm.adapter_fold import OwnB, RankCap
 from bhfl_core.algorithm.asynchrony import AsyncParams
 from bhfl_core.algorithm.compression import CompressParams
 from bhfl_core.algorithm.node_opt import NodeOptParams, is_tuned
@@ -94,6 +95,8 @@ class NodeSettings:
     tempo: int | None = None  # the root under Tempo (seeds/001): the clients' first-round epochs c; None = off
     evaluated: bool = True  # clients: the saved model is read after training (eval.client_models): keep it
     uplink: CompressParams | None = None  # how it sends its model up: its parent's aggregate.compress
+    rank: RankCap | None = None  # LoRA: its adapters' rank below the model's (adapter_rank; adapter_fold.py)
+    own_b: OwnB | None = None  # LoRA clients under aggregation: fedsa: B kept from their own model (adapter_fold.py)
 
     @property
     def tunes(self) -> bool:

@@ -20,6 +20,7 @@ from bhfl_core.algorithm.privacy_params import AdaptiveClip, PrivacyBudget, Priv
 from bhfl_core.algorithm.rule_registry import AggregateParams, WrapperParams
 from bhfl_core.algorithm.rules import rule_traits
 from bhfl_core.algorithm.tree import Role
+from bhfl_core.config.adapter_settings import adapter_fold
 from bhfl_core.config.base import ConfigError
 from bhfl_core.config.schema import ExperimentConfig
 from bhfl_core.config.tree_schema import AggregateSettings, TrainSettings
@@ -110,6 +111,7 @@ def aggregate_params(
         trim=defaults.trim if settings.trim is None else settings.trim,
         byzantine=defaults.byzantine if settings.byzantine is None else settings.byzantine,
         keep=defaults.keep if settings.keep is None else settings.keep,
+        adapter=adapter_fold(config, settings.kind, wrapped, node_id, role, values, origin),
     )
     children_are_clients = role is Role.EDGE or (role is Role.ROOT and config.tree.flat)
     if config.tree.tempo and role is Role.ROOT:

@@ -27,6 +27,7 @@ from bhfl_core.algorithm.asynchrony import AsyncParams, StalenessParams
 from bhfl_core.algorithm.node_opt import is_tuned
 from bhfl_core.algorithm.privacy_params import DpSgdParams
 from bhfl_core.algorithm.tree import Node, NodeSettings, Role, TrainParams, Tree
+from bhfl_core.config.adapter_settings import own_b, rank_cap
 from bhfl_core.config.aggregation_settings import aggregate_params, check_dp_sgd, node_opt
 from bhfl_core.config.base import ConfigError
 from bhfl_core.config.data import KMeansClustering, LanguageClustering
@@ -152,6 +153,8 @@ def _resolve(config: ExperimentConfig, node_id: str, role: Role, depth: int, num
         ),
         tempo=config.tree.client.train.epochs if config.tree.tempo and role is Role.ROOT else None,
         evaluated=role is not Role.CLIENT or _client_state_read(config),
+        rank=rank_cap(config, values["adapter_rank"], origin["adapter_rank"]),
+        own_b=own_b(config, role),
     )
 
 

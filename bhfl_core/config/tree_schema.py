@@ -181,6 +181,7 @@ class LevelSettings(Strict):
     aggregate: AggregateSettings = AggregateSettings()  # servers: how the children's models are folded
     privacy: PrivacySettings | None = None  # servers: DP-FedAvg on the children's updates (docs/privacy.md)
     secure_aggregation: SecureAggregationSettings | None = None  # servers: masked sums (docs/privacy.md)
+    adapter_rank: Annotated[int, Field(ge=1)] | None = None  # LoRA: this node's rank, at most model.adapter.r
 
 
 class NodeOverride(Strict):
@@ -205,6 +206,7 @@ class NodeOverride(Strict):
     aggregate: AggregateSettings | None = None
     privacy: PrivacySettings | None = None
     secure_aggregation: SecureAggregationSettings | None = None
+    adapter_rank: Annotated[int, Field(ge=1)] | None = None
 
 
 class UpResidual(Strict):

@@ -33,11 +33,23 @@ class TinyBert(Strict):
         return self
 
 
+AdapterAggregation = Literal["ab-mean", "ffa", "exact", "fedsa"]
+"""How a server folds its children's adapters (bhfl_core/algorithm/adapter_rule.py; docs/config.md):
+``ab-mean`` averages A and B apart (FedIT), ``ffa`` freezes A (FFA-LoRA: the mean of B is exact),
+``exact`` re-factorises the mean of the products B_i·A_i to rank r by SVD, ``fedsa`` averages A
+while each client keeps its own B (FedSA-LoRA)."""
+
+
 class AdapterSettings(Strict):
     """Low-rank adapters (LoRA, through ``peft``) as the federated parameters: the backbone stays frozen.
 
     ``target_modules``: the modules that get adapters (unset: peft's default for the
-    architecture, e.g. BERT's and XLM-R's ``query`` and ``value``).
+    architecture, e.g. BERT's and XLM-R's ``query`` and ``value``). ``rank_pattern`` /
+    ``alpha_pattern`` (module name pattern -> r / alpha, peft's), ``use_rslora``,
+    ``use_dora``, ``init_lora_weights`` and ``modules_to_save`` (trained and federated whole,
+    beside the classifier head peft always adds) go to peft's ``LoraConfig`` as they are;
+    a pattern or module that matches nothing is an error naming the key (``lora_options.py``).
+    ``aggregation``: ``AdapterAggregation``.
     """
 
     kind: Literal["lora"] = "lora"
@@ -45,6 +57,25 @@ class AdapterSettings(Strict):
     alpha: Annotated[int, Field(ge=1)] = 16
     dropout: Annotated[float, Field(ge=0, lt=1)] = 0.0
     target_modules: list[str] | None = None
+    # how a server folds its children's adapters, and peft's other LoRA options (docs/config.md, model.adapter)
+    aggregation: AdapterAggregation = "ab-mean"
+    error_metric: bool = False  # ab-mean: log adapter/ab_error each round (the children's products are folded too)
+    rank_pattern: dict[str, Annotated[int, Field(ge=1)]] = Field(default_factory=dict)
+    alpha_pattern: dict[str, Annotated[int, Field(ge=1)]] = Field(default_factory=dict)
+    use_rslora: bool = False
+    use_dora: bool = False
+    init_lora_weights: bool | Literal["gaussian", "pissa", "olora"] = True
+    modules_to_save: list[str] | None = None
+
+    @model_validator(mode="after")
+    def _aggregation(self) -> AdapterSettings:
+        if self.error_metric and self.aggregation in ("ffa", "fedsa"):
+            raise ValueError(
+                "model.adapter.error_metric: it measures ab-mean's error (mean(B)·mean(A) against mean(B_i·A_i)), "
+                f"which aggregation {self.aggregation} does not make (ffa: A is the same everywhere, the mean of B "
+                "is exact; fedsa: B is each client's own); exact logs it without the key"
+            )
+        return self
 
 
 class Quantization(Strict):

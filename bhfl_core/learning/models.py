@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from bhfl_core.config.base import ConfigError
 from bhfl_core.learning.hub import require_hub
+from bhfl_core.learning.lora_options import lora_options, settle_lora
 from bhfl_core.learning.model_config import ModelConfig
 from bhfl_core.learning.task_kinds import get_task_kind
 
@@ -167,6 +168,8 @@ def with_adapter(built: nn.Module, model: ModelConfig, task: str = "classificati
         lora_alpha=adapter.alpha,
         lora_dropout=adapter.dropout,
         target_modules=adapter.target_modules,
+        **lora_options(adapter),
     )
     wrapped: nn.Module = get_peft_model(built, config)
+    settle_lora(wrapped, adapter)
     return wrapped

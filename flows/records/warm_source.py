@@ -75,12 +75,22 @@ def find_source(value: str, run_dir: Path) -> tuple[InitFrom, Path]:
 
 
 def _source_config(value: str, folder: Path) -> dict[str, Any]:
-    """RUN's dumped config (``config.yaml``), ConfigError if unreadable."""
+    """RUN's dumped config (``config.yaml``), ConfigError if unreadable.
+
+    Validated and dumped again where today's schema reads it, so a key added since RUN
+    was made (e.g. ``model.adapter.aggregation``) compares at its default, not as missing;
+    as written where it no longer validates (the comparison then names what differs).
+    """
     try:
         source = yaml.safe_load((folder / CONFIG_FILE).read_text())
     except (OSError, yaml.YAMLError) as exc:
         raise _error(value, f"its {CONFIG_FILE} is unreadable ({exc})") from None
-    return source if isinstance(source, dict) else {}
+    if not isinstance(source, dict):
+        return {}
+    try:
+        return dump(ExperimentConfig.model_validate(source))
+    except ValueError:  # pydantic's ValidationError, or a ConfigError of a validator
+        return source
 
 
 def check_source(value: str, spec: InitFrom, folder: Path, config: ExperimentConfig) -> None:

@@ -13,7 +13,8 @@ today's data preparation) on the same machine.
 CPU kernels of different widths sum in different orders (docs/runtime.md, "Reproducibility"),
 so the run uses torch's AVX2 kernels (``ATEN_CPU_CAPABILITY=avx2``), which every x86-64
 machine of the last decade has; the AVX-512 hashes are there for a machine that runs
-the check with its own kernels.
+the check with its own kernels. A LoRA run (``model.adapter``) is pinned the same way: the
+default adapter aggregation (``ab-mean``) must stay the mean of the vectors.
 """
 
 import os
@@ -98,8 +99,21 @@ def _hashes(tmp_path, specs) -> tuple[str, dict[str, str], dict[str, str]]:
     return capability, lines, tables
 
 
+LORA = "embedded.yaml+model.adapter={r: 4, alpha: 8}"
+LORA_BEFORE = {  # AVX2 kernels
+    LORA: "1f69df44cf6153fb",  # measured at 9d035fa, before named adapter aggregations (issue 47 items 1-2)
+    # ab-mean with its error metric: the products are folded beside the mean, which keeps its bits
+    "embedded.yaml+model.adapter={r: 4, alpha: 8, error_metric: true}": "1f69df44cf6153fb",
+    # exact (SVD re-factorised products) with rank-2 clients under rank-4 servers, and FedSA (clients keep their B):
+    # measured with that change (the same with 2 local workers)
+    "embedded.yaml+model.adapter={r: 4, alpha: 8, aggregation: exact};tree.client.adapter_rank=2": "0ee4c96c6e7a98d5",
+    "embedded.yaml+model.adapter={r: 4, alpha: 8, aggregation: fedsa}": "197e4002dfc3746a",
+}
+
+
 def test_default_rule_and_data_path_leave_every_model_bit_identical(tmp_path):
-    capability, lines, tables = _hashes(tmp_path, BEFORE["AVX2"])
+    capability, lines, tables = _hashes(tmp_path, {**BEFORE["AVX2"], **LORA_BEFORE})
+    assert {spec: lines.pop(spec) for spec in LORA_BEFORE} == LORA_BEFORE
     assert lines == BEFORE[capability]
     if capability == "AVX2":  # (measured with AVX2 kernels only)
         assert tables == {f"{c}:{t}": h for c, hashes in EVAL_BEFORE.items() for t, h in hashes.items()}

@@ -1,0 +1,72 @@
+"""The A and B matrices of a built LoRA model, located in its flat vector (``algorithm/adapter_fold.py``)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+import torch
+
+from bhfl_core.algorithm.adapter_fold import AdapterBlock
+from bhfl_core.algorithm.tree import Tree
+from bhfl_core.learning.params import trainable_parameters
+
+if TYPE_CHECKING:
+    from torch import nn
+
+
+def adapter_layout(model: nn.Module) -> tuple[tuple[AdapterBlock, ...], int]:
+    """Each adapted linear layer whose A and B are both trained, in model order, and the flat vector's length.
+
+    Offsets follow ``params.get_flat`` (trainable parameters in ``model.parameters()``
+    order). A layer whose A is frozen (``aggregation: ffa``) has no block: nothing of it
+    needs more than the mean.
+    """
+    from peft.tuners.lora import LoraLayer
+
+    offsets, size = {}, 0
+    for p in trainable_parameters(model):
+        offsets[id(p)] = size
+        size += p.numel()
+    blocks = []
+    for name, layer in model.named_modules():
+        if not isinstance(layer, LoraLayer) or "default" not in layer.lora_A:
+            continue
+        a, b = _weight(layer.lora_A["default"]), _weight(layer.lora_B["default"])
+        if id(a) in offsets and id(b) in offsets and a.dim() == 2 and b.dim() == 2:
+            scaling = float(layer.scaling["default"])
+            rank, fan_in, fan_out = int(a.shape[0]), int(a.shape[1]), int(b.shape[0])
+            blocks.append(AdapterBlock(name, offsets[id(a)], offsets[id(b)], rank, fan_in, fan_out, scaling))
+    return tuple(blocks), size
+
+
+def _weight(linear: nn.Module) -> torch.Tensor:
+    weight = linear.weight
+    assert isinstance(weight, torch.Tensor)
+    return weight
+
+
+def with_adapter_layout(tree: Tree, model: nn.Module) -> Tree:
+    """``tree`` with ``model``'s layout in every ``AdapterFold``, ``RankCap`` and ``OwnB`` (other nodes as they are)."""
+    blocks, size = adapter_layout(model)
+    nodes = dict(tree.nodes)
+    for node_id, node in tree.nodes.items():
+        settings, fold = node.settings, node.settings.aggregate.adapter
+        if fold is not None:
+            aggregate = replace(settings.aggregate, adapter=replace(fold, blocks=blocks, size=size))
+            settings = replace(settings, aggregate=aggregate)
+        if settings.rank is not None:
+            settings = replace(settings, rank=replace(settings.rank, blocks=blocks, size=size))
+        if settings.own_b is not None:
+            settings = replace(settings, own_b=replace(settings.own_b, blocks=blocks, size=size))
+        nodes[node_id] = replace(node, settings=settings)
+    return replace(tree, nodes=nodes)
+
+
+def needs_layout(tree: Tree) -> bool:
+    """Whether a node of ``tree`` folds adapter products, caps its rank or keeps its own B (then
+    ``with_adapter_layout``)."""
+    return any(
+        s.aggregate.adapter is not None or s.rank is not None or s.own_b is not None
+        for s in (node.settings for node in tree)
+    )
