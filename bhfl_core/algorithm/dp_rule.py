@@ -218,7 +218,7 @@ class DpRule:
         if fold.inner.empty:  # nobody came (a Poisson draw of none, all dropped): the noise alone, so as not to
             summed = torch.zeros(fold.reference.numel(), dtype=torch.float64)  # tell empty rounds from others
         else:
-            if not self.sees_members:  # the flags' totals, unmasked with the sum
+            if not self.sees_members and not self.params.distributed:  # the flags' totals, unmasked with the sum
                 totals = self.sum.counts(fold.inner)
                 fold.clipped, fold.nonfinite = totals["clipped"], totals["nonfinite"]
             summed = self.sum.summed(fold.inner)
@@ -234,6 +234,8 @@ class DpRule:
             after[CLIP] = next_clip(self.params, fold, key)
         metrics = {**privacy_metrics(self.params, fold, key.round + 1), **self.sum.sum_metrics(fold.inner)}
         metrics[NONFINITE] = float(fold.nonfinite)
+        if self.params.distributed:  # no count reaches an untrusted server, so it has none to log
+            del metrics[NONFINITE], metrics["privacy/clipped_fraction"]
         return Finalized(mean, after, metrics)
 
     def wire(self, partial: Partial) -> tuple[dict[str, torch.Tensor], dict[str, float]]:

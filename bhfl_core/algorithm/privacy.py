@@ -106,7 +106,7 @@ def noised_mean(
 
     ``summed``: the exact sum of the clipped updates (float64), from the sum DP wraps.
     """
-    std = params.update_noise_multiplier * clip
+    std = 0.0 if params.distributed else params.update_noise_multiplier * clip  # distributed: the children's
     if std:
         summed = summed + noise(params, key, summed.numel(), std, "update").view_as(summed)
     base = reference.to(summed.device, torch.float64).reshape(summed.shape)

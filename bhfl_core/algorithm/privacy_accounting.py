@@ -46,6 +46,8 @@ Accountant = Literal["pld", "rdp"]
 
 def epsilon(params: PrivacyParams, rounds: int) -> float:
     """Epsilon at ``params.delta`` after ``rounds`` rounds of the node (inf without noise, 0 before any round)."""
+    if params.distributed:
+        return distributed_epsilon(params.noise_multiplier, rounds, params.delta)
     return server_epsilon(
         params.noise_multiplier,
         rounds,
@@ -55,6 +57,23 @@ def epsilon(params: PrivacyParams, rounds: int) -> float:
         params.delta,
         params.accountant,
     )
+
+
+def distributed_epsilon(noise_multiplier: float, rounds: int, delta: float) -> float:
+    """Distributed DP's epsilon (``discrete_gaussian.py``): ``rounds`` rounds of ``rho = 2 / z^2``-zCDP.
+
+    The plan sets each of the at least ``t`` contributing children's discrete Gaussian std to
+    ``z C 2^f / sqrt(t)`` (integer units, ``f`` the fixed point's fraction bits) and bounds
+    each child's integer vector to L2 ``C 2^f``, so replacing one moves the sum by ``2 C 2^f``:
+    ``rho = (2 C 2^f)^2 / (2 t (z C 2^f)^2 / t) = 2 / z^2``. No amplification by sampling.
+    """
+    if rounds <= 0:
+        return 0.0
+    if noise_multiplier <= 0:
+        return math.inf
+    from bhfl_core.algorithm.discrete_gaussian import epsilon as zcdp_epsilon
+
+    return zcdp_epsilon(2 / noise_multiplier**2, rounds, delta)
 
 
 @functools.lru_cache(maxsize=4096)  # a server logs it every round; a calibration asks it ~30 times

@@ -65,6 +65,7 @@ class PrivacyParams:
     accountant: Literal["pld", "rdp"] = "pld"
     budget: PrivacyBudget | None = None
     canaries: CanaryParams | None = None  # an empirical audit's canary clients (canaries.py); None: no audit
+    distributed: bool = False  # the children add the noise under secure aggregation (discrete_gaussian.py)
 
     @property
     def update_noise_multiplier(self) -> float:
@@ -115,6 +116,8 @@ class SecAggParams:
     fraction_bits: int = 24
     neighbours: int | None = None
     randomness: Randomness = "seeded"
+    client_noise: float = 0.0  # distributed DP: each child's discrete Gaussian std, integer units (privacy_plan)
+    client_norm: float = 0.0  # distributed DP: the L2 bound of a child's integer vector, clip * 2**fraction_bits
 
 
 @dataclass(frozen=True)

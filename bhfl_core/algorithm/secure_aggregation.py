@@ -37,6 +37,8 @@ coordinate (plus float64 rounding of the final division).
 
 from __future__ import annotations
 
+import math
+import os
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -45,6 +47,7 @@ from bhfl_core.algorithm.node_state import Caller
 from bhfl_core.algorithm.privacy_params import SecAggParams
 from bhfl_core.algorithm.secagg_crypto import hkdf
 from bhfl_core.algorithm.secagg_parties import RoundDealer, SecAggServer, SecureAggregationError
+from bhfl_core.rng import derive_seed
 
 __all__ = ["MaskedSum", "SecureAggregationError", "round_root", "unwire"]
 
@@ -107,12 +110,32 @@ class MaskedSum:
 
     def quantised(self, values: torch.Tensor) -> tuple[torch.Tensor, int]:
         """``q_u``: a member's weighted update (float64) in fixed point, modulo ``2**bits``, clamped first; and how
-        many of its values were clamped."""
+        many of its values were clamped. Under distributed DP the clamp leaves room for the children's noise
+        (``noise_headroom``) and ``q_u`` also gets its own noise (``noised``)."""
         scale = 2.0**self.params.fraction_bits
-        bound = ((2 ** (self.params.bits - 1) - 1) // max(len(self.peers), 1)) / scale
+        room = 2 ** (self.params.bits - 1) - 1 - noise_headroom(self.params, len(self.peers))
+        bound = (room // max(len(self.peers), 1)) / scale
         clamped = int((values.abs() > bound).sum())
         values = values.clamp(-bound, bound)
-        return torch.round(values * scale).to(torch.int64) & self.modulus_mask, clamped
+        q = torch.round(values * scale).to(torch.int64)
+        return q & self.modulus_mask, clamped
+
+    def noised(self, q: torch.Tensor, member: str) -> torch.Tensor:
+        """Distributed DP at the member: ``q`` (signed) back within L2 ``clip * 2**fraction_bits`` after rounding
+        (truncated towards zero, so rounding cannot raise the sensitivity), plus ``N_Z(0, client_noise^2)``."""
+        import numpy as np
+
+        from bhfl_core.algorithm.discrete_gaussian import sample
+
+        norm_bound = self.params.client_norm
+        norm = float(torch.linalg.vector_norm(q.to(torch.float64)))
+        if norm > norm_bound:
+            q = torch.trunc(q.to(torch.float64) * (norm_bound / norm)).to(torch.int64)
+        if self.params.randomness == "secure":
+            rng = np.random.default_rng(int.from_bytes(os.urandom(32), "big"))
+        else:
+            rng = np.random.default_rng(derive_seed(self.params.mask_seed, "dp-noise", self.round_of.key, member))
+        return q + torch.from_numpy(sample(self.params.client_noise, q.numel(), rng))
 
     def dealer(self) -> RoundDealer:
         """The round's simulated set-up (``secagg_parties.RoundDealer``), made once per fold."""
@@ -129,6 +152,8 @@ class MaskedSum:
             raise ValueError(f"{member!r} is not in the round's cohort {list(self.peers)}: it holds no pairwise keys")
         q, clamped = self.quantised(update.detach().reshape(-1).to("cpu", torch.float64) * weight)
         named = {"clamped": clamped, **dict(sorted((counts or {}).items()))}
+        if self.params.client_noise:  # distributed DP: the noise is the child's; no exact count may reach the server
+            q, named = self.noised(_signed(q, self.params.bits), member) & self.modulus_mask, {}
         if self.counters and tuple(named) != self.counters:
             raise ValueError(f"counters {tuple(named)} cannot join a fold of {self.counters}")
         self.counters = tuple(named)
@@ -174,10 +199,13 @@ class MaskedSum:
 
     def summed(self) -> torch.Tensor:
         """The unmasked sum of the weighted updates (float64, flat): ``sum_{u in U2} q_u / 2**fraction_bits``."""
-        return self.unmasked()[: -len(self.counters)].to(torch.float64) / 2.0**self.params.fraction_bits
+        total = self.unmasked()
+        return total[: total.numel() - len(self.counters)].to(torch.float64) / 2.0**self.params.fraction_bits
 
     def totals(self) -> dict[str, int]:
         """The counters summed over the members, unmasked with the update (no batch's own count is ever seen)."""
+        if not self.counters:  # distributed DP sends none
+            return {}
         return dict(zip(self.counters, self.unmasked()[-len(self.counters) :].tolist(), strict=True))
 
     def wire(self) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
@@ -187,9 +215,19 @@ class MaskedSum:
 
     def secagg_metrics(self) -> dict[str, float]:
         return {
-            "secagg/clamped_values": float(self.totals()["clamped"]),
+            "secagg/clamped_values": float(self.totals().get("clamped", float("nan"))),
             "secagg/recovered_clients": float(len([p for p in self.peers if p not in self.members])),
         }
+
+
+def noise_headroom(params: SecAggParams, members: int) -> int:
+    """What the clamp keeps free in the field for distributed DP's noise: 12 standard deviations of ``members``
+    children's discrete Gaussians (a wrap-around chance below 1e-32 per value; none without distributed DP)."""
+    return math.ceil(12 * params.client_noise * math.sqrt(members)) if params.client_noise else 0
+
+
+def _signed(q: torch.Tensor, bits: int) -> torch.Tensor:
+    return torch.where(q >= 2 ** (bits - 1), q - 2**bits, q)
 
 
 def unwire(

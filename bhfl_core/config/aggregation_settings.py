@@ -113,6 +113,12 @@ def aggregate_params(
         keep=defaults.keep if settings.keep is None else settings.keep,
         adapter=adapter_fold(config, settings.kind, wrapped, node_id, role, values, origin),
     )
+    if params.privacy is not None and params.privacy.distributed and params.secagg is None:
+        raise ConfigError(
+            f"{wrapped['dp']}.distributed: distributed DP has the children add the noise under secure aggregation, "
+            f"so no server sees an un-noised sum; {node_id!r} has none: wrap secagg inside dp there "
+            "(aggregate: {wrap: [{dp: {...}}, secagg]})"
+        )
     children_are_clients = role is Role.EDGE or (role is Role.ROOT and config.tree.flat)
     if config.tree.tempo and role is Role.ROOT:
         for name in ("dp", "secagg"):
@@ -249,6 +255,7 @@ def _privacy(
         accountant=settings.accountant,
         budget=PrivacyBudget(key, settings.target_epsilon, settings.max_epsilon),
         canaries=_canaries(config, node_id),
+        distributed=settings.distributed,
     )
     if settings.target_epsilon is None:
         check_noise_split(params, key)

@@ -22,10 +22,12 @@ plan would exceed ``max_epsilon``; ``DpRule`` also refuses to publish a round pa
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
-from bhfl_core.algorithm.privacy_accounting import calibrate_server, epsilon
-from bhfl_core.algorithm.privacy_params import PrivacyParams
+from bhfl_core.algorithm.discrete_gaussian import MIN_SIGMA
+from bhfl_core.algorithm.privacy_accounting import calibrate, calibrate_server, distributed_epsilon, epsilon
+from bhfl_core.algorithm.privacy_params import PrivacyParams, SecAggParams
 from bhfl_core.algorithm.tree import Node, Tree
 from bhfl_core.config.aggregation_settings import check_noise_split
 from bhfl_core.config.base import ConfigError
@@ -43,7 +45,11 @@ def plan_privacy(tree: Tree) -> Tree:
         planned = _calibrated(planned)
         _check_maximum(planned, node.id)
         aggregate = node.settings.aggregate
-        wrappers = tuple(planned if w is params else w for w in aggregate.wrappers)
+        secagg = aggregate.secagg
+        noised = _children_noise(planned, secagg, node.id) if planned.distributed and secagg is not None else None
+        wrappers = tuple(
+            planned if w is params else noised if w is secagg and noised else w for w in aggregate.wrappers
+        )
         settings = replace(node.settings, aggregate=replace(aggregate, wrappers=wrappers))
         nodes[node.id] = replace(node, settings=settings)
     return Tree(nodes=nodes, root_id=tree.root_id)
@@ -59,11 +65,39 @@ def planned_rounds(tree: Tree, node: Node) -> int:
     return count
 
 
+def _children_noise(params: PrivacyParams, secagg: SecAggParams, node_id: str) -> SecAggParams:
+    """Distributed DP: each child's discrete Gaussian std ``z C 2^f / sqrt(t)`` (integer units) and its integer
+    vector's L2 bound ``C 2^f``, so at least ``t`` contributors give the sum ``z`` (``privacy_accounting``)."""
+    budget = params.budget
+    assert budget is not None
+    scale = 2.0**secagg.fraction_bits
+    sigma = params.noise_multiplier * params.clip * scale / math.sqrt(secagg.threshold)
+    if sigma < MIN_SIGMA:
+        raise ConfigError(
+            f"{budget.key}.distributed: each child's discrete Gaussian would have std {sigma:.3g} in fixed-point "
+            f"units at {node_id!r}, below {MIN_SIGMA:g} (where its accounting stops being exact); raise "
+            "secure_aggregation.fraction_bits or the noise"
+        )
+    members = math.ceil(params.expected)
+    used = params.clip * scale * members + 12 * sigma * math.sqrt(members)
+    if used >= 2 ** (secagg.bits - 1):
+        raise ConfigError(
+            f"{budget.key}.distributed: {members} clipped updates and their noise need {math.log2(used) + 1:.1f} "
+            f"bits at {node_id!r}, more than secure_aggregation.bits ({secagg.bits}); raise bits or lower "
+            "fraction_bits"
+        )
+    return replace(secagg, client_noise=sigma, client_norm=params.clip * scale)
+
+
 def _calibrated(params: PrivacyParams) -> PrivacyParams:
     budget = params.budget
     assert budget is not None
     if budget.target_epsilon is None:
         return params
+    if params.distributed:
+        rounds = budget.planned_rounds
+        z = calibrate(budget.target_epsilon, lambda z: distributed_epsilon(z, rounds, params.delta))
+        return replace(params, noise_multiplier=z)
     z = calibrate_server(
         budget.target_epsilon,
         budget.planned_rounds,

@@ -59,6 +59,7 @@ class PrivacySettings(Strict):
     adaptive: AdaptiveClipSettings | None = None
     delta: Annotated[float, Field(gt=0, lt=1)] = 1e-5
     randomness: Literal["seeded", "secure"] = "seeded"
+    distributed: bool = False  # the children add discrete Gaussian noise under secure aggregation (docs/privacy.md)
 
     @model_validator(mode="after")
     def _noise(self) -> PrivacySettings:
