@@ -108,3 +108,19 @@ def test_a_config_resolves_each_childs_noise_from_z_the_clip_and_the_threshold()
 def test_distributed_dp_that_cannot_work_is_refused_naming_the_key(override: str, message: str):
     with pytest.raises(ConfigError, match=message):
         _tree(override)
+
+
+def test_rounding_cannot_lift_a_childs_integer_vector_past_its_bound():
+    """Rounding to the fixed point can add up to sqrt(d)/2 to the norm; the child truncates back to C 2^f, so the
+    sensitivity the accountant uses (2 C 2^f) holds for any model size (here 2^4 units, 400 values)."""
+    from bhfl_core.algorithm.node_state import Caller
+    from bhfl_core.algorithm.secure_aggregation import MaskedSum
+
+    params = SecAggParams(2, 5, bits=48, fraction_bits=4, client_noise=0.0, client_norm=16.0)
+    masked = MaskedSum(params, Caller("edge-en", 0), ("c0", "c1"))
+    x = torch.full((400,), 1 / 20, dtype=torch.float64) * (1 - 2.0**-22)  # clipped to C = 1 (norm just under)
+    q = torch.round(x * 16).to(torch.int64)  # every value 0.8 rounds up to 1: norm 20 > C 2^4 = 16
+    assert float(q.double().norm()) > 16
+    out = masked.noised(q, "c0")
+    by_hand = torch.trunc(q.double() * (16 / float(q.double().norm()))).long()  # towards zero: 0.8 -> 0
+    assert float(out.double().norm()) <= 16 and torch.equal(out, by_hand)
