@@ -29,22 +29,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
 import torch
 
 from bhfl_core.algorithm.node_state import RoundKey
+from bhfl_core.algorithm.privacy_params import CanaryParams
 from bhfl_core.rng import derive_seed, generator
 
 STAT = "canary/"  # rule-state keys: canary/<i>, inserted for i < k, held out from k on
-
-
-@dataclass(frozen=True)
-class CanaryParams:
-    """``count`` inserted and ``count`` held-out canaries of one DP server; ``seed``: from (run seed, server)."""
-
-    count: int
-    seed: int
 
 
 def direction(params: CanaryParams, index: int, numel: int) -> torch.Tensor:

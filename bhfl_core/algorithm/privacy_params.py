@@ -9,8 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from bhfl_core.algorithm.canaries import CanaryParams
-
 Randomness = Literal["seeded", "secure"]
 """Where a wrapper's random draws come from: generators seeded by where they happen, or the OS (not reproducible)."""
 
@@ -22,6 +20,15 @@ class AdaptiveClip:
     quantile: float = 0.5  # gamma: the share of updates meant to stay unclipped
     lr: float = 0.2  # eta_C: the geometric step
     count_noise: float = 1.0  # sigma_b: std of the noise on the count of unclipped updates
+
+
+@dataclass(frozen=True)
+class CanaryParams:
+    """An empirical audit at one DP server (``canaries.py``): ``count`` inserted and ``count`` held-out canaries;
+    ``seed``: from (run seed, server)."""
+
+    count: int
+    seed: int
 
 
 @dataclass(frozen=True)

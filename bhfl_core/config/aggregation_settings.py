@@ -13,10 +13,16 @@ import itertools
 import math
 from typing import Any
 
-from bhfl_core.algorithm.canaries import CanaryParams
 from bhfl_core.algorithm.compression import CompressParams
 from bhfl_core.algorithm.node_opt import NodeOptParams, is_tuned
-from bhfl_core.algorithm.privacy_params import AdaptiveClip, PrivacyBudget, PrivacyParams, SecAggParams, ZeroingParams
+from bhfl_core.algorithm.privacy_params import (
+    AdaptiveClip,
+    CanaryParams,
+    PrivacyBudget,
+    PrivacyParams,
+    SecAggParams,
+    ZeroingParams,
+)
 from bhfl_core.algorithm.rule_registry import AggregateParams, WrapperParams
 from bhfl_core.algorithm.rules import rule_traits
 from bhfl_core.algorithm.tree import Role

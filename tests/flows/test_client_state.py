@@ -82,8 +82,8 @@ def accesses(monkeypatch) -> Accesses:
         save(self, node_id, state)
         seen.add("save", node_id)
 
-    def counted_sample(children, cohort, seed, node_id, round_index):
-        drawn = sample(children, cohort, seed, node_id, round_index)
+    def counted_sample(children, cohort, seed, node_id, round_index, rate=None):
+        drawn = sample(children, cohort, seed, node_id, round_index, rate)
         seen.add("cohort", node_id, tuple(c.id for c in drawn if c.is_leaf))
         return drawn
 
