@@ -34,3 +34,17 @@ def test_the_secure_aggregation_benchmark_runs_at_a_tiny_size():
     assert "X25519+HKDF" in out.stdout and "AES-256-CTR" in out.stdout
     rows = [line.split() for line in out.stdout.splitlines() if line.strip().startswith("4 ")]
     assert [row[1] for row in rows] == ["complete", "sparse"]
+
+
+def test_the_privacy_round_benchmark_runs_at_a_tiny_size():
+    out = subprocess.run(
+        [sys.executable, "benchmarks/privacy_round.py", "--clients", "4", "--values", "500", "--repeats", "1"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    names = [line.split(" s a round")[0].rsplit(None, 1)[0].strip() for line in out.stdout.splitlines()[1:]]
+    assert names == ["mean", "dp rdp", "dp pld", "dp poisson pld", "secagg", "dp + secagg", "distributed dp"]
