@@ -100,6 +100,7 @@ class FoldedRound:
     examples: int | None = None  # None: no child reported a training loss
     loss: float = math.nan
     sent_bytes: int = 0  # the compressed updates folded (``compression.py``); 0 when the children sent models
+    shift: torch.Tensor | None = None  # theta_t - x_hat_t: what the children's models are short of (``downlink.py``)
 
     @property
     def empty(self) -> bool:

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 from dataclasses import replace
 
 import torch
@@ -58,6 +59,7 @@ import torch
 from bhfl_core.algorithm.aggregation_rule import FoldedRound, fold_results
 from bhfl_core.algorithm.compression import compress_update, payload_bytes, received_model
 from bhfl_core.algorithm.contract import ROOT_PLAN, ChildResult, FoldPlan, MemberLoss, RoundPlan
+from bhfl_core.algorithm.downlink import Broadcast, broadcast, rebase
 from bhfl_core.algorithm.engine_hooks import EngineHooks, PendingTrain
 from bhfl_core.algorithm.node_opt import Scorer
 from bhfl_core.algorithm.node_state import Caller, NodeResult, NodeState, RoundKey
@@ -137,25 +139,35 @@ def _round(
     key = RoundKey(node.id, state.rounds_done, plan.caller)
     store.post(node.id, key.round, down_posts(state.theta, settings))
     cohort = sample_cohort(children, settings.cohort, seed, node.id, key.round, settings.poisson_rate)
+    sent = down_broadcast(node, children, state, key, seed)
+    if sent is not None:  # the children get x_hat, the node keeps it (and its residual) for the next round
+        state = replace(state, down_ref=sent.model)
+    phi_children = state.theta if sent is None else sent.model
     present = [c for c in cohort if not drops_out(c.settings.dropout, seed, c.id, key.round)]
     rule = rule_for(settings.aggregate)
     fold = rule.plan(state.rule_state, [c.id for c in present])  # the rule's part of every child's plan
     plans = {c.id: child_plan(plan, key, state, c, fold) for c in cohort}
     proxy = start_proxy(node, state, key, hooks)
-    results = hooks.run_children(node, present, state.theta, plans) if present else []
+    results = hooks.run_children(node, present, phi_children, plans) if present else []
     commits.settle()  # the previous round's commit, if it was written while these children trained
     absent = [c for c in cohort if c not in present]  # dropped out: never trained, known when the call would end
-    mine = proxy_results(node, proxy)
+    mine = proxy_results(node, proxy, None if sent is None else sent.delta)
     order = [c.id for c in children] + [node.id]
-    folded = fold_results(rule, key, [*results, *mine], order, state.theta, fold)
+    folded = fold_results(rule, key, [*results, *mine], order, phi_children, fold)
     del results  # folded: the partials they carried are the fold's now
+    if sent is not None:
+        rebase(folded, sent.delta)
     folded.dropped.extend(c.id for c in absent)
     waited = [hooks.call_duration(node, c, plans[c.id]) or 0.0 for c in absent]
     folded.virtual_s = max([folded.virtual_s, *waited])
     scope = RoundScope(node, key, plan, hooks, store, scorer, plans)
-    tail = round_tail(scope, state, folded, Traffic(len(cohort), len(cohort) - len(folded.dropped), folded.sent_bytes))
+    down_bytes = None if sent is None else sent.bytes_to(holding(node, children, cohort, seed, key.round), len(cohort))
+    traffic = Traffic(len(cohort), len(cohort) - len(folded.dropped), folded.sent_bytes, down_bytes)
+    tail = round_tail(scope, state, folded, traffic)
     virtual_s = state.virtual_s + round_virtual_s(folded, tail.train_s)
     metrics = {**round_metrics(present, folded, mine), **tail.metrics, VIRTUAL_TIME: virtual_s}
+    if sent is not None:
+        metrics["comm/down_error"] = sent.error()
     loss, examples = reported(node, tail, folded, rule.reports_up)
     state = replace(
         tail.state, rounds_done=key.round + 1, metrics=metrics, virtual_s=virtual_s, loss=loss, examples=examples
@@ -181,9 +193,41 @@ def start_proxy(node: Node, state: NodeState, key: RoundKey, hooks: EngineHooks)
     return hooks.start_train(node, state.theta, key) if node.settings.proxy_async else None
 
 
-def proxy_results(node: Node, proxy: PendingTrain | None) -> list[ChildResult]:
-    """The proxy TRAIN run alongside the children, as one more child result (none without one)."""
-    return [proxy_child(node, proxy.result())] if proxy is not None else []
+def proxy_results(node: Node, proxy: PendingTrain | None, delta: torch.Tensor | None) -> list[ChildResult]:
+    """The proxy TRAIN run alongside the children, as one more child result (none without one).
+
+    Under compressed broadcasts (``delta``: ``theta_t - x_hat_t``) it started from ``theta_t`` while
+    the children started from ``x_hat_t``: moved onto ``x_hat_t`` like theirs before the fold
+    (``downlink.rebase`` adds ``delta`` back to all of them).
+    """
+    if proxy is None:
+        return []
+    result = proxy_child(node, proxy.result())
+    if delta is not None and result.model is not None:
+        result = replace(result, model=result.model - delta.to(result.model.device))
+    return [result]
+
+
+def down_broadcast(
+    node: Node, children: Sequence[Node], state: NodeState, key: RoundKey, seed: int
+) -> Broadcast | None:
+    """The round's compressed broadcast (``tree.<level>.compress_down``; ``downlink.py``), None without one."""
+    params = node.settings.downlink
+    if params is None or not children:
+        return None
+    rounding_seed = derive_seed(seed, "compress_down", *key.parts())  # each server, round and caller its own draws
+    return broadcast(state.theta, state.down_ref, params, rounding_seed, key)
+
+
+def holding(node: Node, children: Sequence[Node], cohort: Sequence[Node], seed: int, round_index: int) -> int:
+    """Children of the cohort that hold the previous broadcast's ``x_hat``: called the round before (the same
+    seeded draw, ``sample_cohort``) and keeping state between calls (``persistent``)."""
+    if round_index == 0:
+        return 0
+    settings = node.settings
+    called = sample_cohort(children, settings.cohort, seed, node.id, round_index - 1, settings.poisson_rate)
+    before = {c.id for c in called}
+    return sum(c.id in before and c.settings.persistent for c in cohort)
 
 
 def reported(node: Node, tail: Tail, folded: FoldedRound, reports_up: bool) -> tuple[float | None, int]:

@@ -139,7 +139,8 @@ class NodeState:
     ``dp_steps``: a DP-SGD client's steps over all its
     TRAIN calls (its privacy accounting: ``learning/dp_sgd.py``). ``feedback``/``sent``: a child of a
     parent that compresses its updates (``compression.py``): its error-feedback residual, and the
-    payload its finished execution sent (handed back again after a crash). ``metrics`` is only
+    payload its finished execution sent (handed back again after a crash). ``down_ref``: a server
+    whose broadcasts are compressed (``downlink.py``): the model its children hold. ``metrics`` is only
     the last round's log, for logging a committed round again.
     """
 
@@ -162,6 +163,7 @@ class NodeState:
     dp_steps: int = 0
     feedback: torch.Tensor | None = None  # error feedback: what compressing its updates has left out so far
     sent: dict[str, torch.Tensor] = field(default_factory=dict)  # the compressed update its execution sent up
+    down_ref: torch.Tensor | None = None  # compress_down: the model its children hold, x_hat (``downlink.py``)
 
     @property
     def theta(self) -> torch.Tensor:

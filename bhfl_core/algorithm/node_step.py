@@ -83,8 +83,9 @@ def node_down(
     Without ``phi`` (the root) the node starts from its own model. ``inbox`` holds the
     node's waiting down-residuals; they are folded in only when ``phi`` is given.
     ``scorer``: held-out losses for tuned NODEOPTs (``interp``). A Ditto personal model
-    is the client's own: kept even when the node is not persistent, and so is the
-    error-feedback residual of its compressed updates (``compression.py``).
+    is the client's own: kept even when the node is not persistent, and so are the
+    error-feedback residual of its compressed updates (``compression.py``) and the model
+    its children hold from its compressed broadcasts (``downlink.py``).
     """
     state = (
         stored
@@ -96,6 +97,7 @@ def node_down(
             rule_state=stored.rule_state,
             dp_steps=stored.dp_steps,
             feedback=stored.feedback,
+            down_ref=stored.down_ref,
         )
     )
     state = replace(state, exec_caller=caller.key, exec_start=state.rounds_done)
@@ -145,6 +147,8 @@ def node_up(
     theta = state.model
     assert theta is not None, "a node aggregates only after node_down gave it a model"
     mean_input, rule_state, metrics = rule_for(settings.aggregate).finalize(folded.partial, key, state.rule_state)
+    if folded.shift is not None:  # the children trained from a compressed broadcast (``downlink.rebase``)
+        mean_input = mean_input + folded.shift.to(mean_input.device)
     mean_input = cap_rank(mean_input, settings.rank)
     posts = []
     for link in settings.res_up:

@@ -57,12 +57,14 @@ class Traffic:
     """What crossed the node's edges to its children this round, for the ``comm/*`` metrics.
 
     ``down``: models sent to children; ``up``: children's models (or updates) folded, the
-    node's own proxy TRAIN not counted; ``sent_bytes``: the compressed payloads among them.
+    node's own proxy TRAIN not counted; ``sent_bytes``: the compressed payloads among them;
+    ``down_bytes``: what compressed broadcasts cost (``downlink.py``; None: ``down`` float32 models).
     """
 
     down: int
     up: int
     sent_bytes: int = 0
+    down_bytes: int | None = None
 
 
 @dataclass
@@ -105,6 +107,8 @@ def comm_metrics(node: Node, traffic: Traffic, posts: Sequence[ResidualPost]) ->
     }
     if node.settings.aggregate.compress is not None:
         metrics["comm/up_bytes"] = float(traffic.sent_bytes)
+    if traffic.down_bytes is not None:
+        metrics["comm/down_bytes"] = float(traffic.down_bytes)
     return metrics
 
 

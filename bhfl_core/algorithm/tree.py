@@ -95,6 +95,7 @@ class NodeSettings:
     tempo: int | None = None  # the root under Tempo (seeds/001): the clients' first-round epochs c; None = off
     evaluated: bool = True  # clients: the saved model is read after training (eval.client_models): keep it
     uplink: CompressParams | None = None  # how it sends its model up: its parent's aggregate.compress
+    downlink: CompressParams | None = None  # servers: how it broadcasts its model to its children (compress_down)
     rank: RankCap | None = None  # LoRA: its adapters' rank below the model's (adapter_rank; adapter_fold.py)
     own_b: OwnB | None = None  # LoRA clients under aggregation: fedsa: B kept from their own model (adapter_fold.py)
 

@@ -12,7 +12,8 @@ node runs' MLflow metric histories), so a resumed run accounts for the whole run
 Rows are attributed to the level (depth) of the server that logged them: its
 traffic with its children, and the residuals it sent. A server whose children send
 compressed updates (``aggregate.compress``) also logs ``comm/up_bytes``, the payloads'
-actual size, which then replaces ``models x parameters x 4`` for its up rows.
+actual size, which then replaces ``models x parameters x 4`` for its up rows; one that
+compresses its broadcasts (``compress_down``) logs ``comm/down_bytes`` for its down rows.
 """
 
 from __future__ import annotations
@@ -31,9 +32,10 @@ KEYS: dict[str, tuple[str, str]] = {  # metric -> (direction, kind)
     "comm/res_up_models": ("up", "residual"),
 }
 
-MEASURED_BYTES = {"comm/up_models": "comm/up_bytes"}
+MEASURED_BYTES = {"comm/up_models": "comm/up_bytes", "comm/down_models": "comm/down_bytes"}
 """Counts whose bytes a server logs itself when they are not ``models x parameters x 4``: the payloads
-of compressed updates (``algorithm/compression.py``), for a server whose children compress."""
+of compressed updates (``algorithm/compression.py``), for a server whose children compress, and of
+compressed broadcasts (``algorithm/downlink.py``), for a server with ``compress_down``."""
 HISTORY_KEYS = (*KEYS, *MEASURED_BYTES.values())
 
 History = Mapping[str, Mapping[str, Mapping[int, float]]]  # node -> metric key -> round (step) -> models

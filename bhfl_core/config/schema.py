@@ -37,6 +37,7 @@ from bhfl_core.config.tree_schema import (
 )
 from bhfl_core.config.wrapper_schema import (
     AdaptiveClipSettings,
+    CompressDownSettings,
     CompressSettings,
     PrivacySettings,
     SecureAggregationSettings,
@@ -50,6 +51,7 @@ __all__ = [  # the tree section's classes too (tree_schema.py): callers import t
     "AggregateSettings",
     "ClockSettings",
     "ClusterTls",
+    "CompressDownSettings",
     "CompressSettings",
     "DownResidual",
     "DpSgdSettings",

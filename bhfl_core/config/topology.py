@@ -31,6 +31,7 @@ from bhfl_core.config.adapter_settings import own_b, rank_cap
 from bhfl_core.config.aggregation_settings import aggregate_params, check_dp_sgd, node_opt
 from bhfl_core.config.base import ConfigError
 from bhfl_core.config.data import KMeansClustering, LanguageClustering
+from bhfl_core.config.downlink_settings import downlink_params
 from bhfl_core.config.privacy_plan import plan_privacy
 from bhfl_core.config.residual_wiring import wire_residuals
 from bhfl_core.config.schema import ExperimentConfig
@@ -135,6 +136,9 @@ def _resolve(config: ExperimentConfig, node_id: str, role: Role, depth: int, num
     if personal is not None and role is not Role.CLIENT:
         raise ConfigError(f"{origin['personal']}: only clients keep a personal (Ditto) model; {node_id!r} is a server")
 
+    aggregate = aggregate_params(
+        config, node_id, role, values, origin, _expected(cohort, poisson_rate, num_children), num_children
+    )
     return NodeSettings(
         rounds=values["rounds"],
         cohort=cohort,
@@ -148,9 +152,8 @@ def _resolve(config: ExperimentConfig, node_id: str, role: Role, depth: int, num
         personal=_train_params(personal) if personal is not None else None,
         asynchronous=asynchronous,
         dropout=config.tree.clock.dropout_p if role is Role.CLIENT else 0.0,
-        aggregate=aggregate_params(
-            config, node_id, role, values, origin, _expected(cohort, poisson_rate, num_children), num_children
-        ),
+        aggregate=aggregate,
+        downlink=downlink_params(values, origin, node_id, role, aggregate),
         tempo=config.tree.client.train.epochs if config.tree.tempo and role is Role.ROOT else None,
         evaluated=role is not Role.CLIENT or _client_state_read(config),
         rank=rank_cap(config, values["adapter_rank"], origin["adapter_rank"]),

@@ -19,6 +19,7 @@ from bhfl_core.algorithm.residuals import SELECTORS
 from bhfl_core.algorithm.rules import available_rules, rule_traits
 from bhfl_core.config.base import Strict
 from bhfl_core.config.wrapper_schema import (
+    CompressDownSettings,
     CompressSettings,
     PrivacySettings,
     SecureAggregationSettings,
@@ -179,6 +180,7 @@ class LevelSettings(Strict):
     buffer: Annotated[int, Field(ge=1)] = 2  # async: results per NODEOPT_up step (FedBuff's K)
     staleness: StalenessSettings = StalenessSettings()
     aggregate: AggregateSettings = AggregateSettings()  # servers: how the children's models are folded
+    compress_down: CompressDownSettings | None = None  # servers: compressed broadcasts to the children (downlink.py)
     privacy: PrivacySettings | None = None  # servers: DP-FedAvg on the children's updates (docs/privacy.md)
     secure_aggregation: SecureAggregationSettings | None = None  # servers: masked sums (docs/privacy.md)
     adapter_rank: Annotated[int, Field(ge=1)] | None = None  # LoRA: this node's rank, at most model.adapter.r
@@ -204,6 +206,7 @@ class NodeOverride(Strict):
     buffer: Annotated[int, Field(ge=1)] | None = None
     staleness: StalenessSettings | None = None
     aggregate: AggregateSettings | None = None
+    compress_down: CompressDownSettings | None = None
     privacy: PrivacySettings | None = None
     secure_aggregation: SecureAggregationSettings | None = None
     adapter_rank: Annotated[int, Field(ge=1)] | None = None

@@ -25,6 +25,15 @@ class CompressSettings(Strict):
     error_feedback: bool = True
 
 
+class CompressDownSettings(Strict):
+    """What a server broadcasts its children: the change of its model since its last broadcast, compressed, with
+    the server's own error feedback (Double-Squeeze; ``bhfl_core/algorithm/downlink.py``), always on."""
+
+    kind: Literal["int8", "topk"]
+    fraction: Annotated[float, Field(gt=0, le=1)] = 0.01
+    block: Annotated[int, Field(ge=1)] = 512
+
+
 class AdaptiveClipSettings(Strict):
     """Adaptive clipping (Andrew et al. 2021): the clipping norm follows a quantile of the update norms.
 

@@ -47,6 +47,7 @@ from bhfl_core.algorithm.node_step import Inbox, PendingResidual, ResidualPost
 from bhfl_core.store.atomic import atomic_path, drop_cached
 from bhfl_core.store.state_header import (
     CHECKSUMS,
+    DOWN_REF,
     FEEDBACK,
     INFO,
     LEGACY_CHECKSUMS,
@@ -76,7 +77,7 @@ def _nothing(node_id: str) -> bool:
 
 def state_tensors(state: NodeState) -> dict[str, torch.Tensor]:
     """A state's tensors under their file names: ``model``, ``personal``, ``up.*``, ``down.*``, ``res.<kind>.*``,
-    ``async.v<version>``, ``feedback``, ``sent.*``."""
+    ``async.v<version>``, ``feedback``, ``sent.*``, ``downlink``."""
     tensors: dict[str, torch.Tensor] = {}
     if state.model is not None:
         tensors[MODEL] = state.model
@@ -91,6 +92,8 @@ def state_tensors(state: NodeState) -> dict[str, torch.Tensor]:
     if state.feedback is not None:
         tensors[FEEDBACK] = state.feedback
     tensors.update({f"{SENT}{k}": v for k, v in state.sent.items()})
+    if state.down_ref is not None:
+        tensors[DOWN_REF] = state.down_ref
     return tensors
 
 

@@ -33,6 +33,7 @@ PERSONAL = "personal"
 VERSION = "async.v"  # + the version: a model an asynchronous node's in-flight child was sent
 FEEDBACK = "feedback"  # a compressing sender's error-feedback residual (compression.py)
 SENT = "sent."  # + the payload's part: the compressed update a finished execution sent
+DOWN_REF = "downlink"  # a server's compressed broadcasts: the model its children hold (downlink.py)
 _MAX_HEADER = 100_000_000  # safetensors' own limit
 
 
@@ -123,6 +124,7 @@ def state_from_file(tensors: dict[str, torch.Tensor], info: dict[str, Any]) -> N
         dp_steps=int(info.get("dp_steps", 0)),
         feedback=tensors.get(FEEDBACK),
         sent={k[len(SENT) :]: v for k, v in tensors.items() if k.startswith(SENT)},
+        down_ref=tensors.get(DOWN_REF),
     )
 
 

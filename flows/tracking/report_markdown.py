@@ -253,7 +253,7 @@ def _communication(r: ReportInputs) -> list[str]:
         "",
         f"One model = {r.num_params:,} float32 values = {size(r.num_params * comm.BYTES_PER_VALUE)}. "
         "Level = depth of the server that sends to / receives from its children (residuals: sent by it); "
-        "compressed updates (`aggregate.compress`) count their payloads' bytes.",
+        "compressed updates (`aggregate.compress`) and broadcasts (`compress_down`) count their payloads' bytes.",
         "",
         _table(header, rows),
         "",

@@ -1,9 +1,11 @@
 """Compressed updates end to end, with LoRA adapters as the federated parameters.
 
 Clients send their edge an 8-bit quantised update, edges send their group server the top
-10% of theirs (both with error feedback); the adapter vector is what is compressed. The
-runs must be bit-identical across reruns and worker layouts, and after a kill + resume;
-``comm/up_bytes`` must be the payloads' size.
+10% of theirs (both with error feedback); the root broadcasts 8-bit changes of its model
+and the group servers the top 25% of theirs (``compress_down``, with the server's error
+feedback); the adapter vector is what is compressed. The runs must be bit-identical across
+reruns and worker layouts, and after a kill + resume; ``comm/up_bytes`` and
+``comm/down_bytes`` must be the payloads' size.
 """
 
 import math
@@ -24,6 +26,8 @@ COMPRESSED = [
     "model.adapter={r: 4, alpha: 8}",
     "tree.edge.aggregate={compress: {kind: int8, block: 256}}",
     "tree.server.aggregate={compress: {kind: topk, fraction: 0.1}}",
+    "tree.root.compress_down={kind: int8, block: 256}",
+    "tree.server.compress_down={kind: topk, fraction: 0.25}",
 ]
 
 
@@ -75,6 +79,23 @@ def test_senders_keep_their_error_feedback_and_payload_and_servers_log_the_paylo
     assert [m.value for m in west] == [2 * 8 * math.ceil(0.1 * n)] * 2  # edge-en and edge-fr: k int32 + k float32
 
 
+def test_servers_broadcast_compressed_changes_and_log_their_bytes(runs):
+    """The first broadcast is the model (4n bytes a child), later ones the payload: every child holds the last."""
+    result = runs["inprocess"]
+    store = StateStore(Path(result["run_path"]) / "state")
+    root, west = store.load("root"), store.load("west")
+    n = root.theta.numel()
+    assert root.down_ref is not None and root.down_ref.numel() == n and not torch.equal(root.down_ref, root.theta)
+    assert west.down_ref is not None and store.load("edge-en").down_ref is None  # edges send their models whole
+    tracking, by_node = MlflowClient(result["tracking_uri"]), _by_node(result)
+    down = {node: [m.value for m in tracking.get_metric_history(by_node[node], "comm/down_bytes")] for node in by_node}
+    assert down["root"] == [2 * 4 * n, 2 * (n + 4 * math.ceil(n / 256))]  # west and east
+    assert down["west"] == [2 * 4 * n, 2 * 8 * math.ceil(0.25 * n)]  # edge-en and edge-fr: k int32 + k float32
+    assert down["edge-en"] == []  # not set there
+    errors = tracking.get_metric_history(by_node["root"], "comm/down_error")
+    assert errors[0].value == 0 and 0 < errors[1].value < 0.1  # 8 bits leave a few per cent of the change behind
+
+
 def test_the_report_counts_the_payloads_not_full_models(runs):
     def total(result: dict) -> float:
         return MlflowClient(result["tracking_uri"]).get_run(result["run_id"]).data.metrics["comm/up_bytes"]
@@ -82,7 +103,8 @@ def test_the_report_counts_the_payloads_not_full_models(runs):
     compressed, full = total(runs["inprocess"]), total(runs["uncompressed"])
     assert 0 < compressed < full / 2  # clients' updates at a quarter of the size, edges' at a fifth
     report = (Path(runs["inprocess"]["run_path"]) / "report" / "report.md").read_text()
-    assert "compressed updates (`aggregate.compress`) count their payloads' bytes" in report
+    counted = "compressed updates (`aggregate.compress`) and broadcasts (`compress_down`) count their payloads' bytes"
+    assert counted in report
 
 
 def test_the_backbone_is_untouched_and_only_adapter_vectors_are_stored(runs):
