@@ -29,3 +29,15 @@ SMALL = [
 
 def small_config(*extra: str, config: str = "embedded.yaml"):
     return load_config(REPO / "configs" / config, [*SMALL, *extra])
+
+
+def embedded_tree(*overrides: str, clients_per_language: int = 6):
+    """The embedded default's tree with ``overrides``, built over ``clients_per_language`` clients of 10 rows each
+    (no data prepared): for tests of how config keys resolve per node."""
+    from bhfl_core.config.topology import ClientInfo, build_tree
+
+    cfg = load_config(REPO / "configs" / "embedded.yaml", list(overrides))
+    languages = cfg.data.source.languages
+    return build_tree(
+        cfg, [ClientInfo(f"{lang}-{i}", lang, 10) for lang in languages for i in range(clients_per_language)]
+    )

@@ -25,6 +25,7 @@ from bhfl_core.algorithm.node_state import Caller, NodeState, RoundKey
 from bhfl_core.algorithm.node_step import keeps_state
 from bhfl_core.store.node_store import StateStore
 from tests.core.fake_tree import AddVectorHooks, settings, two_edge_tree
+from tests.small import embedded_tree
 
 INT8 = CompressParams("int8", block=2)
 TOP1 = CompressParams("topk", fraction=0.5)
@@ -113,17 +114,10 @@ def test_a_client_keeps_its_state_for_error_feedback_only():
     assert not keeps_state(replace(client, uplink=replace(INT8, error_feedback=False)), is_leaf=True)
 
 
-def _tree(*overrides: str):
-    from bhfl_core.config.loader import load_config
-    from bhfl_core.config.topology import ClientInfo, build_tree
-
-    cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / "embedded.yaml", list(overrides))
-    clients = [ClientInfo(f"{lang}-{i}", lang, 10) for lang in cfg.data.source.languages for i in range(6)]
-    return build_tree(cfg, clients)
-
-
 def test_a_servers_compress_setting_reaches_each_of_its_children_as_their_uplink():
-    tree = _tree("tree.edge.aggregate={compress: {kind: int8, block: 64}}", "tree.root.aggregate.compress.kind=topk")
+    tree = embedded_tree(
+        "tree.edge.aggregate={compress: {kind: int8, block: 64}}", "tree.root.aggregate.compress.kind=topk"
+    )
     params = CompressParams("int8", block=64)
     assert tree["edge-en"].settings.aggregate.compress == params
     assert all(tree[c].settings.uplink == params for c in tree["edge-en"].children)
@@ -143,7 +137,7 @@ def test_bad_compress_settings_are_rejected_naming_the_key(override, message):
     from bhfl_core.config.base import ConfigError
 
     with pytest.raises(ConfigError) as err:
-        _tree(override)
+        embedded_tree(override)
     assert message in str(err.value)
 
 

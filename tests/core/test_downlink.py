@@ -20,6 +20,7 @@ from bhfl_core.algorithm.tree import Tree
 from bhfl_core.rng import sample_cohort
 from bhfl_core.store.node_store import StateStore
 from tests.core.fake_tree import STEPS, AddVectorHooks, settings, two_edge_tree
+from tests.small import embedded_tree
 
 TOP1 = CompressParams("topk", fraction=0.5)
 KEY = RoundKey("root", 1, Caller())  # the run calls the root
@@ -131,17 +132,8 @@ def test_a_resumed_server_sends_the_same_broadcast(tmp_path):
     assert torch.equal(store.load("root").down_ref, whole.load("root").down_ref)  # type: ignore[arg-type]
 
 
-def _config_tree(*overrides: str):
-    from bhfl_core.config.loader import load_config
-    from bhfl_core.config.topology import ClientInfo, build_tree
-
-    cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / "embedded.yaml", list(overrides))
-    clients = [ClientInfo(f"{lang}-{i}", lang, 10) for lang in cfg.data.source.languages for i in range(6)]
-    return build_tree(cfg, clients)
-
-
 def test_compress_down_reaches_the_servers_it_is_set_at():
-    tree = _config_tree("tree.root.compress_down={kind: int8, block: 64}", "tree.edge.compress_down.kind=topk")
+    tree = embedded_tree("tree.root.compress_down={kind: int8, block: 64}", "tree.edge.compress_down.kind=topk")
     assert tree.root.settings.downlink == CompressParams("int8", block=64)
     assert tree["edge-en"].settings.downlink == CompressParams("topk", fraction=0.01)
     assert all(tree[s].settings.downlink is None for s in tree.root.children)  # the intermediate servers
@@ -165,5 +157,5 @@ def test_bad_compress_down_settings_are_refused_naming_the_key(overrides, messag
     from bhfl_core.config.base import ConfigError
 
     with pytest.raises(ConfigError) as err:
-        _config_tree(*overrides)
+        embedded_tree(*overrides)
     assert message in str(err.value)

@@ -21,6 +21,7 @@ from bhfl_core.algorithm.rule_registry import AggregateParams
 from bhfl_core.algorithm.rules import rule_for
 from bhfl_core.algorithm.tree import NodeSettings
 from bhfl_core.rng import derive_seed
+from tests.small import embedded_tree
 
 KEY = RoundKey("edge-en", 3, Caller("root", 1))
 REFERENCE = torch.tensor([1.0, -2.0, 0.5, 0.0])
@@ -158,20 +159,10 @@ def test_epsilon_matches_the_librarys_accountant_for_the_sampling_we_do():
     assert epsilon(p, 20) == accountant.get_epsilon(1e-6)
 
 
-def _tree(*overrides: str):
-    from pathlib import Path
-
-    from bhfl_core.config.loader import load_config
-    from bhfl_core.config.topology import ClientInfo, build_tree
-
-    cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / "embedded.yaml", list(overrides))
-    return build_tree(
-        cfg, [ClientInfo(f"{lang}-{i}", lang, 10) for lang in cfg.data.source.languages for i in range(6)]
-    )
-
-
 def test_privacy_at_a_level_resolves_per_node_with_its_cohort_and_its_own_noise_seed():
-    tree = _tree("tree.edge.privacy={clip: 0.5, noise_multiplier: 1.2, adaptive: {quantile: 0.7, count_noise: 2}}")
+    tree = embedded_tree(
+        "tree.edge.privacy={clip: 0.5, noise_multiplier: 1.2, adaptive: {quantile: 0.7, count_noise: 2}}"
+    )
     en, de = (tree[e].settings.aggregate.privacy for e in ("edge-en", "edge-de"))
     assert en is not None and de is not None
     assert (en.clip, en.noise_multiplier, en.population) == (0.5, 1.2, 6)
@@ -215,12 +206,14 @@ def test_configs_that_would_leak_or_cannot_be_private_are_rejected_naming_the_ke
     from bhfl_core.config.base import ConfigError
 
     with pytest.raises(ConfigError) as err:
-        _tree(*overrides)
+        embedded_tree(*overrides)
     assert message in str(err.value)
 
 
 def test_a_residual_that_ends_below_the_dp_server_is_allowed():
-    tree = _tree("tree.root.privacy={clip: 1, noise_multiplier: 1}", "tree.residuals.up=[{from: edge, to: server}]")
+    tree = embedded_tree(
+        "tree.root.privacy={clip: 1, noise_multiplier: 1}", "tree.residuals.up=[{from: edge, to: server}]"
+    )
     assert tree["edge-en"].settings.res_up and tree.root.settings.aggregate.privacy is not None
 
 

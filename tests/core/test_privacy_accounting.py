@@ -10,6 +10,7 @@ from scipy.stats import norm
 from bhfl_core.algorithm.privacy_accounting import calibrate, calibrate_server, epsilon, server_epsilon
 from bhfl_core.algorithm.privacy_params import PrivacyParams
 from bhfl_core.config.base import ConfigError
+from tests.small import embedded_tree
 
 
 def _params(z: float, expected: float, population: int, **kw) -> PrivacyParams:
@@ -79,15 +80,7 @@ def test_calibration_finds_the_smallest_noise_within_the_target():
 
 
 def _tree(*overrides: str):
-    from pathlib import Path
-
-    from bhfl_core.config.loader import load_config
-    from bhfl_core.config.topology import ClientInfo, build_tree
-
-    cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / "embedded.yaml", list(overrides))
-    return build_tree(
-        cfg, [ClientInfo(f"{lang}-{i}", lang, 10) for lang in cfg.data.source.languages for i in range(20)]
-    )
+    return embedded_tree(*overrides, clients_per_language=20)
 
 
 def test_a_target_epsilon_calibrates_each_servers_noise_over_its_planned_rounds():

@@ -1,7 +1,6 @@
 """Secure aggregation (bhfl_core/algorithm/secure_aggregation.py, secagg_crypto.py): masks cancel, recover, hide."""
 
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +13,7 @@ from bhfl_core.algorithm.privacy_params import PrivacyParams, SecAggParams
 from bhfl_core.algorithm.rule_registry import AggregateParams
 from bhfl_core.algorithm.rules import rule_for
 from bhfl_core.algorithm.secure_aggregation import SecureAggregationError
+from tests.small import embedded_tree
 
 KEY = RoundKey("edge-en", 2, Caller("root", 1))
 PARAMS = SecAggParams(threshold=3, mask_seed=11, bits=48, fraction_bits=24)
@@ -95,24 +95,14 @@ def test_with_dp_updates_are_clipped_before_masking_and_noised_after_unmasking()
     assert torch.allclose(together, separately, atol=1e-6) and not torch.equal(together, REFERENCE)
 
 
-def _tree(*overrides: str):
-    from bhfl_core.config.loader import load_config
-    from bhfl_core.config.topology import ClientInfo, build_tree
-
-    cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / "embedded.yaml", list(overrides))
-    return build_tree(
-        cfg, [ClientInfo(f"{lang}-{i}", lang, 10) for lang in cfg.data.source.languages for i in range(6)]
-    )
-
-
 def test_secure_aggregation_resolves_per_edge_with_a_majority_threshold():
-    tree = _tree("tree.edge.secure_aggregation={bits: 40, fraction_bits: 20}")
+    tree = embedded_tree("tree.edge.secure_aggregation={bits: 40, fraction_bits: 20}")
     secagg = tree["edge-en"].settings.aggregate.secagg
     assert secagg is not None and (secagg.bits, secagg.fraction_bits, secagg.threshold) == (40, 20, 3)  # 4 // 2 + 1
     assert secagg.mask_seed != tree["edge-de"].settings.aggregate.secagg.mask_seed
     assert math.isclose(tree["edge-en"].settings.cohort, 4)
     assert (secagg.neighbours, secagg.randomness) == (None, "seeded")  # the complete graph, keys from the seed
-    sparse = _tree("tree.edge.secure_aggregation={graph: sparse, randomness: secure}")["edge-en"]
+    sparse = embedded_tree("tree.edge.secure_aggregation={graph: sparse, randomness: secure}")["edge-en"]
     secagg = sparse.settings.aggregate.secagg
     assert (secagg.neighbours, secagg.threshold, secagg.randomness) == (2, 2, "secure")  # k: 2 ceil(log2 4), capped
 
@@ -156,7 +146,7 @@ def test_secure_aggregation_configs_that_cannot_work_are_rejected_naming_the_key
     from bhfl_core.config.base import ConfigError
 
     with pytest.raises(ConfigError) as err:
-        _tree(*overrides)
+        embedded_tree(*overrides)
     assert message in str(err.value)
 
 
