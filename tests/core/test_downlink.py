@@ -159,3 +159,17 @@ def test_bad_compress_down_settings_are_refused_naming_the_key(overrides, messag
     with pytest.raises(ConfigError) as err:
         embedded_tree(*overrides)
     assert message in str(err.value)
+
+
+def test_each_server_round_and_caller_draws_its_own_rounding_for_the_same_change():
+    from bhfl_core.algorithm.engine import down_broadcast
+
+    tree = _tree(CompressParams("int8", block=64))
+    theta, state = torch.linspace(-1, 1, 64), NodeState(model=torch.linspace(-1, 1, 64), down_ref=torch.zeros(64))
+    keys = [KEY, replace(KEY, round=2), replace(KEY, node_id="A"), replace(KEY, caller=Caller("adapt"))]
+    sent = [down_broadcast(replace(tree.root, id=k.node_id), [tree["A"]], state, k, seed=0) for k in keys]
+    models = [s.model for s in sent if s is not None]
+    assert len(models) == 4 and torch.allclose(models[0], theta, atol=1 / 127)
+    assert all(not torch.equal(a, b) for a, b in itertools.combinations(models, 2))
+    again = down_broadcast(tree.root, [tree["A"]], state, KEY, seed=0)
+    assert again is not None and torch.equal(again.model, models[0])  # seeded: the same draws again
