@@ -31,3 +31,27 @@ def test_the_privacy_round_benchmark_runs_at_a_tiny_size():
     out = _run("benchmarks/privacy_round.py", "--clients", "4", "--values", "500", "--repeats", "1")
     names = [line.split(" s a round")[0].rsplit(None, 1)[0].strip() for line in out.stdout.splitlines()[1:]]
     assert names == ["mean", "dp rdp", "dp pld", "dp poisson pld", "secagg", "dp + secagg", "distributed dp"]
+
+
+def test_the_lora_experiment_runs_at_a_tiny_size_and_sends_what_each_fold_federates():
+    out = _run(
+        "benchmarks/lora_experiment.py", "--model", "tiny", "--seeds", "0", "--variants", "ab-mean", "ffa",
+        "--jobs", "2", "--set", "data.source.languages=[en,de]", "--set", "tree.root.rounds=1",
+        "--set", "runtime.workers=1",
+    )  # fmt: skip
+    lines = out.stdout.splitlines()
+    folder = next(line for line in lines if line.startswith("model folder:"))  # "..., 21,728 backbone parameters, ..."
+    backbone = int(folder.split(", ")[1].split()[0].replace(",", ""))
+    header, _, *rows = [[c.strip() for c in line.strip("|").split("|")] for line in lines if line.startswith("|")]
+    assert header == ["variant", "values/model", "MB/round", "root union", "edge own", "client own", "ab err",
+                       "trunc err", "wall s", "peak PSS MB"]  # fmt: skip
+    table = {cells[0]: dict(zip(header, cells, strict=True)) for cells in rows}
+    assert list(table) == ["ab-mean", "ffa"]
+    values = {v: int(row["values/model"].replace(",", "")) for v, row in table.items()}
+    # The tiny folder: hidden 32, one layer; r 8 on query and value; the head Linear(32, 10 categories).
+    # ab-mean sends A (8 x 32) and B (32 x 8) of both matrices and the head; ffa the same without A.
+    head = 32 * 10 + 10
+    assert values == {"ab-mean": 2 * (8 * 32 + 32 * 8) + head, "ffa": 2 * 32 * 8 + head}
+    assert values["ab-mean"] < backbone / 10  # LoRA sends a small part of what full fine-tuning would
+    assert float(table["ffa"]["MB/round"]) < float(table["ab-mean"]["MB/round"])
+    assert float(table["ab-mean"]["ab err"]) > 0 and table["ffa"]["ab err"] == "–"  # ffa's mean is exact: none logged
