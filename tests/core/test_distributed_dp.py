@@ -13,7 +13,8 @@ from bhfl_core.algorithm.privacy_accounting import distributed_epsilon, server_e
 from bhfl_core.algorithm.privacy_params import PrivacyParams, SecAggParams
 from bhfl_core.config.base import ConfigError
 from bhfl_core.rng import derive_seed
-from tests.core.test_secure_aggregation import KEY, MODELS, PEERS, REFERENCE, _tree, fold
+from tests.core.test_secure_aggregation import KEY, MODELS, PEERS, REFERENCE, fold
+from tests.small import embedded_tree
 
 
 def test_the_sampler_draws_the_discrete_gaussian():
@@ -73,14 +74,16 @@ def test_each_child_adds_its_own_noise_and_the_server_only_removes_masks():
 
 
 def test_a_config_resolves_each_childs_noise_from_z_the_clip_and_the_threshold():
-    tree = _tree("tree.edge.aggregate={wrap: [{dp: {clip: 0.5, noise_multiplier: 1.2, distributed: true}}, secagg]}")
+    tree = embedded_tree(
+        "tree.edge.aggregate={wrap: [{dp: {clip: 0.5, noise_multiplier: 1.2, distributed: true}}, secagg]}"
+    )
     aggregate = tree["edge-en"].settings.aggregate
     assert aggregate.privacy.distributed and aggregate.secagg.threshold == 3
     assert aggregate.secagg.client_noise == pytest.approx(1.2 * 0.5 * 2**24 / math.sqrt(3))
     assert aggregate.secagg.client_norm == 0.5 * 2**24
-    target = _tree("tree.edge.aggregate={wrap: [{dp: {clip: 0.5, target_epsilon: 8, distributed: true}}, secagg]}")[
-        "edge-en"
-    ].settings.aggregate.privacy
+    target = embedded_tree(
+        "tree.edge.aggregate={wrap: [{dp: {clip: 0.5, target_epsilon: 8, distributed: true}}, secagg]}"
+    )["edge-en"].settings.aggregate.privacy
     planned = target.budget.planned_rounds
     assert (
         distributed_epsilon(target.noise_multiplier, planned, 1e-5)
@@ -107,7 +110,7 @@ def test_a_config_resolves_each_childs_noise_from_z_the_clip_and_the_threshold()
 )
 def test_distributed_dp_that_cannot_work_is_refused_naming_the_key(override: str, message: str):
     with pytest.raises(ConfigError, match=message):
-        _tree(override)
+        embedded_tree(override)
 
 
 def test_rounding_cannot_lift_a_childs_integer_vector_past_its_bound():

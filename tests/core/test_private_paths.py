@@ -4,7 +4,7 @@ the server's parent, or its published model, un-noised is refused naming the key
 import pytest
 
 from bhfl_core.config.base import ConfigError
-from tests.core.test_privacy import _tree
+from tests.small import embedded_tree
 
 DP = "{clip: 1, noise_multiplier: 1}"
 DP_SGD = "tree.client.train.dp_sgd={noise_multiplier: 1.0, max_grad_norm: 1.0}"
@@ -38,7 +38,7 @@ DP_SGD = "tree.client.train.dp_sgd={noise_multiplier: 1.0, max_grad_norm: 1.0}"
 )
 def test_a_path_past_or_into_a_private_server_is_refused_naming_the_key(overrides, message):
     with pytest.raises(ConfigError) as err:
-        _tree(*overrides)
+        embedded_tree(*overrides)
     assert message in str(err.value)
 
 
