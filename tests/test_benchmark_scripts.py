@@ -33,15 +33,23 @@ def test_the_privacy_round_benchmark_runs_at_a_tiny_size():
     assert names == ["mean", "dp rdp", "dp pld", "dp poisson pld", "secagg", "dp + secagg", "distributed dp"]
 
 
-def test_the_lora_experiment_runs_at_a_tiny_size_and_sends_what_each_fold_federates():
+def test_the_lora_experiment_runs_at_a_tiny_size_and_sends_what_each_fold_federates(tmp_path):
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:  # the script's own random folder, written here and given to it as a user's own (--model-dir)
+        from _lora_folders import write_folder
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    write_folder("bert", "tiny", tmp_path / "mine")
     out = _run(
-        "benchmarks/lora_experiment.py", "--model", "tiny", "--seeds", "0", "--variants", "ab-mean", "ffa",
+        "benchmarks/lora_experiment.py", "--model-dir", str(tmp_path / "mine"), "--seeds", "0",
+        "--variants", "ab-mean", "ffa",
         "--jobs", "2", "--set", "data.source.languages=[en,de]", "--set", "tree.root.rounds=1",
         "--set", "runtime.workers=1",
     )  # fmt: skip
     lines = out.stdout.splitlines()
     folder = next(line for line in lines if line.startswith("model folder:"))  # "..., 21,728 backbone parameters, ..."
     backbone = int(folder.split(", ")[1].split()[0].replace(",", ""))
+    assert folder.startswith(f"model folder: {(tmp_path / 'mine').resolve()}, ")  # the folder given, as it is
     header, _, *rows = [[c.strip() for c in line.strip("|").split("|")] for line in lines if line.startswith("|")]
     assert header == ["variant", "values/model", "MB/round", "root union", "edge own", "client own", "ab err",
                        "trunc err", "wall s", "peak PSS MB"]  # fmt: skip
