@@ -24,7 +24,13 @@ Scenarios: ``replace`` (the throughput workload: clients start from the parent's
 and keep nothing) and ``persistent`` (clients keep their model and mix the parent's in
 with eta_down 0.5: a load, a down-aggregation and a checkpoint per client).
 
-Printed per size and scenario: milliseconds per client for both, and bhfl's ratio.
+Printed per size and scenario: milliseconds per client for both, and bhfl's ratio. And
+per size, the disk's floor for a persistent client: the milliseconds a plain
+``write`` + ``fsync`` of one state of that size takes on this machine (the median of 3, in
+the folder the runs use). bhfl makes every client's state durable before its round
+counts (what lets a killed run resume without redoing or losing a client's round), so
+with ``--train-s 0`` its persistent figure cannot fall below that floor; the loop keeps
+its clients' states in memory and writes nothing.
 
 ``--device cuda``: the model trains on the GPU in both. bhfl's worker folds on the GPU and
 copies the fold out once per batch (as a GPU worker does); the parent stays on the CPU (the
@@ -39,6 +45,7 @@ from __future__ import annotations
 import argparse
 import gc
 import math
+import os
 import shutil
 import tempfile
 import time
@@ -210,6 +217,22 @@ def loop_rounds(
     return sum(timings[1:]) / (len(timings) - 1) / clients
 
 
+def write_floor_s(size: int, folder: Path, repeats: int = 3) -> float:
+    """Median seconds to write ``size`` float32 values to a new file and fsync it: the floor of a durable state."""
+    values = memoryview(torch.ones(size).numpy()).cast("B")
+    times = []
+    for i in range(repeats):
+        path = folder / f"floor{i}.bin"
+        started = time.perf_counter()
+        with open(path, "wb") as fh:
+            fh.write(values)
+            fh.flush()
+            os.fsync(fh.fileno())
+        times.append(time.perf_counter() - started)
+        path.unlink()
+    return sorted(times)[len(times) // 2]
+
+
 def _load(folder: Path, client: int, device: torch.device) -> torch.Tensor | None:
     path = folder / f"c{client}.safetensors"
     return load_file(str(path), device=str(device))["model"] if path.exists() else None
@@ -233,6 +256,11 @@ def main() -> None:
     print(f"{'size':>6} {'scenario':>10} {'train s':>7} {'loop ms/client':>15} {'bhfl ms/client':>15} {'ratio':>6}")
     for millions in args.sizes:
         size = millions * 1_000_000
+        floor = Path(tempfile.mkdtemp(prefix="bhfl-datapath-floor-", dir=REPO))
+        try:
+            print(f"{millions:>5}M  write floor: {1e3 * write_floor_s(size, floor):.0f} ms a client state", flush=True)
+        finally:
+            shutil.rmtree(floor, ignore_errors=True)
         for scenario in args.scenarios:
             for train_s in args.train_s:
                 row = {}

@@ -182,9 +182,10 @@ def run_bhfl(
     run_dir = folder / "runs"
     spy = ["py-spy", "record", "--subprocesses", "--idle", "--threads", "--nonblocking", "--rate", "50"]
     spy += ["--format", "raw", "-o", str(profile), "--"]
+    script = Path(sys.executable).with_name("bhfl")  # the installed command; from a bare checkout, the same module
     cmd = [
         *(spy if profile else []),
-        str(Path(sys.executable).with_name("bhfl")),
+        *([str(script)] if script.exists() else [sys.executable, "-m", "flows.cli.main"]),
         "run",
         str(config),
         "--run-dir",

@@ -17,7 +17,9 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
 def test_the_data_path_benchmark_runs_both_scenarios_at_a_tiny_size():
     out = _run("benchmarks/datapath.py", "--sizes", "1", "--clients", "2", "--rounds", "2", "--train-s", "0")
     rows = [line.split() for line in out.stdout.splitlines() if line.strip().startswith("1M")]
-    assert [row[1] for row in rows] == ["replace", "persistent"] and all(row[-1].endswith("x") for row in rows)
+    floor, *scenarios = rows
+    assert floor[1:3] == ["write", "floor:"] and float(floor[3]) >= 0 and floor[4] == "ms"
+    assert [row[1] for row in scenarios] == ["replace", "persistent"] and all(r[-1].endswith("x") for r in scenarios)
 
 
 def test_the_secure_aggregation_benchmark_runs_at_a_tiny_size():
