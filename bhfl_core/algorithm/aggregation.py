@@ -88,8 +88,9 @@ class WeightedSum:
     ) -> None:
         """An empty sum, or one read back from a stored ``total`` (``lo = 0``; the tensor is taken over, not copied).
 
-        ``allocate(name, numel, dtype)`` (optional) gives the zeroed storage of ``hi`` and
-        ``lo`` when the first vector arrives: a worker folds straight into shared memory
+        ``allocate(name, numel, dtype)`` (optional) gives the storage of ``hi`` (written in
+        full by the first vector before it is read, so it may come uninitialised) and of
+        ``lo`` (zeroed) when the first vector arrives: a worker folds straight into shared memory
         (``Transfer.allocate`` in bhfl_core/store/transfer.py, via tasks/fold_storage.py), so
         its sum leaves the process without a copy. Without it the sum lives on the first
         vector's device.

@@ -12,16 +12,16 @@ def test_a_whole_round_folds_into_zeroed_reused_memory_and_other_batches_into_fi
     x = torch.arange(6, dtype=torch.float32)
     tiny = torch.full((6,), 2.0**-60)  # below hi's last bit: what float64 rounds away goes to lo
     pointers, errors = [], []
-    for _ in range(2):
+    for scale in (1.0, 5.0):  # the second round folds other values into the first's buffers: nothing stale counts
         allocate, in_files = storage.allocator(transfer, "edge.w0", whole_round=True)
         fold = WeightedSum(allocate=allocate)
-        fold.add(x + 1, 2)
+        fold.add((x + 1) * scale, 2)
         fold.add(tiny, 1)
         pointers.append((fold.hi.data_ptr(), fold.lo.data_ptr()))
         errors.append(fold.lo.clone())
         assert in_files == {}  # the sum is no file ...
         fold.close()
-        assert torch.equal(fold.mean(), (x + 1) * 2 / 3)
+        assert torch.equal(fold.mean(), (x + 1) * scale * 2 / 3)
         assert list(in_files) == ["mean"]  # ... what it closes to, and sends, is
         assert torch.equal(Transfer.get(in_files["mean"][0]), fold.mean())
     assert pointers[0] == pointers[1]  # the second round reused the first's buffers ...
