@@ -262,7 +262,8 @@ def _to_device(batch: Batch, device: torch.device) -> Batch:
         batch = {k: v for k, v in batch.items() if k != "attention_mask"}
     if device.type != "cuda":
         return {k: v.to(device) for k, v in batch.items()}
-    return {k: v.pin_memory().to(device, non_blocking=True) for k, v in batch.items()}
+    # (a caller's data already on a GPU cannot be pinned, and needs no staging)
+    return {k: v.pin_memory().to(device, non_blocking=True) if v.is_cpu else v.to(device) for k, v in batch.items()}
 
 
 def _result(losses: list[tuple[torch.Tensor, int]]) -> TrainResult:
