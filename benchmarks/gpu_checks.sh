@@ -14,8 +14,10 @@
 #             (needs bitsandbytes: carry its wheels, below)
 #
 # Set-up first, every time: each wheel in the folders .whl*/ at the repository root is installed into
-# the machine's python3 without an index, then this checkout (editable, no dependencies: the machine's
-# own CUDA torch and transformers stay). Make the folders here with scripts/offline_wheels.py, e.g.
+# the machine's python3 without an index and without dependencies (the machine's own CUDA torch and
+# transformers stay); this checkout is not installed but put first on PYTHONPATH, for the workers too
+# (the scripts start `python -m flows.cli...` where no `bhfl` command is installed). Make the folders
+# here with scripts/offline_wheels.py, e.g.
 #   .venv/bin/python scripts/offline_wheels.py .whl --have TARGET_PIP_LIST          # bhfl's run time
 #   .venv/bin/python scripts/offline_wheels.py .whl-gpu --have TARGET_PIP_LIST \
 #       --modules bhfl_core.config.loader bhfl_core.learning.local_train tests.core.test_backbone_precision \
@@ -59,8 +61,6 @@ setup() {
     [ -d "$folder" ] || continue
     "$py" -m pip install -q --no-index --no-deps --no-compile --disable-pip-version-check "$folder"*.whl || return
   done
-  "$py" -m pip install -q --no-index --no-deps --no-build-isolation --ignore-requires-python \
-    --disable-pip-version-check -e . || echo "editable install failed: the checks run this checkout from PYTHONPATH"
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   "$py" -c 'import sys, torch, transformers; print("python", sys.version.split()[0], "torch", torch.__version__,
 "cuda", torch.version.cuda, "transformers", transformers.__version__, "gpu", torch.cuda.is_available())'
