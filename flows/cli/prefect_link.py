@@ -26,6 +26,8 @@ from typing import Any
 
 from rich.console import Console
 
+from flows.cli.shell import command_of
+
 EXPERIMENT_FLOW = ("bhfl-experiment", "run_path")  # a flow's name, and its parameter that names the folder
 PIPELINE_FLOW = ("bhfl-pipeline", "pipeline_path")
 SWEEP_FLOW = ("bhfl-sweep", "sweep_path")
@@ -127,7 +129,7 @@ def _browse_later(console: Console, flow_run_id: str) -> None:
     api = get_current_settings().server.api
     console.print(
         f"Prefect flow run {flow_run_id}: this command's Prefect server stops with it, its records stay in "
-        f"{home}; to browse them run `PREFECT_HOME={home} .venv/bin/prefect server start` and open "
+        f"{home}; to browse them run `PREFECT_HOME={home} {command_of('prefect', 'prefect')} server start` and open "
         f"http://{api.host}:{api.port}/runs/flow-run/{flow_run_id}",
         highlight=False,
     )

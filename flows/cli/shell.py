@@ -46,11 +46,35 @@ def print_json(data: object) -> None:
     sys.stdout.flush()
 
 
+def command_of(script: str, module: str) -> str:
+    """How to start ``script`` of this environment, as a user would type it where they stand.
+
+    Hints print commands to copy: ``.venv/bin/bhfl`` is right for the README's set-up but
+    not for bhfl installed in a conda environment or on the PATH. The script beside this
+    interpreter, as ``bhfl`` when the shell finds that very file, relative when it lies
+    under the working directory, absolute otherwise; without one (a bare checkout run
+    with ``python -m``), this interpreter with ``-m module``.
+    """
+    import shlex
+    import shutil
+
+    beside = Path(sys.executable).with_name(script)
+    if not beside.exists():
+        return f"{shlex.quote(sys.executable)} -m {module}"
+    found = shutil.which(script)
+    if found is not None and Path(found).resolve() == beside.resolve():
+        return script
+    with contextlib.suppress(ValueError):
+        return shlex.quote(str(beside.absolute().relative_to(Path.cwd())))
+    return shlex.quote(str(beside.absolute()))
+
+
 def ui_hint(uri: str, run_dir: Path) -> str:
     """The command that opens the MLflow UI on ``uri``, as a user would type it."""
+    bhfl = command_of("bhfl", "flows.cli.main")
     if os.environ.get("MLFLOW_TRACKING_URI") or not uri.startswith("sqlite:///"):
-        return f".venv/bin/bhfl ui --tracking-uri {uri}"
-    return ".venv/bin/bhfl ui" + ("" if str(run_dir) == "runs" else f" --run-dir {run_dir}")
+        return f"{bhfl} ui --tracking-uri {uri}"
+    return f"{bhfl} ui" + ("" if str(run_dir) == "runs" else f" --run-dir {run_dir}")
 
 
 def open_ui(uri: str, run_dir: Path, experiment_id: str, run_id: str) -> str:
