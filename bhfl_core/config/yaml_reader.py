@@ -93,8 +93,9 @@ def read_yaml_file(path: Path) -> Any:
         raw = path.read_bytes() if path.is_file() else None
     except (OSError, ValueError) as exc:  # a name the OS refuses (too long, NUL byte), no permission
         raise ConfigError(f"config file {str(path)!r} cannot be read ({exc})") from None
-    if raw is None:
-        raise ConfigError(f"config file {str(path)!r} not found")
+    if raw is None:  # a folder exists but is no file: "not found" would send the user looking for it
+        what = "is a folder, not a YAML file" if path.is_dir() else "not found"
+        raise ConfigError(f"config file {str(path)!r} {what}")
     stream = io.BytesIO(raw)
     stream.name = str(path)  # YAML's messages then say `in "<path>", line 3, column 7`
     return parse_yaml(stream, str(path))

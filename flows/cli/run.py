@@ -269,9 +269,13 @@ def resume_job(run_spec: str, overrides: list[str], run_dir: Path, verbose: bool
 
 
 def _resume_run(run_path: Path, overrides: list[str], run_dir: Path, verbose: bool, force_eval: bool) -> None:
-    from flows.records.run_record import RunRecord
+    from flows.records.run_record import RunRecord, RunStateError
 
-    finished = (record := RunRecord.read(run_path)) is not None and record.status == "finished"
+    try:
+        record = RunRecord.read(run_path)
+    except RunStateError as exc:  # a damaged run.json: one line, exit 2, the folder untouched
+        fail(str(exc))
+    finished = record is not None and record.status == "finished"
     if finished and not force_eval:
         from flows.cli.sync import sync_run
         from flows.tracking.spool import pending_count

@@ -200,7 +200,15 @@ def run_entry(
 def find_runs(run_dir: Path) -> list[Path]:
     """Run folders under ``run_dir`` (``<name>/<stamp>/``), oldest first."""
     found = [p.parent for p in run_dir.glob(f"*/*/{CONFIG_FILE}") if (p.parent / RECORD_FILE).exists()]
-    return sorted(found, key=lambda p: (RunRecord.read(p) or RunRecord(name="")).started)
+    return sorted(found, key=_started)
+
+
+def _started(folder: Path) -> float:
+    """When the run in ``folder`` started; 0 (listed first, then as unreadable) if its record is damaged."""
+    try:
+        return (RunRecord.read(folder) or RunRecord(name="")).started
+    except RunStateError:
+        return 0.0
 
 
 def is_id_prefix(spec: str) -> bool:

@@ -19,7 +19,7 @@ from pathlib import Path
 from signal import Signals
 from typing import ClassVar, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from bhfl_core.store.atomic import write_text_atomic
 from flows.services.stop_signals import signal_behind
@@ -89,8 +89,15 @@ class ProcessRecord(BaseModel):
 
     @classmethod
     def read(cls, folder: Path) -> Self | None:
+        """The record in ``folder``, None if it has none; RunStateError (naming the file) if it is damaged."""
         path = folder / cls.FILE
-        return cls.model_validate_json(path.read_text()) if path.exists() else None
+        if not path.exists():
+            return None
+        try:
+            return cls.model_validate_json(path.read_text())
+        except (ValidationError, UnicodeDecodeError) as exc:  # a truncated or hand-edited record: no traceback
+            why = exc.errors()[0]["msg"] if isinstance(exc, ValidationError) else str(exc)
+            raise RunStateError(f"{path}: damaged {cls.NOUN} record ({why})") from None
 
     def write(self, folder: Path) -> None:
         self.updated = time.time()

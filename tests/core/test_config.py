@@ -136,6 +136,8 @@ def test_override_and_file_errors(tmp_path):
     assert apply_override({"a": {"b": 1}}, "a.c=[1, 2]") == {"a": {"b": 1, "c": [1, 2]}}
     with pytest.raises(ConfigError, match="not found"):
         load_config(tmp_path / "missing.yaml")
+    with pytest.raises(ConfigError, match="is a folder, not a YAML file"):  # it exists: "not found" misleads
+        load_config(tmp_path)
     bad = tmp_path / "bad.yaml"
     bad.write_text("tree: [unclosed\n")
     with pytest.raises(ConfigError, match=r"bad\.yaml: not valid YAML"):

@@ -120,3 +120,20 @@ def test_run_starts_prefect_before_importing_torch(tmp_path):
     sets = [arg for assignment in (*SMALL, "runtime.executor=inprocess") for arg in ("--set", assignment)]
     out = cli("run", *sets, "--run-dir", str(tmp_path), python=["-c", code])
     assert out.returncode == 0, f"exit {out.returncode} (3: torch was imported)\n{out.stderr[-3000:]}"
+
+
+def test_resume_of_a_run_whose_record_is_damaged_is_one_line_naming_the_file(tmp_path):
+    # a run.json cut off by a full disk or a bad copy: one line naming the file, exit 2, the file kept as it was
+    folder = tmp_path / "itest" / "20260101-000000-000"
+    folder.mkdir(parents=True)
+    (folder / "run.json").write_text('{"name": "itest", "sta')
+    (folder / "config.yaml").write_text("name: itest\n")
+    out = CliRunner().invoke(app, ["resume", str(folder), "--run-dir", str(tmp_path)])
+    assert out.exit_code == 2, out.output
+    assert out.exception is None or isinstance(out.exception, SystemExit)  # no traceback
+    message = " ".join(out.output.split())
+    assert f"{folder / 'run.json'}: damaged run record (Invalid JSON" in message
+    assert (folder / "run.json").read_text() == '{"name": "itest", "sta'
+    listed = CliRunner().invoke(app, ["runs", "--run-dir", str(tmp_path)])  # the listing shows it, unreadable
+    assert listed.exit_code == 0, listed.output
+    assert "unreadable: " in listed.output and "damaged run record" in " ".join(listed.output.split())
