@@ -310,6 +310,8 @@ def sweep_from_dict(
     if seed_list is not None and "seed" in set_keys:
         raise ConfigError(f"{source}: seeds: seed is also set (set: or --set); the seeds would win")
     if len(variants) == 1 and not variants[0].name and not grid_values and seed_list is None:
+        # the config's own mistakes first (a typo'd `grid:` in an experiment file is an unknown key there)
+        _point_config(variants[0], overrides, {}, None, source)
         raise ConfigError(f"{source}: nothing to sweep: give a grid (grid: or --grid KEY=V1,V2) or seeds")
     short = short_keys(list(grid_values))
     points: list[Point] = []

@@ -147,6 +147,13 @@ def test_mistakes_are_config_errors_naming_the_key(data, kwargs, names):
         assert name in message, message
 
 
+def test_a_typo_for_grid_in_a_file_names_the_key_not_an_empty_sweep(tmp_path):
+    typo = tmp_path / "s.yaml"  # `gird:` makes it an experiment file, whose unknown key is the mistake
+    typo.write_text(f"base: {CONFIGS / 'embedded.yaml'}\ngird:\n  tree.edge.eta_down: [1.0, 0.5]\n")
+    with pytest.raises(ConfigError, match=r"gird.*unknown key"):
+        load_sweep(typo)
+
+
 def test_option_mistakes_name_the_option():
     with pytest.raises(ConfigError, match=r"--grid 'tree.edge.eta_down'"):
         parse_grid_option("tree.edge.eta_down")
