@@ -263,5 +263,5 @@ def test_bytes_that_are_not_utf8_and_unreadable_names_are_config_errors(tmp_path
         load_config(path)
     with pytest.raises(ConfigError, match=r"cannot be read \(.*name too long"):
         load_config(tmp_path / ("x" * 5000))  # a name the OS refuses: too long
-    with pytest.raises(ConfigError, match="not found"):
-        load_config(tmp_path)  # a folder
+    with pytest.raises(ConfigError, match="is a folder, not a YAML file"):
+        load_config(tmp_path)  # a folder: it exists, so "not found" would mislead
