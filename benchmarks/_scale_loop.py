@@ -39,7 +39,7 @@ def loop_child(run_path: Path, plan: dict[str, Any]) -> None:
     cfg, tree = ctx.config, ctx.tree
     edges = [[c.id for c in tree.children(n.id)] for n in tree if n.role == Role.EDGE]
     data_ready = time.time()
-    torch.set_num_threads(cfg.runtime.torch_threads or 1)
+    torch.set_num_threads(cfg.runtime.torch_threads)
     device = torch.device("cpu")
     model = ctx.build_model(cfg.seed + cfg.model.init_seed_offset)
     # A client's training rows as bhfl's worker loads them (whatever the data layout on disk is).

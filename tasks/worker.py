@@ -169,7 +169,7 @@ class WorkerRuntime:
             started = time.time()
             ctx = open_run(run_path)
             threads = torch.get_num_threads()
-            torch.set_num_threads(ctx.config.runtime.torch_threads or 1)
+            torch.set_num_threads(ctx.config.runtime.torch_threads)
             try:
                 yield ctx
             finally:

@@ -150,6 +150,8 @@ class RuntimeConfig(Strict):
     stay there for inspection), ``auto`` (memory when every process is on this machine
     and ``/dev/shm`` has 2 GiB free, else the run folder). ``tls``: the certificates of a
     ``tls://`` cluster (else Dask's own ``distributed.comm.tls.*`` settings are used).
+    ``torch_threads``: intra-op threads of every training and evaluation call (1: parallelism
+    comes from processes, and CPU reductions split the same way on every worker).
     ``trusted_network``: accept a plain ``tcp://`` scheduler on another machine (refused
     by default: anyone who reaches its port can run code on every worker).
     """
@@ -162,13 +164,19 @@ class RuntimeConfig(Strict):
     placement: Literal["lpt", "round_robin", "learned"] = "lpt"
     parallel_subtrees: bool = True
     subflow_depth: Annotated[int, Field(ge=0)] | None = None
-    torch_threads: Annotated[int, Field(ge=1)] | None = None
+    torch_threads: Annotated[int, Field(ge=1)] = 1
     retries: Annotated[int, Field(ge=0)] = 1
     retry_delay_s: Annotated[float, Field(ge=0)] = 1.0
     on_client_failure: Literal["fail", "drop"] = "fail"
     transfer: Literal["auto", "memory", "run_folder"] = "auto"
     tls: ClusterTls | None = None
     trusted_network: bool = False
+
+    @field_validator("torch_threads", mode="before")
+    @classmethod
+    def _threads_unset_is_one(cls, v: object) -> object:
+        """Run records written before the default was spelled out hold ``null``, which always meant 1."""
+        return 1 if v is None else v
 
     @field_validator("cluster")
     @classmethod

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from bhfl_core.config.schema import RuntimeConfig
 from bhfl_core.store.run_layout import CONFIG_FILE, DATA_POINTER
 from tasks import context, faults, worker
 from tasks.executor import ProcessWorker
@@ -78,14 +79,16 @@ def test_opened_runs_are_bounded_renewed_when_their_files_change_and_forgotten(t
 
 
 def test_a_worker_call_runs_at_its_runs_threads_and_gives_the_process_its_own_back(tmp_path, monkeypatch):
-    run = SimpleNamespace(run_path=tmp_path, config=SimpleNamespace(runtime=SimpleNamespace(torch_threads=None)))
+    # an older run record's `torch_threads: null` reads as the documented default, 1
+    runtime_config = RuntimeConfig.model_validate({"torch_threads": None})
+    run = SimpleNamespace(run_path=tmp_path, config=SimpleNamespace(runtime=runtime_config))
     monkeypatch.setattr(worker, "open_run", lambda path: run)
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
         runtime = worker.WorkerRuntime("w", torch.device("cpu"))
         with runtime._call(str(tmp_path)):
-            assert torch.get_num_threads() == 1  # runtime.torch_threads unset: 1
+            assert torch.get_num_threads() == 1 == RuntimeConfig().torch_threads
         assert torch.get_num_threads() == 2
         with pytest.raises(ValueError), runtime._call(str(tmp_path)):
             raise ValueError("a failing call gives the threads back too")
