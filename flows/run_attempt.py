@@ -24,6 +24,7 @@ import torch
 from bhfl_core.algorithm.contract import ROOT_PLAN
 from bhfl_core.algorithm.node_state import NodeState
 from bhfl_core.config.schema import ExperimentConfig, RuntimeConfig
+from bhfl_core.store.atomic import write_text_atomic
 from bhfl_core.store.run_layout import DATA_POINTER, TIMELINE_DIR
 from bhfl_core.store.transfer import Transfer
 from flows import progress
@@ -108,7 +109,7 @@ class _Attempt:
             stack.callback(starting.close)
         FaultPlan.for_run(path).hit("prepare")  # (the run context, with its plan, needs the data)
         data_root = self.launch.orchestration.prepare(cfg, self.launch.run_root / "cache").root
-        (path / DATA_POINTER).write_text(json.dumps({"data_root": str(data_root)}))
+        write_text_atomic(path / DATA_POINTER, json.dumps({"data_root": str(data_root)}))  # read by runs, resume
         mark_once(path, "data_ready")
         ctx = open_run(path, cfg)
         stack.callback(forget_run, path)  # the context holds the run's data: not kept once the attempt ends
