@@ -14,7 +14,7 @@ execution can make to the child below it on the path:
 
 The product is an upper bound: the planned epsilon is never below what the run spends
 (cohort sampling above the server only makes it spend less). The noise multiplier for a
-target is the smallest, to a relative 1e-4, whose epsilon after the planned rounds is
+target is the smallest, to a relative 1e-3 (rounded up), whose epsilon after the planned rounds is
 within it (``privacy_accounting.calibrate``). A run is refused before it starts when its
 plan would exceed ``max_epsilon``; ``DpRule`` also refuses to publish a round past it
 (``dp_rule.py``), which only a plan that undercounted could reach.
