@@ -3,7 +3,10 @@
 "Best / worst 10%" of a distribution over clients is the mean over the best / worst
 ``ceil(10% of n)`` clients (at least one), where best means highest for accuracy and
 macro-F1 and lowest for loss and perplexity. Over a sample of clients (``eval.clients:
-N``) the mean carries a 95% interval for the mean over all of them.
+N``) the mean carries a 95% interval for the mean over all of them, its ends clipped to
+the metric's bounds (an accuracy in [0, 1]) as ``bhfl compare`` clips its intervals over
+seeds (``seeds.interval``): a t-interval is symmetric around the mean, so with a few
+clients near a bound it runs past a value no client can have.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ class Distribution:
     ``of``: the clients the ``n`` stand for: ``n`` when every client was scored; more when
     they are a sample (``eval.clients: N``), and then ``mean_low``/``mean_high`` is the
     95% interval of the mean over all ``of`` (a t-interval with the finite-population
-    correction); for a complete population it is the mean itself.
+    correction, clipped to the metric's bounds); for a complete population it is the mean itself.
     """
 
     n: int
@@ -58,8 +61,12 @@ class Distribution:
 STATS = ("mean", "median", "best10", "worst10", "variance")
 
 
-def _mean_interval(t: torch.Tensor, mean: float, of: int) -> tuple[float, float]:
-    """95% interval of the mean over ``of`` clients from the sample ``t`` (drawn without replacement)."""
+Bounds = tuple[float, float]
+
+
+def _mean_interval(t: torch.Tensor, mean: float, of: int, bounds: Bounds | None) -> tuple[float, float]:
+    """95% interval of the mean over ``of`` clients from the sample ``t`` (drawn without replacement), within
+    ``bounds``."""
     n = len(t)
     if of <= n:
         return mean, mean
@@ -68,11 +75,15 @@ def _mean_interval(t: torch.Tensor, mean: float, of: int) -> tuple[float, float]
     from scipy.stats import t as student
 
     half = float(student.ppf(0.975, n - 1)) * float(t.std(unbiased=True)) / math.sqrt(n) * math.sqrt((of - n) / of)
-    return mean - half, mean + half
+    low, high = bounds if bounds is not None else (-math.inf, math.inf)
+    return max(mean - half, low), min(mean + half, high)
 
 
-def distribution(values: Sequence[float], higher_is_better: bool, of: int | None = None) -> Distribution:
-    """The distribution of ``values`` (NaNs left out); ``of``: how many clients they are a sample of."""
+def distribution(
+    values: Sequence[float], higher_is_better: bool, of: int | None = None, bounds: Bounds | None = None
+) -> Distribution:
+    """The distribution of ``values`` (NaNs left out); ``of``: how many clients they are a sample of; ``bounds``:
+    the range the metric cannot leave (``TaskMetrics.bounds``), which the mean's interval is clipped to."""
     clean = [v for v in values if not math.isnan(v)]
     if not clean:
         nan = float("nan")
@@ -91,7 +102,7 @@ def distribution(values: Sequence[float], higher_is_better: bool, of: int | None
         worst_fraction_mean(clean, 0.1, higher_is_better),
         float(t.var(unbiased=False)),
         total,
-        *_mean_interval(t, mean, total),
+        *_mean_interval(t, mean, total, bounds),
     )
 
 

@@ -210,7 +210,7 @@ class Evaluation:
         else:
             values = self.per_client(model, clients, metric)
         of = total if self.sampled and len(values) == len(clients) else len(values)
-        return distribution(values, self.task.better(metric), of)
+        return distribution(values, self.task.better(metric), of, self.task.bounds.get(metric))
 
     def _populations(self, model: str) -> tuple[tuple[str, list[str], int], ...]:
         return (
@@ -314,7 +314,7 @@ class Evaluation:
                     gains.setdefault(relation, []).append(self.gain(value, local, metric))
         for relation, values in per_relation.items():
             of = round(len(values) * len(self.all_clients) / len(self.clients))  # the clients they stand for
-            d = distribution(values, better, of)
+            d = distribution(values, better, of, self.task.bounds.get(metric))
             out[f"{relation}_on_own_clients/{metric}_mean"] = d.mean
             out[f"{relation}_on_own_clients/{metric}_worst10"] = d.worst10
             if d.of > d.n:  # a sample of the clients: the interval of the mean over all of them

@@ -102,7 +102,8 @@ def _clients(r: ReportInputs) -> list[str]:
         scored = [ev.value(m, c) for c in ev.clients for rel, m in ev.relatives(c) if rel == relation]
         values = [v for v in scored if v is not None]
         if values:
-            d = distribution(values, better, round(len(values) * len(ev.all_clients) / len(ev.clients)))
+            of = round(len(values) * len(ev.all_clients) / len(ev.clients))
+            d = distribution(values, better, of, ev.task.bounds.get(metric))
             g = h.get(f"gain_vs_local/{relation}/{metric}_mean", math.nan)
             share = h.get(f"gain_vs_local/{relation}/{metric}_share_better", math.nan)
             mean: object = f"{d.mean:.4f} [{d.mean_low:.4f}, {d.mean_high:.4f}]" if ev.sampled else d.mean

@@ -144,6 +144,24 @@ def test_an_interval_over_seeds_covers_the_full_mean_about_95_times_in_100():
     assert 180 <= covered <= 200  # 95% nominal: 190 expected, binomial sd ~3
 
 
+def test_a_sampled_interval_near_a_bound_is_clipped_to_what_the_metric_can_take():
+    """Three of 100 clients sampled, accuracies 0, 0, 0.3: the t-interval runs below 0, which no accuracy can."""
+    values = [0.0, 0.0, 0.3]
+    half = 4.3027 * float(np.std(values, ddof=1)) / math.sqrt(3) * math.sqrt(97 / 100)  # t(2) 97.5%, fpc
+    free = distribution(values, True, of=100)
+    assert (free.mean_low, free.mean_high) == pytest.approx((0.1 - half, 0.1 + half), rel=1e-4) and free.mean_low < 0
+    clipped = distribution(values, True, of=100, bounds=CLS.bounds["accuracy"])
+    assert (clipped.mean_low, clipped.mean_high) == (0.0, free.mean_high) and clipped.mean == free.mean
+    # a run's evaluation clips with its task's bounds: the root right on 2 of the 60 sampled clients only
+    tree = big_tree(2, 2, 50)
+    plan = EvalPlan(tree, 11, 60, 16)
+    acc = {c: float(c in plan.population[:2]) for c in client_order(tree)}
+    root = {(r.population, r.metric): r.dist for r in server_values(tree, plan, acc).distribution_rows()}
+    d = root[("all", "accuracy")]
+    assert d.mean == pytest.approx(2 / 60) and distribution([acc[c] for c in plan.population], True, 200).mean_low < 0
+    assert d.mean_low == 0.0 < d.mean < d.mean_high
+
+
 def test_evaluation_of_persistent_clients_grows_with_clients_not_clients_squared():
     """2,000 client models on a 2,000-client tree: each scored on 1 + 3 x 8 splits, the matrix, pairs and what
     a worker returns per model bounded by that, not by the 2,000 clients."""
