@@ -311,26 +311,48 @@ def server_died(pid: int, code: int, log_file: Path, resume: Path | None) -> Non
     )
 
 
+def cron_problem(cron: str) -> str | None:
+    """Why Prefect refuses ``cron`` as a schedule, in its words (None: it takes it).
+
+    Imports Prefect, which reads its settings (``PREFECT_API_URL`` among them) once, when
+    first imported: call it only once the command's Prefect API is in the environment.
+    """
+    from prefect.client.schemas.schedules import CronSchedule
+    from pydantic import ValidationError
+
+    try:
+        CronSchedule(cron=cron)
+    except ValidationError as exc:
+        return "; ".join(str(error["msg"]).removeprefix("Value error, ") for error in exc.errors())
+    return None
+
+
 def serve_on_schedule(run_dir: Path, cron: str, deployment: str, note: str, serve: Callable[[], None]) -> None:
-    """``bhfl serve``: check the cron, bring up a Prefect API (schedules need a real server), serve until Ctrl-C.
+    """``bhfl serve``: bring up a Prefect API (schedules need a real server), check the cron, serve until Ctrl-C.
 
     ``deployment`` is ``<flow>/<name>``; ``note`` says what it runs (shown beside it).
+    Prefect is imported only once ``PREFECT_API_URL`` names that server: imported before,
+    it kept no API URL and, to register and poll the deployment, started a temporary
+    server of its own on the same database beside the command's. The cron is checked
+    while the server boots, before anything is registered.
     """
-    try:
-        from prefect.client.schemas.schedules import CronSchedule
-
-        CronSchedule(cron=cron)
-    except ValueError as exc:
-        fail(f"--cron {cron!r}: not a valid cron expression ({exc})")
     prepare_environment(run_dir, verbose=False)
-    if "PREFECT_API_URL" not in os.environ:
-        console.print("no PREFECT_API_URL: starting a local Prefect server with its UI (schedules need one) ...")
+    own = "PREFECT_API_URL" not in os.environ
     with prefect_api(run_dir, full=True) as prefect_ready:
+        if (problem := cron_problem(cron)) is not None:
+            fail(
+                f"--cron {cron!r}: not a valid cron expression ({problem}); five fields, minute hour day-of-month "
+                'month day-of-week: "0 2 * * *" is every day at 02:00'
+            )
+        if own:
+            console.print("no PREFECT_API_URL: starting a local Prefect server with its UI (schedules need one) ...")
         prefect_ready()
-        ui_url = os.environ["PREFECT_API_URL"].removesuffix("/api")
+        api_url = os.environ["PREFECT_API_URL"]
+        prefect = command_of("prefect", "prefect")
+        trigger = f"PREFECT_API_URL={api_url} {prefect}" if own else prefect  # another shell must name this server
         console.print(
-            f"serving [cyan]{deployment}[/]{note} on cron {cron!r}; Prefect UI {ui_url} "
-            f"(trigger a run there or `prefect deployment run {deployment}`); Ctrl-C stops",
+            f"serving [cyan]{deployment}[/]{note} on cron {cron!r}; Prefect UI {api_url.removesuffix('/api')} "
+            f"(trigger a run there or `{trigger} deployment run {deployment}`); Ctrl-C stops",
             highlight=False,
             soft_wrap=True,
         )

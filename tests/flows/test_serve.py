@@ -15,10 +15,12 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 import torch
 from mlflow import MlflowClient
 
+from tests.flows.kill_chain import leftovers
 from tests.flows.prefect_api import api
 from tests.small import REPO, SMALL
 
@@ -39,7 +41,19 @@ def _wait(what: str, check, timeout_s: float, proc: subprocess.Popen):
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def _start_serve(tmp_path, log) -> subprocess.Popen:
+def _temporary_servers(session: int) -> list[str]:
+    """Prefect's temporary servers (what its client starts when it has no API URL) among the command's processes."""
+    found = []
+    for process in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            if os.getsid(process.pid) == session and "prefect.server.api.server:create_app" in process.info["cmdline"]:
+                found.append(f"{process.pid} {' '.join(process.info['cmdline'])}")
+        except (ProcessLookupError, PermissionError, TypeError):
+            continue
+    return found
+
+
+def _start_serve(tmp_path, log, cron: str = "0 2 * * *") -> subprocess.Popen:
     """`bhfl serve` of the small experiment as a cron deployment ``nightly``, with no Prefect server of the user's."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
     env.update(
@@ -58,7 +72,7 @@ def _start_serve(tmp_path, log) -> subprocess.Popen:
             "serve",
             "configs/embedded.yaml",
             "--cron",
-            "0 2 * * *",
+            cron,
             "--name",
             "nightly",
             *sets,
@@ -130,6 +144,11 @@ def test_serve_registers_cron_deployment_and_runs_it(tmp_path):
 
             base = _wait("the Prefect server", ui_url, 240, proc) + "/api"
             deployment = _deployment_with_its_schedule(base, proc)
+            # registered and polled through the server it printed: no temporary server of Prefect's beside it on
+            # the same database (Prefect imported before PREFECT_API_URL was set kept no API URL and started one)
+            assert _temporary_servers(proc.pid) == []
+            log.seek(0)  # the command another shell can paste names that server
+            assert f"`PREFECT_API_URL={base} " in log.read()
             _quick_run(base, deployment, proc, tmp_path / "serve.log")
         finally:
             os.killpg(proc.pid, signal.SIGTERM)
@@ -141,3 +160,16 @@ def test_serve_registers_cron_deployment_and_runs_it(tmp_path):
         raise AssertionError("the Prefect server outlived `bhfl serve`")
     except OSError:
         pass
+
+
+def test_a_bad_cron_is_one_line_and_leaves_nothing_running(tmp_path):
+    with open(tmp_path / "serve.log", "w+") as log:
+        proc = _start_serve(tmp_path, log, cron="61 2 * * *")
+        assert proc.wait(timeout=120) == 2
+        log.seek(0)
+        said = log.read()
+    assert said.startswith(
+        "error: --cron '61 2 * * *': not a valid cron expression (Invalid cron string: \"61 2 * * *\"); five fields"
+    ), said
+    assert len(said.strip().splitlines()) == 1, said
+    assert leftovers(proc.pid) == []
