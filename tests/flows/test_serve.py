@@ -53,8 +53,9 @@ def _temporary_servers(session: int) -> list[str]:
     return found
 
 
-def _start_serve(tmp_path, log, cron: str = "0 2 * * *") -> subprocess.Popen:
-    """`bhfl serve` of the small experiment as a cron deployment ``nightly``, with no Prefect server of the user's."""
+def _start_serve(tmp_path, log, cron: str = "0 2 * * *", config: str = "configs/embedded.yaml") -> subprocess.Popen:
+    """`bhfl serve` of the small experiment (or a sweep file, its --set applied to every point) as a cron deployment
+    ``nightly``, with no Prefect server of the user's."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
     env.update(
         {
@@ -70,7 +71,7 @@ def _start_serve(tmp_path, log, cron: str = "0 2 * * *") -> subprocess.Popen:
             "-m",
             "flows.cli.app",
             "serve",
-            "configs/embedded.yaml",
+            config,
             "--cron",
             cron,
             "--name",
@@ -85,6 +86,17 @@ def _start_serve(tmp_path, log, cron: str = "0 2 * * *") -> subprocess.Popen:
         stderr=subprocess.STDOUT,
         start_new_session=True,
     )
+
+
+def _api_of(proc: subprocess.Popen, log) -> str:
+    """The API of the Prefect server `bhfl serve` says it serves on, once it says so."""
+
+    def ui_url():
+        log.seek(0)
+        match = re.search(r"Prefect UI\s+(http://127\.0\.0\.1:\d+)", log.read())
+        return match and match.group(1)
+
+    return _wait("the Prefect server", ui_url, 240, proc) + "/api"
 
 
 def _deployment_with_its_schedule(base: str, proc: subprocess.Popen) -> dict:
@@ -136,13 +148,7 @@ def test_serve_registers_cron_deployment_and_runs_it(tmp_path):
     with open(tmp_path / "serve.log", "w+") as log:
         proc = _start_serve(tmp_path, log)
         try:
-
-            def ui_url():
-                log.seek(0)
-                match = re.search(r"Prefect UI\s+(http://127\.0\.0\.1:\d+)", log.read())
-                return match and match.group(1)
-
-            base = _wait("the Prefect server", ui_url, 240, proc) + "/api"
+            base = _api_of(proc, log)
             deployment = _deployment_with_its_schedule(base, proc)
             # registered and polled through the server it printed: no temporary server of Prefect's beside it on
             # the same database (Prefect imported before PREFECT_API_URL was set kept no API URL and started one)
@@ -172,4 +178,23 @@ def test_a_bad_cron_is_one_line_and_leaves_nothing_running(tmp_path):
         "error: --cron '61 2 * * *': not a valid cron expression (Invalid cron string: \"61 2 * * *\"); five fields"
     ), said
     assert len(said.strip().splitlines()) == 1, said
+    assert leftovers(proc.pid) == []
+
+
+def test_a_served_sweep_registers_through_the_printed_server_and_sigterm_stops_it(tmp_path):
+    sweep = tmp_path / "sweep.yaml"
+    sweep.write_text(
+        f"name: nightly-sweep\nbase: {REPO}/configs/embedded.yaml\ngrid: {{tree.edge.eta_down: [1.0, 0.5]}}\n"
+    )
+    with open(tmp_path / "serve.log", "w+") as log:
+        proc = _start_serve(tmp_path, log, config=str(sweep))
+        try:
+            base = _api_of(proc, log)
+            deployment = _wait("the deployment", lambda: api(f"{base}/deployments/name/bhfl-sweep/nightly"), 120, proc)
+            assert len(deployment["parameters"]["sweep"]["points"]) == 2, deployment["parameters"]
+            assert _temporary_servers(proc.pid) == []  # (flows.sweep, which imports Prefect, was imported too early)
+        finally:
+            os.killpg(proc.pid, signal.SIGTERM)
+            code = proc.wait(timeout=60)
+    assert code == 0  # Prefect's runner handles SIGTERM (docs/runtime.md, "Faults")
     assert leftovers(proc.pid) == []
