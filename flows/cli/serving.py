@@ -71,7 +71,7 @@ def _bind_error(host: str, port: int) -> OSError | None:
 def ui(
     run_dir: RunDirOption = DEFAULT_RUN_DIR,
     tracking_uri: TrackingOption = None,
-    port: Annotated[int, typer.Option(help="Port to serve on.")] = 5000,
+    port: Annotated[int, typer.Option(min=1, max=65535, help="Port to serve on.")] = 5000,
     host: Annotated[
         str, typer.Option(help="Interface to bind; keep 127.0.0.1 unless you mean to expose it.")
     ] = "127.0.0.1",

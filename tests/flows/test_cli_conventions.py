@@ -244,6 +244,16 @@ def test_ui_on_a_busy_port_fails_clearly(tmp_path):
     assert f"`bhfl ui --port {port + 1}`" in message and "Traceback" not in out.stderr and not out.stdout
 
 
+def test_ui_on_a_port_outside_1_65535_is_a_usage_error_before_anything_starts(tmp_path):
+    (tmp_path / "mlflow.db").touch()  # a store: the port is the only problem
+    for port in ("65536", "99999"):  # (it started an MLflow server, whose uvicorn died with a traceback: exit 0)
+        out = CliRunner().invoke(app, ["ui", "--run-dir", str(tmp_path), "--port", port])
+        assert out.exit_code == 2, out.output
+        message = " ".join(out.stderr.split())
+        assert "Invalid value for '--port': Input should be less than or equal to 65535" in message, message
+        assert "MLflow UI for" not in out.output and "Traceback" not in out.output
+
+
 def test_end_of_run_summary_on_stdout_unwrapped(capsys, tmp_path):
     run_path = tmp_path / ("runs-" + "y" * 90) / "itest" / "20260101-000000-001"
     result = {
