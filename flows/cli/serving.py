@@ -80,8 +80,14 @@ def ui(
     import errno
 
     from flows.records.run_record import default_tracking_uri
+    from flows.tracking.links import is_tracking_server
 
     uri = tracking_uri or default_tracking_uri(run_dir)
+    if is_tracking_server(uri):  # `mlflow server` takes stores, not servers: it died with a traceback on one
+        fail(
+            f"--tracking-uri {uri} is an MLflow tracking server, which serves its own UI: browse {uri.rstrip('/')} "
+            "(bhfl ui serves a store: the run dir's sqlite:///RUN_DIR/mlflow.db, another database or a folder)"
+        )
     if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///") :]).exists():
         fail(f"no MLflow store at {uri}; run `bhfl run` first or pass --tracking-uri")
     if (error := _bind_error(host, port)) is not None:

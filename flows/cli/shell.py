@@ -78,11 +78,13 @@ def ui_hint(uri: str, run_dir: Path) -> str:
 
 
 def open_ui(uri: str, run_dir: Path, experiment_id: str, run_id: str) -> str:
-    """The summary's last lines: how to start the UI, the run's page, the experiment's runs side by side."""
-    from flows.tracking.links import run_link, runs_link
+    """The summary's last lines: how to start the UI (a tracking server serves its own), the run's page, the
+    experiment's runs side by side."""
+    from flows.tracking.links import is_tracking_server, run_link, runs_link
 
+    start = "the tracking server serves it," if is_tracking_server(uri) else f"{ui_hint(uri, run_dir)}  "
     return (
-        f"  open the UI:  {ui_hint(uri, run_dir)}   then browse {run_link(uri, experiment_id, run_id)}\n"
+        f"  open the UI:  {start} then browse {run_link(uri, experiment_id, run_id)}\n"
         f"  every run of the experiment, headline metrics as columns: {runs_link(uri, experiment_id)}"
     )
 

@@ -272,6 +272,31 @@ def test_end_of_run_summary_on_stdout_unwrapped(capsys, tmp_path):
     assert "MLflow run id: 0123456789abcdef0123456789abcdef" in captured.out
 
 
+def test_a_run_logged_to_a_tracking_server_is_browsed_there_not_through_bhfl_ui(capsys, tmp_path):
+    """`bhfl ui --tracking-uri http://...` cannot serve a server (`mlflow server` takes stores): the summary does not
+    send the user there (it did, and that command died with MLflow's traceback, exit 1), and the command says why."""
+    server = "http://127.0.0.1:15500"
+    result = {
+        "headline": {"root/union/accuracy": 0.5},
+        "tracking_uri": server,
+        "wall_time_s": 3.0,
+        "run_path": str(tmp_path / "runs" / "itest" / "20260101-000000-001"),
+        "run_id": "0123456789abcdef0123456789abcdef",
+        "experiment_id": "4",
+    }
+    _print_summary(result, Path("runs"))
+    summary = capsys.readouterr().out
+    link = f"{server}/#/experiments/4/runs/0123456789abcdef0123456789abcdef?workflowType=machine_learning"
+    assert f"  open the UI:  the tracking server serves it, then browse {link}\n" in summary, summary
+    assert " ui " not in summary
+    out = CliRunner().invoke(app, ["ui", "--tracking-uri", server + "/", "--port", "1"])
+    assert out.exit_code == 2 and len(out.stderr.strip().splitlines()) == 1, out.output
+    assert (
+        f"error: --tracking-uri {server}/ is an MLflow tracking server, which serves its own UI: browse {server} ("
+        in (out.stderr)
+    )
+
+
 def test_end_of_run_summary_shows_the_trivial_baseline_beside_each_headline(capsys, tmp_path):
     """The terminal's table has report.md's trivial baseline: a column beside the headlines it has a value of."""
     result = {
