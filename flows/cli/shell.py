@@ -274,7 +274,7 @@ def prefect_api(run_dir: Path, full: bool, resume: Path | None = None) -> Iterat
     """
     if "PREFECT_API_URL" in os.environ:
         with stopped_by_signals(resume):
-            yield PrefectApi(lambda: None, own=False)
+            yield PrefectApi(lambda: users_server_answers(os.environ["PREFECT_API_URL"], resume), own=False)
         return
     from flows.services.prefect_server import start_server
 
@@ -291,6 +291,18 @@ def prefect_api(run_dir: Path, full: bool, resume: Path | None = None) -> Iterat
             APILogHandler().flush()
         server.stop()
         os.environ.pop("PREFECT_API_URL", None)
+
+
+def users_server_answers(api_url: str, resume: Path | None) -> None:
+    """A Prefect server of the user's (``PREFECT_API_URL``) that does not listen: one line, exit 2, before the
+    command's first Prefect call (whose retries ended in a traceback, exit 1)."""
+    from flows.services.prefect_server import unreachable
+
+    if (problem := unreachable(api_url)) is not None:
+        fail(
+            f"PREFECT_API_URL is {api_url}: {problem}. Start that Prefect server (`prefect server start`), or unset "
+            f"PREFECT_API_URL to have the command start one of its own. {how_to_go_on(resume)}"
+        )
 
 
 def server_died(pid: int, code: int, log_file: Path, resume: Path | None) -> None:

@@ -11,6 +11,7 @@ reproducibility tags. Stopping the command (SIGTERM) stops its server too.
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -198,3 +199,28 @@ def test_a_served_sweep_registers_through_the_printed_server_and_sigterm_stops_i
             code = proc.wait(timeout=60)
     assert code == 0  # Prefect's runner handles SIGTERM (docs/runtime.md, "Faults")
     assert leftovers(proc.pid) == []
+
+
+def test_a_prefect_server_of_the_users_that_does_not_answer_is_one_line(tmp_path):
+    """PREFECT_API_URL naming a server that is not running: one line naming it, exit 2 (it was httpx's traceback after
+    Prefect's retries, exit 1; `bhfl run` the same: tests share this check, flows/cli/shell.py::prefect_api)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]  # free once closed: nothing listens there
+    api_url = f"http://127.0.0.1:{port}/api"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PREFECT_API_URL": api_url}
+    out = subprocess.run(
+        [sys.executable, "-m", "flows.cli.app", "serve", "--run-dir", str(tmp_path / "runs")],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert out.stderr.startswith(
+        f"error: PREFECT_API_URL is {api_url}: nothing answers at 127.0.0.1:{port} (Connection refused). Start that "
+        "Prefect server (`prefect server start`), or unset PREFECT_API_URL"
+    ), out.stderr[-3000:]
+    assert len(out.stderr.strip().splitlines()) == 1 and not out.stdout
