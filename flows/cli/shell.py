@@ -326,14 +326,20 @@ def server_died(pid: int, code: int, log_file: Path, resume: Path | None) -> Non
 
 
 def cron_problem(cron: str) -> str | None:
-    """Why Prefect refuses ``cron`` as a schedule, in its words (None: it takes it).
+    """Why Prefect refuses ``cron`` as a schedule, in its words (None: it takes it); also six or seven fields.
 
-    Imports Prefect, which reads its settings (``PREFECT_API_URL`` among them) once, when
-    first imported: call it only once the command's Prefect API is in the environment.
+    Prefect's croniter takes a sixth field as seconds and a seventh as the year, so one
+    ``*`` too many (``0 2 * * * *``) would start a run every second from 02:00:00 to
+    02:00:59: refused here, with the five fields spelt out. Imports Prefect, which reads
+    its settings (``PREFECT_API_URL`` among them) once, when first imported: call it only
+    once the command's Prefect API is in the environment.
     """
     from prefect.client.schemas.schedules import CronSchedule
     from pydantic import ValidationError
 
+    fields = cron.split()
+    if len(fields) > 5 and not cron.strip().startswith("@"):
+        return f"{len(fields)} fields: Prefect reads a sixth as seconds, so this would start a run every second"
     try:
         CronSchedule(cron=cron)
     except ValidationError as exc:

@@ -21,6 +21,7 @@ import pytest
 import torch
 from mlflow import MlflowClient
 
+from flows.cli.shell import cron_problem
 from tests.flows.kill_chain import leftovers
 from tests.flows.prefect_api import api
 from tests.small import REPO, SMALL
@@ -180,6 +181,18 @@ def test_a_bad_cron_is_one_line_and_leaves_nothing_running(tmp_path):
     ), said
     assert len(said.strip().splitlines()) == 1, said
     assert leftovers(proc.pid) == []
+
+
+def test_a_cron_of_six_fields_is_refused_not_read_as_seconds():
+    """One `*` too many made Prefect's croniter read seconds: "0 2 * * * *" was a run every second of 02:00."""
+    assert cron_problem("0 2 * * *") is None and cron_problem("@daily") is None
+    assert cron_problem("0 2 * * * *") == (
+        "6 fields: Prefect reads a sixth as seconds, so this would start a run every second"
+    )
+    assert (
+        cron_problem("0 2 * * *  2027") is not None
+        and cron_problem("61 2 * * *") == 'Invalid cron string: "61 2 * * *"'
+    )
 
 
 def test_a_served_sweep_registers_through_the_printed_server_and_sigterm_stops_it(tmp_path):
