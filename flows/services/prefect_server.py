@@ -86,6 +86,8 @@ def unreachable(api_url: str, grace_s: float = USER_SERVER_GRACE_S) -> str | Non
         return f"not a URL of a Prefect API such as http://127.0.0.1:4200/api ({exc})"
     if parts.scheme not in ("http", "https") or not host:
         return "not a URL of a Prefect API such as http://127.0.0.1:4200/api"
+    if parts.scheme in urllib.request.getproxies() and not urllib.request.proxy_bypass(host):
+        return None  # reached through a proxy (as Prefect's client does): a direct connection says nothing
     deadline = time.monotonic() + grace_s
     while True:
         try:
