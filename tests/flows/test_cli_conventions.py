@@ -241,7 +241,21 @@ def test_ui_on_a_busy_port_fails_clearly(tmp_path):
     assert out.returncode == 2, out.stdout + out.stderr
     message = " ".join(out.stderr.split())
     assert f"port {port} on 127.0.0.1 is already in use" in message
-    assert f"`bhfl ui --port {port + 1}`" in message and "Traceback" not in out.stderr and not out.stdout
+    # the command to paste serves the same store (it said `bhfl ui --port N`: the default runs/ store)
+    assert re.search(
+        rf"`\S*bhfl ui --run-dir {tmp_path} --port {port + 1}` and browse http://127.0.0.1:{port + 1},", message
+    )
+    assert "Traceback" not in out.stderr and not out.stdout
+    with socket.socket(socket.AF_INET6) as busy:  # an IPv6 interface: its address in brackets, the host kept
+        try:
+            busy.bind(("::1", 0))
+        except OSError:
+            pytest.skip("no IPv6 loopback here")
+        busy.listen()
+        port = busy.getsockname()[1]
+        out = cli("ui", "--run-dir", str(tmp_path), "--port", str(port), "--host", "::1", timeout=60)
+    message = " ".join(out.stderr.split())
+    assert out.returncode == 2 and f"--host ::1 --port {port + 1}` and browse http://[::1]:{port + 1}," in message
 
 
 def test_ui_on_a_port_outside_1_65535_is_a_usage_error_before_anything_starts(tmp_path):
