@@ -376,7 +376,19 @@ def serve_on_schedule(run_dir: Path, cron: str, deployment: str, note: str, serv
             highlight=False,
             soft_wrap=True,
         )
-        serve()
+        ended: BaseException | None = None
+        try:
+            serve()  # Ctrl-C: Prefect's runner takes the KeyboardInterrupt and returns (SIGTERM: it exits 0 itself)
+        except BaseException as exc:
+            ended = exc
+            raise
+        finally:
+            if (signum := STOP.signal_of(ended)) is not None:
+                STOP.tell(
+                    f"\n[bold yellow]stopped by {signal.Signals(signum).name}.[/] A run it had started and not "
+                    f"finished is interrupted, nothing of it lost: `bhfl runs --run-dir {run_dir}` lists it, `bhfl "
+                    "resume RUN` continues it; the same `bhfl serve` serves the deployment again."
+                )
 
 
 def tracking_store_ready(

@@ -159,9 +159,17 @@ def test_serve_registers_cron_deployment_and_runs_it(tmp_path):
             assert f"`PREFECT_API_URL={base} " in log.read()
             _quick_run(base, deployment, proc, tmp_path / "serve.log")
         finally:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=60)
-
+            os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C (SIGTERM: the sweep's test)
+            code = proc.wait(timeout=60)
+            log.seek(0)
+            said = log.read()
+    assert code == 130, said[-3000:]
+    assert said.rstrip().endswith(  # (it said "Start the command again.", of a run it had started)
+        "stopped by SIGINT. A run it had started and not finished is interrupted, nothing of it lost: `bhfl runs "
+        f"--run-dir {tmp_path / 'runs'}` lists it, `bhfl resume RUN` continues it; the same `bhfl serve` serves the "
+        "deployment again."
+    ), said[-3000:]
+    assert leftovers(proc.pid) == []
     _check_the_experiment_in_mlflow(tmp_path / "runs")
     try:
         api(f"{base}/health")
