@@ -42,11 +42,19 @@ class SharedFolderError(RuntimeError):
     """Workers of the cluster that do not see the run folder or the data cache as this process does."""
 
 
+DASK_TLS_KEYS = {  # where Dask's own configuration keeps what runtime.tls holds
+    "ca_file": "distributed.comm.tls.ca-file",
+    "cert_file": "distributed.comm.tls.client.cert",
+    "key_file": "distributed.comm.tls.client.key",
+}
+
+
 def security_for(address: str, runtime: RuntimeConfig) -> Any:
     """Dask's ``Security`` for ``address``: None unless it is ``tls://``; from ``runtime.tls``, else Dask's config.
 
-    A missing or unreadable file is a ``ConfigError`` naming its key; so is a ``tls://``
-    address with no certificate anywhere.
+    A missing or unreadable file, or one that holds no certificate (no usable key), is a
+    ``ConfigError`` naming its key (``runtime.tls.*``, or Dask's ``distributed.comm.tls.*``
+    where the files came from there); so is a ``tls://`` address with no certificate anywhere.
     """
     if not address.startswith("tls://"):
         return None
@@ -61,17 +69,69 @@ def security_for(address: str, runtime: RuntimeConfig) -> Any:
                 "certificate and key) or Dask's distributed.comm.tls.ca-file and distributed.comm.tls.client.cert/"
                 'key (docs/runtime.md, "A cluster over TLS")'
             )
+        check_tls_files(
+            {
+                DASK_TLS_KEYS["ca_file"]: getattr(security, "tls_ca_file", None),
+                DASK_TLS_KEYS["cert_file"]: getattr(security, "tls_client_cert", None),
+                DASK_TLS_KEYS["key_file"]: getattr(security, "tls_client_key", None),
+            },
+            " (Dask's configuration, e.g. ~/.config/dask/distributed.yaml)",
+        )
         return security
     files = {"ca_file": runtime.tls.ca_file, "cert_file": runtime.tls.cert_file, "key_file": runtime.tls.key_file}
-    for key, path in files.items():
-        if not os.access(path, os.R_OK) or not Path(path).is_file():
-            raise ConfigError(f"runtime.tls.{key}: {path} is not a file this process can read")
+    check_tls_files({f"runtime.tls.{key}": path for key, path in files.items()})
     return Security(
         tls_ca_file=files["ca_file"],
         tls_client_cert=files["cert_file"],
         tls_client_key=files["key_file"],
         require_encryption=True,
     )
+
+
+class _Encrypted(Exception):
+    """(Raised from the password callback: the key file is encrypted, which Dask cannot use.)"""
+
+
+def _ask_password() -> str:
+    raise _Encrypted
+
+
+def check_tls_files(files: dict[str, str | None], where: str = "") -> None:
+    """The CA file, certificate and key (``key -> path``, in that order; no key: the certificate's file holds it)
+    load as Dask will load them; else a ``ConfigError`` naming the key at fault (``where``: where those keys live).
+
+    Without this, a missing file, a key that is not a PEM key, or a key of another
+    certificate surfaced as a failed connection after Dask's retries ("[SSL] PEM lib",
+    "No such file or directory") with no word of which file; an encrypted key made
+    OpenSSL ask for its pass phrase on the terminal. Values that hold PEM text
+    themselves (Dask accepts those) are left to Dask.
+    """
+    import ssl
+
+    (ca_key, ca), (cert_key, cert), (key_key, key) = files.items()
+    if any(path is not None and "\n" in path for path in (ca, cert, key)):
+        return
+    for name, path in files.items():
+        if path is not None and (not os.access(path, os.R_OK) or not Path(path).is_file()):
+            raise ConfigError(f"{name}: {path} is not a file this process can read{where}")
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    for name, path in ((ca_key, ca), (cert_key, cert)):
+        try:
+            ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(cafile=path)
+        except ssl.SSLError as exc:
+            raise ConfigError(f"{name}: {path} holds no PEM certificate ({exc.reason or exc}){where}") from None
+    holder = f"{key_key}: {key}" if key is not None else f"{cert_key}: {cert} (no {key_key} given)"
+    try:
+        context.load_cert_chain(cert or "", key, password=_ask_password)
+    except _Encrypted:
+        raise ConfigError(
+            f"{holder}: the private key is encrypted; Dask reads keys without a pass phrase "
+            f"(`openssl pkey -in KEY -out PLAIN_KEY`, then chmod 600){where}"
+        ) from None
+    except ssl.SSLError as exc:
+        if exc.reason == "KEY_VALUES_MISMATCH":
+            raise ConfigError(f"{holder}: not the key of the certificate {cert} ({cert_key}){where}") from None
+        raise ConfigError(f"{holder}: holds no PEM private key ({exc.reason or exc}){where}") from None
 
 
 @contextmanager
@@ -87,10 +147,13 @@ def connected(address: str, runtime: RuntimeConfig) -> Iterator[Any]:
     try:
         client = Client(address, security=security, set_as_default=False, timeout=CONNECT_TIMEOUT)
     except (OSError, TimeoutError) as exc:
+        ca = "runtime.tls.ca_file" if runtime.tls is not None else f"Dask's {DASK_TLS_KEYS['ca_file']}"
         tls = (
-            " The scheduler must trust the CA of runtime.tls.ca_file (its --tls-ca-file) and hold a certificate "
-            "that CA signed; a tcp:// client cannot reach a tls:// scheduler, nor the reverse."
-            if security is not None or address.startswith("tcp://")
+            f" The scheduler must trust the CA of {ca} (its --tls-ca-file) and hold a certificate that CA signed;"
+            " a tls:// client cannot reach a tcp:// scheduler."
+            if security is not None
+            else " A tcp:// client cannot reach a tls:// scheduler."
+            if address.startswith("tcp://")
             else ""
         )
         raise ConfigError(

@@ -12,7 +12,7 @@ from typing import Annotated
 import typer
 
 from flows.cli.options import DEFAULT_CONFIG, DEFAULT_RUN_DIR, RunDirOption, SetOption, TrackingOption
-from flows.cli.shell import console, fail, load_config, serve_on_schedule
+from flows.cli.shell import console, fail, load_config, serve_on_schedule, ui_hint
 
 
 def serve(
@@ -68,10 +68,16 @@ def _bind_error(host: str, port: int) -> OSError | None:
     return None
 
 
+def _address(host: str, port: int) -> str:
+    """The UI's address to browse: an IPv6 host in brackets (``http://[::1]:5000``; ``http://::1:5000`` opens
+    nothing)."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 def ui(
     run_dir: RunDirOption = DEFAULT_RUN_DIR,
     tracking_uri: TrackingOption = None,
-    port: Annotated[int, typer.Option(help="Port to serve on.")] = 5000,
+    port: Annotated[int, typer.Option(min=1, max=65535, help="Port to serve on.")] = 5000,
     host: Annotated[
         str, typer.Option(help="Interface to bind; keep 127.0.0.1 unless you mean to expose it.")
     ] = "127.0.0.1",
@@ -80,16 +86,23 @@ def ui(
     import errno
 
     from flows.records.run_record import default_tracking_uri
+    from flows.tracking.links import is_tracking_server
 
     uri = tracking_uri or default_tracking_uri(run_dir)
+    if is_tracking_server(uri):  # `mlflow server` takes stores, not servers: it died with a traceback on one
+        fail(
+            f"--tracking-uri {uri} is an MLflow tracking server, which serves its own UI: browse {uri.rstrip('/')} "
+            "(bhfl ui serves a store: the run dir's sqlite:///RUN_DIR/mlflow.db, another database or a folder)"
+        )
     if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///") :]).exists():
         fail(f"no MLflow store at {uri}; run `bhfl run` first or pass --tracking-uri")
     if (error := _bind_error(host, port)) is not None:
-        if error.errno == errno.EADDRINUSE:
+        if error.errno == errno.EADDRINUSE:  # the same store (and interface) on another port
+            again = ui_hint(uri, run_dir) + ("" if host == "127.0.0.1" else f" --host {host}")
             fail(
                 f"port {port} on {host} is already in use (another `bhfl ui`, an MLflow server or another "
                 f"program listens there), so the MLflow UI cannot start. Pick another port, e.g. "
-                f"`bhfl ui --port {port + 1}` and browse http://{host}:{port + 1}, or stop the program that "
+                f"`{again} --port {port + 1}` and browse {_address(host, port + 1)}, or stop the program that "
                 f"holds it (`ss -ltnp 'sport = :{port}'` shows which)."
             )
         fail(
@@ -97,7 +110,7 @@ def ui(
             "interface with --host (127.0.0.1 is this machine only) or another port with --port."
         )
     console.print(
-        f"MLflow UI for {uri} on http://{host}:{port}  (Ctrl-C to stop; open 'Training runs' of your experiment)",
+        f"MLflow UI for {uri} on {_address(host, port)}  (Ctrl-C to stop; open 'Training runs' of your experiment)",
         highlight=False,
     )
     from flows.services.processes import serve_until_stopped

@@ -78,11 +78,13 @@ def ui_hint(uri: str, run_dir: Path) -> str:
 
 
 def open_ui(uri: str, run_dir: Path, experiment_id: str, run_id: str) -> str:
-    """The summary's last lines: how to start the UI, the run's page, the experiment's runs side by side."""
-    from flows.tracking.links import run_link, runs_link
+    """The summary's last lines: how to start the UI (a tracking server serves its own), the run's page, the
+    experiment's runs side by side."""
+    from flows.tracking.links import is_tracking_server, run_link, runs_link
 
+    start = "the tracking server serves it," if is_tracking_server(uri) else f"{ui_hint(uri, run_dir)}  "
     return (
-        f"  open the UI:  {ui_hint(uri, run_dir)}   then browse {run_link(uri, experiment_id, run_id)}\n"
+        f"  open the UI:  {start} then browse {run_link(uri, experiment_id, run_id)}\n"
         f"  every run of the experiment, headline metrics as columns: {runs_link(uri, experiment_id)}"
     )
 
@@ -272,7 +274,7 @@ def prefect_api(run_dir: Path, full: bool, resume: Path | None = None) -> Iterat
     """
     if "PREFECT_API_URL" in os.environ:
         with stopped_by_signals(resume):
-            yield PrefectApi(lambda: None, own=False)
+            yield PrefectApi(lambda: users_server_answers(os.environ["PREFECT_API_URL"], resume), own=False)
         return
     from flows.services.prefect_server import start_server
 
@@ -289,6 +291,18 @@ def prefect_api(run_dir: Path, full: bool, resume: Path | None = None) -> Iterat
             APILogHandler().flush()
         server.stop()
         os.environ.pop("PREFECT_API_URL", None)
+
+
+def users_server_answers(api_url: str, resume: Path | None) -> None:
+    """A Prefect server of the user's (``PREFECT_API_URL``) that does not listen: one line, exit 2, before the
+    command's first Prefect call (whose retries ended in a traceback, exit 1)."""
+    from flows.services.prefect_server import unreachable
+
+    if (problem := unreachable(api_url)) is not None:
+        fail(
+            f"PREFECT_API_URL is {api_url}: {problem}. Start that Prefect server (`prefect server start`), or unset "
+            f"PREFECT_API_URL to have the command start one of its own. {how_to_go_on(resume)}"
+        )
 
 
 def server_died(pid: int, code: int, log_file: Path, resume: Path | None) -> None:
@@ -311,30 +325,70 @@ def server_died(pid: int, code: int, log_file: Path, resume: Path | None) -> Non
     )
 
 
+def cron_problem(cron: str) -> str | None:
+    """Why Prefect refuses ``cron`` as a schedule, in its words (None: it takes it); also six or seven fields.
+
+    Prefect's croniter takes a sixth field as seconds and a seventh as the year, so one
+    ``*`` too many (``0 2 * * * *``) would start a run every second from 02:00:00 to
+    02:00:59: refused here, with the five fields spelt out. Imports Prefect, which reads
+    its settings (``PREFECT_API_URL`` among them) once, when first imported: call it only
+    once the command's Prefect API is in the environment.
+    """
+    from prefect.client.schemas.schedules import CronSchedule
+    from pydantic import ValidationError
+
+    fields = cron.split()
+    if len(fields) > 5 and not cron.strip().startswith("@"):
+        return f"{len(fields)} fields: Prefect reads a sixth as seconds, so this would start a run every second"
+    try:
+        CronSchedule(cron=cron)
+    except ValidationError as exc:
+        return "; ".join(str(error["msg"]).removeprefix("Value error, ") for error in exc.errors())
+    return None
+
+
 def serve_on_schedule(run_dir: Path, cron: str, deployment: str, note: str, serve: Callable[[], None]) -> None:
-    """``bhfl serve``: check the cron, bring up a Prefect API (schedules need a real server), serve until Ctrl-C.
+    """``bhfl serve``: bring up a Prefect API (schedules need a real server), check the cron, serve until Ctrl-C.
 
     ``deployment`` is ``<flow>/<name>``; ``note`` says what it runs (shown beside it).
+    Prefect is imported only once ``PREFECT_API_URL`` names that server: imported before,
+    it kept no API URL and, to register and poll the deployment, started a temporary
+    server of its own on the same database beside the command's. The cron is checked
+    while the server boots, before anything is registered.
     """
-    try:
-        from prefect.client.schemas.schedules import CronSchedule
-
-        CronSchedule(cron=cron)
-    except ValueError as exc:
-        fail(f"--cron {cron!r}: not a valid cron expression ({exc})")
     prepare_environment(run_dir, verbose=False)
-    if "PREFECT_API_URL" not in os.environ:
-        console.print("no PREFECT_API_URL: starting a local Prefect server with its UI (schedules need one) ...")
+    own = "PREFECT_API_URL" not in os.environ
     with prefect_api(run_dir, full=True) as prefect_ready:
+        if (problem := cron_problem(cron)) is not None:
+            fail(
+                f"--cron {cron!r}: not a valid cron expression ({problem}); five fields, minute hour day-of-month "
+                'month day-of-week: "0 2 * * *" is every day at 02:00'
+            )
+        if own:
+            console.print("no PREFECT_API_URL: starting a local Prefect server with its UI (schedules need one) ...")
         prefect_ready()
-        ui_url = os.environ["PREFECT_API_URL"].removesuffix("/api")
+        api_url = os.environ["PREFECT_API_URL"]
+        prefect = command_of("prefect", "prefect")
+        trigger = f"PREFECT_API_URL={api_url} {prefect}" if own else prefect  # another shell must name this server
         console.print(
-            f"serving [cyan]{deployment}[/]{note} on cron {cron!r}; Prefect UI {ui_url} "
-            f"(trigger a run there or `prefect deployment run {deployment}`); Ctrl-C stops",
+            f"serving [cyan]{deployment}[/]{note} on cron {cron!r}; Prefect UI {api_url.removesuffix('/api')} "
+            f"(trigger a run there or `{trigger} deployment run {deployment}`); Ctrl-C stops",
             highlight=False,
             soft_wrap=True,
         )
-        serve()
+        ended: BaseException | None = None
+        try:
+            serve()  # Ctrl-C: Prefect's runner takes the KeyboardInterrupt and returns (SIGTERM: it exits 0 itself)
+        except BaseException as exc:
+            ended = exc
+            raise
+        finally:
+            if (signum := STOP.signal_of(ended)) is not None:
+                STOP.tell(
+                    f"\n[bold yellow]stopped by {signal.Signals(signum).name}.[/] A run it had started and not "
+                    f"finished is interrupted, nothing of it lost: `bhfl runs --run-dir {run_dir}` lists it, `bhfl "
+                    "resume RUN` continues it; the same `bhfl serve` serves the deployment again."
+                )
 
 
 def tracking_store_ready(

@@ -336,14 +336,13 @@ def serve_sweep_command(
     except ConfigError as exc:
         fail(str(exc))
     from flows.records.run_record import default_tracking_uri
-    from flows.sweep import serve_sweep
 
     uri = tracking_uri or default_tracking_uri(run_dir)
     deployment = name or sweep.name
-    serve_on_schedule(
-        run_dir,
-        cron,
-        f"bhfl-sweep/{deployment}",
-        f" ({len(sweep)} experiments)",
-        lambda: serve_sweep(sweep, cron, deployment, run_dir.resolve(), uri),
-    )
+
+    def serve() -> None:
+        from flows.sweep import serve_sweep  # imports Prefect: only once serve_on_schedule set PREFECT_API_URL
+
+        serve_sweep(sweep, cron, deployment, run_dir.resolve(), uri)
+
+    serve_on_schedule(run_dir, cron, f"bhfl-sweep/{deployment}", f" ({len(sweep)} experiments)", serve)

@@ -49,9 +49,10 @@ def sync_run(run_path: Path, wait: float | None) -> None:
         return
     console.print(f"[bold]bhfl[/] delivering {pending} tracking call(s) of {run_path} to {record.tracking_uri} ...")
     try:
-        courier = Courier(MlflowClient(record.tracking_uri), spool, record.tracking_uri)
+        meanwhile = f"bhfl sync tries again until {'--wait' if wait is not None else 'BHFL_TRACKING_WAIT_S'} ends"
+        courier = Courier(MlflowClient(record.tracking_uri), spool, record.tracking_uri, meanwhile)
         with RichReporter(console).attached():
-            left = courier.wait(wait)
+            left = courier.wait(wait, "--wait")
     except ConfigError as exc:  # a bad BHFL_TRACKING_* value
         fail(str(exc))
         return

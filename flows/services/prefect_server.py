@@ -67,6 +67,38 @@ def wait_healthy(api_url: str, timeout_s: float, proc: subprocess.Popen | None =
     raise RuntimeError(f"the Prefect server at {api_url} did not answer within {timeout_s:.0f} s")
 
 
+USER_SERVER_GRACE_S = 3.0  # a server of the user's that does not listen yet: how long to look again
+
+
+def unreachable(api_url: str, grace_s: float = USER_SERVER_GRACE_S) -> str | None:
+    """Why nothing answers at ``api_url`` (a Prefect server of the user's, ``PREFECT_API_URL``); None: it listens.
+
+    Only the connection is tried (not an HTTP call, which a Prefect Cloud workspace answers
+    only with its key): Prefect's client would otherwise retry a refused connection for
+    ~20 s and end the command with httpx's traceback.
+    """
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(api_url)
+    try:
+        host, port = parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError as exc:  # a port that is no number
+        return f"not a URL of a Prefect API such as http://127.0.0.1:4200/api ({exc})"
+    if parts.scheme not in ("http", "https") or not host:
+        return "not a URL of a Prefect API such as http://127.0.0.1:4200/api"
+    if parts.scheme in urllib.request.getproxies() and not urllib.request.proxy_bypass(host):
+        return None  # reached through a proxy (as Prefect's client does): a direct connection says nothing
+    deadline = time.monotonic() + grace_s
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=5):
+                return None
+        except OSError as exc:
+            if time.monotonic() >= deadline:
+                return f"nothing answers at {host}:{port} ({exc.strerror or exc})"
+        time.sleep(0.25)
+
+
 class PrefectServer:
     """A Prefect API server this process started; it may still be booting (``wait_healthy``)."""
 

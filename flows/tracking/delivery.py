@@ -186,8 +186,9 @@ class Courier:
     failed) and once more when the server answers again.
     """
 
-    def __init__(self, client: MlflowClient, spool: Spool, uri: str) -> None:
+    def __init__(self, client: MlflowClient, spool: Spool, uri: str, meanwhile: str = "training goes on") -> None:
         self.client, self.spool, self.uri = client, spool, uri
+        self.meanwhile = meanwhile  # what goes on while the server is down (told with the outage)
         self.retry_s, self.wait_s = retry_s(), wait_s()  # (a bad value is named now, not at the end of the run)
         self.last_error = ""
         self._thread: threading.Thread | None = None
@@ -206,9 +207,13 @@ class Courier:
                 self._thread = threading.Thread(target=self._run, name="bhfl-tracking", daemon=True)
                 self._thread.start()
 
-    def wait(self, timeout_s: float | None = None) -> int:
-        """Wait until the spool is empty or ``timeout_s`` (default ``BHFL_TRACKING_WAIT_S``) has passed; calls left."""
+    def wait(self, timeout_s: float | None = None, source: str = "") -> int:
+        """Wait until the spool is empty or ``timeout_s`` (default ``BHFL_TRACKING_WAIT_S``) has passed; calls left.
+
+        ``source``: where a given ``timeout_s`` came from (e.g. ``--wait``), named in the note.
+        """
         timeout = self.wait_s if timeout_s is None else timeout_s
+        source = WAIT_ENV if timeout_s is None else source
         started = time.monotonic()
         told = False
         self.kick()
@@ -216,7 +221,8 @@ class Courier:
             if not told and time.monotonic() > started + 1.0:
                 told = True
                 progress.note(
-                    f"waiting up to {timeout:.0f} s ({WAIT_ENV}) for {left} tracking call(s) on their way to {self.uri}"
+                    f"waiting up to {timeout:.0f} s{f' ({source})' if source else ''} for {left} tracking call(s) on "
+                    f"their way to {self.uri}"
                 )
             time.sleep(0.05)
             self.kick()  # (a courier that found another delivering leaves; the other may be gone too)
@@ -237,7 +243,7 @@ class Courier:
                 return
             self._down_since, self._caught_up = time.time(), 0
         progress.note(
-            f"MLflow tracking server {self.uri} {what}; training goes on, its tracking calls wait in "
+            f"MLflow tracking server {self.uri} {what}; {self.meanwhile}, its tracking calls wait in "
             f"{self.spool.pending} and are delivered once it answers"
         )
 

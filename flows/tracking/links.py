@@ -19,8 +19,13 @@ HEADLINE_VIEW_KEY = "bhfl-headline"
 SHARED_VIEW_TAG = "mlflow.sharedViewState."
 
 
+def is_tracking_server(tracking_uri: str) -> bool:
+    """Whether ``tracking_uri`` is an MLflow tracking server (``http(s)://``), which serves its own UI."""
+    return urlparse(tracking_uri).scheme in ("http", "https")
+
+
 def _ui_base(tracking_uri: str) -> str:
-    return tracking_uri.rstrip("/") if urlparse(tracking_uri).scheme in ("http", "https") else UI_DEFAULT
+    return tracking_uri.rstrip("/") if is_tracking_server(tracking_uri) else UI_DEFAULT
 
 
 def run_link(tracking_uri: str, experiment_id: str, run_id: str) -> str:

@@ -241,7 +241,31 @@ def test_ui_on_a_busy_port_fails_clearly(tmp_path):
     assert out.returncode == 2, out.stdout + out.stderr
     message = " ".join(out.stderr.split())
     assert f"port {port} on 127.0.0.1 is already in use" in message
-    assert f"`bhfl ui --port {port + 1}`" in message and "Traceback" not in out.stderr and not out.stdout
+    # the command to paste serves the same store (it said `bhfl ui --port N`: the default runs/ store)
+    assert re.search(
+        rf"`\S*bhfl ui --run-dir {tmp_path} --port {port + 1}` and browse http://127.0.0.1:{port + 1},", message
+    )
+    assert "Traceback" not in out.stderr and not out.stdout
+    with socket.socket(socket.AF_INET6) as busy:  # an IPv6 interface: its address in brackets, the host kept
+        try:
+            busy.bind(("::1", 0))
+        except OSError:
+            pytest.skip("no IPv6 loopback here")
+        busy.listen()
+        port = busy.getsockname()[1]
+        out = cli("ui", "--run-dir", str(tmp_path), "--port", str(port), "--host", "::1", timeout=60)
+    message = " ".join(out.stderr.split())
+    assert out.returncode == 2 and f"--host ::1 --port {port + 1}` and browse http://[::1]:{port + 1}," in message
+
+
+def test_ui_on_a_port_outside_1_65535_is_a_usage_error_before_anything_starts(tmp_path):
+    (tmp_path / "mlflow.db").touch()  # a store: the port is the only problem
+    for port in ("65536", "99999"):  # (it started an MLflow server, whose uvicorn died with a traceback: exit 0)
+        out = CliRunner().invoke(app, ["ui", "--run-dir", str(tmp_path), "--port", port])
+        assert out.exit_code == 2, out.output
+        message = " ".join(out.stderr.split())
+        assert "Invalid value for '--port': Input should be less than or equal to 65535" in message, message
+        assert "MLflow UI for" not in out.output and "Traceback" not in out.output
 
 
 def test_end_of_run_summary_on_stdout_unwrapped(capsys, tmp_path):
@@ -260,6 +284,31 @@ def test_end_of_run_summary_on_stdout_unwrapped(capsys, tmp_path):
     assert "Final evaluation" in captured.out and "root/union/accuracy" in captured.out
     assert f"  run files (node models, optimiser states): {run_path}\n" in captured.out  # one line, whole
     assert "MLflow run id: 0123456789abcdef0123456789abcdef" in captured.out
+
+
+def test_a_run_logged_to_a_tracking_server_is_browsed_there_not_through_bhfl_ui(capsys, tmp_path):
+    """`bhfl ui --tracking-uri http://...` cannot serve a server (`mlflow server` takes stores): the summary does not
+    send the user there (it did, and that command died with MLflow's traceback, exit 1), and the command says why."""
+    server = "http://127.0.0.1:15500"
+    result = {
+        "headline": {"root/union/accuracy": 0.5},
+        "tracking_uri": server,
+        "wall_time_s": 3.0,
+        "run_path": str(tmp_path / "runs" / "itest" / "20260101-000000-001"),
+        "run_id": "0123456789abcdef0123456789abcdef",
+        "experiment_id": "4",
+    }
+    _print_summary(result, Path("runs"))
+    summary = capsys.readouterr().out
+    link = f"{server}/#/experiments/4/runs/0123456789abcdef0123456789abcdef?workflowType=machine_learning"
+    assert f"  open the UI:  the tracking server serves it, then browse {link}\n" in summary, summary
+    assert " ui " not in summary
+    out = CliRunner().invoke(app, ["ui", "--tracking-uri", server + "/", "--port", "1"])
+    assert out.exit_code == 2 and len(out.stderr.strip().splitlines()) == 1, out.output
+    assert (
+        f"error: --tracking-uri {server}/ is an MLflow tracking server, which serves its own UI: browse {server} ("
+        in (out.stderr)
+    )
 
 
 def test_end_of_run_summary_shows_the_trivial_baseline_beside_each_headline(capsys, tmp_path):

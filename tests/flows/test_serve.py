@@ -11,14 +11,18 @@ reproducibility tags. Stopping the command (SIGTERM) stops its server too.
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 import torch
 from mlflow import MlflowClient
 
+from flows.cli.shell import cron_problem
+from tests.flows.kill_chain import leftovers
 from tests.flows.prefect_api import api
 from tests.small import REPO, SMALL
 
@@ -39,8 +43,21 @@ def _wait(what: str, check, timeout_s: float, proc: subprocess.Popen):
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def _start_serve(tmp_path, log) -> subprocess.Popen:
-    """`bhfl serve` of the small experiment as a cron deployment ``nightly``, with no Prefect server of the user's."""
+def _temporary_servers(session: int) -> list[str]:
+    """Prefect's temporary servers (what its client starts when it has no API URL) among the command's processes."""
+    found = []
+    for process in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            if os.getsid(process.pid) == session and "prefect.server.api.server:create_app" in process.info["cmdline"]:
+                found.append(f"{process.pid} {' '.join(process.info['cmdline'])}")
+        except (ProcessLookupError, PermissionError, TypeError):
+            continue
+    return found
+
+
+def _start_serve(tmp_path, log, cron: str = "0 2 * * *", config: str = "configs/embedded.yaml") -> subprocess.Popen:
+    """`bhfl serve` of the small experiment (or a sweep file, its --set applied to every point) as a cron deployment
+    ``nightly``, with no Prefect server of the user's."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
     env.update(
         {
@@ -56,9 +73,9 @@ def _start_serve(tmp_path, log) -> subprocess.Popen:
             "-m",
             "flows.cli.app",
             "serve",
-            "configs/embedded.yaml",
+            config,
             "--cron",
-            "0 2 * * *",
+            cron,
             "--name",
             "nightly",
             *sets,
@@ -71,6 +88,17 @@ def _start_serve(tmp_path, log) -> subprocess.Popen:
         stderr=subprocess.STDOUT,
         start_new_session=True,
     )
+
+
+def _api_of(proc: subprocess.Popen, log) -> str:
+    """The API of the Prefect server `bhfl serve` says it serves on, once it says so."""
+
+    def ui_url():
+        log.seek(0)
+        match = re.search(r"Prefect UI\s+(http://127\.0\.0\.1:\d+)", log.read())
+        return match and match.group(1)
+
+    return _wait("the Prefect server", ui_url, 240, proc) + "/api"
 
 
 def _deployment_with_its_schedule(base: str, proc: subprocess.Popen) -> dict:
@@ -122,22 +150,99 @@ def test_serve_registers_cron_deployment_and_runs_it(tmp_path):
     with open(tmp_path / "serve.log", "w+") as log:
         proc = _start_serve(tmp_path, log)
         try:
-
-            def ui_url():
-                log.seek(0)
-                match = re.search(r"Prefect UI\s+(http://127\.0\.0\.1:\d+)", log.read())
-                return match and match.group(1)
-
-            base = _wait("the Prefect server", ui_url, 240, proc) + "/api"
+            base = _api_of(proc, log)
             deployment = _deployment_with_its_schedule(base, proc)
+            # registered and polled through the server it printed: no temporary server of Prefect's beside it on
+            # the same database (Prefect imported before PREFECT_API_URL was set kept no API URL and started one)
+            assert _temporary_servers(proc.pid) == []
+            log.seek(0)  # the command another shell can paste names that server
+            assert f"`PREFECT_API_URL={base} " in log.read()
             _quick_run(base, deployment, proc, tmp_path / "serve.log")
         finally:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=60)
-
+            os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C (SIGTERM: the sweep's test)
+            code = proc.wait(timeout=60)
+            log.seek(0)
+            said = log.read()
+    assert code == 130, said[-3000:]
+    assert said.rstrip().endswith(  # (it said "Start the command again.", of a run it had started)
+        "stopped by SIGINT. A run it had started and not finished is interrupted, nothing of it lost: `bhfl runs "
+        f"--run-dir {tmp_path / 'runs'}` lists it, `bhfl resume RUN` continues it; the same `bhfl serve` serves the "
+        "deployment again."
+    ), said[-3000:]
+    assert leftovers(proc.pid) == []
     _check_the_experiment_in_mlflow(tmp_path / "runs")
     try:
         api(f"{base}/health")
         raise AssertionError("the Prefect server outlived `bhfl serve`")
     except OSError:
         pass
+
+
+def test_a_bad_cron_is_one_line_and_leaves_nothing_running(tmp_path):
+    with open(tmp_path / "serve.log", "w+") as log:
+        proc = _start_serve(tmp_path, log, cron="61 2 * * *")
+        assert proc.wait(timeout=120) == 2
+        log.seek(0)
+        said = log.read()
+    assert said.startswith(
+        "error: --cron '61 2 * * *': not a valid cron expression (Invalid cron string: \"61 2 * * *\"); five fields"
+    ), said
+    assert len(said.strip().splitlines()) == 1, said
+    assert leftovers(proc.pid) == []
+
+
+def test_a_cron_of_six_fields_is_refused_not_read_as_seconds():
+    """One `*` too many made Prefect's croniter read seconds: "0 2 * * * *" was a run every second of 02:00."""
+    assert cron_problem("0 2 * * *") is None and cron_problem("@daily") is None
+    assert cron_problem("0 2 * * * *") == (
+        "6 fields: Prefect reads a sixth as seconds, so this would start a run every second"
+    )
+    assert (
+        cron_problem("0 2 * * *  2027") is not None
+        and cron_problem("61 2 * * *") == 'Invalid cron string: "61 2 * * *"'
+    )
+
+
+def test_a_served_sweep_registers_through_the_printed_server_and_sigterm_stops_it(tmp_path):
+    sweep = tmp_path / "sweep.yaml"
+    sweep.write_text(
+        f"name: nightly-sweep\nbase: {REPO}/configs/embedded.yaml\ngrid: {{tree.edge.eta_down: [1.0, 0.5]}}\n"
+    )
+    with open(tmp_path / "serve.log", "w+") as log:
+        proc = _start_serve(tmp_path, log, config=str(sweep))
+        try:
+            base = _api_of(proc, log)
+            deployment = _wait("the deployment", lambda: api(f"{base}/deployments/name/bhfl-sweep/nightly"), 120, proc)
+            assert len(deployment["parameters"]["sweep"]["points"]) == 2, deployment["parameters"]
+            assert _temporary_servers(proc.pid) == []  # (flows.sweep, which imports Prefect, was imported too early)
+        finally:
+            os.killpg(proc.pid, signal.SIGTERM)
+            code = proc.wait(timeout=60)
+    assert code == 0  # Prefect's runner handles SIGTERM (docs/runtime.md, "Faults")
+    assert leftovers(proc.pid) == []
+
+
+def test_a_prefect_server_of_the_users_that_does_not_answer_is_one_line(tmp_path):
+    """PREFECT_API_URL naming a server that is not running: one line naming it, exit 2 (it was httpx's traceback after
+    Prefect's retries, exit 1; `bhfl run` the same: tests share this check, flows/cli/shell.py::prefect_api)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]  # free once closed: nothing listens there
+    api_url = f"http://127.0.0.1:{port}/api"
+    env = {k: v for k, v in os.environ.items() if not k.lower().endswith("_proxy")}  # (a proxy is left to Prefect)
+    env.update({"HF_HUB_OFFLINE": "1", "PREFECT_API_URL": api_url})
+    out = subprocess.run(
+        [sys.executable, "-m", "flows.cli.app", "serve", "--run-dir", str(tmp_path / "runs")],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert out.stderr.startswith(
+        f"error: PREFECT_API_URL is {api_url}: nothing answers at 127.0.0.1:{port} (Connection refused). Start that "
+        "Prefect server (`prefect server start`), or unset PREFECT_API_URL"
+    ), out.stderr[-3000:]
+    assert len(out.stderr.strip().splitlines()) == 1 and not out.stdout

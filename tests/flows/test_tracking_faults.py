@@ -212,6 +212,9 @@ def test_server_gone_for_good_the_run_finishes_and_sync_delivers_later(server, r
     # while the server is still down, `bhfl sync` says so (and keeps every call)
     still = Bhfl("sync", str(run_path), "--wait", "1", run_dir=run_dir, env=FAST_RETRIES)
     assert still.finish() == UNDELIVERED_EXIT and "could not be delivered" in still.stderr
+    told = " ".join(still.stderr.split())  # (it said "training goes on", of a run that had finished)
+    assert "not answering" in told and "bhfl sync tries again until --wait ends" in told, told
+    assert "training goes on" not in told
     assert Spool(run_path).count() == pending
 
     server.start()
