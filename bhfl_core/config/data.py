@@ -45,6 +45,10 @@ def _unique_languages(v: list[str]) -> list[str]:
     return v
 
 
+# The languages the embedded generator has a vocabulary for (data_prep/embedded.py, ``_SYLLABLES``).
+EMBEDDED_LANGUAGES = ("de", "en", "es", "fr", "ru")
+
+
 class EmbeddedSource(Strict):
     """The offline generated multilingual news corpus (XGLUE NC schema)."""
 
@@ -54,6 +58,15 @@ class EmbeddedSource(Strict):
     topic_strength: Annotated[float, Field(ge=0, le=1)] = 0.25
 
     _langs = field_validator("languages")(_unique_languages)
+
+    @field_validator("languages")
+    @classmethod
+    def _known_languages(cls, v: list[str]) -> list[str]:
+        """Checked with the config, not when the corpus is generated (mid-preparation, as a traceback)."""
+        unknown = [lang for lang in v if lang not in EMBEDDED_LANGUAGES]
+        if unknown:
+            raise ValueError(f"the embedded corpus has no language {unknown} (it has {list(EMBEDDED_LANGUAGES)})")
+        return v
 
 
 # XGLUE configs usable as federated classification data: text columns, label column, languages.
