@@ -140,13 +140,46 @@ def _unreadable_shards(root: Path, shards: list[Shard]) -> list[str]:
     return bad
 
 
+class DamagedCacheError(ConfigError):
+    """A data-cache entry whose manifest or shard files were damaged after it was committed (docs/data.md, Cache)."""
+
+
+def _damaged(root: Path, what: str) -> DamagedCacheError:
+    return DamagedCacheError(
+        f"the data cache entry {root} is damaged: {what}. It was complete when it was written (entries are "
+        f"committed whole), so something changed it since (a disk error, a copy cut short, an edit). The cache "
+        f"holds derived data only: delete the entry (`rm -r {root}`) and run the command again, which prepares it "
+        f"afresh (the same bytes)."
+    )
+
+
+def cached_entry(root: Path) -> PreparedData:
+    """The committed cache entry ``root``, checked as a ``kind: prepared`` folder is (docs/data.md, Cache).
+
+    Its manifest must be valid and every Arrow file must hold the rows its shards name:
+    a truncated, missing or unreadable file is a ``DamagedCacheError`` naming it, before
+    any work, never a traceback mid-run (or training on what is left).
+    """
+    started = time.time()
+    try:
+        manifest = Manifest.read(root)
+    except ValueError as exc:  # pydantic's ValidationError (bad JSON, missing or wrong keys), undecodable bytes
+        raise _damaged(root, f"{root / MANIFEST_NAME} is not a valid manifest ({_problems(exc)})") from None
+    shards = [s for c in manifest.clients for s in (c.train, c.test)] + [manifest.proxy_train, manifest.proxy_test]
+    if bad := _unreadable_shards(root, shards):
+        files = sorted({parse_path(path)[0] for path in bad})
+        raise _damaged(
+            root, f"{', '.join(str(root / f) for f in files)} missing, cut short or not the rows its manifest names"
+        )
+    return PreparedData(root, manifest, cached=True, seconds=time.time() - started)
+
+
 def cached_data(config: ExperimentConfig, cache_root: Path) -> PreparedData | None:
     if isinstance(config.data.source, PreparedSource):
         return prepared_folder(config.data.source, config.data.task)
-    started = time.time()
     final = cache_root / fingerprint(config)
     if (final / MANIFEST_NAME).exists():
-        return PreparedData(final, Manifest.read(final), cached=True, seconds=time.time() - started)
+        return cached_entry(final)
     return None
 
 
