@@ -215,8 +215,30 @@ def normalise(ds: Dataset, texts: list[str], label: str | None, key: str) -> Dat
             f"{key}: columns {missing} not found; the data has {ds.column_names} "
             "(set text_columns / label_column to the names it uses)"
         )
+    _check_texts(ds, texts, key)
     rename = {texts[0]: TEXT, **({texts[1]: PAIR} if len(texts) > 1 else {}), **({label: LABEL} if label else {})}
     return ds.select_columns(wanted).rename_columns({k: v for k, v in rename.items() if k != v})
+
+
+def _check_texts(ds: Dataset, texts: list[str], key: str) -> None:
+    """Text columns hold strings in every row: else the tokenizer fails mid-preparation with a bare TypeError.
+
+    A column of another type (numbers, lists) is named with its type; missing texts
+    (nulls) are named with their count, not replaced by empty strings: a row without
+    its text is a data problem to fix, not one to train on.
+    """
+    from datasets import Value
+
+    for name in texts:
+        feature = ds.features[name]
+        if not (isinstance(feature, Value) and feature.dtype in ("string", "large_string")):
+            raise DataSourceError(
+                f"{key}: text column {name!r} holds {feature}, not strings (set text_columns to the text columns)."
+            )
+        if nulls := ds.data.column(name).null_count:
+            raise DataSourceError(
+                f"{key}: text column {name!r} is missing (null) in {nulls} of {len(ds)} rows; remove or fill them."
+            )
 
 
 def _xglue_labels(task: str) -> tuple[str, ...]:
@@ -256,10 +278,17 @@ def _common_label_names(tables: list[Dataset], key: str) -> list[str]:
     from datasets import ClassLabel
 
     features = [t.features[LABEL] for t in tables]
-    if all(isinstance(f, ClassLabel) for f in features):
-        names = features[0].names
-        if any(f.names != names for f in features):
+    named = [f for f in features if isinstance(f, ClassLabel)]
+    if named:
+        names = named[0].names
+        if any(f.names != names for f in named):
             raise DataSourceError(f"{key}: the label column has different class names in different splits")
+        for table, feature in zip(tables, features):  # the others (no ClassLabel): its class names, or ids
+            if not isinstance(feature, ClassLabel) and (bad := _not_classes(table.unique(LABEL), names)):
+                raise DataSourceError(
+                    f"{key}: labels {bad[:5]} of one split are neither class names nor ids of the others' class "
+                    f"names {list(names)}."
+                )
         return list(names)
     values: set = set()
     for t in tables:
@@ -267,6 +296,13 @@ def _common_label_names(tables: list[Dataset], key: str) -> list[str]:
     if all(isinstance(v, (int, np.integer)) for v in values):
         return [str(i) for i in range(int(max(values)) + 1)]
     return sorted(str(v) for v in values)
+
+
+def _not_classes(values: list, names: list[str]) -> list:
+    """The label values that are not one of ``names`` (strings) or an id of one (integers)."""
+    if all(isinstance(v, (int, np.integer)) for v in values):
+        return sorted(int(v) for v in values if not 0 <= int(v) < len(names))
+    return sorted(str(v) for v in values if str(v) not in names)
 
 
 def encode_labels(ds: Dataset, names: list[str]) -> Dataset:
