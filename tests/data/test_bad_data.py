@@ -13,6 +13,7 @@ import pytest
 from data_prep.partition import PartitionError
 from data_prep.prepare import prepare_data
 from data_prep.sources import DataSourceError, load_pool
+from flows.cli.errors import exit_code, explain
 from tests.data.xglue_fixtures import write_xglue_nc, write_xglue_xnli
 from tests.small import small_config
 
@@ -69,6 +70,9 @@ def test_too_few_rows_for_the_clients_of_a_language(tmp_path):
     table = pq.read_table(folder / "nc" / "validation.de.parquet").slice(0, 12)
     pq.write_table(table, folder / "nc" / "validation.de.parquet")
     _prepare_fails(_xglue(folder), tmp_path / "cache", PartitionError, r"language 'de': the pool has 12 documents")
+    short = PartitionError("data.sizes: language 'de': the pool has 12 documents")
+    assert exit_code(short, None) == 2  # a data mistake found before training, as a DataSourceError is
+    assert explain(short, None).startswith("The data cannot be partitioned as configured: data.sizes: language 'de'")
 
 
 def _rewrite_column(path, name, values):
