@@ -95,7 +95,7 @@ def prepared_folder(source: PreparedSource, task: str) -> PreparedData:
     root = Path(source.path).expanduser().resolve()
     key = "data.source.path"
     if not (root / MANIFEST_NAME).is_file():
-        what = f"has no {MANIFEST_NAME}" if root.is_dir() else "does not exist"
+        what = f"has no {MANIFEST_NAME}" if root.is_dir() else "is a file" if root.exists() else "does not exist"
         raise ConfigError(f"{key}: {root} {what}; it must be a prepared-data folder (docs/data.md)")
     try:
         manifest = Manifest.read(root)
