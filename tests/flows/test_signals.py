@@ -17,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 import urllib.request
 from pathlib import Path
 
@@ -207,6 +208,39 @@ def test_what_a_stop_ended_with_is_traced_to_its_first_signal():
     assert signal_behind(raised(RuntimeError(), TerminationSignal(signal=signal.SIGTERM))) == signal.SIGTERM
     assert signal_behind(raised(RuntimeError(), KeyboardInterrupt())) == signal.SIGINT
     assert signal_behind(raised(RuntimeError("a"), ValueError("b"))) is None
+
+
+DROPPED_IN_A_FINALISER = """
+import gc, signal, sys, time
+from flows.cli.stopping import run_command
+
+class Finalised:
+    def __del__(self):
+        signal.raise_signal(signal.SIG{name})  # its handler runs here, where an exception is printed and dropped
+
+def app():
+    Finalised()  # collected at once: the stop lands in its __del__
+    time.sleep(20)
+    print("ran on", flush=True)
+
+run_command(lambda: app)
+"""
+
+
+@pytest.mark.parametrize("name, code", [("TERM", 143), ("INT", 130)])
+def test_a_stop_that_lands_in_a_finaliser_still_stops_the_command(name, code):
+    """A signal whose handler runs inside a ``__del__`` (the garbage collector runs them anywhere: asyncio's
+    transports, Prefect's clients) raises the stop where Python drops exceptions; it is raised again outside,
+    at once, not after the grace period, and nothing is printed about the dropped one."""
+    env = {**os.environ, "BHFL_STOP_GRACE_S": "10"}
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-c", DROPPED_IN_A_FINALISER.format(name=name)],
+        cwd=Path(__file__).resolve().parents[2], env=env, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert (done.returncode, done.stdout) == (code, ""), done.stderr
+    assert time.monotonic() - started < 8  # the grace period (10 s) did not end it
+    assert done.stderr.strip() == f"stopped by SIG{name}.", done.stderr
 
 
 def test_a_bad_grace_period_is_named_before_anything_runs():
