@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from data_prep.prepare import DamagedCacheError, fingerprint, load_shard, prepare_data, preflight
+from data_prep.prepare import DamagedCacheError, fingerprint, load_shard, preflight, prepare_data
 from tests.small import small_config
 
 pytestmark = pytest.mark.integration
