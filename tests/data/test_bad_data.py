@@ -118,3 +118,11 @@ def test_class_names_in_one_split_and_a_classlabel_in_the_others(tmp_path):
         DataSourceError,
         r"labels \['weather'\] of one split are neither class names nor ids",
     )
+
+
+def test_no_proxy_text_to_learn_the_tiny_tokenizer_from(tmp_path):
+    """tiny-bert's WordPiece learns from the proxy train split alone: without it, every word would be [UNK]."""
+    from bhfl_core.config.base import ConfigError
+
+    cfg = small_config("data.proxy={train_per_language: 0, test_per_language: 5}", "tree.root.proxy_train=false")
+    _prepare_fails(cfg, tmp_path / "cache", ConfigError, r"^data.proxy.train_per_language: 0 leaves no proxy train text")
