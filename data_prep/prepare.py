@@ -26,7 +26,7 @@ from __future__ import annotations
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -220,7 +220,7 @@ def prepare_data(
     with disk_full_named(final), locked(final, lambda: log(f"waiting for another preparation of {final}")):
         if (hit := cached_data(config, cache_root)) is not None:  # made while this one waited for the lock
             log(f"data cache hit {hit.root}: prepared meanwhile, no tokenisation")
-            return hit
+            return replace(hit, seconds=time.time() - started)  # the wait included: what `bhfl prepare` says it took
         log(f"preparing data (fingerprint {fp}) in {final}")
         with building(final) as work:
             pool = step("load-pool", load_pool, config, work / SCRATCH)

@@ -150,6 +150,7 @@ def test_a_second_preparation_of_the_same_data_waits_and_reuses_it(tmp_path):
         reused = second.result(60)
     assert not first.cached and reused.cached and reused.root == first.root and reused.manifest == first.manifest
     assert "prepared meanwhile" in second_logs[-1]
+    assert reused.seconds > first.seconds / 2  # it waited for most of the first one's work, and says so
     assert sorted(p.name for p in tmp_path.iterdir()) == [first.root.name]  # no partial folder, no lock file
 
 
