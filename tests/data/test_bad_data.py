@@ -125,4 +125,6 @@ def test_no_proxy_text_to_learn_the_tiny_tokenizer_from(tmp_path):
     from bhfl_core.config.base import ConfigError
 
     cfg = small_config("data.proxy={train_per_language: 0, test_per_language: 5}", "tree.root.proxy_train=false")
-    _prepare_fails(cfg, tmp_path / "cache", ConfigError, r"^data.proxy.train_per_language: 0 leaves no proxy train text")
+    _prepare_fails(
+        cfg, tmp_path / "cache", ConfigError, r"^data.proxy.train_per_language: 0 leaves no proxy train text"
+    )
