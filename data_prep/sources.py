@@ -172,6 +172,11 @@ def load_xglue_split(source: XglueSource, split: str) -> Dataset:
                 f"{source.train_split!r} for {source.train_languages} and {source.pool_split!r} for the others "
                 f"(docs/data.md, 'XGLUE from local parquet')."
             )
+        if empty := _empty_parquet(files):  # datasets' own error says only "An error occurred while generating"
+            raise DataSourceError(
+                f"data.source.local_dir: {empty} has no rows (split {split!r} of XGLUE {source.config!r}); "
+                "write the split's rows into it, or remove it."
+            )
         return load_or_explain(
             lambda: load_dataset("parquet", data_files={split: [str(f) for f in files]}, split=split),
             f"parquet files {[str(f) for f in files]}",
@@ -183,6 +188,19 @@ def load_xglue_split(source: XglueSource, split: str) -> Dataset:
         f"revision {source.revision or 'default'})",
         "data.source",
     )
+
+
+def _empty_parquet(files: list[Path]) -> Path | None:
+    """The first of ``files`` that is a readable parquet file without rows (unreadable ones fail in the load)."""
+    import pyarrow.parquet as pq
+
+    for file in files:
+        try:
+            if pq.ParquetFile(file).metadata.num_rows == 0:
+                return file
+        except Exception:  # not parquet, or damaged: load_dataset's error names it
+            continue
+    return None
 
 
 def load_or_explain(fn, what: str, key: str):

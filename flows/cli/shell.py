@@ -136,6 +136,7 @@ def prepare_environment(run_dir: Path, verbose: bool) -> None:
     os.environ.setdefault("GIT_PYTHON_REFRESH", "quiet")
     if not verbose:  # a failure is told once, as one paragraph (flows/cli/errors.py), not by libraries on its way
         logging.getLogger("mlflow.store.db.utils").setLevel(logging.CRITICAL)  # logs each error it then raises
+        logging.getLogger("datasets.packaged_modules.parquet.parquet").setLevel(logging.CRITICAL)  # the same
         logging.raiseExceptions = False  # a log handler's own failure (Prefect's API logs, its server down or full)
     limit_malloc_arenas()
 

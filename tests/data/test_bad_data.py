@@ -42,6 +42,18 @@ def test_corrupt_parquet_file_is_named(tmp_path):
     )
 
 
+def test_a_parquet_file_without_rows_is_named(tmp_path):
+    folder = write_xglue_nc(tmp_path / "xglue")
+    path = folder / "nc" / "validation.de.parquet"
+    pq.write_table(pq.read_table(path).slice(0, 0), path)  # the schema, no rows (datasets: "An error occurred")
+    _prepare_fails(
+        _xglue(folder),
+        tmp_path / "cache",
+        DataSourceError,
+        rf"data.source.local_dir: {path} has no rows \(split 'validation.de' of XGLUE 'nc'\)",
+    )
+
+
 def test_labels_outside_the_label_set(tmp_path):
     folder = write_xglue_xnli(tmp_path / "xglue", languages=("en", "de"))
     broken = pq.read_table(folder / "xnli" / "validation.de.parquet")
