@@ -172,7 +172,7 @@ def load_xglue_split(source: XglueSource, split: str) -> Dataset:
                 f"{source.train_split!r} for {source.train_languages} and {source.pool_split!r} for the others "
                 f"(docs/data.md, 'XGLUE from local parquet')."
             )
-        if empty := _empty_parquet(files):  # datasets' own error says only "An error occurred while generating"
+        if empty := empty_parquet(files):  # datasets' own error says only "An error occurred while generating"
             raise DataSourceError(
                 f"data.source.local_dir: {empty} has no rows (split {split!r} of XGLUE {source.config!r}); "
                 "write the split's rows into it, or remove it."
@@ -190,7 +190,7 @@ def load_xglue_split(source: XglueSource, split: str) -> Dataset:
     )
 
 
-def _empty_parquet(files: list[Path]) -> Path | None:
+def empty_parquet(files: list[Path]) -> Path | None:
     """The first of ``files`` that is a readable parquet file without rows (unreadable ones fail in the load)."""
     import pyarrow.parquet as pq
 

@@ -52,6 +52,10 @@ def test_a_parquet_file_without_rows_is_named(tmp_path):
         DataSourceError,
         rf"data.source.local_dir: {path} has no rows \(split 'validation.de' of XGLUE 'nc'\)",
     )
+    proxy = f"data.proxy.source={{data_files: '{path}', text_columns: [news_title], label_column: news_category}}"
+    _prepare_fails(
+        small_config(proxy), tmp_path / "cache", DataSourceError, rf"data.proxy.source.data_files: {path} has no rows"
+    )
 
 
 def test_labels_outside_the_label_set(tmp_path):
