@@ -164,6 +164,13 @@ def load_xglue_split(source: XglueSource, split: str) -> Dataset:
     if source.local_dir is not None:
         folder = Path(source.local_dir).expanduser()
         files = local_split_files(folder, source.config, split)
+        if not folder.is_dir():
+            what = "is a file, not a folder" if folder.exists() else "does not exist"
+            raise DataSourceError(
+                f"data.source.local_dir: {str(folder)!r} {what} (a relative path is relative to the working "
+                f"directory, {Path.cwd()}); it must be the folder of XGLUE parquet files (docs/data.md, 'XGLUE from "
+                "local parquet')."
+            )
         if not files:
             raise DataSourceError(
                 f"data.source.local_dir: no parquet files for split {split!r} of XGLUE {source.config!r} in "
