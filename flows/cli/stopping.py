@@ -113,7 +113,7 @@ class StopRequest:
         run before the hook returns: dropped again.) Should it land in a finaliser again,
         it comes back here, so the stop is never lost.
         """
-        if self.signum is not None and signal_behind(unraisable.exc_value) is not None:
+        if self.signum is not None and _is_a_stop(unraisable.exc_value):
             self._dropped = True
             self._redo.set()  # a thread started beforehand: the hook may run where any lock is held
             return
@@ -227,6 +227,13 @@ class StopRequest:
                 with contextlib.suppress(psutil.Error):
                     child.kill()
         os._exit(code if code is not None else self.exit_code)
+
+
+def _is_a_stop(exc: BaseException | None) -> bool:
+    """Whether ``exc`` is the stop itself (a ``Stopped``, Prefect's ``TerminationSignal``), not an error raised
+    while a stop unwinds (that one has the stop in its context, and must not raise the stop a second time)."""
+    termination = getattr(sys.modules.get("prefect.exceptions"), "TerminationSignal", None)
+    return isinstance(exc, Stopped) or (termination is not None and isinstance(exc, termination))
 
 
 STOP = StopRequest()

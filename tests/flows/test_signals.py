@@ -243,6 +243,35 @@ def test_a_stop_that_lands_in_a_finaliser_still_stops_the_command(name, code):
     assert done.stderr.strip() == f"stopped by SIG{name}.", done.stderr
 
 
+FAILING_FINALISER_WHILE_STOPPING = """
+import signal, time
+from flows.cli.stopping import run_command
+
+class Failing:
+    def __del__(self):
+        raise ValueError("a finaliser that fails while the stop unwinds")  # its context: the stop
+
+def app():
+    try:
+        signal.raise_signal(signal.SIGTERM)
+    finally:
+        Failing()
+        time.sleep(0.3)  # clean-up the stop must not interrupt a second time
+        print("cleaned up", flush=True)
+
+run_command(lambda: app)
+"""
+
+
+def test_a_finaliser_failing_while_a_stop_unwinds_does_not_raise_the_stop_again():
+    done = subprocess.run(
+        [sys.executable, "-c", FAILING_FINALISER_WHILE_STOPPING],
+        cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert (done.returncode, done.stdout) == (143, "cleaned up\n"), done.stderr
+    assert "ValueError: a finaliser that fails" in done.stderr  # an error of its own: reported as Python does
+
+
 def test_a_bad_grace_period_is_named_before_anything_runs():
     env = {**os.environ, "BHFL_STOP_GRACE_S": "soon"}
     cmd = [sys.executable, "-m", "flows.cli.app", "runs"]
