@@ -219,6 +219,12 @@ class Finalised:
         signal.raise_signal(signal.SIG{name})  # its handler runs here, where an exception is printed and dropped
 
 def app():
+    if {prefect}:  # inside a flow run: Prefect's SIGTERM handler (as the command wraps it) raises TerminationSignal
+        from prefect.utilities import engine
+        from flows.cli.stopping import STOP
+
+        STOP.watch_prefect()
+        signal.signal(signal.SIGTERM, engine._prefect_sigterm_handler)
     Finalised()  # collected at once: the stop lands in its __del__
     time.sleep(20)
     print("ran on", flush=True)
@@ -227,15 +233,17 @@ run_command(lambda: app)
 """
 
 
-@pytest.mark.parametrize("name, code", [("TERM", 143), ("INT", 130)])
-def test_a_stop_that_lands_in_a_finaliser_still_stops_the_command(name, code):
+@pytest.mark.parametrize(
+    "name, code, prefect", [("TERM", 143, False), ("INT", 130, False), ("TERM", 143, True)], ids=["TERM", "INT", "flow"]
+)
+def test_a_stop_that_lands_in_a_finaliser_still_stops_the_command(name, code, prefect):
     """A signal whose handler runs inside a ``__del__`` (the garbage collector runs them anywhere: asyncio's
     transports, Prefect's clients) raises the stop where Python drops exceptions; it is raised again outside,
     at once, not after the grace period, and nothing is printed about the dropped one."""
     env = {**os.environ, "BHFL_STOP_GRACE_S": "10"}
     started = time.monotonic()
     done = subprocess.run(
-        [sys.executable, "-c", DROPPED_IN_A_FINALISER.format(name=name)],
+        [sys.executable, "-c", DROPPED_IN_A_FINALISER.format(name=name, prefect=prefect)],
         cwd=Path(__file__).resolve().parents[2], env=env, capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip
     assert (done.returncode, done.stdout) == (code, ""), done.stderr
