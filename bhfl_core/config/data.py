@@ -116,6 +116,19 @@ class XglueSource(Strict):
             raise ValueError(f"languages {unknown} are not in XGLUE {self.config!r} (it has {list(known)})")
         return self
 
+    @model_validator(mode="after")
+    def _a_split_per_language(self) -> XglueSource:
+        """Languages that draw from one split name without ``{lang}`` would all get the same rows under their names."""
+        trained = [lang for lang in self.languages if lang in self.train_languages]
+        pooled = [lang for lang in self.languages if lang not in self.train_languages]
+        for key, split, langs in (("train_split", self.train_split, trained), ("pool_split", self.pool_split, pooled)):
+            if len(langs) > 1 and "{lang}" not in split:
+                raise ValueError(
+                    f"{key}: {split!r} has no {{lang}}, so languages {langs} would all draw their pool from that one "
+                    "split (the same rows under each name); put {lang} where the split names the language"
+                )
+        return self
+
     def columns(self) -> tuple[list[str], str]:
         """(text columns, label column) after overrides."""
         texts, label, _ = XGLUE_TASKS[self.config]

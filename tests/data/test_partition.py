@@ -175,6 +175,14 @@ def test_kmeans_edges_build_the_tree_with_cluster_groups():
         ),
         (["data.sizes={distribution: zipf}"], "data.sizes.distribution: Input should be 'lognormal' or 'powerlaw'"),
         (
+            ["data.source={kind: xglue, languages: [en, de, fr], pool_split: validation.de}", "tree.groups={}"],
+            "data.source: pool_split: 'validation.de' has no {lang}, so languages ['de', 'fr'] would all draw",
+        ),
+        (
+            ["data.source={kind: xglue, languages: [en, de], train_languages: [en, de]}", "tree.groups={}"],
+            "data.source: train_split: 'train' has no {lang}, so languages ['en', 'de'] would all draw",
+        ),
+        (
             ["data.source.languages=[en, xx, de]", "tree.groups={}"],
             "data.source.languages: the embedded corpus has no language ['xx'] (it has ['de', 'en', 'es', 'fr', 'ru'])",
         ),
