@@ -85,12 +85,14 @@ def hub_tokenizer(model: ModelConfig) -> PreTrainedTokenizerBase:
 
 
 def _check_vocabulary(tokenizer: PreTrainedTokenizerBase, model: ModelConfig) -> None:
-    """The tokenizer must have a vocabulary, and every id it gives must have a row in the model's embeddings.
+    """The tokenizer must have a vocabulary, and every id it gives (and position up to ``model.max_length``) must
+    have a row in the model's embeddings.
 
     Both fail late otherwise: transformers builds a tokenizer of its special tokens alone
     from a folder without tokenizer files (every word becomes the unknown token: silently
-    useless data), and an id past the model's ``vocab_size`` is an IndexError in the
-    first training step, after the whole preparation.
+    useless data), and an id past the model's ``vocab_size`` (or a sequence longer than
+    its position embeddings) is an error in the first training step, after the whole
+    preparation.
     """
     from transformers import AutoConfig
 
@@ -102,9 +104,16 @@ def _check_vocabulary(tokenizer: PreTrainedTokenizerBase, model: ModelConfig) ->
             "save the model's tokenizer into it (`tokenizer.save_pretrained(DIR)`)."
         )
     try:
-        vocab = getattr(AutoConfig.from_pretrained(model.name, revision=model.revision), "vocab_size", None)
+        config = AutoConfig.from_pretrained(model.name, revision=model.revision)
     except Exception as exc:
         raise hub_error("model", model, exc) from None
+    positions = getattr(config, "max_position_embeddings", None)
+    if isinstance(positions, int) and model.max_length > positions:  # a shape error in the first forward pass
+        raise ModelSourceError(
+            f"model.max_length: {model.max_length} tokens, but {model.name!r} has position embeddings for "
+            f"{positions} (max_position_embeddings in its config.json); set model.max_length to at most {positions}."
+        )
+    vocab = getattr(config, "vocab_size", None)
     if isinstance(vocab, int) and size > vocab:
         raise ModelSourceError(
             f"model.name: the tokenizer of {model.name!r} has {size} tokens but the model's vocabulary (vocab_size "

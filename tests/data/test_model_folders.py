@@ -5,7 +5,8 @@ without config.json or weights before anything starts (the CLI's preflight), not
 hub error that suggests `hf download /the/path`; a tokenizer that is not the model's
 when data preparation loads it, not as an IndexError in the first training step or
 (a folder without tokenizer files, from which transformers builds a tokenizer of the
-special tokens alone) as data where every word is the unknown token.
+special tokens alone) as data where every word is the unknown token; a ``model.max_length``
+past the model's position embeddings the same way.
 """
 
 import json
@@ -74,6 +75,7 @@ def test_a_folder_that_is_no_model_is_named_before_any_work(bert_dir, tmp_path, 
     [
         ("tokenizer", r"the tokenizer of '{folder}' has no vocabulary \(its 5 tokens are its special tokens\)"),
         ("vocab", r"the tokenizer of '{folder}' has 45 tokens but the model's vocabulary .* has 30: ids 30..44"),
+        ("positions", r"model.max_length: 32 tokens, but '{folder}' has position embeddings for 16 .*at most 16"),
     ],
 )
 def test_a_tokenizer_that_is_not_the_models_stops_the_preparation(bert_dir, tmp_path, damage, message):
@@ -82,10 +84,11 @@ def test_a_tokenizer_that_is_not_the_models_stops_the_preparation(bert_dir, tmp_
     else:
         folder = _broken(bert_dir, tmp_path, damage)
         config = json.loads((folder / "config.json").read_text())
-        (folder / "config.json").write_text(json.dumps({**config, "vocab_size": 30}))
+        key = "vocab_size" if damage == "vocab" else "max_position_embeddings"
+        (folder / "config.json").write_text(json.dumps({**config, key: 30 if damage == "vocab" else 16}))
     assert bert_dir[1] == 45
     cfg = small_config(f"model.name={folder}")
     preflight(cfg, tmp_path / "cache")  # the folder looks like a model
-    with pytest.raises(ModelSourceError, match=f"model.name: {message.format(folder=folder)}"):
+    with pytest.raises(ModelSourceError, match=f"^(model.name: )?{message.format(folder=folder)}"):
         prepare_data(cfg, tmp_path / "cache", log=lambda _: None)
     assert [p.name for p in (tmp_path / "cache").iterdir()] == []  # nothing half-prepared left
