@@ -26,7 +26,7 @@ from __future__ import annotations
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +38,7 @@ from bhfl_core.config.schema import ExperimentConfig
 from bhfl_core.learning.models import check_available as check_model
 from bhfl_core.learning.models import check_hub as check_model_hub
 from data_prep.cache_entry import building, disk_full_named, locked
-from data_prep.manifest import MANIFEST_NAME, Manifest, Shard
+from data_prep.manifest import MANIFEST_NAME, Manifest
 from data_prep.report import write_report
 from data_prep.shards import file_rows, load_shard, parse_path
 from data_prep.source_checks import check_hubs, check_sources
@@ -95,14 +95,13 @@ def prepared_folder(source: PreparedSource, task: str) -> PreparedData:
     root = Path(source.path).expanduser().resolve()
     key = "data.source.path"
     if not (root / MANIFEST_NAME).is_file():
-        what = f"has no {MANIFEST_NAME}" if root.is_dir() else "does not exist"
+        what = f"has no {MANIFEST_NAME}" if root.is_dir() else "is a file" if root.exists() else "does not exist"
         raise ConfigError(f"{key}: {root} {what}; it must be a prepared-data folder (docs/data.md)")
     try:
         manifest = Manifest.read(root)
     except ValueError as exc:  # pydantic's ValidationError (bad JSON, missing or wrong keys), undecodable bytes
         raise ConfigError(f"{key}: {root / MANIFEST_NAME} is not a valid manifest ({_problems(exc)})") from None
-    shards = [s for c in manifest.clients for s in (c.train, c.test)] + [manifest.proxy_train, manifest.proxy_test]
-    if bad := _unreadable_shards(root, shards):
+    if bad := _unreadable_shards(root, manifest):
         raise ConfigError(
             f"{key}: shard(s) named in {root / MANIFEST_NAME} are missing, not datasets save_to_disk folders "
             f"(no state.json), or not the rows of their Arrow file: {', '.join(bad[:5])}"
@@ -118,15 +117,22 @@ def prepared_folder(source: PreparedSource, task: str) -> PreparedData:
     return PreparedData(root, manifest, cached=True, seconds=time.time() - started)
 
 
-def _unreadable_shards(root: Path, shards: list[Shard]) -> list[str]:
-    """The shard paths that would fail mid-run: a folder without ``state.json``, rows outside their Arrow file."""
+def _unreadable_shards(root: Path, manifest: Manifest) -> list[str]:
+    """The shard paths that would fail mid-run: a folder without ``state.json``, rows outside their Arrow file.
+
+    Read from the client table's columns, not as a ``ClientEntry`` per client: at 100,000
+    clients building those took ~3 s, on every cache hit.
+    """
     bad: list[str] = []
     rows_of: dict[str, int | None] = {}  # each Arrow file opened once (memory-mapped: its row count only)
-    for shard in shards:
-        file, rows = parse_path(shard.path)
+    clients, proxies = manifest.clients, (manifest.proxy_train, manifest.proxy_test)
+    paths = [*clients.train_path.tolist(), *clients.test_path.tolist(), *(s.path for s in proxies)]
+    sizes = [*clients.train_size.tolist(), *clients.test_size.tolist(), *(s.size for s in proxies)]
+    for path, size in zip(paths, sizes, strict=True):
+        file, rows = parse_path(path)
         if not file.endswith(".arrow"):
             if not (root / file / "state.json").is_file():
-                bad.append(shard.path)
+                bad.append(path)
             continue
         if file not in rows_of:
             try:
@@ -135,18 +141,50 @@ def _unreadable_shards(root: Path, shards: list[Shard]) -> list[str]:
                 rows_of[file] = None
         count = rows_of[file]
         start, stop = rows or (0, count or 0)
-        if count is None or stop > count or stop - start != shard.size:
-            bad.append(shard.path)
+        if count is None or stop > count or stop - start != size:
+            bad.append(path)
     return bad
+
+
+class DamagedCacheError(ConfigError):
+    """A data-cache entry whose manifest or shard files were damaged after it was committed (docs/data.md, Cache)."""
+
+
+def _damaged(root: Path, what: str) -> DamagedCacheError:
+    return DamagedCacheError(
+        f"the data cache entry {root} is damaged: {what}. It was complete when it was written (entries are "
+        f"committed whole), so something changed it since (a disk error, a copy cut short, an edit). The cache "
+        f"holds derived data only: delete the entry (`rm -r {root}`) and run the command again, which prepares it "
+        f"afresh (the same bytes)."
+    )
+
+
+def cached_entry(root: Path) -> PreparedData:
+    """The committed cache entry ``root``, checked as a ``kind: prepared`` folder is (docs/data.md, Cache).
+
+    Its manifest must be valid and every Arrow file must hold the rows its shards name:
+    a truncated, missing or unreadable file is a ``DamagedCacheError`` naming it, before
+    any work, never a traceback mid-run (or training on what is left).
+    """
+    started = time.time()
+    try:
+        manifest = Manifest.read(root)
+    except ValueError as exc:  # pydantic's ValidationError (bad JSON, missing or wrong keys), undecodable bytes
+        raise _damaged(root, f"{root / MANIFEST_NAME} is not a valid manifest ({_problems(exc)})") from None
+    if bad := _unreadable_shards(root, manifest):
+        files = sorted({parse_path(path)[0] for path in bad})
+        raise _damaged(
+            root, f"{', '.join(str(root / f) for f in files)} missing, cut short or not the rows its manifest names"
+        )
+    return PreparedData(root, manifest, cached=True, seconds=time.time() - started)
 
 
 def cached_data(config: ExperimentConfig, cache_root: Path) -> PreparedData | None:
     if isinstance(config.data.source, PreparedSource):
         return prepared_folder(config.data.source, config.data.task)
-    started = time.time()
     final = cache_root / fingerprint(config)
     if (final / MANIFEST_NAME).exists():
-        return PreparedData(final, Manifest.read(final), cached=True, seconds=time.time() - started)
+        return cached_entry(final)
     return None
 
 
@@ -187,7 +225,7 @@ def prepare_data(
     with disk_full_named(final), locked(final, lambda: log(f"waiting for another preparation of {final}")):
         if (hit := cached_data(config, cache_root)) is not None:  # made while this one waited for the lock
             log(f"data cache hit {hit.root}: prepared meanwhile, no tokenisation")
-            return hit
+            return replace(hit, seconds=time.time() - started)  # the wait included: what `bhfl prepare` says it took
         log(f"preparing data (fingerprint {fp}) in {final}")
         with building(final) as work:
             pool = step("load-pool", load_pool, config, work / SCRATCH)

@@ -16,12 +16,14 @@ import numpy as np
 
 from bhfl_core.config.data import ProxySource
 from bhfl_core.rng import derive_seed
+from data_prep.source_checks import glob_files
 from data_prep.sources import (
     LABEL,
     NO_LANGUAGE,
     DataSourceError,
     TextTable,
     column,
+    empty_parquet,
     encode_labels,
     load_or_explain,
     normalise,
@@ -85,6 +87,10 @@ def _proxy_rows(
     what = f"proxy {'files ' + str(spec.data_files) if spec.data_files else repr(spec.repo)} split {split!r}"
     if spec.data_files is not None:
         files = [fill(f) for f in ([spec.data_files] if isinstance(spec.data_files, str) else spec.data_files)]
+        if empty := empty_parquet([path for pattern in files for path in glob_files(pattern)]):
+            raise DataSourceError(
+                f"data.proxy.source.data_files: {empty} has no rows; write its rows, or leave it out."
+            )
         thunk = lambda: load_dataset("parquet", data_files={split: files}, split=split, streaming=spec.streaming)  # noqa: E731
     else:
         name = fill(spec.name) if spec.name else None

@@ -69,7 +69,7 @@ def check_sources(config: ExperimentConfig) -> None:
     fill = (lambda v: v.format(lang=lang)) if proxy.per_language else (lambda v: v)
     if proxy.data_files is not None:
         patterns = [proxy.data_files] if isinstance(proxy.data_files, str) else proxy.data_files
-        missing = [fill(p) for p in patterns if not _glob(fill(p))]
+        missing = [fill(p) for p in patterns if not glob_files(fill(p))]
         if missing:
             raise DataSourceError(
                 f"data.proxy.source.data_files: no files match {missing} (paths are relative to the "
@@ -105,12 +105,14 @@ def source_signature(config: ExperimentConfig) -> dict:
     if proxy is not None and proxy.data_files is not None:
         patterns = [proxy.data_files] if isinstance(proxy.data_files, str) else proxy.data_files
         langs = config.data.source.languages if proxy.per_language else [None]
-        files = sorted({str(p) for pat in patterns for lg in langs for p in _glob(pat.format(lang=lg) if lg else pat)})
+        files = sorted(
+            {str(p) for pat in patterns for lg in langs for p in glob_files(pat.format(lang=lg) if lg else pat)}
+        )
         out["proxy_files"] = [_file_signature(Path(f)) for f in files]
     return out
 
 
-def _glob(pattern: str) -> list[Path]:
+def glob_files(pattern: str) -> list[Path]:
     """The files ``pattern`` matches, absolute or relative to the working directory (as ``load_dataset`` reads it)."""
     path = Path(pattern).expanduser()
     if path.is_absolute():

@@ -164,6 +164,13 @@ def load_xglue_split(source: XglueSource, split: str) -> Dataset:
     if source.local_dir is not None:
         folder = Path(source.local_dir).expanduser()
         files = local_split_files(folder, source.config, split)
+        if not folder.is_dir():
+            what = "is a file, not a folder" if folder.exists() else "does not exist"
+            raise DataSourceError(
+                f"data.source.local_dir: {str(folder)!r} {what} (a relative path is relative to the working "
+                f"directory, {Path.cwd()}); it must be the folder of XGLUE parquet files (docs/data.md, 'XGLUE from "
+                "local parquet')."
+            )
         if not files:
             raise DataSourceError(
                 f"data.source.local_dir: no parquet files for split {split!r} of XGLUE {source.config!r} in "
@@ -171,6 +178,11 @@ def load_xglue_split(source: XglueSource, split: str) -> Dataset:
                 f"or the same without the {source.config}/ folder); the pool of a language is "
                 f"{source.train_split!r} for {source.train_languages} and {source.pool_split!r} for the others "
                 f"(docs/data.md, 'XGLUE from local parquet')."
+            )
+        if empty := empty_parquet(files):  # datasets' own error says only "An error occurred while generating"
+            raise DataSourceError(
+                f"data.source.local_dir: {empty} has no rows (split {split!r} of XGLUE {source.config!r}); "
+                "write the split's rows into it, or remove it."
             )
         return load_or_explain(
             lambda: load_dataset("parquet", data_files={split: [str(f) for f in files]}, split=split),
@@ -183,6 +195,19 @@ def load_xglue_split(source: XglueSource, split: str) -> Dataset:
         f"revision {source.revision or 'default'})",
         "data.source",
     )
+
+
+def empty_parquet(files: list[Path]) -> Path | None:
+    """The first of ``files`` that is a readable parquet file without rows (unreadable ones fail in the load)."""
+    import pyarrow.parquet as pq
+
+    for file in files:
+        try:
+            if pq.ParquetFile(file).metadata.num_rows == 0:
+                return file
+        except Exception:  # not parquet, or damaged: load_dataset's error names it
+            continue
+    return None
 
 
 def load_or_explain(fn, what: str, key: str):
@@ -215,8 +240,30 @@ def normalise(ds: Dataset, texts: list[str], label: str | None, key: str) -> Dat
             f"{key}: columns {missing} not found; the data has {ds.column_names} "
             "(set text_columns / label_column to the names it uses)"
         )
+    _check_texts(ds, texts, key)
     rename = {texts[0]: TEXT, **({texts[1]: PAIR} if len(texts) > 1 else {}), **({label: LABEL} if label else {})}
     return ds.select_columns(wanted).rename_columns({k: v for k, v in rename.items() if k != v})
+
+
+def _check_texts(ds: Dataset, texts: list[str], key: str) -> None:
+    """Text columns hold strings in every row: else the tokenizer fails mid-preparation with a bare TypeError.
+
+    A column of another type (numbers, lists) is named with its type; missing texts
+    (nulls) are named with their count, not replaced by empty strings: a row without
+    its text is a data problem to fix, not one to train on.
+    """
+    from datasets import Value
+
+    for name in texts:
+        feature = ds.features[name]
+        if not (isinstance(feature, Value) and feature.dtype in ("string", "large_string")):
+            raise DataSourceError(
+                f"{key}: text column {name!r} holds {feature}, not strings (set text_columns to the text columns)."
+            )
+        if nulls := ds.data.column(name).null_count:
+            raise DataSourceError(
+                f"{key}: text column {name!r} is missing (null) in {nulls} of {len(ds)} rows; remove or fill them."
+            )
 
 
 def _xglue_labels(task: str) -> tuple[str, ...]:
@@ -256,10 +303,17 @@ def _common_label_names(tables: list[Dataset], key: str) -> list[str]:
     from datasets import ClassLabel
 
     features = [t.features[LABEL] for t in tables]
-    if all(isinstance(f, ClassLabel) for f in features):
-        names = features[0].names
-        if any(f.names != names for f in features):
+    named = [f for f in features if isinstance(f, ClassLabel)]
+    if named:
+        names = named[0].names
+        if any(f.names != names for f in named):
             raise DataSourceError(f"{key}: the label column has different class names in different splits")
+        for table, feature in zip(tables, features):  # the others (no ClassLabel): its class names, or ids
+            if not isinstance(feature, ClassLabel) and (bad := _not_classes(table.unique(LABEL), names)):
+                raise DataSourceError(
+                    f"{key}: labels {bad[:5]} of one split are neither class names nor ids of the others' class "
+                    f"names {list(names)}."
+                )
         return list(names)
     values: set = set()
     for t in tables:
@@ -267,6 +321,13 @@ def _common_label_names(tables: list[Dataset], key: str) -> list[str]:
     if all(isinstance(v, (int, np.integer)) for v in values):
         return [str(i) for i in range(int(max(values)) + 1)]
     return sorted(str(v) for v in values)
+
+
+def _not_classes(values: list, names: list[str]) -> list:
+    """The label values that are not one of ``names`` (strings) or an id of one (integers)."""
+    if all(isinstance(v, (int, np.integer)) for v in values):
+        return sorted(int(v) for v in values if not 0 <= int(v) < len(names))
+    return sorted(str(v) for v in values if str(v) not in names)
 
 
 def encode_labels(ds: Dataset, names: list[str]) -> Dataset:

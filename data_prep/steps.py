@@ -130,6 +130,12 @@ def tokenizer_step(config: ExperimentConfig, proxy: ProxyRows, work: Path) -> tu
     model = config.model
     if model.name != TINY:
         return hub_tokenizer(model), model.name
+    if len(proxy.train) == 0:  # a vocabulary of the special tokens alone: every word the unknown token
+        raise ConfigError(
+            f"data.proxy.train_per_language: {config.data.proxy.train_per_language} leaves no proxy train text to "
+            f"learn model.name {TINY}'s vocabulary from (its WordPiece is trained on the proxy train split alone: "
+            "public text, never client text; docs/data.md); set it above 0, or use a model with its own tokenizer."
+        )
     rows = proxy.table.data.select(proxy.train)
 
     def texts():

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
 from bhfl_core.config.schema import ModelConfig
-from bhfl_core.learning.models import hub_error
+from bhfl_core.learning.models import ModelSourceError, hub_error
 from data_prep.wordpiece import learn_vocabulary, word_counts
 
 if TYPE_CHECKING:  # transformers (~1 s to import) only when a tokenizer is trained or loaded: not on a cache hit
@@ -75,8 +75,48 @@ def load_tokenizer(name_or_dir: str | Path, revision: str | None = None) -> PreT
 
 
 def hub_tokenizer(model: ModelConfig) -> PreTrainedTokenizerBase:
-    """The tokenizer of a hub (or local-folder) model; a clear error when it cannot be loaded."""
+    """The tokenizer of a hub (or local-folder) model; a clear error when it cannot be loaded or is not the model's."""
     try:
-        return load_tokenizer(model.name, model.revision)
+        tokenizer = load_tokenizer(model.name, model.revision)
     except Exception as exc:  # OSError offline / not found: one paragraph, no stack trace
         raise hub_error("tokenizer", model, exc) from None
+    _check_vocabulary(tokenizer, model)
+    return tokenizer
+
+
+def _check_vocabulary(tokenizer: PreTrainedTokenizerBase, model: ModelConfig) -> None:
+    """The tokenizer must have a vocabulary, and every id it gives (and position up to ``model.max_length``) must
+    have a row in the model's embeddings.
+
+    Both fail late otherwise: transformers builds a tokenizer of its special tokens alone
+    from a folder without tokenizer files (every word becomes the unknown token: silently
+    useless data), and an id past the model's ``vocab_size`` (or a sequence longer than
+    its position embeddings) is an error in the first training step, after the whole
+    preparation.
+    """
+    from transformers import AutoConfig
+
+    size = len(tokenizer)
+    if size <= len(set(tokenizer.all_special_ids)):
+        raise ModelSourceError(
+            f"model.name: the tokenizer of {model.name!r} has no vocabulary (its {size} tokens are its special "
+            "tokens): the folder has no tokenizer files (tokenizer.json, vocab.txt, sentencepiece.bpe.model, ...); "
+            "save the model's tokenizer into it (`tokenizer.save_pretrained(DIR)`)."
+        )
+    try:
+        config = AutoConfig.from_pretrained(model.name, revision=model.revision)
+    except Exception as exc:
+        raise hub_error("model", model, exc) from None
+    positions = getattr(config, "max_position_embeddings", None)
+    if isinstance(positions, int) and model.max_length > positions:  # a shape error in the first forward pass
+        raise ModelSourceError(
+            f"model.max_length: {model.max_length} tokens, but {model.name!r} has position embeddings for "
+            f"{positions} (max_position_embeddings in its config.json); set model.max_length to at most {positions}."
+        )
+    vocab = getattr(config, "vocab_size", None)
+    if isinstance(vocab, int) and size > vocab:
+        raise ModelSourceError(
+            f"model.name: the tokenizer of {model.name!r} has {size} tokens but the model's vocabulary (vocab_size "
+            f"in its config.json) has {vocab}: ids {vocab}..{size - 1} have no embedding. The tokenizer is not this "
+            "model's: save the model's own tokenizer into the folder."
+        )

@@ -45,6 +45,10 @@ def _unique_languages(v: list[str]) -> list[str]:
     return v
 
 
+# The languages the embedded generator has a vocabulary for (data_prep/embedded.py, ``_SYLLABLES``).
+EMBEDDED_LANGUAGES = ("de", "en", "es", "fr", "ru")
+
+
 class EmbeddedSource(Strict):
     """The offline generated multilingual news corpus (XGLUE NC schema)."""
 
@@ -54,6 +58,15 @@ class EmbeddedSource(Strict):
     topic_strength: Annotated[float, Field(ge=0, le=1)] = 0.25
 
     _langs = field_validator("languages")(_unique_languages)
+
+    @field_validator("languages")
+    @classmethod
+    def _known_languages(cls, v: list[str]) -> list[str]:
+        """Checked with the config, not when the corpus is generated (mid-preparation, as a traceback)."""
+        unknown = [lang for lang in v if lang not in EMBEDDED_LANGUAGES]
+        if unknown:
+            raise ValueError(f"the embedded corpus has no language {unknown} (it has {list(EMBEDDED_LANGUAGES)})")
+        return v
 
 
 # XGLUE configs usable as federated classification data: text columns, label column, languages.
@@ -101,6 +114,19 @@ class XglueSource(Strict):
         unknown = [lang for lang in self.languages if lang not in known]
         if unknown:
             raise ValueError(f"languages {unknown} are not in XGLUE {self.config!r} (it has {list(known)})")
+        return self
+
+    @model_validator(mode="after")
+    def _a_split_per_language(self) -> XglueSource:
+        """Languages that draw from one split name without ``{lang}`` would all get the same rows under their names."""
+        trained = [lang for lang in self.languages if lang in self.train_languages]
+        pooled = [lang for lang in self.languages if lang not in self.train_languages]
+        for key, split, langs in (("train_split", self.train_split, trained), ("pool_split", self.pool_split, pooled)):
+            if len(langs) > 1 and "{lang}" not in split:
+                raise ValueError(
+                    f"{key}: {split!r} has no {{lang}}, so languages {langs} would all draw their pool from that one "
+                    "split (the same rows under each name); put {lang} where the split names the language"
+                )
         return self
 
     def columns(self) -> tuple[list[str], str]:

@@ -15,6 +15,7 @@ torch and transformers are imported where a model is built: the checks before a 
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from bhfl_core.config.base import ConfigError
@@ -34,8 +35,47 @@ class ModelSourceError(ConfigError):
     """A model or tokenizer cannot be loaded; the message says how to use a local copy."""
 
 
+LOCAL_MODEL = (
+    "a local model is a folder as save_pretrained (or `hf download NAME --local-dir DIR`) writes it: config.json, "
+    "the weights and the tokenizer's files"
+)
+
+
+WEIGHTS = ("*.safetensors", "pytorch_model*.bin")  # what from_pretrained loads a PyTorch model from
+
+
+def folder_problem(name: str) -> str | None:
+    """What is wrong with ``name`` as a local model folder; None when it is one or a hub name (``org/name``).
+
+    transformers loads a name from the folder of that name when there is one; a name that
+    can only be a path (absolute, ``~``, ``./``, ``../``, or more than one ``/``: a hub
+    id has one) and is no folder is a missing folder, not a hub name whose hub failed.
+    """
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            return f"the folder {path} has no config.json"
+        if not any(next(path.glob(pattern), None) for pattern in WEIGHTS):
+            return f"the folder {path} has no weights ({' or '.join(WEIGHTS)})"
+        return None
+    if path.exists():
+        return f"{path} is a file, not a model folder"
+    if name.startswith(("/", "~", "./", "../")) or name.count("/") > 1:
+        return f"the folder {path} does not exist"
+    return None
+
+
+def check_folder(model: ModelConfig) -> None:
+    """A ``model.name`` that is a path must be a model folder (``folder_problem``): one line naming the key."""
+    if model.name != TINY and (problem := folder_problem(model.name)) is not None:
+        raise ModelSourceError(f"model.name: {problem}; {LOCAL_MODEL}.")
+
+
 def hub_error(what: str, model: ModelConfig, exc: BaseException) -> ModelSourceError:
     detail = str(exc).strip().splitlines()[0][:300].rstrip(".") if str(exc).strip() else ""
+    if (problem := folder_problem(model.name)) is not None or Path(model.name).expanduser().is_dir():
+        why = problem or f"could not load the {what} from the folder {Path(model.name).expanduser()}"
+        return ModelSourceError(f"model.name: {why} ({type(exc).__name__}: {detail}); {LOCAL_MODEL}.")
     return ModelSourceError(
         f"model.name: could not load the {what} {model.name!r} (revision {model.revision or 'default'}): "
         f"{type(exc).__name__}: {detail}. Without hub access (HF_HUB_OFFLINE=1, no network) use a local copy: "
@@ -46,7 +86,9 @@ def hub_error(what: str, model: ModelConfig, exc: BaseException) -> ModelSourceE
 
 
 def check_hub(model: ModelConfig) -> None:
-    """Fail in seconds when ``model`` is a hub name and the hub cannot be reached (``hub.require_hub``)."""
+    """Fail in seconds when ``model`` is a hub name and the hub cannot be reached (``hub.require_hub``), or a path
+    that is no model folder (``check_folder``)."""
+    check_folder(model)
     if model.name != TINY:
         require_hub(
             "model.name",
@@ -60,6 +102,7 @@ def check_available(model: ModelConfig) -> None:
     """Fail early (before any data work) when a hub model's config cannot be found."""
     if model.name == TINY:
         return
+    check_folder(model)
     from transformers import AutoConfig  # transformers (~1 s to import) only where a model is built or checked
 
     try:

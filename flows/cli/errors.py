@@ -3,8 +3,9 @@
 Config and data mistakes, damaged checkpoints, out-of-memory and disk-full errors
 reach the user as a message naming the cause and the fix, not as a stack trace. An
 error not listed here is a bug: the CLI shows its traceback. Exit codes: 2 for what
-is wrong before any work (config, a cluster that cannot serve the run), ``EXIT_DISK_FULL``
-for a full disk, 1 for the rest (docs/cli.md, "Exit codes").
+is wrong before any work (config, data that cannot be loaded or partitioned as
+configured, a cluster that cannot serve the run), ``EXIT_DISK_FULL`` for a full disk,
+1 for the rest (docs/cli.md, "Exit codes").
 """
 
 from __future__ import annotations
@@ -88,7 +89,9 @@ def _listed(items: list[str]) -> str:
 def exit_code(exc: BaseException, run_path: Path | None) -> int:
     """The exit code of a command that ended with ``exc`` (explained: the module docstring)."""
     cluster = sys.modules.get("tasks.cluster_access")
-    if isinstance(exc, ConfigError) or (cluster is not None and isinstance(exc, cluster.SharedFolderError)):
+    if isinstance(exc, (ConfigError, PartitionError)) or (
+        cluster is not None and isinstance(exc, cluster.SharedFolderError)
+    ):
         return 2
     if full_filesystem(exc, run_path) is not None:
         return EXIT_DISK_FULL

@@ -116,7 +116,10 @@ def load_config(path: Path, overrides: list[str]) -> ExperimentConfig:
 
 def prepare_environment(run_dir: Path, verbose: bool) -> None:
     """Defaults for Prefect and HF libraries, set before they are imported; user settings win."""
-    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):  # the folder, or one above it, is a file (a config, say)
+        fail(f"--run-dir {run_dir}: not a folder ({run_dir} or a folder above it is a file)")
     if "PREFECT_API_URL" not in os.environ:
         os.environ.setdefault("PREFECT_HOME", str((run_dir / ".prefect").resolve()))
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
@@ -135,6 +138,7 @@ def prepare_environment(run_dir: Path, verbose: bool) -> None:
     os.environ.setdefault("GIT_PYTHON_REFRESH", "quiet")
     if not verbose:  # a failure is told once, as one paragraph (flows/cli/errors.py), not by libraries on its way
         logging.getLogger("mlflow.store.db.utils").setLevel(logging.CRITICAL)  # logs each error it then raises
+        logging.getLogger("datasets.packaged_modules.parquet.parquet").setLevel(logging.CRITICAL)  # the same
         logging.raiseExceptions = False  # a log handler's own failure (Prefect's API logs, its server down or full)
     limit_malloc_arenas()
 

@@ -11,6 +11,11 @@ is a consequence of the stop, not a failure of its own: the command ends with on
 and exit 128 + the signal (130, 143, 129), never a traceback (``StopRequest.signal_of``,
 read by ``guarded`` and the command's entry, flows/cli/main.py).
 
+A stop can also land inside a finaliser (a ``__del__`` the garbage collector runs, a
+weakref callback), where Python prints an exception and drops it: ``sys.unraisablehook``
+sees it dropped and the main thread is signalled again, so the stop is raised where it
+unwinds the command (``StopRequest._unraisable``), not lost until the grace period.
+
 Two rules keep the unwinding itself safe and bounded:
 
 - later signals do not interrupt it (a supervisor or a closing terminal may send
@@ -43,6 +48,7 @@ import threading
 import time
 from collections.abc import Callable
 from types import FrameType
+from typing import Any
 
 from flows.services.stop_signals import STOP_SIGNALS, Stopped, signal_behind
 
@@ -80,14 +86,51 @@ class StopRequest:
         self._tells = itertools.count()
         self._asked = threading.Event()
         self._installed = False
+        self._dropped = False  # the stop was raised where Python drops exceptions: raise it again (``_unraisable``)
+        self._redo = threading.Event()
+        self._unraisable_before: Callable[[Any], object] = sys.unraisablehook
 
     def install(self) -> None:
         """Handle SIGINT, SIGTERM and SIGHUP from now on (the command's entry, in the main thread, once)."""
         self.grace_s = _grace_s()
         threading.Thread(target=self._grace_period, name="bhfl-stop-grace", daemon=True).start()
+        threading.Thread(target=self._raise_again, name="bhfl-stop-again", daemon=True).start()
         for signum in STOP_SIGNALS:
             signal.signal(signum, self._on_signal)
+        self._unraisable_before, sys.unraisablehook = sys.unraisablehook, self._unraisable
         self._installed = True
+
+    def _unraisable(self, unraisable: Any) -> None:
+        """A stop raised where Python cannot propagate an exception is raised again once the main thread is out.
+
+        A signal's handler runs wherever the main thread is, also inside a ``__del__`` (the
+        garbage collector runs them at any allocation: Prefect's and asyncio's objects have
+        them) or a weakref callback; an exception raised there is printed ("Exception
+        ignored in ...") and dropped, and the command would run on until the grace period
+        ended it as a kill, its work thrown away. This hook (``sys.unraisablehook``) sees
+        the dropped stop and has ``_raise_again`` signal the main thread again, whose
+        handler raises it afresh in ordinary code. (Signalled from here, the handler would
+        run before the hook returns: dropped again.) Should it land in a finaliser again,
+        it comes back here, so the stop is never lost.
+        """
+        if self.signum is not None and _is_a_stop(unraisable.exc_value):
+            self._dropped = True
+            self._redo.set()  # a thread started beforehand: the hook may run where any lock is held
+            return
+        self._unraisable_before(unraisable)
+
+    def _raise_again(self) -> None:
+        while True:
+            self._redo.wait()
+            self._redo.clear()
+            time.sleep(0.01)  # the main thread is out of the hook by then (else: dropped, and back here)
+            # a real signal, not _thread.interrupt_main: it also wakes a main thread blocked in a system call
+            signal.pthread_kill(threading.main_thread().ident or 0, self.signum or signal.SIGTERM)
+
+    def _again(self) -> bool:
+        """Whether the stop that arrives now is one dropped before (``_unraisable``), to be raised again."""
+        dropped, self._dropped = self._dropped, False
+        return dropped
 
     def watch_prefect(self) -> None:
         """Have Prefect's SIGTERM handler (the one flow runs install) record the stop here and let later SIGTERMs
@@ -105,7 +148,7 @@ class StopRequest:
             return
 
         def handler(signum: int, frame: FrameType | None) -> None:
-            if self.signum is not None:
+            if self.signum is not None and not self._again():
                 return  # stopping already: as in ``_on_signal``
             self.noticed(signum)
             prefects(signum, frame)  # raises TerminationSignal: Prefect marks its runs crashed
@@ -114,9 +157,9 @@ class StopRequest:
         engine._prefect_sigterm_handler = handler  # type: ignore[assignment]
 
     def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
-        if self.signum is None:
+        if self.signum is None or self._again():
             self.noticed(signum)
-            raise Stopped(signum)
+            raise Stopped(self.signum or signum)
         if signum == signal.SIGINT:  # Ctrl-C again while stopping: the user wants it now
             first = signal.Signals(self.signum).name
             self.end_now(f"stopped by {first}, then Ctrl-C again: ended at once. {self.hint_text()}")
@@ -184,6 +227,13 @@ class StopRequest:
                 with contextlib.suppress(psutil.Error):
                     child.kill()
         os._exit(code if code is not None else self.exit_code)
+
+
+def _is_a_stop(exc: BaseException | None) -> bool:
+    """Whether ``exc`` is the stop itself (a ``Stopped``, Prefect's ``TerminationSignal``), not an error raised
+    while a stop unwinds (that one has the stop in its context, and must not raise the stop a second time)."""
+    termination = getattr(sys.modules.get("prefect.exceptions"), "TerminationSignal", None)
+    return isinstance(exc, Stopped) or (termination is not None and isinstance(exc, termination))
 
 
 STOP = StopRequest()

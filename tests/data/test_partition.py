@@ -174,6 +174,18 @@ def test_kmeans_edges_build_the_tree_with_cluster_groups():
             "proxy.servers: only the root can hold a proxy corpus without languages",
         ),
         (["data.sizes={distribution: zipf}"], "data.sizes.distribution: Input should be 'lognormal' or 'powerlaw'"),
+        (
+            ["data.source={kind: xglue, languages: [en, de, fr], pool_split: validation.de}", "tree.groups={}"],
+            "data.source: pool_split: 'validation.de' has no {lang}, so languages ['de', 'fr'] would all draw",
+        ),
+        (
+            ["data.source={kind: xglue, languages: [en, de], train_languages: [en, de]}", "tree.groups={}"],
+            "data.source: train_split: 'train' has no {lang}, so languages ['en', 'de'] would all draw",
+        ),
+        (
+            ["data.source.languages=[en, xx, de]", "tree.groups={}"],
+            "data.source.languages: the embedded corpus has no language ['xx'] (it has ['de', 'en', 'es', 'fr', 'ru'])",
+        ),
         (["model.truncation=middle"], "model.truncation"),
     ],
 )
@@ -183,6 +195,13 @@ def test_data_config_errors_name_the_key(overrides, message):
     with pytest.raises(ConfigError) as err:
         small_config(*overrides)
     assert message in str(err.value)
+
+
+def test_the_config_knows_the_embedded_corpus_languages():
+    from bhfl_core.config.data import EMBEDDED_LANGUAGES
+    from data_prep.embedded import _SYLLABLES
+
+    assert sorted(_SYLLABLES) == list(EMBEDDED_LANGUAGES)
 
 
 def test_several_edges_per_language_keep_languages_under_their_groups():

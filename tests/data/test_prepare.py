@@ -1,14 +1,16 @@
 """Data preparation: shards, manifest, tokenizer round-trip, and the fingerprint cache."""
 
+import shutil
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from transformers import AutoTokenizer
 
-from data_prep.prepare import fingerprint, load_shard, prepare_data
+from data_prep.prepare import DamagedCacheError, fingerprint, load_shard, preflight, prepare_data
 from tests.small import small_config
 
 pytestmark = pytest.mark.integration
@@ -44,6 +46,30 @@ def test_prepare_then_cache_hit(tmp_path):
     # a different seed is a different fingerprint
     assert fingerprint(small_config("seed=1")) != fingerprint(cfg)
     assert not list(tmp_path.glob(".*.partial"))
+
+
+def test_a_damaged_cache_entry_is_named_and_never_reused(tmp_path):
+    """A shard file cut short, missing, or a manifest cut short after the entry was committed: one error naming
+    the file (before any work: the CLI's preflight too), the entry left as it is; deleted, it is prepared afresh."""
+    cfg = small_config()
+    entry = prepare_data(cfg, tmp_path, log=lambda _: None).root
+    files = {p.relative_to(entry): p.read_bytes() for p in sorted(entry.rglob("*")) if p.is_file()}
+    damages = {
+        "clients/train.arrow": lambda p: p.write_bytes(files[Path("clients/train.arrow")][:-1000]),
+        "proxy/test.arrow": lambda p: p.unlink(),
+        "manifest.json": lambda p: p.write_bytes(files[Path("manifest.json")][:500]),
+    }
+    for name, damage in damages.items():
+        damage(entry / name)
+        for check in (lambda: prepare_data(cfg, tmp_path, log=lambda _: None), lambda: preflight(cfg, tmp_path)):
+            with pytest.raises(DamagedCacheError, match=rf"entry {entry} is damaged: {entry / name} .*`rm -r {entry}`"):
+                check()
+        assert sorted(p.name for p in tmp_path.iterdir()) == [entry.name]  # nothing rebuilt beside it
+        (entry / name).write_bytes(files[Path(name)])
+
+    shutil.rmtree(entry)  # what the message says to do: the same bytes again
+    again = prepare_data(cfg, tmp_path, log=lambda _: None)
+    assert not again.cached and {p.relative_to(entry): p.read_bytes() for p in entry.rglob("*") if p.is_file()} == files
 
 
 def test_proxy_shards_record_language_rows_for_group_proxy_splits(tmp_path):
@@ -124,6 +150,7 @@ def test_a_second_preparation_of_the_same_data_waits_and_reuses_it(tmp_path):
         reused = second.result(60)
     assert not first.cached and reused.cached and reused.root == first.root and reused.manifest == first.manifest
     assert "prepared meanwhile" in second_logs[-1]
+    assert reused.seconds > first.seconds / 2  # it waited for most of the first one's work, and says so
     assert sorted(p.name for p in tmp_path.iterdir()) == [first.root.name]  # no partial folder, no lock file
 
 

@@ -158,6 +158,9 @@ def test_a_damaged_folder_is_one_line_naming_the_key_and_the_file(tmp_path, dama
 def test_a_missing_folder_is_named(tmp_path):
     with pytest.raises(ConfigError, match=r"^data.source.path: .*nowhere does not exist"):
         prepare_data(prepared_config(tmp_path / "nowhere"), tmp_path / "cache", log=lambda _: None)
+    (tmp_path / "manifest.json").write_text("{}")  # the manifest given instead of its folder
+    with pytest.raises(ConfigError, match=r"^data.source.path: .*manifest.json is a file; it must be a prepared-data"):
+        prepare_data(prepared_config(tmp_path / "manifest.json"), tmp_path / "cache", log=lambda _: None)
 
 
 @pytest.mark.parametrize(

@@ -106,6 +106,10 @@ def test_unreachable_sources_and_models_are_clear_errors(nc_dir, tmp_path):
         match=r"data.source.local_dir: no parquet files for split 'validation.es'.*nc/validation.es.parquet",
     ):
         preflight(cfg, tmp_path)
+    with pytest.raises(DataSourceError, match=rf"data.source.local_dir: '{nc_dir}/nowhere' does not exist \("):
+        preflight(_xglue(nc_dir / "nowhere"), tmp_path)
+    with pytest.raises(DataSourceError, match=r"data.source.local_dir: '.*train.parquet' is a file, not a folder"):
+        preflight(_xglue(nc_dir / "nc" / "train.parquet"), tmp_path)
     # the hub with HF_HUB_OFFLINE=1 (tests/conftest.py): says how to point the config at local files
     hub = small_config("data.source={kind: xglue, languages: [en, de, fr]}")
     with pytest.raises(DataSourceError, match=r"data.source: could not load .*microsoft/xglue.*data.source.local_dir"):

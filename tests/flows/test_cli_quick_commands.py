@@ -137,3 +137,15 @@ def test_resume_of_a_run_whose_record_is_damaged_is_one_line_naming_the_file(tmp
     listed = CliRunner().invoke(app, ["runs", "--run-dir", str(tmp_path)])  # the listing shows it, unreadable
     assert listed.exit_code == 0, listed.output
     assert "unreadable: " in listed.output and "damaged run record" in " ".join(listed.output.split())
+
+
+@pytest.mark.parametrize("command", [["prepare"], ["runs"]])
+def test_a_run_dir_that_is_a_file_is_one_line(tmp_path, command):
+    # `--run-dir configs/bhfl.yaml` (a slip of the hand): the folder cannot be made, exit 2, not a FileExistsError
+    given = tmp_path / "bhfl.yaml"
+    given.write_text("name: bhfl\n")
+    out = CliRunner().invoke(app, [*command, "--run-dir", str(given / "sub" if command == ["runs"] else given)])
+    assert out.exit_code == 2, out.output
+    assert out.exception is None or isinstance(out.exception, SystemExit)  # no traceback
+    assert f"error: --run-dir {given}" in out.output and "not a folder" in out.output
+    assert given.read_text() == "name: bhfl\n"

@@ -225,7 +225,7 @@ def test_cli_prepare_prints_the_partition_and_missing_files_are_clear(tmp_path):
         str(tmp_path),
     )
     assert out.returncode == 2 and "Traceback" not in out.stderr
-    assert "data.source.local_dir: no parquet files for split 'train'" in " ".join(out.stderr.split())
+    assert f"data.source.local_dir: '{tmp_path / 'none'}' does not exist" in " ".join(out.stderr.split())
     folder = write_xglue_nc(tmp_path / "xglue", languages=("en", "de", "es", "fr", "ru"))
     out = _cli(
         "prepare",

@@ -17,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 import urllib.request
 from pathlib import Path
 
@@ -207,6 +208,76 @@ def test_what_a_stop_ended_with_is_traced_to_its_first_signal():
     assert signal_behind(raised(RuntimeError(), TerminationSignal(signal=signal.SIGTERM))) == signal.SIGTERM
     assert signal_behind(raised(RuntimeError(), KeyboardInterrupt())) == signal.SIGINT
     assert signal_behind(raised(RuntimeError("a"), ValueError("b"))) is None
+
+
+DROPPED_IN_A_FINALISER = """
+import gc, signal, sys, time
+from flows.cli.stopping import run_command
+
+class Finalised:
+    def __del__(self):
+        signal.raise_signal(signal.SIG{name})  # its handler runs here, where an exception is printed and dropped
+
+def app():
+    if {prefect}:  # inside a flow run: Prefect's SIGTERM handler (as the command wraps it) raises TerminationSignal
+        from prefect.utilities import engine
+        from flows.cli.stopping import STOP
+
+        STOP.watch_prefect()
+        signal.signal(signal.SIGTERM, engine._prefect_sigterm_handler)
+    Finalised()  # collected at once: the stop lands in its __del__
+    time.sleep(20)
+    print("ran on", flush=True)
+
+run_command(lambda: app)
+"""
+
+
+@pytest.mark.parametrize(
+    "name, code, prefect", [("TERM", 143, False), ("INT", 130, False), ("TERM", 143, True)], ids=["TERM", "INT", "flow"]
+)
+def test_a_stop_that_lands_in_a_finaliser_still_stops_the_command(name, code, prefect):
+    """A signal whose handler runs inside a ``__del__`` (the garbage collector runs them anywhere: asyncio's
+    transports, Prefect's clients) raises the stop where Python drops exceptions; it is raised again outside,
+    at once, not after the grace period, and nothing is printed about the dropped one."""
+    env = {**os.environ, "BHFL_STOP_GRACE_S": "10"}
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-c", DROPPED_IN_A_FINALISER.format(name=name, prefect=prefect)],
+        cwd=Path(__file__).resolve().parents[2], env=env, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert (done.returncode, done.stdout) == (code, ""), done.stderr
+    assert time.monotonic() - started < 8  # the grace period (10 s) did not end it
+    assert done.stderr.strip() == f"stopped by SIG{name}.", done.stderr
+
+
+FAILING_FINALISER_WHILE_STOPPING = """
+import signal, time
+from flows.cli.stopping import run_command
+
+class Failing:
+    def __del__(self):
+        raise ValueError("a finaliser that fails while the stop unwinds")  # its context: the stop
+
+def app():
+    try:
+        signal.raise_signal(signal.SIGTERM)
+    finally:
+        Failing()
+        time.sleep(0.3)  # clean-up the stop must not interrupt a second time
+        print("cleaned up", flush=True)
+
+run_command(lambda: app)
+"""
+
+
+def test_a_finaliser_failing_while_a_stop_unwinds_does_not_raise_the_stop_again():
+    done = subprocess.run(
+        [sys.executable, "-c", FAILING_FINALISER_WHILE_STOPPING],
+        cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert (done.returncode, done.stdout) == (143, "cleaned up\n"), done.stderr
+    assert "ValueError: a finaliser that fails" in done.stderr  # an error of its own: reported as Python does
 
 
 def test_a_bad_grace_period_is_named_before_anything_runs():
