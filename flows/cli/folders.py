@@ -26,6 +26,7 @@ def sync(
         typer.Option(
             "--wait",
             metavar="SECONDS",
+            min=0,
             show_default="$BHFL_TRACKING_WAIT_S, else 120",
             help="How long to wait for the tracking server to answer.",
         ),

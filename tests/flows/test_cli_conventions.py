@@ -268,6 +268,12 @@ def test_ui_on_a_port_outside_1_65535_is_a_usage_error_before_anything_starts(tm
         assert "MLflow UI for" not in out.output and "Traceback" not in out.output
 
 
+def test_sync_with_a_negative_wait_is_a_usage_error(tmp_path):
+    out = CliRunner().invoke(app, ["sync", "latest", "--run-dir", str(tmp_path), "--wait", "-5"])
+    assert out.exit_code == 2, out.output
+    assert "Invalid value for '--wait'" in " ".join(out.stderr.split()) and "Traceback" not in out.output
+
+
 def test_end_of_run_summary_on_stdout_unwrapped(capsys, tmp_path):
     run_path = tmp_path / ("runs-" + "y" * 90) / "itest" / "20260101-000000-001"
     result = {
