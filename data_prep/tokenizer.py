@@ -84,6 +84,23 @@ def hub_tokenizer(model: ModelConfig) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
+PADDING_OFFSET_MODELS = ("roberta", "xlm-roberta", "camembert", "xlm-roberta-xl", "data2vec-text")
+"""Model types whose position ids start after the padding index (``padding_idx + 1``): XLM-R's 514 rows hold 512."""
+
+
+def _offset(config: object) -> bool:
+    return getattr(config, "model_type", None) in PADDING_OFFSET_MODELS
+
+
+def _usable_positions(config: object) -> int | None:
+    """How many tokens a sequence may have for the model's position embeddings (None: the config does not say)."""
+    positions = getattr(config, "max_position_embeddings", None)
+    if not isinstance(positions, int):
+        return None
+    pad = getattr(config, "pad_token_id", None)
+    return positions - (pad + 1) if _offset(config) and isinstance(pad, int) else positions
+
+
 def _check_vocabulary(tokenizer: PreTrainedTokenizerBase, model: ModelConfig) -> None:
     """The tokenizer must have a vocabulary, and every id it gives (and position up to ``model.max_length``) must
     have a row in the model's embeddings.
@@ -107,11 +124,13 @@ def _check_vocabulary(tokenizer: PreTrainedTokenizerBase, model: ModelConfig) ->
         config = AutoConfig.from_pretrained(model.name, revision=model.revision)
     except Exception as exc:
         raise hub_error("model", model, exc) from None
-    positions = getattr(config, "max_position_embeddings", None)
-    if isinstance(positions, int) and model.max_length > positions:  # a shape error in the first forward pass
+    positions = _usable_positions(config)
+    if positions is not None and model.max_length > positions:  # a shape error in the first forward pass
+        offset = ", less its padding offset" if _offset(config) else ""
         raise ModelSourceError(
             f"model.max_length: {model.max_length} tokens, but {model.name!r} has position embeddings for "
-            f"{positions} (max_position_embeddings in its config.json); set model.max_length to at most {positions}."
+            f"{positions} (max_position_embeddings in its config.json{offset})"
+            f"; set model.max_length to at most {positions}."
         )
     vocab = getattr(config, "vocab_size", None)
     if isinstance(vocab, int) and size > vocab:

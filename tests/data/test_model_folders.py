@@ -92,3 +92,19 @@ def test_a_tokenizer_that_is_not_the_models_stops_the_preparation(bert_dir, tmp_
     with pytest.raises(ModelSourceError, match=f"^(model.name: )?{message.format(folder=folder)}"):
         prepare_data(cfg, tmp_path / "cache", log=lambda _: None)
     assert [p.name for p in (tmp_path / "cache").iterdir()] == []  # nothing half-prepared left
+
+
+def test_the_usable_positions_of_a_roberta_type_model_leave_out_its_padding_offset():
+    """XLM-R's position ids start at pad_token_id + 1: of 18 rows a sequence may use 16 (a real forward says so)."""
+    import torch
+    from transformers import BertConfig, XLMRobertaConfig, XLMRobertaModel
+
+    from data_prep.tokenizer import _usable_positions
+
+    size = dict(vocab_size=30, hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16)
+    xlmr = XLMRobertaConfig(max_position_embeddings=18, pad_token_id=1, **size)
+    assert _usable_positions(xlmr) == 16 and _usable_positions(BertConfig(max_position_embeddings=18, **size)) == 18
+    model = XLMRobertaModel(xlmr).eval()
+    model(torch.full((1, 16), 5))  # 16 tokens fit
+    with pytest.raises((IndexError, RuntimeError)):  # (an index out of range in the embeddings)
+        model(torch.full((1, 17), 5))  # 17 do not: the check must say 16, not 18
