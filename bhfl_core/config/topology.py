@@ -168,19 +168,30 @@ def _resolve(config: ExperimentConfig, node_id: str, role: Role, depth: int, num
 
 
 def _check_down_step_used(values: dict[str, Any], origin: dict[str, str], node_id: str, role: Role) -> None:
-    """A non-persistent node starts every execution from its parent's model (nothing of its own to mix with), so a
-    down step other than adoption (``eta_down`` below or above 1, another ``opt_down``) would be read as nothing."""
-    if values["persistent"] or role is Role.ROOT:
+    """A down step other than adoption (``eta_down`` below or above 1, another ``opt_down``) where it would be read
+    as nothing: at the root (no parent sends it a model) and at a non-persistent node (it starts every execution
+    from its parent's model and keeps none of its own to mix with)."""
+    if values["persistent"] and role is not Role.ROOT:
         return
     used = {"eta_down": values["eta_down"] != 1.0, "opt_down": values["opt_down"].kind != "fedavg"}
     key = next((k for k, differs in used.items() if differs), None)
-    if key is not None:
-        shown = values[key] if key == "eta_down" else values[key].kind
-        raise ConfigError(
-            f"{origin[key]}: {node_id!r} is not persistent ({origin['persistent']}: false): it starts every "
-            f"execution from its parent's model and keeps none of its own to aggregate with, so {key} {shown} would "
-            "never be used; make it persistent for partial aggregation on the way down, or drop the key"
+    if key is None:
+        return
+    shown = values[key] if key == "eta_down" else values[key].kind
+    why = (
+        "the root has no parent: no model comes down to it"
+        if role is Role.ROOT
+        else f"{node_id!r} is not persistent ({origin['persistent']}: false): it starts every execution from its "
+        "parent's model and keeps none of its own to aggregate with"
+    )
+    raise ConfigError(
+        f"{origin[key]}: {why}, so {key} {shown} would never be used; "
+        + (
+            "drop the key"
+            if role is Role.ROOT
+            else "make it persistent for partial aggregation on the way down, or drop the key"
         )
+    )
 
 
 def _layered(config: ExperimentConfig, node_id: str, role: Role, depth: int) -> tuple[dict[str, Any], dict[str, str]]:

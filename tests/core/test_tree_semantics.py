@@ -1,7 +1,7 @@
 """Tree settings that a node would read as nothing are refused, naming the key, instead of running another algorithm.
 
 A user's QA pass over ``tree:`` found keys accepted where they mean nothing (a cohort or proxy training at a client,
-a down step at a node that keeps no model, more residuals a round than the sender has children) and a misnamed
+a down step at the root or at a node that keeps no model, more residuals a round than the sender has children) and a misnamed
 ``data.proxy.servers`` entry told as the root's missing proxy split. Each case is the one-line ``ConfigError``.
 """
 
@@ -34,6 +34,8 @@ CONFIGS = Path(__file__).resolve().parents[2] / "configs"
             "tree.client.opt_down: 'fr-03' is not persistent (tree.nodes.fr-03.persistent: false)",
         ),
         (["tree.edge.persistent=false", "tree.edge.eta_down=0"], "tree.edge.eta_down: 'edge-en' is not persistent"),
+        (["tree.root.eta_down=0.5"], "tree.root.eta_down: the root has no parent: no model comes down to it"),
+        (["tree.nodes.root={opt_down: {kind: interp}}"], "tree.nodes.root.opt_down: the root has no parent"),
         (
             ["tree.residuals.up=[{from: edge, to: root, k: 7}]"],
             "tree.residuals.up[0].k: 7 models a round is more than the 6 children of 'edge-en'",
@@ -63,6 +65,7 @@ def test_the_same_keys_where_they_apply_are_accepted():
         ["tree.client.persistent=false"],  # adopting the parent's model (eta_down 1, fedavg) is what it does
         ["tree.client.persistent=false", "tree.client.eta_down=1.0", "tree.client.opt_down={kind: fedavg}"],
         ["tree.client.eta_down=0.5", "tree.edge.persistent=false"],  # persistent clients under non-persistent edges
+        ["tree.root.persistent=false", "tree.root.opt_down={kind: fedavg}", "tree.root.eta_down=1"],
         ["tree.residuals.up=[{from: edge, to: root, k: 6}]"],
         ["data.proxy.servers=[root, edge-en, 'depth:1']", "tree.nodes.edge-en={proxy_train: true}"],
     ]
