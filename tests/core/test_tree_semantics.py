@@ -1,8 +1,9 @@
 """Tree settings that a node would read as nothing are refused, naming the key, instead of running another algorithm.
 
-A user's QA pass over ``tree:`` found keys accepted where they mean nothing (a cohort or proxy training at a client,
-a down step at the root or at a node that keeps no model, more residuals a round than the sender has children) and a misnamed
-``data.proxy.servers`` entry told as the root's missing proxy split. Each case is the one-line ``ConfigError``.
+A user's QA pass over ``tree:`` found keys accepted where they mean nothing (a cohort or proxy training at a
+client, a down step at the root or at a node that keeps no model, more residuals a round than the sender has
+children) and a misnamed ``data.proxy.servers`` entry told as the root's missing proxy split. Each case is the
+one-line ``ConfigError``.
 """
 
 from pathlib import Path
