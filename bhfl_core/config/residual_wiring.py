@@ -104,6 +104,11 @@ def wire_residuals(config: ExperimentConfig, tree: Tree) -> Tree:
                 raise ConfigError(
                     f"{key}.from: {src.id!r} is a client; up-residuals are selected by a server among its children"
                 )
+            if rule.k > len(src.children):  # as a cohort larger than the children: a count no round can reach
+                raise ConfigError(
+                    f"{key}.k: {rule.k} models a round is more than the {len(src.children)} children of {src.id!r}; "
+                    "k counts the children's models selected in each of its rounds (at most its cohort)"
+                )
             if rule.select == "loss" and not all(c.is_leaf for c in tree.children(src.id)):
                 raise ConfigError(
                     f"{key}.select: 'loss' ranks clients by training loss, but the children of {src.id!r} are servers"

@@ -35,7 +35,7 @@ from bhfl_core.config.downlink_settings import downlink_params
 from bhfl_core.config.privacy_plan import plan_privacy
 from bhfl_core.config.residual_wiring import wire_residuals
 from bhfl_core.config.schema import ExperimentConfig
-from bhfl_core.config.selectors import DEPTH_SELECTOR, LEVEL_KEY, holds_proxy, matches
+from bhfl_core.config.selectors import DEPTH_SELECTOR, LEVEL_KEY, holds_proxy
 from bhfl_core.config.tree_schema import LevelSettings, NodeOverride, TrainSettings
 
 ROOT_ID = "root"
@@ -112,6 +112,14 @@ def _resolve(config: ExperimentConfig, node_id: str, role: Role, depth: int, num
     values, origin = _layered(config, node_id, role, depth)
     cohort, poisson_rate = _cohort(values, origin, node_id, role, num_children)
     has_data = role is Role.CLIENT or holds_proxy(config, node_id, role, depth)
+    proxy_async = values["proxy_train"] == "async"
+    if proxy_async and role is Role.CLIENT:
+        raise ConfigError(f"{origin['proxy_train']}: 'async' proxy training is for servers; {node_id!r} is a client")
+    if values["proxy_train"] and role is Role.CLIENT:  # it would be read as nothing: a client always TRAINs
+        raise ConfigError(
+            f"{origin['proxy_train']}: proxy training is for servers (a TRAIN on a proxy split); {node_id!r} is a "
+            "client, which trains on its own data every round anyway"
+        )
     train: TrainParams | None = None
     if role is Role.CLIENT or values["proxy_train"]:
         if not has_data:
@@ -123,9 +131,7 @@ def _resolve(config: ExperimentConfig, node_id: str, role: Role, depth: int, num
         train = _train_params(values["train"])
         tuned = next((origin[f"opt_{d}"] for d in ("down", "up") if is_tuned(values[f"opt_{d}"].kind)), None)
         check_dp_sgd(values["train"], origin["train"], node_id, role, config.data.task, tuned)
-    proxy_async = values["proxy_train"] == "async"
-    if proxy_async and role is Role.CLIENT:
-        raise ConfigError(f"{origin['proxy_train']}: 'async' proxy training is for servers; {node_id!r} is a client")
+    _check_down_step_used(values, origin, node_id, role)
     asynchronous = None
     if values["mode"] == "async":
         if role is Role.CLIENT:
@@ -161,6 +167,33 @@ def _resolve(config: ExperimentConfig, node_id: str, role: Role, depth: int, num
     )
 
 
+def _check_down_step_used(values: dict[str, Any], origin: dict[str, str], node_id: str, role: Role) -> None:
+    """A down step other than adoption (``eta_down`` below or above 1, another ``opt_down``) where it would be read
+    as nothing: at the root (no parent sends it a model) and at a non-persistent node (it starts every execution
+    from its parent's model and keeps none of its own to mix with)."""
+    if values["persistent"] and role is not Role.ROOT:
+        return
+    used = {"eta_down": values["eta_down"] != 1.0, "opt_down": values["opt_down"].kind != "fedavg"}
+    key = next((k for k, differs in used.items() if differs), None)
+    if key is None:
+        return
+    shown = values[key] if key == "eta_down" else values[key].kind
+    why = (
+        "the root has no parent: no model comes down to it"
+        if role is Role.ROOT
+        else f"{node_id!r} is not persistent ({origin['persistent']}: false): it starts every execution from its "
+        "parent's model and keeps none of its own to aggregate with"
+    )
+    raise ConfigError(
+        f"{origin[key]}: {why}, so {key} {shown} would never be used; "
+        + (
+            "drop the key"
+            if role is Role.ROOT
+            else "make it persistent for partial aggregation on the way down, or drop the key"
+        )
+    )
+
+
 def _layered(config: ExperimentConfig, node_id: str, role: Role, depth: int) -> tuple[dict[str, Any], dict[str, str]]:
     """Each settings key's value and where it was written: the level block, then ``tree.levels.<depth>``
     (intermediate servers), then ``tree.nodes.<id>``."""
@@ -186,7 +219,13 @@ def _cohort(
     """A round's cohort as ``(size, None)`` (``None``: all children) or, with ``sampling: poisson``, ``(None,
     rate)``: each child's chance to be called; a fraction of the children becomes a count. A client has none."""
     cohort, key = values["cohort"], origin["cohort"]
-    if role is Role.CLIENT:
+    if role is Role.CLIENT:  # a cohort written for a client would be read as nothing: it has no children
+        if cohort is not None or values["sampling"] != "fixed":
+            where = key if cohort is not None else origin["sampling"]
+            raise ConfigError(
+                f"{where}: {node_id!r} is a client, which has no children to sample; a cohort is a server's "
+                "(set it at the level or node whose children are sampled, e.g. tree.edge.cohort)"
+            )
         return None, None
     if values["sampling"] == "poisson":
         where = origin["sampling"]
@@ -280,6 +319,9 @@ def build_tree(config: ExperimentConfig, clients: Sequence[ClientInfo]) -> Tree:
         settings = _resolve(config, node_id, role, depth, len(children))
         nodes[node_id] = Node(node_id, role, depth, parent, tuple(children), settings, float(weight), group)
 
+    edge_depth = {e: specs[edge_parent[c]].depth + 1 if c in edge_parent else 1 for e, (c, _) in edges.items()}
+    servers = {} if config.tree.flat else {e: edge_depth[e] for e in order}
+    _check_proxy_holders(config, {**servers, **{g.name: g.depth for g in specs.values()}, ROOT_ID: 0})
     if config.tree.flat:
         for c in clients:
             add(c.id, Role.CLIENT, 1, ROOT_ID, [], c.num_train, c.language)
@@ -290,7 +332,7 @@ def build_tree(config: ExperimentConfig, clients: Sequence[ClientInfo]) -> Tree:
     for edge in order:
         cluster, members = edges[edge]
         parent = edge_parent.get(cluster, ROOT_ID)
-        depth_edge = specs[parent].depth + 1 if parent in specs else 1
+        depth_edge = edge_depth[edge]
         for c in members:
             add(c.id, Role.CLIENT, depth_edge + 1, edge, [], c.num_train, c.language)
         add(edge, Role.EDGE, depth_edge, parent, [c.id for c in members], sum(c.num_train for c in members), cluster)
@@ -343,16 +385,22 @@ def _check_names(config: ExperimentConfig, nodes: dict[str, Node]) -> None:
     unknown = sorted(set(config.tree.nodes) - set(nodes))
     if unknown:
         raise ConfigError(f"tree.nodes.{unknown[0]}: no such node ({_servers_hint(nodes)})")
+
+
+def _check_proxy_holders(config: ExperimentConfig, servers: dict[str, int]) -> None:
+    """Every ``data.proxy.servers`` entry names a server, a server level or a depth with servers (``servers``: id ->
+    depth). Checked before any node's settings, so a misnamed holder is told as such, not as the node whose
+    ``proxy_train`` then finds no proxy split."""
     for i, name in enumerate(config.data.proxy.servers):
         if name in ("root", "server", "edge"):
             continue
         if name.startswith(DEPTH_SELECTOR):
-            if not any(matches(name, n) for n in nodes.values() if not n.is_leaf):
-                depths = sorted({n.depth for n in nodes.values() if not n.is_leaf})
+            if name[len(DEPTH_SELECTOR) :] not in {str(d) for d in servers.values()}:
+                depths = sorted(set(servers.values()))
                 raise ConfigError(f"data.proxy.servers[{i}]: {name!r}: no server at that depth (servers: {depths})")
             continue
-        if name not in nodes or nodes[name].is_leaf:
+        if name not in servers:
             raise ConfigError(
                 f"data.proxy.servers[{i}]: {name!r} is not a server, a level (root, server, edge) "
-                f"or a depth (depth:N); {_servers_hint(nodes)}"
+                f"or a depth (depth:N); servers: {', '.join(servers)}; clients: <language>-NN"
             )

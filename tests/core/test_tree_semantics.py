@@ -1,0 +1,80 @@
+"""Tree settings that a node would read as nothing are refused, naming the key, instead of running another algorithm.
+
+A user's QA pass over ``tree:`` found keys accepted where they mean nothing (a cohort or proxy training at a
+client, a down step at the root or at a node that keeps no model, more residuals a round than the sender has
+children) and a misnamed ``data.proxy.servers`` entry told as the root's missing proxy split. Each case is the
+one-line ``ConfigError``.
+"""
+
+from pathlib import Path
+
+import pytest
+
+from bhfl_core.config.base import ConfigError
+from bhfl_core.config.loader import load_config
+from bhfl_core.config.topology import build_tree, placeholder_clients
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["tree.client.cohort=3"], "tree.client.cohort: 'en-00' is a client, which has no children to sample"),
+        (["tree.nodes.de-01={cohort: 0.5}"], "tree.nodes.de-01.cohort: 'de-01' is a client, which has no children"),
+        (["tree.client.sampling=poisson"], "tree.client.sampling: 'en-00' is a client, which has no children"),
+        (["tree.client.proxy_train=true"], "tree.client.proxy_train: proxy training is for servers"),
+        (["tree.nodes.ru-02={proxy_train: true}"], "tree.nodes.ru-02.proxy_train: proxy training is for servers"),
+        (
+            ["tree.client.persistent=false", "tree.client.eta_down=0.5"],
+            "tree.client.eta_down: 'en-00' is not persistent (tree.client.persistent: false): it starts every "
+            "execution from its parent's model",
+        ),
+        (
+            ["tree.nodes.fr-03={persistent: false}", "tree.client.opt_down={kind: fedadam}"],
+            "tree.client.opt_down: 'fr-03' is not persistent (tree.nodes.fr-03.persistent: false)",
+        ),
+        (["tree.edge.persistent=false", "tree.edge.eta_down=0"], "tree.edge.eta_down: 'edge-en' is not persistent"),
+        (["tree.root.eta_down=0.5"], "tree.root.eta_down: the root has no parent: no model comes down to it"),
+        (["tree.nodes.root={opt_down: {kind: interp}}"], "tree.nodes.root.opt_down: the root has no parent"),
+        (
+            ["tree.residuals.up=[{from: edge, to: root, k: 7}]"],
+            "tree.residuals.up[0].k: 7 models a round is more than the 6 children of 'edge-en'",
+        ),
+        (
+            ["tree.residuals.up=[{from: europe-east, to: root, k: 3}]"],
+            "tree.residuals.up[0].k: 3 models a round is more than the 2 children of 'europe-east'",
+        ),
+        # the root trains on its proxy split (embedded.yaml): the misnamed holder is the mistake to tell
+        (["data.proxy.servers=[en-00]"], "data.proxy.servers[0]: 'en-00' is not a server"),
+        (["data.proxy.servers=[client]"], "data.proxy.servers[0]: 'client' is not a server"),
+        (["data.proxy.servers=[edge-xx]"], "data.proxy.servers[0]: 'edge-xx' is not a server"),
+        (["data.proxy.servers=['depth:4']"], "data.proxy.servers[0]: 'depth:4': no server at that depth"),
+    ],
+)
+def test_settings_a_node_would_not_read_are_refused(overrides, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(CONFIGS / "embedded.yaml", overrides)
+    assert message in str(err.value)
+
+
+def test_the_same_keys_where_they_apply_are_accepted():
+    """Each refusal above is about where a key is written, not the key: the same values at a node that reads them."""
+    accepted = [
+        ["tree.edge.cohort=3", "tree.nodes.edge-de={cohort: 0.5}"],
+        ["tree.edge.sampling=poisson", "tree.edge.cohort=0.5", "tree.client.cohort=null"],
+        ["tree.client.persistent=false"],  # adopting the parent's model (eta_down 1, fedavg) is what it does
+        ["tree.client.persistent=false", "tree.client.eta_down=1.0", "tree.client.opt_down={kind: fedavg}"],
+        ["tree.client.eta_down=0.5", "tree.edge.persistent=false"],  # persistent clients under non-persistent edges
+        ["tree.root.persistent=false", "tree.root.opt_down={kind: fedavg}", "tree.root.eta_down=1"],
+        ["tree.residuals.up=[{from: edge, to: root, k: 6}]"],
+        ["data.proxy.servers=[root, edge-en, 'depth:1']", "tree.nodes.edge-en={proxy_train: true}"],
+    ]
+    for overrides in accepted:
+        config = load_config(CONFIGS / "embedded.yaml", overrides)
+        tree = build_tree(config, placeholder_clients(config))
+        assert tree.root.children == ("europe-west", "europe-east")
+    poisson = build_tree(config := load_config(CONFIGS / "embedded.yaml", accepted[1]), placeholder_clients(config))
+    assert poisson["edge-en"].settings.poisson_rate == 0.5 and poisson["en-00"].settings.poisson_rate is None
+    holders = load_config(CONFIGS / "embedded.yaml", accepted[-1])
+    assert build_tree(holders, placeholder_clients(holders))["edge-en"].settings.train is not None
