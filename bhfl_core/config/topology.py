@@ -217,7 +217,8 @@ def _cohort(
     values: dict[str, Any], origin: dict[str, str], node_id: str, role: Role, num_children: int
 ) -> tuple[int | None, float | None]:
     """A round's cohort as ``(size, None)`` (``None``: all children) or, with ``sampling: poisson``, ``(None,
-    rate)``: each child's chance to be called; a fraction of the children becomes a count. A client has none."""
+    rate)``: each child's chance to be called; a fraction of the children becomes a count. A client has none, nor
+    does an asynchronous server (docs/config.md ``mode``), whatever cohort it inherits: no size check there."""
     cohort, key = values["cohort"], origin["cohort"]
     if role is Role.CLIENT:  # a cohort written for a client would be read as nothing: it has no children
         if cohort is not None or values["sampling"] != "fixed":
@@ -240,6 +241,8 @@ def _cohort(
                 f"in (0, 1] such as 0.1; got {cohort!r}"
             )
         return None, cohort
+    if values["mode"] == "async":  # FedBuff calls children as others finish: a cohort (often inherited) is not used
+        return None, None
     if isinstance(cohort, float):
         return max(1, round(cohort * num_children)), None
     if isinstance(cohort, int) and cohort > num_children:

@@ -78,3 +78,14 @@ def test_the_same_keys_where_they_apply_are_accepted():
     assert poisson["edge-en"].settings.poisson_rate == 0.5 and poisson["en-00"].settings.poisson_rate is None
     holders = load_config(CONFIGS / "embedded.yaml", accepted[-1])
     assert build_tree(holders, placeholder_clients(holders))["edge-en"].settings.train is not None
+
+
+def test_an_asynchronous_server_ignores_the_cohort_it_inherits_even_one_above_its_children():
+    """docs/config.md ``mode``: at an async server ``cohort`` is not used; FedBuff calls every free child. A user
+    shrinking configs/async-fedbuff.yaml (which inherits fedavg.yaml's cohort 20) to 4 clients was refused."""
+    shrunk = ["data.source.languages=[en, de]", "data.clients_per_language=2"]
+    with pytest.raises(ConfigError, match="tree.root.cohort: cohort of 20 is larger than the 4 children"):
+        load_config(CONFIGS / "fedavg.yaml", shrunk)  # a synchronous root samples it: still refused
+    config = load_config(CONFIGS / "async-fedbuff.yaml", shrunk)
+    root = build_tree(config, placeholder_clients(config)).root
+    assert root.settings.asynchronous is not None and root.settings.cohort is None and len(root.children) == 4
