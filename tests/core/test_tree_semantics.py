@@ -84,7 +84,7 @@ def test_an_asynchronous_server_ignores_the_cohort_it_inherits_even_one_above_it
     """docs/config.md ``mode``: at an async server ``cohort`` is not used; FedBuff calls every free child. A user
     shrinking configs/async-fedbuff.yaml (which inherits fedavg.yaml's cohort 20) to 4 clients was refused."""
     shrunk = ["data.source.languages=[en, de]", "data.clients_per_language=2"]
-    with pytest.raises(ConfigError, match="tree.root.cohort: cohort of 20 is larger than the 4 children"):
+    with pytest.raises(ConfigError, match=r"tree\.root\.cohort: cohort of 20 is larger than the 4 children"):
         load_config(CONFIGS / "fedavg.yaml", shrunk)  # a synchronous root samples it: still refused
     config = load_config(CONFIGS / "async-fedbuff.yaml", shrunk)
     root = build_tree(config, placeholder_clients(config)).root
