@@ -163,3 +163,24 @@ def test_a_run_without_its_data_and_a_destination_under_a_file_are_one_clear_mes
     with pytest.raises(ExportError, match=r"--to: .*file is a file, not a folder"):
         export_model(runs["full"], "root", tmp_path / "file" / "model")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["early", "file"]
+
+
+def test_exporting_a_run_that_did_not_finish_says_the_model_is_its_last_saved_not_its_final(
+    runs, tmp_path, monkeypatch
+):
+    import json
+    import shutil
+
+    from typer.testing import CliRunner
+
+    from flows.cli.app import app
+
+    monkeypatch.setattr(os, "environ", os.environ.copy())  # the CLI's defaults (PREFECT_HOME...) stay in this test
+    failed = tmp_path / "failed"
+    shutil.copytree(runs["full"], failed, ignore=shutil.ignore_patterns("transfer"))
+    record = json.loads((failed / "run.json").read_text())
+    (failed / "run.json").write_text(json.dumps({**record, "status": "failed"}))
+    for run, out, note in ((failed, tmp_path / "a", True), (runs["full"], tmp_path / "b", False)):
+        done = CliRunner().invoke(app, ["export", str(run), "--to", str(out), "--run-dir", str(tmp_path)])
+        assert done.exit_code == 0 and out.is_dir()
+        assert (f"note: {run} is failed: this is root's last saved model, not its final one" in done.stderr) == note
