@@ -34,6 +34,22 @@ def lora_options(adapter: AdapterSettings) -> dict[str, Any]:
     }
 
 
+def check_targets(built: nn.Module, adapter: AdapterSettings) -> None:
+    """Refuse a ``target_modules`` name that matches no module of ``built``, naming the key, before peft wraps it.
+
+    peft stops only when no name matches (a ``NoMatchingPeftModuleError`` traceback) and drops a typo beside a
+    name that does. Matching is peft's for a list: the module's name, or its last dotted parts.
+    """
+    names = [name for name, _ in built.named_modules() if name]
+    linear = sorted({name.rsplit(".", 1)[-1] for name, m in built.named_modules() if type(m).__name__ == "Linear"})
+    for entry in adapter.target_modules or ():
+        if not any(name == entry or name.endswith(f".{entry}") for name in names):
+            raise ConfigError(
+                f"model.adapter.target_modules: no module of the model is named {entry!r} "
+                f"(its linear modules: {', '.join(linear)})"
+            )
+
+
 def settle_lora(wrapped: nn.Module, adapter: AdapterSettings) -> None:
     """Refuse a pattern or module name that matched nothing (naming the key); freeze A for ``ffa``."""
     from peft.tuners.lora import LoraLayer

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from bhfl_core.config.base import ConfigError
 from bhfl_core.learning.hub import require_hub
-from bhfl_core.learning.lora_options import lora_options, settle_lora
+from bhfl_core.learning.lora_options import check_targets, lora_options, settle_lora
 from bhfl_core.learning.model_config import ModelConfig
 from bhfl_core.learning.task_kinds import get_task_kind
 
@@ -213,6 +213,12 @@ def with_adapter(built: nn.Module, model: ModelConfig, task: str = "classificati
         target_modules=adapter.target_modules,
         **lora_options(adapter),
     )
-    wrapped: nn.Module = get_peft_model(built, config)
+    check_targets(built, adapter)
+    try:
+        wrapped: nn.Module = get_peft_model(built, config)
+    except ValueError as exc:  # a target peft cannot adapt (a LayerNorm, say): its message, naming the key
+        if adapter.target_modules is None:
+            raise
+        raise ConfigError(f"model.adapter.target_modules: {exc}") from None
     settle_lora(wrapped, adapter)
     return wrapped

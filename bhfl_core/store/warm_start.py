@@ -14,7 +14,10 @@ difference in ``model``: the vectors do not fit (adapters and head against the w
 model), so no node state is copied; NODE's model (the root's for ``RUN``) becomes the
 new run's frozen backbone file (``run_layout.BACKBONE_FILE``), which every build of
 the run's model loads before the adapters are wrapped in (so it is also the head's
-starting point), and the adapters start fresh from the seed.
+starting point), and the adapters start fresh from the seed. A LoRA run from a LoRA
+run that was itself so started copies its nodes' adapters and carries its backbone
+file over (``carry_backbone``): the adapters were trained on that backbone, not on the
+seeded one.
 
 This module is the pure part: parsing the value, planning the copy, the config keys
 that must agree between the two runs, and the copy between two state stores (or into
@@ -48,6 +51,7 @@ PRECISION_KEYS = ("model.backbone_dtype", "model.quantization")
 so a bf16 or 4-bit run starts from a float32 one and back (and from runs made before these keys)."""
 BACKBONE = "backbone"
 """The backbone file's one tensor: the source node's full flat vector (``params.get_flat``)."""
+CARRIED = "carried"  # backbone file info: carried over from a LoRA source, its node models copied after it
 
 
 @dataclass(frozen=True)
@@ -126,6 +130,28 @@ def save_backbone(source: StateStore, node: str, path: Path) -> bool:
         raise ConfigError(f"{KEY}: the source run has no saved model of node {node!r}")
     atomic_save({BACKBONE: model}, path, info={"node": node})
     return True
+
+
+def carry_backbone(source_file: Path, path: Path) -> bool:
+    """Write the source LoRA run's backbone file ``source_file`` as ``path``, marked carried; False if it exists.
+
+    The mark tells a resume that node models are still to be copied (``is_carried``):
+    the file is written before them, and a backbone start's file means no copy at all.
+    """
+    from bhfl_core.store.node_store import atomic_save, load_tensors
+
+    if path.exists():
+        return False
+    tensors, info = load_tensors(source_file, [BACKBONE])
+    atomic_save({BACKBONE: tensors[BACKBONE]}, path, info={**info, CARRIED: True})
+    return True
+
+
+def is_carried(path: Path) -> bool:
+    """Whether the backbone file ``path`` was carried over from a LoRA source (``carry_backbone``)."""
+    from bhfl_core.store.node_store import load_tensors
+
+    return bool(load_tensors(path, [])[1].get(CARRIED, False))
 
 
 def load_backbone(path: Path) -> torch.Tensor:

@@ -52,9 +52,8 @@ def export_model(
 
     from bhfl_core.learning.params import set_flat
     from data_prep.tokenizer import load_tokenizer
-    from tasks.context import RunContext
 
-    ctx = RunContext.open(run_path)
+    ctx = _open_run(run_path)
     if node_id not in ctx.tree.nodes:
         servers = ", ".join(n.id for n in ctx.tree.servers())
         raise ExportError(f"--node: {run_path} has no node {node_id!r} (servers: {servers}; clients: <language>-NN)")
@@ -70,8 +69,7 @@ def export_model(
         )
     if theta is None:
         raise ExportError(f"--node: node {node_id!r} of {run_path} has no saved model (it never trained, or kept none)")
-    if out.exists():
-        raise ExportError(f"--to: {out} already exists; give a new folder")
+    _check_destination(out)
     hf_logging.disable_progress_bar()  # this command's output is its one line, not a shard-writing bar
     model: Any = float32_model(ctx, adapter=True)  # a peft model (LoRA) or a transformers one
     set_flat(model, theta)
@@ -89,10 +87,42 @@ def export_model(
             merged.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         tmp.rename(out)
+    except OSError as exc:  # no permission, a full disk: the folder named, nothing left behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ExportError(f"--to: cannot write {out}: {exc.strerror or exc}") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def _open_run(run_path: Path) -> RunContext:
+    """The run's context; a run stopped before its data were prepared, or whose data cache is gone, is named.
+
+    Exporting reads the prepared data's manifest (labels, tokenizer): without it no model can be rebuilt.
+    """
+    from bhfl_core.store.run_layout import DATA_POINTER
+    from tasks.context import RunContext
+
+    if not (run_path / DATA_POINTER).is_file():
+        raise ExportError(f"{run_path}: the run stopped before its data were prepared; no node has a model to export")
+    try:
+        return RunContext.open(run_path)
+    except OSError as exc:
+        raise ExportError(
+            f"{run_path}: its prepared data cannot be read ({exc.strerror}: {exc.filename}); the export needs their "
+            "labels and tokenizer: prepare the same data again "
+            "(`bhfl prepare` on its config.yaml, with the same --run-dir)"
+        ) from None
+
+
+def _check_destination(out: Path) -> None:
+    """``--to`` must be a new path whose nearest existing folder above is a folder (checked before any work)."""
+    if out.exists() or out.is_symlink():
+        raise ExportError(f"--to: {out} already exists; give a new folder")
+    above = next(p for p in out.absolute().parents if p.exists())
+    if not above.is_dir():
+        raise ExportError(f"--to: {above} is a file, not a folder; give a new folder")
 
 
 def float32_model(ctx: RunContext, *, adapter: bool) -> nn.Module:

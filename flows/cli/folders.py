@@ -15,7 +15,7 @@ from typing import Annotated
 import typer
 
 from flows.cli.options import DEFAULT_RUN_DIR, JsonOption, RunDirOption, RunSpecArgument
-from flows.cli.shell import fail, out, prepare_environment, print_json
+from flows.cli.shell import console, fail, out, prepare_environment, print_json
 
 
 def sync(
@@ -68,16 +68,25 @@ def export(
     from bhfl_core.config.base import ConfigError
     from flows.cli.export import export_model
     from flows.records.listing import resolve_run
+    from flows.records.run_record import RunRecord
     from flows.records.run_state import RunStateError
 
     if fmt not in ("merged", "adapter"):
         fail(f"--format: {fmt!r} is not a format; give merged or adapter")
     try:
-        written = export_model(
-            resolve_run(run_spec, run_dir), node, to, "adapter" if fmt == "adapter" else "merged", personal=personal
-        )
+        path = resolve_run(run_spec, run_dir)
+        written = export_model(path, node, to, "adapter" if fmt == "adapter" else "merged", personal=personal)
     except (RunStateError, ConfigError) as exc:
         fail(str(exc))
+    record = RunRecord.read(path)
+    status = record.effective_status if record is not None else "of unknown status"
+    if status != "finished":  # the last model the node saved, not the one the run would end with
+        console.print(
+            f"note: {path} is {status}: this is {node}'s last saved model, not its final one "
+            f"(`bhfl resume {path}` finishes the run)",
+            markup=False,
+            highlight=False,
+        )
     whose = f"{node}'s personal" if personal else f"{node}'s"
     what, how = ("adapters", "PeftModel.from_pretrained") if fmt == "adapter" else ("model", "from_pretrained")
     out.print(f"{whose} {what} and tokenizer: {written}  (load with {how})", highlight=False, soft_wrap=True)

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from flows.cli.stopping import STOP
 
@@ -90,7 +91,8 @@ def open_ui(uri: str, run_dir: Path, experiment_id: str, run_id: str) -> str:
 
 
 def fail(message: str) -> None:
-    console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    """``message`` (plain text, not markup: ``'.[gpu]'`` or a list stays as written) in one line; exit 2."""
+    console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     raise typer.Exit(code=2)
 
 
@@ -429,5 +431,5 @@ def guarded(work: Callable[[], dict], run_path: Path | None, verbose: bool) -> d
         message = explain(exc, run_path)
         if message is None or verbose:
             raise
-        console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+        console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
         raise typer.Exit(code=exit_code(exc, run_path)) from None

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
@@ -83,14 +84,14 @@ def _guarded(work: Callable[[], dict[str, Any]], folder: Path | None, verbose: b
     except BaseException as exc:
         exit_if_stopped(exc, f"\n[bold yellow]interrupted.[/]{hint}")
         if isinstance(exc, SweepError):
-            console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+            console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
             raise typer.Exit(code=1) from None
         if not isinstance(exc, Exception):
             raise
         message = explain(exc, None)
         if message is None or verbose:
             raise
-        console.print(f"[bold red]error:[/] {message}{hint}", highlight=False, soft_wrap=True)
+        console.print(f"[bold red]error:[/] {escape(message)}{hint}", highlight=False, soft_wrap=True)
         raise typer.Exit(code=exit_code(exc, None)) from None
 
 

@@ -11,7 +11,8 @@ directory. Every problem is a ``ConfigError`` naming ``model.init_from`` and the
 ``warm_start`` copies the models into the new run's state store once its data are
 prepared (bhfl_core/store/warm_start.py plans and copies), after checking that the two
 runs' prepared data give models of one shape; a LoRA run from a full fine-tuning run
-gets the source model as its frozen backbone file instead.
+gets the source model as its frozen backbone file instead, and a LoRA run from such a
+LoRA run gets its backbone file beside its adapters.
 """
 
 from __future__ import annotations
@@ -30,10 +31,12 @@ from bhfl_core.store.run_layout import BACKBONE_FILE, CONFIG_FILE, DATA_POINTER,
 from bhfl_core.store.warm_start import (
     KEY,
     InitFrom,
+    carry_backbone,
     config_mismatch,
     copy_models,
     copy_plan,
     is_backbone_start,
+    is_carried,
     mismatch_reason,
     parse_init_from,
     save_backbone,
@@ -135,13 +138,16 @@ def warm_start(ctx: RunContext) -> list[str]:
     A LoRA run from a full fine-tuning run copies no node (``is_backbone_start``): it
     writes the source node's model as its frozen backbone file (kept if a resumed run
     already has it) and returns ``[]``; the run's initial model is then built on it.
+    A LoRA run from a LoRA run that has a backbone file (it was itself warm-started from
+    a full run) gets that file too, before the node models (``carry_backbone``).
     The two runs' prepared data must give models of one shape (same labels and
     vocabulary size); tiny-bert learns its vocabulary from the data, so a source run on
     other data fits in shape but not in meaning: that is the user's call.
     """
     value = ctx.config.model.init_from
     assert value is not None
-    if (ctx.run_path / BACKBONE_FILE).is_file():  # a resume after the backbone was written: the source is not needed
+    backbone = ctx.run_path / BACKBONE_FILE
+    if backbone.is_file() and not is_carried(backbone):  # a resume after a backbone start: the source is not needed
         return []
     spec = parse_init_from(value)
     folder = Path(spec.run)
@@ -164,5 +170,7 @@ def warm_start(ctx: RunContext) -> list[str]:
     if is_backbone_start(_source_config(value, folder), dump(ctx.config)):
         save_backbone(source, spec.node or ROOT_ID, ctx.run_path / BACKBONE_FILE)
         return []
+    if (folder / BACKBONE_FILE).is_file():  # a LoRA source on a warm-started backbone: its adapters fit that one
+        carry_backbone(folder / BACKBONE_FILE, backbone)
     plan = copy_plan(spec, [n.id for n in ctx.tree], ctx.tree.root_id)
     return copy_models(source, ctx.store, plan)

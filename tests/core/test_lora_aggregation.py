@@ -218,6 +218,13 @@ def test_peft_options_reach_the_built_model():
         (["model.adapter={rank_pattern: {valu: 2}}"], r"model\.adapter\.rank_pattern: 'valu' matches none"),
         (["model.adapter={alpha_pattern: {key: 2}}"], r"model\.adapter\.alpha_pattern: 'key' matches none"),
         (["model.adapter={modules_to_save: [poolr]}"], r"model\.adapter\.modules_to_save: no module .* 'poolr'"),
+        # peft: a NoMatchingPeftModuleError traceback, and a typo beside a real name dropped silently
+        (
+            ["model.adapter={target_modules: [nomatch]}"],
+            r"target_modules: no module .* 'nomatch' .*: classifier, dense, key",
+        ),
+        (["model.adapter={target_modules: [query, valeu]}"], r"model\.adapter\.target_modules: .* 'valeu'"),
+        (["model.adapter={target_modules: [LayerNorm]}"], r"model\.adapter\.target_modules: Target module LayerNorm"),
     ],
 )
 def test_an_option_peft_would_ignore_is_refused_naming_the_key(overrides, message):

@@ -161,3 +161,31 @@ def test_other_differences_and_a_lora_source_for_a_full_run_are_rejected_naming_
     assert "a full run cannot start from a LoRA run" in reverse
     other_rank = error("lora", "model.adapter={r: 8}")
     assert "model.adapter.r differs: 4 in the source run, 8 here" in other_rank
+
+
+def test_a_lora_run_from_a_warm_started_lora_run_carries_its_backbone_with_its_adapters(runs, tmp_path):
+    """``lora``'s adapters were trained on ``full``'s weights: a LoRA run started from ``lora`` must build on them
+    too, not on the seeded backbone (it did, silently, before the backbone file was carried over)."""
+    import yaml
+
+    from bhfl_core.store.run_layout import CONFIG_FILE, STATE_DIR
+
+    chain = tmp_path / "chain"  # a new run of lora's config with init_from = lora, before its warm start
+    shutil.copytree(runs["lora"], chain, ignore=shutil.ignore_patterns(STATE_DIR, BACKBONE_FILE))
+    config = yaml.safe_load((chain / CONFIG_FILE).read_text())
+    config["model"]["init_from"] = str(runs["lora"])
+    (chain / CONFIG_FILE).write_text(yaml.safe_dump(config))
+    ctx = RunContext.open(chain)
+    assert len(warm_start(ctx)) == len(saved_nodes(StateStore(runs["lora"] / "state")))
+    assert torch.equal(load_backbone(chain / BACKBONE_FILE), load_backbone(runs["lora"] / BACKBONE_FILE))
+    # the same model: the adapters and the backbone they were trained on
+    assert torch.equal(_root_logits(ctx), _root_logits(RunContext.open(runs["lora"])))
+    # a resume killed between the backbone file and the root's copy copies the nodes again
+    ctx.store.node_path("root").unlink()
+    assert "root" in warm_start(ctx)
+
+
+def _root_logits(run: RunContext) -> torch.Tensor:
+    model = run.training_model().eval()
+    set_flat(model, run.store.load_model("root"))
+    return model(input_ids=torch.arange(5, 17)[None]).logits

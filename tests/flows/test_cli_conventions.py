@@ -340,3 +340,16 @@ def test_end_of_run_summary_shows_the_trivial_baseline_beside_each_headline(caps
     assert rows["root/union/accuracy"] == ["0.5", "0.152"]
     assert rows["client_on_own_clients/accuracy_mean"] == ["0.8", "0.413"]
     assert rows["comm/total_bytes"] == ["9", ""]  # no baseline of that number
+
+
+def test_an_error_is_printed_as_written_not_read_as_markup(capsys):
+    """A message holding brackets (a pip extra, a list) keeps them: Rich would take ``[gpu]`` for a style."""
+    import typer
+
+    from flows.cli.shell import fail
+
+    message = "model.quantization: pip install '.[gpu]' (CUDA machines only); keys [bold] and [/]"
+    with pytest.raises(typer.Exit) as stop:
+        fail(message)
+    assert stop.value.exit_code == 2
+    assert capsys.readouterr().err.strip() == f"error: {message}"

@@ -142,3 +142,45 @@ def test_bad_export_requests_are_one_clear_message_and_leave_nothing(runs, tmp_p
     done = subprocess.run(cli, check=False, cwd=REPO, capture_output=True, text=True, env=env)
     assert done.returncode == 2 and "has no node 'nope'" in done.stderr and "Traceback" not in done.stderr
     assert not (tmp_path / "y").exists() and not list(tmp_path.glob(".*partial"))
+
+
+def test_a_run_without_its_data_and_a_destination_under_a_file_are_one_clear_message(runs, tmp_path):
+    """A run stopped before its data were prepared (a config.yaml, no data.json), a run whose data cache is gone,
+    and ``--to`` under a file: each an ExportError naming it (the CLI's one line, exit 2), nothing written."""
+    import shutil
+
+    from bhfl_core.store.run_layout import CONFIG_FILE, DATA_POINTER
+
+    early = tmp_path / "early"
+    early.mkdir()
+    shutil.copy(runs["full"] / CONFIG_FILE, early / CONFIG_FILE)
+    with pytest.raises(ExportError, match=r"early: the run stopped before its data were prepared"):
+        export_model(early, "root", tmp_path / "a")
+    (early / DATA_POINTER).write_text('{"data_root": "%s"}' % (tmp_path / "gone"))
+    with pytest.raises(ExportError, match=r"early: its prepared data cannot be read .*gone.manifest\.json"):
+        export_model(early, "root", tmp_path / "b")
+    (tmp_path / "file").write_text("not a folder")
+    with pytest.raises(ExportError, match=r"--to: .*file is a file, not a folder"):
+        export_model(runs["full"], "root", tmp_path / "file" / "model")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["early", "file"]
+
+
+def test_exporting_a_run_that_did_not_finish_says_the_model_is_its_last_saved_not_its_final(
+    runs, tmp_path, monkeypatch
+):
+    import json
+    import shutil
+
+    from typer.testing import CliRunner
+
+    from flows.cli.app import app
+
+    monkeypatch.setattr(os, "environ", os.environ.copy())  # the CLI's defaults (PREFECT_HOME...) stay in this test
+    failed = tmp_path / "failed"
+    shutil.copytree(runs["full"], failed, ignore=shutil.ignore_patterns("transfer"))
+    record = json.loads((failed / "run.json").read_text())
+    (failed / "run.json").write_text(json.dumps({**record, "status": "failed"}))
+    for run, out, note in ((failed, tmp_path / "a", True), (runs["full"], tmp_path / "b", False)):
+        done = CliRunner().invoke(app, ["export", str(run), "--to", str(out), "--run-dir", str(tmp_path)])
+        assert done.exit_code == 0 and out.is_dir()
+        assert (f"note: {run} is failed: this is root's last saved model, not its final one" in done.stderr) == note
