@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING, Any
 
-from bhfl_core.config.base import ConfigError
+from bhfl_core.config.base import SettingError
 from bhfl_core.learning.model_config import AdapterSettings
 
 if TYPE_CHECKING:
@@ -44,7 +44,7 @@ def check_targets(built: nn.Module, adapter: AdapterSettings) -> None:
     linear = sorted({name.rsplit(".", 1)[-1] for name, m in built.named_modules() if type(m).__name__ == "Linear"})
     for entry in adapter.target_modules or ():
         if not any(name == entry or name.endswith(f".{entry}") for name in names):
-            raise ConfigError(
+            raise SettingError(
                 f"model.adapter.target_modules: no module of the model is named {entry!r} "
                 f"(its linear modules: {', '.join(linear)})"
             )
@@ -59,14 +59,14 @@ def settle_lora(wrapped: nn.Module, adapter: AdapterSettings) -> None:
     for key, pattern in (("rank_pattern", adapter.rank_pattern), ("alpha_pattern", adapter.alpha_pattern)):
         for entry in pattern:
             if not any(re.match(rf"(.*\.)?({entry})$", name) for name in adapted):  # peft's get_pattern_key
-                raise ConfigError(
+                raise SettingError(
                     f"model.adapter.{key}: {entry!r} matches none of the adapted modules "
                     f"({', '.join(_short(adapted))}); peft would ignore it"
                 )
     saved = [name for name, m in wrapped.named_modules() if isinstance(m, ModulesToSaveWrapper)]
     for entry in adapter.modules_to_save or ():
         if not any(name == entry or name.endswith(f".{entry}") for name in saved):
-            raise ConfigError(f"model.adapter.modules_to_save: no module of the model is named {entry!r}")
+            raise SettingError(f"model.adapter.modules_to_save: no module of the model is named {entry!r}")
     if adapter.aggregation == "ffa":
         for name, p in wrapped.named_parameters():
             if ".lora_A." in name:

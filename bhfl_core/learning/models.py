@@ -18,7 +18,7 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from bhfl_core.config.base import ConfigError
+from bhfl_core.config.base import ConfigError, SettingError
 from bhfl_core.learning.hub import require_hub
 from bhfl_core.learning.lora_options import check_targets, lora_options, settle_lora
 from bhfl_core.learning.model_config import ModelConfig
@@ -219,6 +219,6 @@ def with_adapter(built: nn.Module, model: ModelConfig, task: str = "classificati
     except ValueError as exc:  # a target peft cannot adapt (a LayerNorm, say): its message, naming the key
         if adapter.target_modules is None:
             raise
-        raise ConfigError(f"model.adapter.target_modules: {exc}") from None
+        raise SettingError(f"model.adapter.target_modules: {exc}") from None
     settle_lora(wrapped, adapter)
     return wrapped

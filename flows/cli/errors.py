@@ -13,7 +13,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from bhfl_core.config.base import ConfigError
+from bhfl_core.config.base import ConfigError, SettingError
 from bhfl_core.store.state_header import CheckpointError
 from data_prep.partition import PartitionError
 from flows.cli.full_disk import full_filesystem
@@ -40,6 +40,11 @@ def explain(exc: BaseException, run_path: Path | None) -> str | None:
     """The user-facing paragraph for ``exc``, or None if it is not a known kind of failure."""
     if isinstance(exc, RunStateError):
         return str(exc)
+    if isinstance(exc, SettingError):  # the run's own config is at fault: a resume would meet it again
+        return (
+            f"{exc}. A run keeps its config (a resume changes only runtime.* and eval.batch_size): start a new run "
+            "with the key fixed."
+        )
     if isinstance(exc, ConfigError):  # found while running: a dataset or model that cannot be loaded
         return f"{exc} {resume_hint(run_path)}"
     if isinstance(exc, PartitionError):

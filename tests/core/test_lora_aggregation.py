@@ -18,7 +18,7 @@ from bhfl_core.algorithm.node_state import Caller, RoundKey
 from bhfl_core.algorithm.rule_registry import AggregateParams
 from bhfl_core.algorithm.rules import rule_for
 from bhfl_core.algorithm.tree import TrainParams
-from bhfl_core.config.base import ConfigError
+from bhfl_core.config.base import ConfigError, SettingError
 from bhfl_core.config.topology import build_tree, placeholder_clients
 from bhfl_core.learning.adapter_layout import adapter_layout, with_adapter_layout
 from bhfl_core.learning.local_train import train_model
@@ -227,9 +227,14 @@ def test_peft_options_reach_the_built_model():
         (["model.adapter={target_modules: [LayerNorm]}"], r"model\.adapter\.target_modules: Target module LayerNorm"),
     ],
 )
-def test_an_option_peft_would_ignore_is_refused_naming_the_key(overrides, message):
-    with pytest.raises(ConfigError, match=message):
+def test_an_option_peft_would_ignore_is_refused_naming_the_key(overrides, message, tmp_path):
+    from flows.cli.errors import explain
+
+    with pytest.raises(SettingError, match=message) as err:  # found once the model is built: the run has started
         _model(*overrides)
+    (tmp_path / "config.yaml").touch()  # a run folder: a resume keeps its config, so it would meet the key again
+    told = explain(err.value, tmp_path)
+    assert told is not None and "start a new run with the key fixed" in told and "bhfl resume" not in told
 
 
 @pytest.mark.parametrize(
