@@ -95,6 +95,8 @@ def read_yaml_file(path: Path) -> Any:
         raise ConfigError(f"config file {str(path)!r} cannot be read ({exc})") from None
     if raw is None:  # a folder exists but is no file: "not found" would send the user looking for it
         what = "is a folder, not a YAML file" if path.is_dir() else "not found"
+        if not path.is_dir() and not path.is_absolute():  # e.g. the default configs/embedded.yaml outside a checkout
+            what += f" (relative to the current directory, {Path.cwd()})"
         raise ConfigError(f"config file {str(path)!r} {what}")
     stream = io.BytesIO(raw)
     stream.name = str(path)  # YAML's messages then say `in "<path>", line 3, column 7`

@@ -132,10 +132,14 @@ def test_set_overrides_by_dotted_path_with_yaml_values():
     assert tree["edge-de"].parent == "root"  # no groups: edges under the root
 
 
-def test_override_and_file_errors(tmp_path):
+def test_override_and_file_errors(tmp_path, monkeypatch):
     assert apply_override({"a": {"b": 1}}, "a.c=[1, 2]") == {"a": {"b": 1, "c": [1, 2]}}
-    with pytest.raises(ConfigError, match="not found"):
+    with pytest.raises(ConfigError, match="not found") as absolute:
         load_config(tmp_path / "missing.yaml")
+    assert "current directory" not in str(absolute.value)
+    monkeypatch.chdir(tmp_path)  # a relative path (the CLI's default config outside a checkout) says where it looked
+    with pytest.raises(ConfigError, match=re.escape(f"'configs/x.yaml' not found (relative to the current directory, {tmp_path})")):
+        load_config(Path("configs/x.yaml"))
     with pytest.raises(ConfigError, match="is a folder, not a YAML file"):  # it exists: "not found" misleads
         load_config(tmp_path)
     bad = tmp_path / "bad.yaml"
