@@ -32,11 +32,12 @@ from bhfl_core.config.aggregation_settings import aggregate_params, check_dp_sgd
 from bhfl_core.config.base import ConfigError
 from bhfl_core.config.data import KMeansClustering, LanguageClustering
 from bhfl_core.config.downlink_settings import downlink_params
+from bhfl_core.config.layering import check_mode_keys, layered
 from bhfl_core.config.privacy_plan import plan_privacy
 from bhfl_core.config.residual_wiring import wire_residuals
 from bhfl_core.config.schema import ExperimentConfig
-from bhfl_core.config.selectors import DEPTH_SELECTOR, LEVEL_KEY, holds_proxy
-from bhfl_core.config.tree_schema import LevelSettings, NodeOverride, TrainSettings
+from bhfl_core.config.selectors import DEPTH_SELECTOR, holds_proxy
+from bhfl_core.config.tree_schema import TrainSettings
 
 ROOT_ID = "root"
 
@@ -108,8 +109,8 @@ def placeholder_clients(config: ExperimentConfig) -> list[ClientInfo]:
 
 
 def _resolve(config: ExperimentConfig, node_id: str, role: Role, depth: int, num_children: int) -> NodeSettings:
-    """A node's settings: its merged keys (``_layered``) checked against each other and its place in the tree."""
-    values, origin = _layered(config, node_id, role, depth)
+    """A node's settings: its merged keys (``layered``) checked against each other and its place in the tree."""
+    values, origin = layered(config, node_id, role, depth)
     cohort, poisson_rate = _cohort(values, origin, node_id, role, num_children)
     has_data = role is Role.CLIENT or holds_proxy(config, node_id, role, depth)
     proxy_async = values["proxy_train"] == "async"
@@ -192,25 +193,6 @@ def _check_down_step_used(values: dict[str, Any], origin: dict[str, str], node_i
             else "make it persistent for partial aggregation on the way down, or drop the key"
         )
     )
-
-
-def _layered(config: ExperimentConfig, node_id: str, role: Role, depth: int) -> tuple[dict[str, Any], dict[str, str]]:
-    """Each settings key's value and where it was written: the level block, then ``tree.levels.<depth>``
-    (intermediate servers), then ``tree.nodes.<id>``."""
-    level_key = f"tree.{LEVEL_KEY[role]}"
-    level: LevelSettings = getattr(config.tree, LEVEL_KEY[role])
-    values = {key: getattr(level, key) for key in LevelSettings.model_fields}
-    origin = {key: f"{level_key}.{key}" for key in values}
-    layers = [(f"tree.nodes.{node_id}", config.tree.nodes.get(node_id, NodeOverride()))]
-    if role is Role.SERVER and depth in config.tree.levels:
-        layers.insert(0, (f"tree.levels.{depth}", config.tree.levels[depth]))
-    for where, override in layers:
-        for key in override.model_fields_set:  # keys written in YAML; `cohort: null` means "all children"
-            if getattr(override, key) is None and key != "cohort":
-                continue
-            values[key] = getattr(override, key)
-            origin[key] = f"{where}.{key}"
-    return values, origin
 
 
 def _cohort(
@@ -359,8 +341,10 @@ def build_tree(config: ExperimentConfig, clients: Sequence[ClientInfo]) -> Tree:
 
 
 def _finish(config: ExperimentConfig, nodes: dict[str, Node]) -> Tree:
-    """Check node-name references, wire residual links and compressed uplinks, plan DP budgets, freeze the tree."""
+    """Check node-name references and mode-specific keys, wire residual links and compressed uplinks, plan DP
+    budgets, freeze the tree."""
     _check_names(config, nodes)
+    check_mode_keys(config, nodes.values())
     tree = Tree(nodes=_wire_uplinks(nodes), root_id=ROOT_ID)
     return plan_privacy(wire_residuals(config, tree))
 
