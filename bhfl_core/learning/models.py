@@ -147,6 +147,23 @@ def build_model(
         return _held(with_adapter(_quantized(_with_backbone(built, backbone), model), model, task), model)
 
 
+def missing_weights(model: ModelConfig, task: str, labels: list[str]) -> list[str]:
+    """The parameters of ``task``'s model (a hub name or a folder) that ``model.name``'s weights lack.
+
+    ``build_model`` draws them from the run's seed: a classifier's new head, and whatever
+    else the checkpoint was saved without (a BERT folder saved from ``BertForMaskedLM``
+    has no pooler). Whoever loads ``model.name`` elsewhere draws them anew, so an export
+    that names it as the base must carry them (``bhfl export --format adapter``). The
+    names are the model's own (``bert.pooler.dense.weight``); loaded as ``build_model``
+    loads it, so a load that fails fails there first.
+    """
+    kind = get_task_kind(task)
+    _, info = kind.model_class().from_pretrained(
+        model.name, revision=model.revision, output_loading_info=True, **kind.head(labels)
+    )
+    return sorted(info["missing_keys"])
+
+
 def tiny_config(model: ModelConfig, vocab_size: int, pad_token_id: int, head: dict[str, Any]) -> PretrainedConfig:
     """The BERT config of ``model.tiny`` (``head``: the task kind's keywords, e.g. a classifier's labels)."""
     from transformers import BertConfig

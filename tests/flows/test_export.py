@@ -96,6 +96,13 @@ def test_lora_adapters_export_in_peft_layout_and_load_with_peft_and_transformers
         # the same modules in the same order: equal to float rounding of a different code path (2e-6 measured)
         assert torch.allclose(with_peft.eval()(**batch).logits, expected, atol=1e-5)
         assert torch.allclose(base.eval()(**batch).logits, expected, atol=1e-5)
+        # the config names the base it was written with: peft's Auto class finds it alone
+        from peft import AutoPeftModelForSequenceClassification
+
+        assert with_peft.peft_config["default"].base_model_name_or_path == str(out / "base")
+        assert torch.allclose(
+            AutoPeftModelForSequenceClassification.from_pretrained(out)(**batch).logits, expected, atol=1e-5
+        )
 
 
 def test_a_ditto_clients_personal_adapters_export_and_a_node_without_them_is_named(runs, tmp_path):
