@@ -30,6 +30,7 @@ import yaml
 from prefect import flow
 
 from bhfl_core.config.schema import ExperimentConfig, dump
+from bhfl_core.learning.adapter_check import check_adapter
 from bhfl_core.store.atomic import write_text_atomic
 from bhfl_core.store.run_layout import CONFIG_FILE
 from flows import lifecycle, progress
@@ -131,9 +132,12 @@ def start_run(
 ) -> dict[str, Any]:
     """A new run of ``config`` under ``launch`` (in ``run_path``, default a new ``<run_root>/<name>/<stamp>``).
 
-    A ``model.init_from`` source is checked (ConfigError) before anything is written or started.
+    A ``model.init_from`` source and the adapter options (``check_adapter``: a ``SettingError``
+    naming the key; its warnings become progress notes) are checked before anything is written or started.
     """
     config = resolve_init_from(config, launch.run_root)
+    for warning in check_adapter(config.model, config.data.task):
+        progress.note(f"warning: {warning}")
     launch.run_root.mkdir(parents=True, exist_ok=True)
     path = (run_path or new_run_path(launch.run_root, config.name)).resolve()
     return lifecycle.run(ExperimentJob(config, link), launch, path, name)
@@ -179,8 +183,9 @@ def run_experiment(
     ``run_path`` (default: a new ``<run_root>/<name>/<timestamp>``) is the run folder.
     ``cluster``: a local cluster already started for this run (``runtime.executor: local``).
     ``link``: the pipeline this run is a stage of; ``flow_run_name``: the Prefect flow run's name
-    (default: the run folder's timestamp). A ``model.init_from`` source is checked (ConfigError)
-    before anything is written or started. Progress goes to the ``bhfl.progress`` logger (flows/progress.py).
+    (default: the run folder's timestamp). A ``model.init_from`` source and the adapter options are
+    checked (ConfigError) before anything is written or started (``start_run``). Progress goes to the
+    ``bhfl.progress`` logger (flows/progress.py).
     """
     launch = Launch.of(run_root, tracking_uri, orchestration, cluster)
     return start_run(config, launch, run_path, link, flow_run_name)

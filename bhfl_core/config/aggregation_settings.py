@@ -36,6 +36,7 @@ from bhfl_core.config.wrapper_schema import (
     PrivacySettings,
     SecureAggregationSettings,
     ZeroingSettings,
+    check_topk_fraction,
 )
 from bhfl_core.rng import derive_seed
 
@@ -304,6 +305,7 @@ def _compress(
             "every value of each child's update, so the upload is dense whatever top-k keeps; the sparsity would "
             "save nothing and comm/up_bytes would count 8k bytes for it. Use kind: int8, or no compression"
         )
+    check_topk_fraction(settings.kind, settings.fraction, key)
     nonfinite = "send" if "zeroing" in wrapped or "dp" in wrapped else "error"  # both fold it as no update, counted
     return CompressParams(settings.kind, settings.fraction, settings.block, settings.error_feedback, nonfinite)
 

@@ -9,7 +9,7 @@ from bhfl_core.algorithm.compression import CompressParams
 from bhfl_core.algorithm.rule_registry import AggregateParams
 from bhfl_core.algorithm.tree import Role
 from bhfl_core.config.base import ConfigError
-from bhfl_core.config.wrapper_schema import CompressDownSettings
+from bhfl_core.config.wrapper_schema import CompressDownSettings, check_topk_fraction
 
 
 def downlink_params(
@@ -41,4 +41,5 @@ def downlink_params(
             f"{key}: model.adapter.aggregation: exact re-factorises the children's mean product, which is not a sum of "
             f"their vectors, so {node_id!r} cannot add back what its compressed broadcast left out. Use ab-mean or ffa"
         )
+    check_topk_fraction(settings.kind, settings.fraction, key)
     return CompressParams(settings.kind, settings.fraction, settings.block, error_feedback=True)

@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
-from bhfl_core.config.base import Strict
+from bhfl_core.config.base import ConfigError, Strict
 
 
 class CompressSettings(Strict):
@@ -23,6 +23,27 @@ class CompressSettings(Strict):
     fraction: Annotated[float, Field(gt=0, le=1)] = 0.01
     block: Annotated[int, Field(ge=1)] = 512
     error_feedback: bool = True
+
+
+TOPK_BREAK_EVEN = 0.5  # top-k's 8 bytes an entry kept (int32 index, float32 value) against 4 an entry sent dense
+
+
+def check_topk_fraction(kind: str, fraction: float, key: str) -> None:
+    """Refuse a top-k ``fraction`` whose payload is no smaller than the update sent uncompressed (``key``: the
+    compress setting).
+
+    ``ceil(f·n)`` entries at 8 bytes are at least the ``4 n`` bytes of all ``n`` values
+    in float32 from ``f = 0.5`` on: such a setting sends more than no compression and
+    still drops the rest. Refused, not warned (docs/config.md, ``aggregate.compress``): a
+    fraction read as the share *dropped* (0.99 for 1% kept) is the likely way to write it.
+    """
+    if kind == "topk" and fraction >= TOPK_BREAK_EVEN:
+        raise ConfigError(
+            f"{key}.fraction: {fraction} keeps ceil({fraction}·n) of the update's n entries at 8 bytes each (int32 "
+            f"index, float32 value), at least the 4·n bytes of sending all of them uncompressed, and drops the "
+            f"rest; the fraction is the share kept, and only one below {TOPK_BREAK_EVEN} sends fewer bytes (the "
+            "default 0.01: 2% of them). Give a smaller fraction, or no compression"
+        )
 
 
 class CompressDownSettings(Strict):

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from bhfl_core.config.base import ConfigError, SettingError
 from bhfl_core.learning.hub import require_hub
@@ -27,6 +27,7 @@ from bhfl_core.learning.task_kinds import get_task_kind
 if TYPE_CHECKING:
     import torch
     from torch import nn
+    from transformers import PretrainedConfig
 
 TINY = "tiny-bert"
 
@@ -130,7 +131,6 @@ def build_model(
     built from ``seed`` first, so the adapters draw the same random numbers as without it.
     """
     import torch
-    from transformers import BertConfig
 
     kind = get_task_kind(task)
     head = kind.head(labels)
@@ -138,26 +138,49 @@ def build_model(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         if model.name == TINY:
-            t = model.tiny
-            config = BertConfig(
-                vocab_size=vocab_size,
-                hidden_size=t.hidden_size,
-                num_hidden_layers=t.num_hidden_layers,
-                num_attention_heads=t.num_attention_heads,
-                intermediate_size=t.intermediate_size,
-                max_position_embeddings=max(64, model.max_length),
-                hidden_dropout_prob=t.dropout,
-                attention_probs_dropout_prob=t.dropout,
-                pad_token_id=pad_token_id,
-                **head,
-            )
-            built: nn.Module = auto.from_config(config)
+            built: nn.Module = auto.from_config(tiny_config(model, vocab_size, pad_token_id, head))
         else:
             try:
                 built = auto.from_pretrained(model.name, revision=model.revision, **head)
             except Exception as exc:
                 raise hub_error("model", model, exc) from None
         return _held(with_adapter(_quantized(_with_backbone(built, backbone), model), model, task), model)
+
+
+def missing_weights(model: ModelConfig, task: str, labels: list[str]) -> list[str]:
+    """The parameters of ``task``'s model (a hub name or a folder) that ``model.name``'s weights lack.
+
+    ``build_model`` draws them from the run's seed: a classifier's new head, and whatever
+    else the checkpoint was saved without (a BERT folder saved from ``BertForMaskedLM``
+    has no pooler). Whoever loads ``model.name`` elsewhere draws them anew, so an export
+    that names it as the base must carry them (``bhfl export --format adapter``). The
+    names are the model's own (``bert.pooler.dense.weight``); loaded as ``build_model``
+    loads it, so a load that fails fails there first.
+    """
+    kind = get_task_kind(task)
+    _, info = kind.model_class().from_pretrained(
+        model.name, revision=model.revision, output_loading_info=True, **kind.head(labels)
+    )
+    return sorted(info["missing_keys"])
+
+
+def tiny_config(model: ModelConfig, vocab_size: int, pad_token_id: int, head: dict[str, Any]) -> PretrainedConfig:
+    """The BERT config of ``model.tiny`` (``head``: the task kind's keywords, e.g. a classifier's labels)."""
+    from transformers import BertConfig
+
+    t = model.tiny
+    return BertConfig(
+        vocab_size=vocab_size,
+        hidden_size=t.hidden_size,
+        num_hidden_layers=t.num_hidden_layers,
+        num_attention_heads=t.num_attention_heads,
+        intermediate_size=t.intermediate_size,
+        max_position_embeddings=max(64, model.max_length),
+        hidden_dropout_prob=t.dropout,
+        attention_probs_dropout_prob=t.dropout,
+        pad_token_id=pad_token_id,
+        **head,
+    )
 
 
 def _quantized(base: nn.Module, model: ModelConfig) -> nn.Module:
@@ -204,6 +227,8 @@ def with_adapter(built: nn.Module, model: ModelConfig, task: str = "classificati
 
     # peft asks transformers a deprecated question while wrapping; transformers says so on stderr each time
     warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+    # peft's note on a pattern key that matched nothing: settle_lora refuses it, naming the key
+    warnings.filterwarnings("ignore", message="The following .* keys did not match", category=RuntimeWarning)
 
     config = LoraConfig(
         task_type=get_task_kind(task).peft_task_type,  # classification: the head is trained with the adapters

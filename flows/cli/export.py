@@ -10,8 +10,10 @@ Two formats:
   ``PeftModel.save_pretrained`` layout (``adapter_config.json`` and
   ``adapter_model.safetensors``), loadable with ``PeftModel.from_pretrained(base, DIR)`` or
   transformers' ``base.load_adapter(DIR)``; ~1.2 MB at BERT-base. ``base_model_name_or_path``
-  names the hub model (and ``revision``); a base no hub holds (``tiny-bert``, or a backbone
-  warm-started from a full run) is written under ``DIR/base``, without adapters.
+  names the hub model or folder (and ``revision``); a base ``model.name`` does not hold
+  (``tiny-bert``, a backbone warm-started from a full run, or weights without a parameter of
+  the run's model that the adapter file does not carry: ``own_base``) is written under
+  ``DIR/base``, without adapters, and named there (an absolute path).
 
 ``personal``: a Ditto client's personal model instead of its federated one.
 
@@ -81,7 +83,7 @@ def export_model(
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         if fmt == "adapter":
-            _save_adapter(ctx, model, tmp)
+            _save_adapter(ctx, model, tmp, out)
         else:
             merged = model.merge_and_unload() if ctx.config.model.adapter is not None else model
             merged.save_pretrained(tmp)
@@ -140,16 +142,40 @@ def float32_model(ctx: RunContext, *, adapter: bool) -> nn.Module:
     return build_model(model_cfg, m.task, m.labels, m.vocab_size, m.pad_token_id, cfg.seed, backbone=backbone)
 
 
-def _save_adapter(ctx: RunContext, model: Any, folder: Path) -> None:
-    """peft's adapter layout in ``folder``; with ``folder/base`` when no hub holds the base."""
-    from bhfl_core.learning.models import TINY
-
+def _save_adapter(ctx: RunContext, model: Any, folder: Path, out: Path) -> None:
+    """peft's adapter layout in ``folder`` (renamed ``out`` once written); with ``folder/base`` when ``model.name``
+    does not hold the run's base (``own_base``), the adapter config then naming ``out/base``."""
     cfg = ctx.config.model
-    own_base = cfg.name == TINY or ctx.backbone_path() is not None
     peft_config = model.peft_config["default"]  # a PeftModel: its LoraConfig
-    peft_config.base_model_name_or_path = None if own_base else cfg.name
-    peft_config.revision = None if own_base else cfg.revision
-    model.save_pretrained(folder)
-    if own_base:
+    own = own_base(ctx, list(peft_config.modules_to_save or []))
+    peft_config.base_model_name_or_path = str(out.absolute() / BASE_DIR) if own else cfg.name
+    peft_config.revision = None if own else cfg.revision
+    model.save_pretrained(folder, save_embedding_layers=False)  # the embeddings are the frozen base's: not moved
+    if own:
         base: Any = float32_model(ctx, adapter=False)
         base.save_pretrained(folder / BASE_DIR)
+
+
+def own_base(ctx: RunContext, saved: list[str]) -> bool:
+    """Whether the export writes the base itself: ``tiny-bert`` (no hub holds it), a backbone warm-started from a
+    full run, or a ``model.name`` whose weights lack a parameter of the run's model outside the modules the
+    adapter file carries (``saved``: peft's ``modules_to_save``, a classifier's head among them).
+
+    Such a parameter (a pooler the checkpoint was saved without, ``models.missing_weights``)
+    was drawn from the run's seed; loaded from ``model.name`` elsewhere it would be drawn
+    anew, and the adapters would predict on another model (logits 0.07 apart, measured).
+    """
+    from bhfl_core.learning.models import TINY, missing_weights
+
+    cfg = ctx.config.model
+    if cfg.name == TINY or ctx.backbone_path() is not None:
+        return True
+    missing = missing_weights(cfg, ctx.manifest.task, ctx.manifest.labels)
+    return any(not _under(key, saved) for key in missing)
+
+
+def _under(key: str, modules: list[str]) -> bool:
+    """Whether parameter ``key`` lies in one of ``modules`` (a module's name, or its last dotted parts: peft's)."""
+    parts = key.split(".")
+    prefixes = (".".join(parts[:i]) for i in range(1, len(parts)))
+    return any(p == m or p.endswith(f".{m}") for p in prefixes for m in modules)

@@ -2,8 +2,10 @@
 and ``bhfl resume RUN|SWEEP|PIPELINE``.
 
 A new job: its configs are checked before anything starts (one paragraph, exit 2); the
-hub is probed (seconds); then the command's Prefect server (and, for one experiment on
-``runtime.executor: local``, its workers) boot in the background while the full
+hub is probed (seconds), and adapter options that name modules are matched against the
+model's module tree built without weights (bhfl_core/learning/adapter_check.py); then
+the command's Prefect server (and, for one experiment on ``runtime.executor: local``,
+its workers) boot in the background while the full
 preflight runs, the MLflow store opens and the job's flow module is imported; the job
 runs with its Prefect flow run's address printed and its progress shown; the command
 ends with the kind's summary. A resume is the same without the checks a new job needs:
@@ -78,6 +80,23 @@ def _distinct(configs: Sequence[ExperimentConfig]) -> list[ExperimentConfig]:
     return list(seen.values())
 
 
+def _adapter_check(cfg: ExperimentConfig) -> None:
+    """An adapter option naming modules (``model.adapter.target_modules``, ...) that no module of the model matches?
+    Checked on the model built without weights (bhfl_core/learning/adapter_check.py), before Prefect, the run
+    folder and the data: one line naming the key, exit 2. (Its warnings are the run's to note: ``start_run``.)"""
+    from bhfl_core.learning.adapter_check import names_modules
+
+    if not names_modules(cfg.model.adapter):  # torch and transformers (~3 s) only where an option names modules
+        return
+    from bhfl_core.config.base import ConfigError
+    from bhfl_core.learning.adapter_check import check_adapter
+
+    try:
+        check_adapter(cfg.model, cfg.data.task)
+    except ConfigError as exc:
+        fail(str(exc))
+
+
 def run_job(
     kind: JobKind,
     folder: Path,
@@ -100,6 +119,7 @@ def run_job(
     checked = _distinct(configs)
     for config in checked:
         hub_check(config, run_dir)
+        _adapter_check(config)
     from bhfl_core.config.base import ConfigError
 
     try:

@@ -5,6 +5,7 @@ adds a1=[1,0], a2=[0,2], b1=[2,2], b2=[4,0], root=[0,-1]. Here every client send
 1 of its 2 values (``topk``, fraction 0.5) with error feedback.
 """
 
+import math
 from dataclasses import replace
 from pathlib import Path
 
@@ -131,6 +132,11 @@ def test_a_servers_compress_setting_reaches_each_of_its_children_as_their_uplink
         ("tree.client.aggregate={compress: {kind: int8}}", "tree.client.aggregate.compress: compression is set where"),
         ("tree.edge.aggregate={compress: {kind: int4}}", "tree.edge.aggregate.compress.kind"),
         ("tree.edge.aggregate={compress: {kind: topk, fraction: 0}}", "tree.edge.aggregate.compress.fraction"),
+        (
+            "tree.edge.aggregate={compress: {kind: topk, fraction: 0.5}}",
+            "tree.edge.aggregate.compress.fraction: 0.5 keeps ceil(0.5·n) of the update's n entries at 8 bytes",
+        ),
+        ("tree.root.aggregate={compress: {kind: topk, fraction: 0.99}}", "only one below 0.5 sends fewer bytes"),
     ],
 )
 def test_bad_compress_settings_are_rejected_naming_the_key(override, message):
@@ -139,6 +145,18 @@ def test_bad_compress_settings_are_rejected_naming_the_key(override, message):
     with pytest.raises(ConfigError) as err:
         embedded_tree(override)
     assert message in str(err.value)
+
+
+def test_topk_sends_fewer_bytes_than_the_dense_update_only_below_half_and_the_config_takes_only_those():
+    """The refusal's threshold is the payload's: 8·ceil(f·n) bytes against 4·n for the n float32 values."""
+    x = torch.randn(1001, generator=torch.Generator().manual_seed(0))
+    dense = 4 * x.numel()
+    for fraction, smaller in ((0.01, True), (0.49, True), (0.5, False), (0.9, False)):
+        sent = payload_bytes(encode(x, CompressParams("topk", fraction=fraction), seed=0))
+        assert sent == 8 * math.ceil(fraction * x.numel()) and (sent < dense) == smaller
+    tree = embedded_tree("tree.edge.aggregate={compress: {kind: topk, fraction: 0.49}}")
+    assert tree["edge-en"].settings.aggregate.compress == CompressParams("topk", fraction=0.49)
+    assert embedded_tree("tree.edge.aggregate={compress: {kind: int8, fraction: 0.9}}")  # int8 does not read it
 
 
 def test_the_communication_table_counts_payload_bytes_where_a_server_logged_them():

@@ -151,6 +151,7 @@ def test_compress_down_reaches_the_servers_it_is_set_at():
         ),
         (["tree.root.compress_down={kind: int8, error_feedback: false}"], "tree.root.compress_down.error_feedback"),
         (["tree.root.compress_down={kind: topk, fraction: 2}"], "tree.root.compress_down.fraction"),
+        (["tree.edge.compress_down={kind: topk, fraction: 0.6}"], "tree.edge.compress_down.fraction: 0.6 keeps"),
     ],
 )
 def test_bad_compress_down_settings_are_refused_naming_the_key(overrides, message):

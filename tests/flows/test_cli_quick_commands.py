@@ -149,3 +149,20 @@ def test_a_run_dir_that_is_a_file_is_one_line(tmp_path, command):
     assert out.exception is None or isinstance(out.exception, SystemExit)  # no traceback
     assert f"error: --run-dir {given}" in out.output and "not a folder" in out.output
     assert given.read_text() == "name: bhfl\n"
+
+
+@pytest.mark.parametrize("command", ["run", "sweep"])
+def test_an_adapter_option_matching_no_module_stops_the_command_before_anything_starts(command, tmp_path, monkeypatch):
+    """Checked on the model built without weights: one line naming the key, exit 2; no run or sweep folder, no
+    Prefect server, no data prepared (it was found only once the run had built its model, its folder written)."""
+    import os
+
+    monkeypatch.setattr(os, "environ", os.environ.copy())  # the CLI's defaults (PREFECT_HOME...) stay in this test
+    sets = [*SMALL, "runtime.executor=inprocess", "model.adapter={r: 4, rank_pattern: {valeu: 2}}"]
+    args = [arg for assignment in sets for arg in ("--set", assignment)]
+    extra = ["--seeds", "0,1"] if command == "sweep" else []
+    out = CliRunner().invoke(app, [command, *args, *extra, "--run-dir", str(tmp_path)])
+    assert out.exit_code == 2, out.output
+    line = "error: model.adapter.rank_pattern: 'valeu' matches none of the adapted modules"
+    assert out.stderr.startswith(line) and out.stderr.count("\n") == 1, out.stderr
+    assert [p.name for p in tmp_path.iterdir()] == []  # nothing: no itest/<stamp>, no .prefect, no cache

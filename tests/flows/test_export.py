@@ -96,6 +96,13 @@ def test_lora_adapters_export_in_peft_layout_and_load_with_peft_and_transformers
         # the same modules in the same order: equal to float rounding of a different code path (2e-6 measured)
         assert torch.allclose(with_peft.eval()(**batch).logits, expected, atol=1e-5)
         assert torch.allclose(base.eval()(**batch).logits, expected, atol=1e-5)
+        # the config names the base it was written with: peft's Auto class finds it alone
+        from peft import AutoPeftModelForSequenceClassification
+
+        assert with_peft.peft_config["default"].base_model_name_or_path == str(out / "base")
+        assert torch.allclose(
+            AutoPeftModelForSequenceClassification.from_pretrained(out)(**batch).logits, expected, atol=1e-5
+        )
 
 
 def test_a_ditto_clients_personal_adapters_export_and_a_node_without_them_is_named(runs, tmp_path):
@@ -184,3 +191,28 @@ def test_exporting_a_run_that_did_not_finish_says_the_model_is_its_last_saved_no
         done = CliRunner().invoke(app, ["export", str(run), "--to", str(out), "--run-dir", str(tmp_path)])
         assert done.exit_code == 0 and out.is_dir()
         assert (f"note: {run} is failed: this is root's last saved model, not its final one" in done.stderr) == note
+
+
+def test_what_a_named_base_lacks_outside_the_adapter_file_is_what_makes_the_export_write_its_own(tmp_path):
+    """``models.missing_weights`` and the match against peft's ``modules_to_save`` (``export._under``), on folders
+    saved from one head and loaded for another kind's: a classifier on an MLM checkpoint lacks its pooler beside
+    its head (carried), a masked LM on a classifier checkpoint lacks its prediction head (not carried)."""
+    from transformers import BertConfig, BertForMaskedLM, BertForSequenceClassification
+
+    from bhfl_core.learning.models import missing_weights
+    from flows.cli.export import _under
+
+    dims = {"hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 24}
+    BertForMaskedLM(BertConfig(vocab_size=120, **dims)).save_pretrained(tmp_path / "mlm")
+    BertForSequenceClassification(BertConfig(vocab_size=120, num_labels=3, **dims)).save_pretrained(tmp_path / "cls")
+    labels, carried = ["a", "b", "c"], ["classifier", "score"]  # peft's modules_to_save for SEQ_CLS
+
+    def lacking(folder: str, task: str) -> list[str]:
+        model = small_config(f"model.name={tmp_path / folder}").model
+        return [key for key in missing_weights(model, task, labels) if not _under(key, carried)]
+
+    assert lacking("mlm", "classification") == ["bert.pooler.dense.bias", "bert.pooler.dense.weight"]
+    assert lacking("cls", "classification") == []  # its head is new only in its values: carried by the adapters
+    assert lacking("mlm", "mlm") == []
+    assert "cls.predictions.transform.dense.weight" in lacking("cls", "mlm")
+    assert _under("bert.pooler.dense.weight", ["pooler"]) and not _under("bert.pooler_x.weight", ["pooler"])
