@@ -138,7 +138,8 @@ def test_override_and_file_errors(tmp_path, monkeypatch):
         load_config(tmp_path / "missing.yaml")
     assert "current directory" not in str(absolute.value)
     monkeypatch.chdir(tmp_path)  # a relative path (the CLI's default config outside a checkout) says where it looked
-    with pytest.raises(ConfigError, match=re.escape(f"'configs/x.yaml' not found (relative to the current directory, {tmp_path})")):
+    said = f"'configs/x.yaml' not found (relative to the current directory, {tmp_path})"
+    with pytest.raises(ConfigError, match=re.escape(said)):
         load_config(Path("configs/x.yaml"))
     with pytest.raises(ConfigError, match="is a folder, not a YAML file"):  # it exists: "not found" misleads
         load_config(tmp_path)
