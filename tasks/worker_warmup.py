@@ -9,16 +9,23 @@ while the cluster starts, which the CLI overlaps with Prefect's and MLflow's sta
 a run's first round starts with every worker ready. CPU workers fork from a server
 that imported all this already (``local_cluster.start_forkserver``): for them it is a
 no-op.
+
+It also makes a local worker ignore SIGINT. Ctrl-C in a terminal signals the whole
+foreground process group, and the workers are in the command's: each then died on its
+own with a ``KeyboardInterrupt`` traceback printed under the command's one line
+(``interrupted.``), while the command was stopping them anyway as it unwound
+(docs/runtime.md, "Faults"). A worker of the user's own cluster keeps Dask's behaviour.
 """
 
 from __future__ import annotations
 
+import signal
 from typing import Any
 
 
 def dask_setup(worker: Any) -> None:
     """Import what every call needs; on a GPU, create the context and cuBLAS handle with the run's settings.
-    Freed memory goes back to the system (``tasks/heap.py``)."""
+    Freed memory goes back to the system (``tasks/heap.py``); SIGINT is ignored (the module's docstring)."""
     import datasets  # noqa: F401  (the clients' shards: data_prep.prepare.load_shard)
     import torch
     import transformers.models.bert.modeling_bert  # noqa: F401  (transformers imports model classes lazily)
@@ -27,6 +34,7 @@ def dask_setup(worker: Any) -> None:
     from tasks.worker import worker_device
 
     give_back_freed_memory()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the command stops its workers: Ctrl-C is for it alone
 
     device = worker_device()  # deterministic kernels
     if device.type == "cuda":

@@ -51,10 +51,14 @@ def test_a_cluster_without_workers_is_a_message_with_the_fix_not_a_traceback():
     assert "Registered to" in str(err.value)
 
 
-def test_local_workers_are_warm_before_they_take_work():
-    """Workers run the warm-up preload before they register, without Dask's profiler; it imports what calls need."""
+def test_local_workers_are_warm_before_they_take_work(capfd):
+    """Workers run the warm-up preload before they register, without Dask's profiler; it imports what calls need.
+    A Ctrl-C (SIGINT to the command's process group, workers included) leaves them to the command: no traceback."""
+    import os
+    import signal
     import subprocess
     import sys
+    import time
 
     from distributed import Client
 
@@ -66,8 +70,13 @@ def test_local_workers_are_warm_before_they_take_work():
             callbacks = client.run(lambda dask_worker: sorted(dask_worker.periodic_callbacks))
             assert all("profile" not in names for names in callbacks.values())  # Dask's sampler is off
             assert all("heartbeat" in names for names in callbacks.values())  # (the names are what we think)
+            (pid,) = client.run(os.getpid).values()
+            os.kill(pid, signal.SIGINT)
+            time.sleep(0.5)
+            assert list(client.run(os.getpid).values()) == [pid]  # the same process (a nanny restarts a dead one)
     finally:
         cluster.close()
+    assert "KeyboardInterrupt" not in capfd.readouterr().err
     fresh = "import sys; from tasks.worker_warmup import dask_setup; dask_setup(None); " + (
         "print(*(m in sys.modules for m in ('tasks.worker', 'transformers.models.bert.modeling_bert', 'datasets')))"
     )
