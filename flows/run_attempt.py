@@ -44,7 +44,6 @@ from tasks.cluster_access import check_shared_folders
 from tasks.context import RunContext, forget_run, mark_once, open_run, read_marks
 from tasks.executor import cluster_workers, process_worker, worker_losses
 from tasks.faults import FaultPlan
-from tasks.heap import frozen_heap
 from tasks.local_cluster import ClusterStart, local_slots
 from tasks.worker import WorkerRuntime
 
@@ -104,7 +103,6 @@ class _Attempt:
     def _set_up(self, stack: ExitStack) -> NodeRuntime:
         """Data, MLflow runs and workers (the workers boot while data and MLflow get ready); the initial model."""
         cfg, path = self.cfg, self.path
-        stack.enter_context(frozen_heap())  # the libraries imported, out of the collector's way (tasks/heap.py)
         starting = None
         if cfg.runtime.executor == "local" and self.launch.cluster is None:
             starting = ClusterStart(cfg.runtime)

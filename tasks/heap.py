@@ -20,9 +20,6 @@ import ctypes
 import ctypes.util
 import gc
 import os
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from functools import cache
 
 ARENAS = 2
@@ -30,8 +27,6 @@ TRIM_THRESHOLD = 128 * 1024  # bytes free at the top of the heap before it is gi
 _M_TRIM_THRESHOLD = -1  # glibc's mallopt parameters (malloc.h)
 _M_ARENA_MAX = -8
 USER_SETTINGS = ("MALLOC_ARENA_MAX", "MALLOC_TRIM_THRESHOLD_")
-_freezing = threading.Lock()
-_frozen_blocks = [0]  # ``frozen_heap`` blocks open in this process (attempts of a sweep may overlap)
 
 
 @cache
@@ -78,33 +73,3 @@ def trim_heap() -> bool:
         return False
     trim(0)
     return True
-
-
-@contextmanager
-def frozen_heap() -> Iterator[None]:
-    """Keep what the process holds now out of the cyclic collector's passes until the block ends.
-
-    For a run's orchestrating process, from the start of its set-up: the libraries it
-    imported (~430,000 objects: torch, transformers, Prefect, MLflow, ...) live as long
-    as the run, and every full collection walked all of them again. At 10,000 clients
-    (2 root rounds of 1,000, 2 cores) the ``bhfl run`` process spent 5.6 s in the
-    collector (3.5% of its 163 s), 4.6 s of it in 18 full collections of up to 0.4 s,
-    nearly all before training: 1.9 s while importing, 3.7 s in data preparation and
-    set-up (tokenising allocates a list per row and column), 0.06 s while training. With
-    the imported objects frozen (``gc.freeze``) it spent 4.4 s (2.6%): 2.3 s in
-    preparation and set-up (docs/runtime.md, "Memory at scale"). Cycles among frozen
-    objects are not freed until the block ends, so it starts with a full collection
-    (garbage is not frozen), and the last block to end unfreezes (``bhfl serve`` and
-    sweeps run attempt after attempt in one process).
-    """
-    gc.collect()
-    with _freezing:
-        gc.freeze()
-        _frozen_blocks[0] += 1
-    try:
-        yield
-    finally:
-        with _freezing:
-            _frozen_blocks[0] -= 1
-            if not _frozen_blocks[0]:
-                gc.unfreeze()
