@@ -78,9 +78,7 @@ def start_forkserver() -> None:
     """
     import multiprocessing.forkserver
 
-    # tiny-bert's modeling code too: transformers imports model classes lazily (~2 s per process)
-    preload = ["distributed", "tasks.worker", "transformers.models.bert.modeling_bert", "datasets"]  # datasets: shards
-    multiprocessing.get_context("forkserver").set_forkserver_preload(preload)
+    multiprocessing.get_context("forkserver").set_forkserver_preload(["tasks.forkserver_preload"])
     if _forkserver_pid() is None:
         atexit.register(_stop_forkserver)
     multiprocessing.forkserver.ensure_running()  # first: it imports while we import dask below

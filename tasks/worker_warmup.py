@@ -19,19 +19,26 @@ own with a ``KeyboardInterrupt`` traceback printed under the command's one line
 
 from __future__ import annotations
 
+import contextlib
 import signal
+import sys
 from typing import Any
 
 
 def dask_setup(worker: Any) -> None:
-    """Import what every call needs; on a GPU, create the context and cuBLAS handle with the run's settings.
-    Freed memory goes back to the system (``tasks/heap.py``); SIGINT is ignored (the module's docstring)."""
-    import datasets  # noqa: F401  (the clients' shards: data_prep.prepare.load_shard)
-    import torch
-    import transformers.models.bert.modeling_bert  # noqa: F401  (transformers imports model classes lazily)
+    """Import what every call needs (frozen out of the cyclic collector: tasks/collector.py); on a GPU, create
+    the context and cuBLAS handle with the run's settings. Freed memory goes back to the system
+    (``tasks/heap.py``); SIGINT is ignored (the module's docstring)."""
+    from tasks.collector import imports_frozen
 
-    from tasks.heap import give_back_freed_memory
-    from tasks.worker import worker_device
+    forked = "tasks.worker" in sys.modules  # a CPU worker: its forkserver imported all this, frozen
+    with contextlib.nullcontext() if forked else imports_frozen():  # a spawned GPU worker (tasks/collector.py)
+        import datasets  # noqa: F401  (the clients' shards: data_prep.prepare.load_shard)
+        import torch
+        import transformers.models.bert.modeling_bert  # noqa: F401  (transformers imports model classes lazily)
+
+        from tasks.heap import give_back_freed_memory
+        from tasks.worker import worker_device
 
     give_back_freed_memory()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the command stops its workers: Ctrl-C is for it alone

@@ -53,14 +53,24 @@ def _version(value: bool) -> None:
     raise typer.Exit()
 
 
+COLLECT_AT_WORK = ("run", "sweep", "resume")
+"""Commands that turn the cyclic collector back on when their job's work starts (``jobs.run_job``), after its
+imports; every other one turns it on here, before its own (tasks/collector.py)."""
+
+
 @app.callback()
 def main(
+    ctx: typer.Context,
     version: Annotated[
         bool,
         typer.Option("--version", metavar=FLAG, callback=_version, is_eager=True, help="Show the version and exit."),
     ] = False,
 ) -> None:
     """Bidirectional Hierarchical Federated Learning experiments on Prefect + MLflow."""
+    if ctx.invoked_subcommand not in COLLECT_AT_WORK:
+        from tasks import collector
+
+        collector.resume()
 
 
 for command in (

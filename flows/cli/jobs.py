@@ -39,6 +39,7 @@ from flows.cli.shell import (
     preflight,
     tracking_store_ready,
 )
+from tasks import collector
 
 if TYPE_CHECKING:
     from bhfl_core.config.schema import ExperimentConfig
@@ -142,6 +143,7 @@ def run_job(
 
             link = flow_run_link(console, api.own, folder.resolve(), kind.flow, new=bool(configs))
             with link, kind.reporter().attached():
+                collector.resume()  # the libraries are imported: frozen, and the collector on (tasks/collector.py)
                 result = kind.guard(job, folder, verbose)
     except ConfigError as exc:
         fail(str(exc))

@@ -250,9 +250,11 @@ def run_command(load_app: Callable[[], Callable[[], object]]) -> None:
     ``python -m flows.cli.app``.
     """
     STOP.install()
+    from tasks import collector
     from tasks.heap import give_back_freed_memory
 
     give_back_freed_memory()  # before the command's heavy imports and allocations
+    collected = collector.pause()  # until the job's work starts (flows/cli/jobs.py), or the command ends
     try:
         load_app()()
     except BaseException as ended:
@@ -260,3 +262,5 @@ def run_command(load_app: Callable[[], Callable[[], object]]) -> None:
             raise
         STOP.tell(f"stopped by {STOP.signal_name}. {STOP.hint_text()}".rstrip())
         raise SystemExit(STOP.exit_code) from None
+    finally:
+        collector.restore(collected)

@@ -166,3 +166,45 @@ def test_an_adapter_option_matching_no_module_stops_the_command_before_anything_
     line = "error: model.adapter.rank_pattern: 'valeu' matches none of the adapted modules"
     assert out.stderr.startswith(line) and out.stderr.count("\n") == 1, out.stderr
     assert [p.name for p in tmp_path.iterdir()] == []  # nothing: no itest/<stamp>, no .prefect, no cache
+
+
+def test_a_job_runs_with_the_cyclic_collector_on_and_the_libraries_frozen(tmp_path):
+    """The command's entry turns the collector off for its imports (flows/cli/stopping.py); ``run_job`` must turn
+    it back on before the work, or a sweep of hours would never free a reference cycle (tasks/collector.py)."""
+    import dataclasses
+    import gc
+
+    from flows.cli.jobs import run_job
+    from flows.cli.run import EXPERIMENT
+
+    seen: dict[str, object] = {}
+
+    def work(launch) -> dict:
+        seen.update(on=gc.isenabled(), frozen=gc.get_freeze_count())
+        return {}
+
+    kind = dataclasses.replace(EXPERIMENT, summary=lambda result, run_dir: None)
+    gc.disable()  # as the command's entry leaves it
+    try:
+        run_job(kind, tmp_path / "job", tmp_path, False, work, "a job")
+    finally:
+        gc.unfreeze()
+        gc.enable()
+    assert seen["on"] is True and isinstance(seen["frozen"], int) and seen["frozen"] > 100_000
+
+
+@pytest.mark.parametrize(("command", "on"), [(["runs"], True), (["run", "missing.yaml"], False)])
+def test_a_command_without_a_job_turns_the_collector_on_at_once(tmp_path, command, on):
+    """Every command but run, sweep and resume collects from its start (the app's callback); those three from
+    their work (``run_job``), so one that ends before it (a config error) leaves it to the command's entry."""
+    import gc
+
+    gc.disable()
+    try:
+        out = CliRunner().invoke(app, [*command, "--run-dir", str(tmp_path)])
+        found = gc.isenabled()
+    finally:
+        gc.unfreeze()
+        gc.enable()
+    assert out.exit_code == (0 if on else 2), out.output
+    assert found is on

@@ -52,8 +52,9 @@ def test_a_cluster_without_workers_is_a_message_with_the_fix_not_a_traceback():
 
 
 def test_local_workers_are_warm_before_they_take_work(capfd):
-    """Workers run the warm-up preload before they register, without Dask's profiler; it imports what calls need.
-    A Ctrl-C (SIGINT to the command's process group, workers included) leaves them to the command: no traceback."""
+    """Workers run the warm-up preload before they register, without Dask's profiler; it imports what calls need,
+    and they hold the libraries frozen out of the cyclic collector, which is on. A Ctrl-C (SIGINT to the
+    command's process group, workers included) leaves them to the command: no traceback."""
     import os
     import signal
     import subprocess
@@ -70,6 +71,11 @@ def test_local_workers_are_warm_before_they_take_work(capfd):
             callbacks = client.run(lambda dask_worker: sorted(dask_worker.periodic_callbacks))
             assert all("profile" not in names for names in callbacks.values())  # Dask's sampler is off
             assert all("heartbeat" in names for names in callbacks.values())  # (the names are what we think)
+            import gc
+
+            collector = client.run(lambda: (gc.isenabled(), gc.get_freeze_count()))
+            # forked from the forkserver, which imported the libraries frozen (tasks/forkserver_preload.py)
+            assert all(on and frozen > 100_000 for on, frozen in collector.values()), collector
             (pid,) = client.run(os.getpid).values()
             os.kill(pid, signal.SIGINT)
             time.sleep(0.5)
@@ -77,11 +83,12 @@ def test_local_workers_are_warm_before_they_take_work(capfd):
     finally:
         cluster.close()
     assert "KeyboardInterrupt" not in capfd.readouterr().err
-    fresh = "import sys; from tasks.worker_warmup import dask_setup; dask_setup(None); " + (
-        "print(*(m in sys.modules for m in ('tasks.worker', 'transformers.models.bert.modeling_bert', 'datasets')))"
+    fresh = "import gc, sys; from tasks.worker_warmup import dask_setup; dask_setup(None); " + (
+        "print(*(m in sys.modules for m in ('tasks.worker', 'transformers.models.bert.modeling_bert', 'datasets')), "
+        "gc.isenabled(), gc.get_freeze_count() > 100_000)"  # a spawned (GPU) worker imports frozen too
     )
     out = subprocess.run([sys.executable, "-c", fresh], capture_output=True, text=True, check=True, timeout=120)
-    assert out.stdout.split() == ["True", "True", "True"]
+    assert out.stdout.split() == ["True", "True", "True", "True", "True"]
 
 
 def test_gpu_workers_run_deterministic_kernels_without_cublas_debug_mode():
