@@ -131,6 +131,7 @@ class _Attempt:
         if self.launch.sole:  # (a sweep sets it once for all its points: flows/sweep.py)
             torch.set_num_threads(orchestrator_threads(cfg.runtime if cfg.runtime.executor == "local" else None))
         rt = stack.enter_context(node_runtime(str(path), self.launch.orchestration))
+        stack.callback(rt.executor.forget, str(path))  # workers serve other runs next: not kept there either
         _initial_model(rt, ctx)
         progress.note(f"{len(workers)} worker(s): " + ", ".join(f"{w['name']} ({w['device']})" for w in workers))
         return rt

@@ -280,10 +280,16 @@ class OpenedRuns:
         with self._lock:
             self._opened.pop(Path(run_path).resolve(), None)
 
+    def paths(self) -> list[str]:
+        """The run folders whose contexts are kept, least recently asked for first."""
+        with self._lock:
+            return [str(path) for path in self._opened]
+
 
 # A sweep's points run in threads of one orchestrator, as many at once as it has local workers
 # (at most CPU_WORKERS_AUTO_MAX with `workers: auto`): every point running keeps its context.
-# Finished runs leave through ``forget_run``, so the bound is only reached by runs in progress.
+# Finished runs leave through ``forget_run``, in the orchestrator and (``Executor.forget``) in every worker of
+# the run's cluster, so the bound is only reached by runs in progress.
 _OPENED = OpenedRuns(size=CPU_WORKERS_AUTO_MAX)
 
 
@@ -299,6 +305,11 @@ def open_run(run_path: str | Path, config: ExperimentConfig | None = None) -> Ru
 def forget_run(run_path: str | Path) -> None:
     """Free this process's context of a run that has ended (its proxy and test tensors)."""
     _OPENED.forget(run_path)
+
+
+def opened_runs() -> list[str]:
+    """The run folders this process keeps a context of (what a long-lived worker holds: tests, diagnostics)."""
+    return _OPENED.paths()
 
 
 def mark_once(run_path: Path, event: str) -> None:

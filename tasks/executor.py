@@ -52,6 +52,7 @@ from bhfl_core.config.base import ConfigError
 from bhfl_core.config.schema import RuntimeConfig
 from bhfl_core.placement import Slot
 from tasks.cluster_access import connected, security_for
+from tasks.context import forget_run
 from tasks.local_cluster import resolve_devices
 from tasks.worker import PLUGIN, BhflWorkerPlugin, WorkerRuntime, worker_device
 from tasks.worker import call as call_on_worker
@@ -86,6 +87,10 @@ class Executor(Protocol):
         self, slot: Slot, method: Callable[Concatenate[WorkerRuntime, P], R], /, *args: P.args, **kwargs: P.kwargs
     ) -> PendingCall[R]:
         """Run ``method(runtime, *args, **kwargs)`` on ``slot``'s ``WorkerRuntime``; ``result()`` waits for it."""
+        ...
+
+    def forget(self, run_path: str) -> None:
+        """The run has ended: every worker drops what it opened of it (``tasks.context.forget_run``)."""
         ...
 
 
@@ -218,6 +223,21 @@ class DaskExecutor:
                         with self._lock:
                             self._calls.pop(call.key, None)
             self._rerun(call)
+
+    def forget(self, run_path: str) -> None:
+        """Every worker of the cluster drops its context of the ended run (its proxy and test splits, tree, store).
+
+        A worker serves run after run (a sweep's shared workers, a user's cluster) and
+        keeps the contexts it opened in a bounded cache (``OpenedRuns``: 8 runs), so
+        without this each worker held the data of its last 8 runs, finished or not: at
+        10,000 clients ~45 MB of test rows a run. Run on the workers directly
+        (``Client.run``), not queued behind the calls of other runs. Best effort: a worker
+        that does not answer keeps the context until the cache's bound drops it.
+        """
+        try:
+            self.client.run(forget_run, run_path, on_error="ignore")
+        except Exception as exc:  # (a scheduler gone at the run's end: the run's result stands)
+            _NOTES.debug("workers could not forget %s: %s", run_path, exc)
 
     def close(self) -> None:
         self.client.unsubscribe_topic("all")  # first: the scheduler would send this client's own departure to it
@@ -364,6 +384,9 @@ class InProcessExecutor:
         except BaseException as exc:
             done.set_exception(exc)
         return done
+
+    def forget(self, run_path: str) -> None:
+        forget_run(run_path)  # the process's own cache: its worker shares it
 
     def close(self) -> None:
         return None

@@ -18,7 +18,7 @@ import pytest
 from bhfl_core.store.node_store import StateStore
 from flows.experiment import PLAIN_CALLS, run_experiment
 from tasks import faults
-from tasks.context import open_run
+from tasks.context import open_run, opened_runs
 from tests.small import small_config
 
 pytestmark = pytest.mark.integration
@@ -69,6 +69,16 @@ def test_bhfl_example_is_bit_identical_across_workers_executors_and_placements(t
             tmp_path / "d",
         ),
     }
+    # the user's workers serve run after run: once the run ended, neither keeps its context (data, tree, store)
+    from distributed import Client
+
+    from tasks.worker import busy_intervals
+
+    ended = others["Prefect, user-started Dask cluster, learned placement"]["run_path"]
+    assert sorted(busy_intervals(Path(ended))) == ["w0", "w1"]  # both opened it
+    with Client(dask_cluster, set_as_default=False) as client:
+        kept = client.run(opened_runs)
+    assert len(kept) == 2 and all(str(Path(ended).resolve()) not in paths for paths in kept.values()), kept
     for how, result in others.items():
         files = _node_files(result["run_path"])
         assert files.keys() == reference.keys(), how
