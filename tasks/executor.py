@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
 import time
 import uuid
@@ -151,6 +152,7 @@ class _Call:
         self.key = self.worker = self.address = ""
         self.future: Any = None
         self.lost = False  # its worker left the scheduler while it held the call
+        self.cause = ""  # why the scheduler removed that worker (``loss_cause``)
         self.changed = threading.Event()  # finished, failed or lost
         self.reruns = 0
 
@@ -260,7 +262,7 @@ class DaskExecutor:
             self._removed.add(message["worker"])
             for call in self._calls.values():
                 if call.address == message["worker"]:
-                    call.lost = True
+                    call.lost, call.cause = True, loss_cause(message)
                     call.changed.set()
                     lost.append(call.future)
         if lost:
@@ -337,6 +339,17 @@ class DaskExecutor:
         self._send(call, lost, address)
 
 
+def loss_cause(event: dict[str, Any]) -> str:
+    """Why the scheduler removed a worker, from its ``remove-worker`` event: Dask's stimulus without its time.
+
+    ``handle-worker-cleanup``: the worker's connection closed (its process died or was
+    killed; the local workers' nanny logs are silenced, so this is what a run keeps of it);
+    ``check-worker-ttl``: no heartbeat for ``distributed.scheduler.worker-ttl``;
+    ``retire-workers``: retired on purpose. Kept in ``worker_losses.jsonl`` for diagnosis.
+    """
+    return re.sub(r"-[0-9.]+$", "", str(event.get("stimulus_id") or "unknown"))
+
+
 def _killed(future: Any) -> bool:
     """Whether Dask failed the future because workers died running it (``KilledWorker``)."""
     from distributed import KilledWorker
@@ -349,7 +362,7 @@ def _record_loss(call: _Call, lost: str) -> None:
     run_path = Path(str(call.args[0])) if call.args else None
     if run_path is None or not run_path.is_dir():
         return
-    line = {"time": time.time(), "worker": lost, "call": _what(call)}
+    line = {"time": time.time(), "worker": lost, "call": _what(call), "cause": call.cause}
     with open(run_path / LOSSES_FILE, "a") as fh:
         fh.write(json.dumps(line) + "\n")
 

@@ -85,6 +85,7 @@ def test_a_lost_local_worker_is_told_and_a_dead_prefect_server_stops_the_run_for
     assert node_files(run_path) == reference
     record = RunRecord.read(run_path)
     assert [x["worker"] for x in record.worker_losses] == lost  # kept across attempts
+    assert {x["cause"] for x in record.worker_losses} == {"handle-worker-cleanup"}  # its connection closed: it died
     parent = MlflowClient(record.tracking_uri).get_run(record.parent_run_id)
     assert parent.data.metrics["runtime/worker_losses"] == len(lost)
     assert parent.data.tags["bhfl.worker_losses"].startswith(f"{lost[0]} lost during training ")
