@@ -117,6 +117,19 @@ def test_secure_aggregation_resolves_per_edge_with_a_majority_threshold():
             "a secure-aggregation flush takes at most one update per child, so buffer (9) cannot exceed",
         ),
         (["tree.edge.secure_aggregation={threshold: 5}"], "tree.edge.secure_aggregation.threshold: 5 is more than"),
+        (
+            ["tree.edge.secure_aggregation={threshold: 1}"],
+            "tree.edge.secure_aggregation.threshold: 1 lets 'edge-en' unmask a round that one child's update alone",
+        ),
+        (  # FedBuff's buffer of 1: every flush is one child's update, whatever the masks
+            [
+                "tree.root.secure_aggregation={}",
+                "tree.root.mode=async",
+                "tree.root.buffer=1",
+                "tree.root.concurrency=2",
+            ],
+            "tree.root.buffer: 1 lets 'root' unmask a flush that one child's update alone went into",
+        ),
         (["tree.edge.secure_aggregation={bits: 20, fraction_bits: 19}"], "fraction_bits: 19 leaves no integer part"),
         (["tree.edge.secure_aggregation={bits: 70}"], "tree.edge.secure_aggregation.bits"),
         (["tree.edge.secure_aggregation={neighbours: 2}"], "tree.edge.secure_aggregation.neighbours: 2 needs graph"),
