@@ -218,7 +218,7 @@ def train_clients(
                 rule.contribute(partial, client_id, result.theta, node.weight, steps=local_steps(node, plan.epochs))
             else:
                 model = result.theta
-            if rule.sees_members:  # (not under secure aggregation: its server sees the masked sum only)
+            if rule.sees_members and node.settings.reports_loss:  # (not under secure aggregation, nor DP-SGD's)
                 losses.append(MemberLoss(client_id, result.loss, result.examples))
             if keep and select:
                 found = Candidate(client_id, result.theta.cpu(), node.weight, result.loss)

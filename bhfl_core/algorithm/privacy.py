@@ -23,7 +23,7 @@ rounded to float32 with its scale shrunk by ``2**-22`` (``clip_update``), so its
 stays below ``C`` after rounding and the float32 sum stays exact and order-independent.
 
 Adaptive clipping: every child also reports whether its update was within ``C``; the
-server adds noise of standard deviation ``sigma_b`` to that count and moves ``C``
+server adds noise of standard deviation ``sigma_b`` to that count (centred: ``next_clip``) and moves ``C``
 geometrically towards the ``quantile`` of the update norms:
 ``C <- C * exp(-lr * (b - quantile))`` with ``b`` the noised unclipped share. The update
 noise then uses ``z_delta = (z**-2 - (2 sigma_b)**-2) ** -1/2`` so that both releases
@@ -114,13 +114,23 @@ def noised_mean(
 
 
 def next_clip(params: PrivacyParams, partial: ClippedSum, key: RoundKey) -> float:
-    """The clipping norm of the next round: unchanged, or Andrew et al.'s geometric step on the noised count."""
+    """The clipping norm of the next round: unchanged, or Andrew et al.'s geometric step on the noised count.
+
+    The count is released centred, ``sum_i (b_i - 1/2) + N(0, sigma_b^2)``, then divided by ``m`` and shifted
+    back by ``1/2`` (TensorFlow Privacy's ``QuantileEstimatorQuery`` does the same): adding or removing one
+    child moves it by ``1/2``, the sensitivity Theorem 1's split ``z_delta`` assumes. The raw count
+    ``sum_i b_i`` moves by 1 when a child is added (Poisson cohorts), which would make both releases
+    together cost noise multiplier ``(z^-2 + 3 / (4 sigma_b^2))^-1/2``, not ``z``. Under replace-one
+    (fixed cohorts) either moves by 1, and the split holds with the accountant's ``z / 2``. With the whole
+    cohort folded (``weight == m``) both give the same share.
+    """
     adaptive = params.adaptive
     if adaptive is None:
         return partial.clip
     unclipped = partial.weight - partial.clipped
     count_noise = float(noise(params, key, 1, adaptive.count_noise, "count")[0]) if params.noise_multiplier else 0.0
-    share = (unclipped + count_noise) / params.expected
+    # (sum_i (b_i - 1/2) + noise) / m + 1/2, written so that a whole cohort (weight == m) adds an exact 0
+    share = (unclipped + count_noise + (params.expected - partial.weight) / 2) / params.expected
     return partial.clip * math.exp(-adaptive.lr * (share - adaptive.quantile))
 
 

@@ -10,6 +10,9 @@ with a pairwise mask per peer); it keeps no state. At an asynchronous server a f
 one masked round whose peers are all the server's children: the buffer's senders are its
 survivors, the others are recovered from their shares like dropped clients. Only the mean
 can be inside it: a robust rule needs each child's vector, which masking hides.
+A child whose update is not finite stops the run (``NonFiniteUpdate``, naming it) unless
+``zeroing`` or ``dp`` outside folds it as no update first: in the field a NaN would be
+summed as 0 and an infinity as the clamp's bound, unseen.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from bhfl_core.algorithm.aggregation_rule import MeanRule
+from bhfl_core.algorithm.compression import NonFiniteUpdate
 from bhfl_core.algorithm.contract import NO_PLAN, FoldPlan, Partial
 from bhfl_core.algorithm.node_state import Caller, RoundKey
 from bhfl_core.algorithm.privacy_params import SecAggParams
@@ -29,6 +33,19 @@ if TYPE_CHECKING:
 
     from bhfl_core.algorithm.aggregation import Allocator
     from bhfl_core.algorithm.secure_aggregation import MaskedSum
+
+
+def _nonfinite_message(member: str, update: torch.Tensor, round_of: Caller) -> str:
+    import torch
+
+    bad, nan = int((~torch.isfinite(update)).sum()), int(torch.isnan(update).sum())
+    return (
+        f"{member}: its update to {round_of.node_id!r} (round {round_of.round}) has {bad} non-finite values of "
+        f"{update.numel()} ({nan} NaN): its model diverged. Secure aggregation's fixed point cannot carry them (a "
+        "NaN would be masked and summed as 0, unseen, an infinity as the clamp's bound), so it is not sent; add "
+        "zeroing to that server's aggregate.wrap (before secagg) to fold such an update as no update, or lower "
+        "the learning rate"
+    )
 
 
 def _masked(partial: Partial) -> MaskedSum:
@@ -76,7 +93,10 @@ class SecAggRule:
         if fold.reference is None:
             raise ValueError("secure aggregation masks updates against the model the children were sent: none given")
         flat = model.detach().reshape(-1).to("cpu", torch.float64)
-        fold.add(member, flat - fold.reference.to("cpu", torch.float64).reshape(-1), weight)
+        update = flat - fold.reference.to("cpu", torch.float64).reshape(-1)
+        if not bool(torch.isfinite(update).all()):
+            raise NonFiniteUpdate(_nonfinite_message(member, update, fold.round_of))
+        fold.add(member, update, weight)
 
     def merge(self, into: Partial, other: Partial) -> None:
         _masked(into).merge(_masked(other))

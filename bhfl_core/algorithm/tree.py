@@ -104,6 +104,16 @@ class NodeSettings:
         """Whether a NODEOPT of this node tunes on held-out data (``interp``): then it needs ``holdout`` rows."""
         return any(is_tuned(p.kind) for p in (self.opt_up, self.opt_down, *(p for _, p in self.res_in)))
 
+    @property
+    def reports_loss(self) -> bool:
+        """Whether the node's training loss (and rows seen) may go to its parent: not a DP-SGD client's.
+
+        Computed un-noised from the examples its DP-SGD protects, against the parent too
+        (docs/privacy.md, "Sample-level DP-SGD at clients"): it stays in the client's own
+        metrics (the experimenter's), so its parent logs no ``Training/loss`` for it.
+        """
+        return self.train is None or self.train.dp_sgd is None
+
     def residual_opt(self, key: str) -> NodeOptParams:
         for k, params in self.res_in:
             if k == key:

@@ -10,6 +10,12 @@ update moves nothing, as TensorFlow Federated's ``zeroing_factory`` does; the ru
 wraps (the mean, a robust rule, ``dp``) folds what is left. The norm is taken in float64
 on the model's device; a contribution within the bound is passed on unchanged, so a
 round where nothing is zeroed gives the wrapped rule's bits.
+
+Around secure aggregation (``secagg`` inside, alone or inside ``dp``) the server may see
+only the masked sum: a worker batch's count of zeroed updates, sent beside it in the
+clear, would tell it which of the batch's clients diverged or sent a long update (one
+client a batch: exactly who). There the counts are neither kept nor sent, and the server
+logs no ``zeroing/*`` metric (``dp``'s own ``privacy/nonfinite`` travels masked).
 """
 
 from __future__ import annotations
@@ -66,6 +72,7 @@ class ZeroingRule:
         self.params, self.inner = params, inner
         self.distinct_members = inner.distinct_members
         self.reports_up, self.sees_members = inner.reports_up, inner.sees_members
+        self.counts = inner.sees_members  # counted in the clear only where the server may see each child
 
     def plan(self, state: RuleState, called: Sequence[str]) -> FoldPlan:
         return self.inner.plan(state, called)
@@ -88,8 +95,9 @@ class ZeroingRule:
         reference = fold.reference_on(model.device)
         norm = float(torch.linalg.vector_norm(model.to(torch.float64) - reference.to(torch.float64)))
         if not math.isfinite(norm) or norm > self.params.max_norm:
-            fold.zeroed += 1
-            fold.nonfinite += not math.isfinite(norm)
+            if self.counts:
+                fold.zeroed += 1
+                fold.nonfinite += not math.isfinite(norm)
             model = reference.to(model.dtype)
         self.inner.contribute(fold.inner, member, model, weight, steps)
 
@@ -105,6 +113,8 @@ class ZeroingRule:
     def finalize(self, partial: Partial, key: RoundKey, state: RuleState = NO_STATE) -> Finalized:
         fold = _zeroed(partial)
         done = self.inner.finalize(fold.inner, key, state)
+        if not self.counts:
+            return done
         return Finalized(
             done.input, done.state, {**done.metrics, ZEROED: float(fold.zeroed), NONFINITE: float(fold.nonfinite)}
         )
@@ -112,8 +122,12 @@ class ZeroingRule:
     def wire(self, partial: Partial) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
         fold = _zeroed(partial)
         tensors, numbers = self.inner.wire(fold.inner)
+        if not self.counts:  # secure aggregation: nothing of one batch's children beside the masked vector
+            return tensors, numbers
         return tensors, {**numbers, ZEROED: float(fold.zeroed), NONFINITE: float(fold.nonfinite)}
 
     def unwire(self, tensors: Mapping[str, torch.Tensor], numbers: Mapping[str, float]) -> Zeroed:
         rest = {k: v for k, v in numbers.items() if k not in (ZEROED, NONFINITE)}
-        return Zeroed(self.inner.unwire(tensors, rest), None, int(numbers[ZEROED]), int(numbers[NONFINITE]))
+        return Zeroed(
+            self.inner.unwire(tensors, rest), None, int(numbers.get(ZEROED, 0)), int(numbers.get(NONFINITE, 0))
+        )

@@ -108,8 +108,9 @@ def aggregate_params(
                 f"group); {origin['sampling']}: poisson draws a cohort of any size. Use sampling: fixed there"
             )
         else:
+            size_key = origin["buffer"] if values["mode"] == "async" else origin["cohort"]
             wrappers.append(
-                _secagg(config, chosen, key, node_id, role, values, (int(expected), num_children), dp_entry)
+                _secagg(config, chosen, key, node_id, role, values, (int(expected), num_children, size_key), dp_entry)
             )
     params = AggregateParams(
         settings.kind,
@@ -345,16 +346,17 @@ def _secagg(
     node_id: str,
     role: Role,
     values: dict[str, object],
-    sizes: tuple[int, int],
+    sizes: tuple[int, int, str],
     privacy: PrivacySettings | None,
 ) -> SecAggParams:
     """A server's ``secagg`` wrapper (``secure_aggregation:``) resolved (threshold, mask seed); errors name the key.
 
     ``sizes``: the contributions a fold expects (a round's cohort, or an asynchronous
-    server's buffer) and the node's children; ``privacy``: the node's ``dp`` settings, if
-    ``dp`` wraps it.
+    server's buffer), the node's children and the key that set the first; ``privacy``: the
+    node's ``dp`` settings, if ``dp`` wraps it. A threshold below 2 is refused: the server
+    could unmask a sum of one child's update (every flush of a buffer of 1 is one).
     """
-    cohort, children = sizes
+    cohort, children, size_key = sizes
     _check_server_fold(key, "secure aggregation", node_id, role, values)
     _check_flush(key, "a secure-aggregation flush", node_id, values, cohort, children)
     if settings.fraction_bits >= settings.bits - 1:
@@ -369,6 +371,14 @@ def _secagg(
     neighbours = _neighbours(settings, key, children if values["mode"] == "async" else cohort)
     majority = min(neighbours or cohort, cohort) // 2 + 1  # of the neighbours, and of an asynchronous buffer
     threshold = settings.threshold if settings.threshold is not None else majority
+    if threshold < 2:
+        folds = "flush" if values["mode"] == "async" else "round"
+        named = f"{key}.threshold: {threshold}" if settings.threshold is not None else f"{size_key}: {cohort}"
+        raise ConfigError(
+            f"{named} lets {node_id!r} unmask a {folds} that one child's update alone went into: the 'sum' would be "
+            "that child's update, so secure aggregation would hide nothing; it needs a threshold of at least 2 "
+            f"(and so at least 2 children a {folds})"
+        )
     if threshold > cohort:
         folds = "its buffer holds at a flush" if values["mode"] == "async" else f"{node_id!r} calls a round"
         raise ConfigError(f"{key}.threshold: {threshold} is more than the {cohort} children {folds}")

@@ -113,6 +113,13 @@ def wire_residuals(config: ExperimentConfig, tree: Tree) -> Tree:
                 raise ConfigError(
                     f"{key}.select: 'loss' ranks clients by training loss, but the children of {src.id!r} are servers"
                 )
+            private = next((c.id for c in tree.children(src.id) if not c.settings.reports_loss), None)
+            if rule.select == "loss" and private is not None:
+                raise ConfigError(
+                    f"{key}.select: 'loss' would pick which of {src.id!r}'s clients' models go up by their training "
+                    f"loss, computed un-noised from the examples the DP-SGD of {private!r} protects; use select: l2 "
+                    "or cosine (they rank the models it sends)"
+                )
             targets = [a for a in tree.ancestors(src.id) if matches(rule.to, tree[a])]
             if not targets:
                 raise ConfigError(

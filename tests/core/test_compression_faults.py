@@ -151,7 +151,7 @@ def test_secure_aggregation_with_topk_is_refused_naming_both_keys(overrides):
 def test_secure_aggregation_with_int8_is_accepted():
     t = config_tree("tree.edge.aggregate={compress: {kind: int8}}", "tree.edge.secure_aggregation={threshold: 2}")
     assert t["en-00"].settings.uplink == CompressParams("int8") and t["edge-en"].settings.aggregate.secagg is not None
-    assert config_tree("tree.edge.aggregate={compress: {kind: topk}}", "tree.server.secure_aggregation={threshold: 1}")
+    assert config_tree("tree.edge.aggregate={compress: {kind: topk}}", "tree.root.secure_aggregation={threshold: 2}")
 
 
 def test_int8_rounds_with_draws_from_a_cpu_generator_seeded_by_the_seed():

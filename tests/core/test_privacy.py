@@ -119,6 +119,22 @@ def test_adaptive_clipping_moves_the_norm_by_the_noised_unclipped_share():
         _ = params(z=0.5, adaptive=AdaptiveClip(count_noise=0.2)).update_noise_multiplier
 
 
+def test_adding_or_removing_one_child_moves_the_released_count_by_a_half_as_theorem_1_assumes():
+    """Andrew et al.'s split ``z_delta = (z^-2 - (2 sigma_b)^-2)^-1/2`` holds when one child moves the count by 1/2
+    (add/remove, Poisson cohorts): the count is released centred. The raw count moved by 1 for an unclipped child
+    and 0 for a clipped one, so both releases together cost ``(z^-2 + 3/(4 sigma_b^2))^-1/2``, not ``z``."""
+    adaptive = AdaptiveClip(quantile=0.5, lr=0.2, count_noise=1.5)
+    p = params(z=0.5, clip=1.0, expected=4, adaptive=adaptive)
+
+    def released(members: list[str]) -> float:  # the share times m, back from the next clip (same noise draw)
+        _, folded = fold(p, [members], clip=2.0)  # within 2: c1 (0.5), c3 (1.5); clipped: c0 (5), c2 (13)
+        return (0.5 - math.log(next_clip(p, folded.partial, KEY) / 2.0) / 0.2) * 4
+
+    base = released(["c0", "c1"])
+    assert math.isclose(released(["c0", "c1", "c3"]) - base, 0.5)  # one unclipped child more
+    assert math.isclose(released(["c0", "c1", "c2"]) - base, -0.5)  # one clipped child more
+
+
 def test_node_up_steps_to_the_noised_mean_and_keeps_the_adaptive_clip_in_the_state():
     adaptive = AdaptiveClip(quantile=0.5, lr=0.2, count_noise=1.5)
     p = params(z=0.5, clip=1.0, adaptive=adaptive)

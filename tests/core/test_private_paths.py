@@ -30,6 +30,11 @@ DP_SGD = "tree.client.train.dp_sgd={noise_multiplier: 1.0, max_grad_norm: 1.0}"
             [DP_SGD, "tree.client.opt_down={kind: interp}", "tree.client.holdout=0.2"],
             "tree.client.train.dp_sgd: tree.client.opt_down is interp",
         ),
+        (  # a residual picked by the clients' raw training loss, which no DP-SGD noise covers
+            [DP_SGD, "tree.residuals.up=[{from: edge, to: root, select: loss}]"],
+            "tree.residuals.up[0].select: 'loss' would pick which of 'edge-en''s clients' models go up by their "
+            "training loss, computed un-noised from the examples the DP-SGD of 'en-00' protects",
+        ),
         (
             [DP_SGD, "tree.residuals.down=[{from: edge, to: client, opt: {kind: interp}}]", "tree.client.holdout=0.2"],
             "tree.residuals.down[0].opt: interp at 'en-00' would pick its model by its loss on held-out rows",

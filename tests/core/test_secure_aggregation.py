@@ -7,9 +7,10 @@ import torch
 from scipy.stats import chisquare
 
 from bhfl_core.algorithm.aggregation_rule import fold_results
+from bhfl_core.algorithm.compression import NonFiniteUpdate
 from bhfl_core.algorithm.contract import ChildResult
 from bhfl_core.algorithm.node_state import Caller, RoundKey
-from bhfl_core.algorithm.privacy_params import PrivacyParams, SecAggParams
+from bhfl_core.algorithm.privacy_params import PrivacyParams, SecAggParams, ZeroingParams
 from bhfl_core.algorithm.rule_registry import AggregateParams
 from bhfl_core.algorithm.rules import rule_for
 from bhfl_core.algorithm.secure_aggregation import SecureAggregationError
@@ -116,6 +117,19 @@ def test_secure_aggregation_resolves_per_edge_with_a_majority_threshold():
             "a secure-aggregation flush takes at most one update per child, so buffer (9) cannot exceed",
         ),
         (["tree.edge.secure_aggregation={threshold: 5}"], "tree.edge.secure_aggregation.threshold: 5 is more than"),
+        (
+            ["tree.edge.secure_aggregation={threshold: 1}"],
+            "tree.edge.secure_aggregation.threshold: 1 lets 'edge-en' unmask a round that one child's update alone",
+        ),
+        (  # FedBuff's buffer of 1: every flush is one child's update, whatever the masks
+            [
+                "tree.root.secure_aggregation={}",
+                "tree.root.mode=async",
+                "tree.root.buffer=1",
+                "tree.root.concurrency=2",
+            ],
+            "tree.root.buffer: 1 lets 'root' unmask a flush that one child's update alone went into",
+        ),
         (["tree.edge.secure_aggregation={bits: 20, fraction_bits: 19}"], "fraction_bits: 19 leaves no integer part"),
         (["tree.edge.secure_aggregation={bits: 70}"], "tree.edge.secure_aggregation.bits"),
         (["tree.edge.secure_aggregation={neighbours: 2}"], "tree.edge.secure_aggregation.neighbours: 2 needs graph"),
@@ -167,3 +181,35 @@ def test_what_a_batch_sends_a_secagg_server_holds_no_count_of_its_own_only_maske
         "counter.nonfinite",
     }
     assert set(numbers.values()) - {2.0, 0.5} == {1.0} and tensors["masked"].numel() == REFERENCE.numel() + 3
+
+
+@pytest.mark.parametrize("dp", [False, True], ids=["secagg", "dp-secagg"])
+def test_zeroing_around_secure_aggregation_sends_the_server_no_count_of_a_batchs_zeroed_children(dp):
+    """``zeroing`` counts the updates it zeroes where the children are folded; beside a masked vector a batch's
+    count would tell the server which of its clients diverged or sent a long update, so none is sent (or logged)."""
+    privacy = PrivacyParams(clip=0.5, noise_multiplier=0.0, expected=5, population=6, noise_seed=3)  # no accountant
+    rule = rule_for(AggregateParams(wrappers=(ZeroingParams(max_norm=3.0), *([privacy] if dp else []), PARAMS)))
+    plan = rule.plan({}, PEERS)
+    models = {**MODELS, "c1": MODELS["c1"] * 2, "c3": MODELS["c3"] + math.nan}  # c1 too long, c3 diverged
+    results = []
+    for member in PEERS:  # one client a batch
+        partial = rule.start(KEY.as_caller(), plan, REFERENCE)
+        rule.contribute(partial, member, models[member], WEIGHTS[member])
+        tensors, numbers = rule.wire(partial)
+        assert {k for k in numbers if not k.startswith(("member.", "counter."))} <= {"weight", "dp/clip"}
+        results.append(ChildResult(members=(member,), partial=rule.unwire(tensors, numbers)))
+    done = rule.finalize(fold_results(rule, KEY, results, [*PEERS, "edge-en"], REFERENCE, plan).partial, KEY)
+    assert torch.isfinite(done.input).all() and not [k for k in done.metrics if k.startswith("zeroing/")]
+
+
+def test_a_nonfinite_update_is_not_masked_unseen_but_stops_naming_the_child():
+    """In the field a NaN becomes 0 (and an infinity the clamp's bound): summed without a trace where the plain
+    mean would turn NaN. Alone, secure aggregation refuses it, naming the child and the wrapper that handles it."""
+    rule = rule_for(AggregateParams(wrappers=(PARAMS,)))
+    partial = rule.start(KEY.as_caller(), rule.plan({}, PEERS), REFERENCE)
+    diverged = MODELS["c2"].clone()
+    diverged[:3] = torch.tensor([math.nan, math.inf, math.nan])
+    with pytest.raises(
+        NonFiniteUpdate, match=r"^c2: its update to 'edge-en' \(round 2\) has 3 non-finite .* \(2 NaN\).*zeroing"
+    ):
+        rule.contribute(partial, "c2", diverged, WEIGHTS["c2"])

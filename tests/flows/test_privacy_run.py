@@ -149,6 +149,11 @@ def test_dp_sgd_clients_count_their_steps_and_the_report_gives_their_epsilon(run
     assert all(n > 0 for n in steps.values()), steps  # every client trained at least once (cohort 2 of 3, 2 rounds)
     parent = MlflowClient(result["tracking_uri"]).get_run(result["run_id"]).data.metrics
     assert parent["privacy/client_epsilon_max"] > 0
+    # a client's training loss is un-noised over the examples its DP-SGD protects: it does not go to its edge
+    tracking = MlflowClient(result["tracking_uri"])
+    runs_there = tracking.search_runs([tracking.get_experiment_by_name("itest").experiment_id])
+    edges = [r.data.metrics for r in runs_there if r.data.tags.get("bhfl.role") == "edge"]
+    assert len(edges) == 3 and all("Training/loss" not in m and m["Training/clients"] > 0 for m in edges)
     report = (run_path / "report" / "report.md").read_text()
     assert "Sample-level DP-SGD at 9 clients (noise multiplier 1, per-example clip 1)" in report
 
