@@ -20,7 +20,7 @@ from rich.table import Table
 
 from flows.cli.jobs import JobKind, resumable, run_job, start_forkserver
 from flows.cli.prefect_link import PIPELINE_FLOW
-from flows.cli.shell import console, fail, open_ui, out, prepare_environment
+from flows.cli.shell import console, fail, open_ui, out, prepare_environment, serve_on_schedule
 from flows.progress import RichReporter
 
 
@@ -90,6 +90,36 @@ def run_pipeline_command(
         configs,
         tracking_uri,
     )
+
+
+def serve_pipeline_command(
+    path: Path, cron: str, name: str | None, overrides: list[str], run_dir: Path, tracking_uri: str | None
+) -> None:
+    """``bhfl serve PIPELINE.yaml``: the pipeline as the scheduled deployment ``bhfl-pipeline/<name>``.
+
+    Every stage and every run-folder warm start is checked before the Prefect server
+    starts (as ``bhfl run`` does); each triggered run checks the run folders again.
+    """
+    from bhfl_core.config.base import ConfigError
+    from bhfl_core.config.pipeline import load_pipeline
+    from flows.records.warm_source import check_sources
+
+    try:
+        pipeline = check_sources(load_pipeline(path, overrides), run_dir.resolve())
+    except ConfigError as exc:
+        fail(f"{path}: {exc}" if not str(exc).startswith(str(path)) else str(exc))
+    from flows.records.run_record import default_tracking_uri
+
+    uri = tracking_uri or default_tracking_uri(run_dir.resolve())
+    deployment = name or pipeline.name
+
+    def serve() -> None:
+        from flows.pipeline import serve_pipeline  # imports Prefect: only once serve_on_schedule set PREFECT_API_URL
+
+        serve_pipeline(pipeline, cron, deployment, run_dir.resolve(), uri)
+
+    stages = " -> ".join(pipeline.names)
+    serve_on_schedule(run_dir, cron, f"bhfl-pipeline/{deployment}", f" (stages {stages})", serve)
 
 
 def resume_pipeline_command(folder: Path, overrides: list[str], run_dir: Path, verbose: bool) -> None:
