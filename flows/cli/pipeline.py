@@ -125,9 +125,14 @@ def serve_pipeline_command(
 def resume_pipeline_command(folder: Path, overrides: list[str], run_dir: Path, verbose: bool) -> None:
     """Finish a pipeline: finished stages are kept, the interrupted stage resumes, the rest run."""
     from flows.records.pipeline_record import PipelineRecord, read_pipeline_config
+    from flows.records.run_state import RunStateError
 
     resumable(PipelineRecord, folder)  # before Prefect or any worker starts
-    start_forkserver([s.config for s in read_pipeline_config(folder)])
+    try:
+        pipeline = read_pipeline_config(folder)
+    except RunStateError as exc:
+        fail(str(exc))
+    start_forkserver([s.config for s in pipeline])
     from flows.pipeline import resume_pipeline
 
     announce = f"[bold]bhfl[/] resuming pipeline {folder} ..."

@@ -276,6 +276,21 @@ def test_cli_lists_compares_and_rejects_a_bad_pipeline_cleanly(finished, tmp_pat
     assert one.exit_code == 0 and "a: finished" in one.output and "pipeline tp/" in one.output, one.output
     again = runner.invoke(app, ["resume", result["pipeline_path"], "--run-dir", str(root)])
     assert again.exit_code == 0 and "finished; nothing to resume" in " ".join(again.output.split()), again.output
+    # a pipeline.yaml edited since it ran: one paragraph naming the file and the key, exit 2, the record untouched
+    edited = tmp_path / "tp" / "edited"
+    shutil.copytree(result["pipeline_path"], edited)
+    (edited / "pipeline.json").write_text(
+        json.dumps({**json.loads((edited / "pipeline.json").read_text()), "status": "failed"})
+    )
+    record = (edited / "pipeline.json").read_bytes()
+    config = yaml.safe_load((edited / "pipeline.yaml").read_text())
+    config["stages"]["c"]["tree"]["root"]["rounds"] = "two"
+    (edited / "pipeline.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    broken = runner.invoke(app, ["resume", str(edited), "--run-dir", str(tmp_path)])
+    assert broken.exit_code == 2 and "Traceback" not in broken.output, broken.output
+    said = " ".join(broken.output.split())
+    assert f"{edited / 'pipeline.yaml'} cannot be read as the pipeline it ran (stages.c: " in said, said
+    assert "tree.root.rounds" in said and (edited / "pipeline.json").read_bytes() == record
     compared = runner.invoke(
         app, ["compare", result["run_id"], result["stages"]["b"]["run_id"], "--run-dir", str(root)]
     )
