@@ -106,11 +106,12 @@ def check_source(value: str, spec: InitFrom, folder: Path, config: ExperimentCon
         raise _error(value, f"{folder} has no run.json: it is not a run that started")
     status = record.effective_status
     if status != "finished":
-        raise _error(
-            value,
-            f"the run in {folder} is {status}; a warm start needs a finished run (finish it first: "
-            f"`bhfl resume {folder}`)",
+        then = (  # a live run's `bhfl resume` is refused: wait for it instead
+            f"wait for it to finish; `bhfl runs {folder}` shows how far it is"
+            if status == "running"
+            else f"finish it first: `bhfl resume {folder}`"
         )
+        raise _error(value, f"the run in {folder} is {status}; a warm start needs a finished run ({then})")
     mismatch = config_mismatch(_source_config(value, folder), dump(config))
     if mismatch is not None:
         key, theirs, ours = mismatch

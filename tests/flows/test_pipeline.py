@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -241,7 +242,12 @@ def test_bad_init_from_values_are_config_errors_naming_the_key(finished, tmp_pat
     assert "has no run.json" in error(str(no_record))
     record = json.loads((a_path / "run.json").read_text())
     (no_record / "run.json").write_text(json.dumps({**record, "status": "failed"}))
-    assert "is failed; a warm start needs a finished run" in error(str(no_record))
+    assert "is failed; a warm start needs a finished run (finish it first: `bhfl resume " in error(str(no_record))
+    live = {**record, "status": "running", "pid": os.getpid(), "host": socket.gethostname()}  # its process lives
+    (no_record / "run.json").write_text(json.dumps(live))
+    assert f"is running; a warm start needs a finished run (wait for it to finish; `bhfl runs {no_record}`" in error(
+        str(no_record)
+    )
     other = _pipeline("model.max_length=16")["b"].config
     assert "model.max_length differs: 32 in the source run, 16 here" in error(f"{a_path}:root", other)
     assert "saved no node 'edge-de'; its saved nodes: " in error(f"{a_path}:edge-de")
