@@ -29,11 +29,9 @@ def serve(
     run_dir: RunDirOption = DEFAULT_RUN_DIR,
     tracking_uri: TrackingOption = None,
 ) -> None:
-    """Serve the experiment (or a sweep's experiments, a pipeline's stages) as a scheduled Prefect deployment
-    (runnable from its UI).
+    """Serve an experiment, a sweep or a pipeline as a scheduled Prefect deployment (runnable from its UI).
 
-    Takes an experiment YAML (deployment bhfl-experiment/NAME), a sweep YAML (deployment bhfl-sweep/NAME) or a
-    pipeline YAML (deployment bhfl-pipeline/NAME).
+    Deployment bhfl-experiment/NAME (an experiment YAML), bhfl-sweep/NAME (a sweep), bhfl-pipeline/NAME (a pipeline).
     """
     from flows.cli.pipeline import is_pipeline_file, serve_pipeline_command
     from flows.cli.sweep import is_sweep_file, serve_sweep_command
