@@ -185,8 +185,9 @@ def _no_pipeline(data: Any, path: Path, where: str = "") -> None:
     """A pipeline file where a sweep needs an experiment config: a ConfigError saying so (it was "stages: unknown
     key", as if the file were a misspelt experiment)."""
     if is_pipeline(data):
+        prefix = f"{where}: " if where else ""
         raise ConfigError(
-            f"{where + ': ' if where else ''}{path} is a pipeline (top-level stages:), and a sweep's points are experiment configs: a "
+            f"{prefix}{path} is a pipeline (top-level stages:), and a sweep's points are experiment configs: a "
             f"pipeline is not swept. Run it once per value (`bhfl run {path} --set seed=1`, or --set "
             "stages.<stage>.KEY=VALUE for one stage), or sweep one stage's experiment config"
         )
