@@ -143,6 +143,9 @@ def _open_run(tracker: Tracker, pipeline: Pipeline, record: PipelineRecord, fold
             "bhfl.python": platform.python_version(),
             "bhfl.task": pipeline.stages[-1].config.data.task,
         }
+        seeds = {s.config.seed for s in pipeline}
+        if len(seeds) == 1:  # as its stages' runs carry it: `tags.bhfl.seed = '0'` finds the pipeline too
+            tags["bhfl.seed"] = str(seeds.pop())
         description = f"Pipeline `{pipeline.name}`: stages " + " -> ".join(pipeline.names) + "."
         stages = {s.name: dump(s.config) for s in pipeline}
         record.run_id = tracker.start_pipeline(

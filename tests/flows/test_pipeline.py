@@ -128,6 +128,7 @@ def test_mlflow_nests_pipeline_stage_and_node_runs(finished):
     assert experiment.name == "tp" and pipeline_run.info.run_name == "tp" and pipeline_run.info.status == "FINISHED"
     assert "mlflow.parentRunId" not in pipeline_run.data.tags
     assert pipeline_run.data.tags["bhfl.pipeline_path"] == result["pipeline_path"]
+    assert pipeline_run.data.tags["bhfl.seed"] == "0"  # its stages' seed, as the stage runs are tagged
     for stage, entry in result["stages"].items():
         run = client.get_run(entry["run_id"])
         assert run.info.experiment_id == experiment.experiment_id and run.info.run_name.startswith(
