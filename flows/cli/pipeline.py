@@ -102,10 +102,13 @@ def serve_pipeline_command(
     """
     from bhfl_core.config.base import ConfigError
     from bhfl_core.config.pipeline import load_pipeline
-    from flows.records.warm_source import check_sources
 
     try:
-        pipeline = check_sources(load_pipeline(path, overrides), run_dir.resolve())
+        pipeline = load_pipeline(path, overrides)
+        if any(s.config.model.init_from is not None and s.source_stage is None for s in pipeline):
+            from flows.records.warm_source import check_sources  # imports torch (~3 s): only for a run folder
+
+            pipeline = check_sources(pipeline, run_dir.resolve())
     except ConfigError as exc:
         fail(f"{path}: {exc}" if not str(exc).startswith(str(path)) else str(exc))
     from flows.records.run_record import default_tracking_uri
