@@ -24,7 +24,9 @@ A stage whose ``model.init_from`` names an earlier stage starts from that stage'
 folder, resolved (and checked) when it starts. Resume (``resume_pipeline``, or calling
 the flow again on the folder) skips finished stages, resumes the interrupted one from
 its checkpoints and starts the rest, under the same MLflow pipeline run.
-``orchestration=PLAIN_CALLS`` runs it all without Prefect (tests).
+``orchestration=PLAIN_CALLS`` runs it all without Prefect (tests). ``bhfl serve
+PIPELINE.yaml`` serves ``pipeline_deployment``: each scheduled run calls the flow with
+the resolved pipeline and makes a new pipeline folder.
 """
 
 from __future__ import annotations
@@ -41,10 +43,9 @@ from prefect import flow
 
 from bhfl_core.config.base import ConfigError
 from bhfl_core.config.loader import config_from_dict
-from bhfl_core.config.pipeline import Pipeline, Stage, with_init_from
+from bhfl_core.config.pipeline import Pipeline, Stage, pipeline_from_dict, with_init_from
 from bhfl_core.config.schema import ExperimentConfig, dump
 from bhfl_core.store.warm_start import KEY as INIT_FROM
-from bhfl_core.store.warm_start import parse_init_from
 from flows import lifecycle, progress
 from flows.experiment import run_or_resume
 from flows.launch import Launch
@@ -60,7 +61,7 @@ from flows.records.pipeline_record import (
     write_pipeline_config,
 )
 from flows.records.run_record import PipelineLink, RunRecord, new_run_path
-from flows.records.warm_source import resolve_init_from
+from flows.records.warm_source import check_sources, resolve_init_from
 from flows.tracking.tracker import Tracker
 
 __all__ = [
@@ -68,39 +69,17 @@ __all__ = [
     "PREFECT_RUNS",
     "PipelineJob",
     "check_sources",
+    "pipeline_deployment",
     "pipeline_flow",
     "resume_pipeline",
     "run_pipeline",
+    "serve_pipeline",
 ]
 
 # a stage's parent-run metrics that go onto the pipeline's run (prefixed with the stage's name)
 _HEADLINE_PARTS = ("_on_own_clients/", "gain_vs_local/")
 _HEADLINE_PREFIXES = ("root/", "proximity/share_clients", "baseline/")  # baseline/: the trivial baselines
 _SUMMED = ("comm/total_bytes", "comm/total_model_equivalents", "time/total_s")
-
-
-def check_sources(pipeline: Pipeline, run_dir: Path) -> Pipeline:
-    """The pipeline with every run-folder ``model.init_from`` found, checked and made absolute.
-
-    Stage references are left for their stage's start; a value that is neither an earlier
-    stage nor a run folder is a ConfigError naming the stage, the key and the value.
-    """
-    for stage in pipeline:
-        if stage.config.model.init_from is None or stage.source_stage is not None:
-            continue
-        where = f"stages.{stage.name}"
-        try:
-            config = resolve_init_from(stage.config, run_dir)
-        except ConfigError as exc:
-            spec = parse_init_from(stage.config.model.init_from)
-            hint = (
-                f" (and no stage of this pipeline is called {spec.run!r}: stages {', '.join(pipeline.names)})"
-                if "/" not in spec.run
-                else ""
-            )
-            raise ConfigError(f"{where}: {exc}{hint}") from None
-        pipeline = pipeline.replace_stage(Stage(stage.name, config))
-    return pipeline
 
 
 def _stage_config(stage: Stage, record: PipelineRecord, launch: Launch) -> ExperimentConfig:
@@ -164,6 +143,9 @@ def _open_run(tracker: Tracker, pipeline: Pipeline, record: PipelineRecord, fold
             "bhfl.python": platform.python_version(),
             "bhfl.task": pipeline.stages[-1].config.data.task,
         }
+        seeds = {s.config.seed for s in pipeline}
+        if len(seeds) == 1:  # as its stages' runs carry it: `tags.bhfl.seed = '0'` finds the pipeline too
+            tags["bhfl.seed"] = str(seeds.pop())
         description = f"Pipeline `{pipeline.name}`: stages " + " -> ".join(pipeline.names) + "."
         stages = {s.name: dump(s.config) for s in pipeline}
         record.run_id = tracker.start_pipeline(
@@ -237,12 +219,29 @@ def _pipeline(folder: Path, launch: Launch, overrides: Sequence[str] = ()) -> di
 
 
 @flow(name="bhfl-pipeline", validate_parameters=False)
-def pipeline_flow(pipeline_path: str, overrides: list[str] | None = None) -> dict[str, Any]:
+def pipeline_flow(
+    pipeline_path: str | None = None,
+    overrides: list[str] | None = None,
+    pipeline: dict[str, Any] | None = None,
+    run_root: str | None = None,
+    tracking_uri: str | None = None,
+) -> dict[str, Any]:
     """Run the pipeline in ``pipeline_path`` (its ``pipeline.yaml`` and ``pipeline.json``), or finish it.
 
-    Each stage is a ``bhfl-experiment`` subflow named after the stage.
+    Without ``pipeline_path`` (a scheduled deployment run, ``bhfl serve PIPELINE.yaml``) a
+    new pipeline folder is made under ``run_root`` from ``pipeline`` (a resolved pipeline,
+    ``Pipeline.dump``), its run-folder warm starts checked again first (a source deleted
+    since the deployment was registered fails the run before anything is written). Each
+    stage is a ``bhfl-experiment`` subflow named after the stage.
     """
-    folder = Path(pipeline_path)
+    if pipeline_path is None:
+        if pipeline is None or run_root is None:
+            raise ConfigError("bhfl-pipeline: give pipeline_path, or pipeline and run_root (a new pipeline)")
+        new = Launch.of(Path(run_root), tracking_uri)
+        resolved = check_sources(pipeline_from_dict(pipeline, source="bhfl-pipeline parameters"), new.run_root)
+        pipeline_path = str(new_run_path(new.run_root, resolved.name))
+        PipelineJob(resolved).create(new, Path(pipeline_path))
+    folder = Path(pipeline_path).resolve()
     launch = Launch.at(folder, PipelineRecord.found(folder), PREFECT_RUNS)
     return _pipeline(folder, launch, overrides or ())
 
@@ -318,3 +317,35 @@ def resume_pipeline(
     """
     folder = folder.resolve()
     return lifecycle.resume(PipelineJob(), folder, PipelineRecord.found(folder), orchestration, overrides)
+
+
+def pipeline_deployment(pipeline: Pipeline, cron: str, name: str, run_root: Path, tracking_uri: str) -> Any:
+    """The deployment ``bhfl-pipeline/<name>``: every scheduled run is a new pipeline folder of the resolved stages.
+
+    Its parameters are the resolved pipeline (every stage's full config, run-folder warm
+    starts absolute), as ``bhfl serve`` does for one experiment (flows/serve.py), so each
+    run computes the same stages.
+    """
+    from prefect.deployments.runner import EntrypointType
+
+    return pipeline_flow.to_deployment(
+        name=name,
+        cron=cron,
+        parameters={"pipeline": pipeline.dump(), "run_root": str(run_root), "tracking_uri": tracking_uri},
+        description=f"B-HFL pipeline `{pipeline.name}` (stages "
+        + " -> ".join(pipeline.names)
+        + f") on a schedule: {cron}",
+        tags=["bhfl", "pipeline", pipeline.name],
+        enforce_parameter_schema=False,
+        entrypoint_type=EntrypointType.MODULE_PATH,  # runs from any working directory
+    )
+
+
+def serve_pipeline(pipeline: Pipeline, cron: str, name: str, run_root: Path, tracking_uri: str) -> None:
+    """Register the deployment ``bhfl-pipeline/<name>`` and serve it until interrupted."""
+    from prefect import serve
+    from prefect.deployments.runner import RunnerDeployment
+
+    deployment = pipeline_deployment(pipeline, cron, name, run_root, tracking_uri)
+    assert isinstance(deployment, RunnerDeployment)  # to_deployment is sync outside an event loop
+    serve(deployment, print_starting_message=True)

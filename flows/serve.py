@@ -6,7 +6,9 @@ same thing and logs the same config hash, seed and data fingerprint), and serves
 this process polls the Prefect API and runs each due (or UI-triggered) flow run in a
 subprocess. Schedules need a real Prefect server (a temporary one never schedules):
 with ``PREFECT_API_URL`` set it is used, otherwise a local ``prefect server start``
-bound to 127.0.0.1 is started for the time the command runs.
+bound to 127.0.0.1 is started for the time the command runs. A sweep file and a
+pipeline file are served the same way by their own modules (``flows.sweep.serve_sweep``,
+``flows.pipeline.serve_pipeline``), each run a new sweep or pipeline folder.
 """
 
 from __future__ import annotations

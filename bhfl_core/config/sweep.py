@@ -42,7 +42,7 @@ from typing import Any
 
 from bhfl_core.config.base import ConfigError
 from bhfl_core.config.loader import apply_override, config_from_dict, read_yaml
-from bhfl_core.config.pipeline import read_pipeline_yaml
+from bhfl_core.config.pipeline import is_pipeline, read_pipeline_yaml
 from bhfl_core.config.schema import ExperimentConfig, dump
 from bhfl_core.config.yaml_reader import parse_yaml
 
@@ -181,11 +181,25 @@ def _check_keys(mapping: dict[str, Any], where: str) -> None:
             raise ConfigError(f"{where}: {key!r} is not a dotted config key (e.g. tree.edge.eta_down)")
 
 
+def _no_pipeline(data: Any, path: Path, where: str = "") -> None:
+    """A pipeline file where a sweep needs an experiment config: a ConfigError saying so (it was "stages: unknown
+    key", as if the file were a misspelt experiment)."""
+    if is_pipeline(data):
+        prefix = f"{where}: " if where else ""
+        raise ConfigError(
+            f"{prefix}{path} is a pipeline (top-level stages:), and a sweep's points are experiment configs: a "
+            f"pipeline is not swept. Run it once per value (`bhfl run {path} --set seed=1`, or --set "
+            "stages.<stage>.KEY=VALUE for one stage), or sweep one stage's experiment config"
+        )
+
+
 def _base_data(base: Any, base_dir: Path, where: str) -> dict[str, Any]:
     if not isinstance(base, str):
         raise ConfigError(f"{where}: expected a config file name, got {base!r}")
+    path = (base_dir / base).resolve()
+    _no_pipeline(read_pipeline_yaml(path) if path.is_file() else None, path, where)
     try:
-        return read_yaml((base_dir / base).resolve())
+        return read_yaml(path)
     except ConfigError as exc:
         raise ConfigError(f"{where}: {exc}") from None
 
@@ -362,6 +376,7 @@ def load_sweep(
     data = read_pipeline_yaml(path)  # the top level as written (duplicate keys are errors)
     if is_sweep(data):
         return sweep_from_dict(data, overrides, grid, seeds, name, source=str(path), base_dir=path.parent)
+    _no_pipeline(data, path)
     experiment = read_yaml(path)  # an experiment config (its own base: chain resolved)
     named = [a.split("=", 1)[1].strip() for a in overrides if a.split("=", 1)[0].strip() == "name" and "=" in a]
     default = f"{named[-1] if named else experiment.get('name', path.stem)}-sweep"  # after the experiments' name

@@ -20,7 +20,7 @@ from rich.table import Table
 
 from flows.cli.jobs import JobKind, resumable, run_job, start_forkserver
 from flows.cli.prefect_link import PIPELINE_FLOW
-from flows.cli.shell import console, fail, open_ui, out, prepare_environment
+from flows.cli.shell import console, fail, open_ui, out, prepare_environment, serve_on_schedule
 from flows.progress import RichReporter
 
 
@@ -92,12 +92,50 @@ def run_pipeline_command(
     )
 
 
+def serve_pipeline_command(
+    path: Path, cron: str, name: str | None, overrides: list[str], run_dir: Path, tracking_uri: str | None
+) -> None:
+    """``bhfl serve PIPELINE.yaml``: the pipeline as the scheduled deployment ``bhfl-pipeline/<name>``.
+
+    Every stage and every run-folder warm start is checked before the Prefect server
+    starts (as ``bhfl run`` does); each triggered run checks the run folders again.
+    """
+    from bhfl_core.config.base import ConfigError
+    from bhfl_core.config.pipeline import load_pipeline
+
+    try:
+        pipeline = load_pipeline(path, overrides)
+        if any(s.config.model.init_from is not None and s.source_stage is None for s in pipeline):
+            from flows.records.warm_source import check_sources  # imports torch (~3 s): only for a run folder
+
+            pipeline = check_sources(pipeline, run_dir.resolve())
+    except ConfigError as exc:
+        fail(f"{path}: {exc}" if not str(exc).startswith(str(path)) else str(exc))
+    from flows.records.run_record import default_tracking_uri
+
+    uri = tracking_uri or default_tracking_uri(run_dir.resolve())
+    deployment = name or pipeline.name
+
+    def serve() -> None:
+        from flows.pipeline import serve_pipeline  # imports Prefect: only once serve_on_schedule set PREFECT_API_URL
+
+        serve_pipeline(pipeline, cron, deployment, run_dir.resolve(), uri)
+
+    stages = " -> ".join(pipeline.names)
+    serve_on_schedule(run_dir, cron, f"bhfl-pipeline/{deployment}", f" (stages {stages})", serve)
+
+
 def resume_pipeline_command(folder: Path, overrides: list[str], run_dir: Path, verbose: bool) -> None:
     """Finish a pipeline: finished stages are kept, the interrupted stage resumes, the rest run."""
     from flows.records.pipeline_record import PipelineRecord, read_pipeline_config
+    from flows.records.run_state import RunStateError
 
     resumable(PipelineRecord, folder)  # before Prefect or any worker starts
-    start_forkserver([s.config for s in read_pipeline_config(folder)])
+    try:
+        pipeline = read_pipeline_config(folder)
+    except RunStateError as exc:
+        fail(str(exc))
+    start_forkserver([s.config for s in pipeline])
     from flows.pipeline import resume_pipeline
 
     announce = f"[bold]bhfl[/] resuming pipeline {folder} ..."

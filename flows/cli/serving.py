@@ -17,7 +17,11 @@ from flows.cli.shell import console, fail, load_config, serve_on_schedule, ui_hi
 
 def serve(
     config: Annotated[
-        Path, typer.Argument(metavar="CONFIG", help="Experiment YAML, or a sweep YAML (docs/sweeps.md).")
+        Path,
+        typer.Argument(
+            metavar="CONFIG",
+            help="Experiment YAML, a sweep YAML (docs/sweeps.md) or a pipeline YAML (docs/pipelines.md).",
+        ),
     ] = DEFAULT_CONFIG,
     cron: Annotated[str, typer.Option(help='Cron schedule, e.g. "0 2 * * *" (every day at 02:00).')] = "0 2 * * *",
     name: Annotated[str | None, typer.Option(show_default="the config's name", help="Deployment name.")] = None,
@@ -25,14 +29,18 @@ def serve(
     run_dir: RunDirOption = DEFAULT_RUN_DIR,
     tracking_uri: TrackingOption = None,
 ) -> None:
-    """Serve the experiment (or a sweep file's experiments) as a scheduled Prefect deployment (runnable from its UI).
+    """Serve an experiment, a sweep or a pipeline as a scheduled Prefect deployment (runnable from its UI).
 
-    Takes an experiment YAML (deployment bhfl-experiment/NAME) or a sweep YAML (deployment bhfl-sweep/NAME).
+    Deployment bhfl-experiment/NAME (an experiment YAML), bhfl-sweep/NAME (a sweep), bhfl-pipeline/NAME (a pipeline).
     """
+    from flows.cli.pipeline import is_pipeline_file, serve_pipeline_command
     from flows.cli.sweep import is_sweep_file, serve_sweep_command
 
     if is_sweep_file(config):
         serve_sweep_command(config, cron, name, set_, run_dir, tracking_uri)
+        return
+    if is_pipeline_file(config):
+        serve_pipeline_command(config, cron, name, set_, run_dir, tracking_uri)
         return
     cfg = load_config(config, set_)
     from bhfl_core.config.schema import dump

@@ -16,6 +16,7 @@ from typing import ClassVar, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
+from bhfl_core.config.base import ConfigError
 from bhfl_core.config.pipeline import Pipeline, pipeline_from_dict
 from bhfl_core.store.atomic import write_text_atomic
 from flows.records.run_record import ProcessRecord, RunStateError
@@ -56,7 +57,19 @@ def write_pipeline_config(folder: Path, pipeline: Pipeline) -> None:
 
 
 def read_pipeline_config(folder: Path) -> Pipeline:
-    """The resolved pipeline of a pipeline folder (every stage's full config, validated again)."""
-    return pipeline_from_dict(
-        yaml.safe_load((folder / PIPELINE_CONFIG).read_text()), source=str(folder / PIPELINE_CONFIG)
-    )
+    """The resolved pipeline of a pipeline folder (every stage's full config, validated again).
+
+    RunStateError (one paragraph, exit 2 at the command line) if the file is missing or
+    no longer a valid pipeline, e.g. edited by hand since the pipeline started: a resume
+    met it as a traceback.
+    """
+    path = folder / PIPELINE_CONFIG
+    try:
+        return pipeline_from_dict(yaml.safe_load(path.read_text()), source=str(path))
+    except (OSError, yaml.YAMLError, ConfigError) as exc:
+        why = str(exc).removeprefix(f"{path}: ")
+        raise RunStateError(
+            f"{path} cannot be read as the pipeline it ran ({why}). bhfl wrote it when the pipeline started: "
+            f"put it back as it was to resume (a resume changes only runtime.* and eval.batch_size, with --set), or "
+            f"start a new pipeline from your pipeline file"
+        ) from None

@@ -7,6 +7,8 @@ that its ``model`` section and ``data.task`` agree with the new config, and that
 saved NODE, and returns the config with the absolute folder in ``model.init_from``,
 so the new run's ``config.yaml`` (and any resume of it) never depends on the current
 directory. Every problem is a ``ConfigError`` naming ``model.init_from`` and the value.
+``check_sources`` does it for every stage of a pipeline that starts from a run folder
+(not from an earlier stage), before the pipeline (or a served run of it) writes anything.
 
 ``warm_start`` copies the models into the new run's state store once its data are
 prepared (bhfl_core/store/warm_start.py plans and copies), after checking that the two
@@ -24,6 +26,7 @@ from typing import Any
 import yaml
 
 from bhfl_core.config.base import ConfigError
+from bhfl_core.config.pipeline import Pipeline, Stage
 from bhfl_core.config.schema import ExperimentConfig, dump
 from bhfl_core.config.topology import ROOT_ID
 from bhfl_core.store.node_store import StateStore
@@ -103,11 +106,12 @@ def check_source(value: str, spec: InitFrom, folder: Path, config: ExperimentCon
         raise _error(value, f"{folder} has no run.json: it is not a run that started")
     status = record.effective_status
     if status != "finished":
-        raise _error(
-            value,
-            f"the run in {folder} is {status}; a warm start needs a finished run (finish it first: "
-            f"`bhfl resume {folder}`)",
+        then = (  # a live run's `bhfl resume` is refused: wait for it instead
+            f"wait for it to finish; `bhfl runs {folder}` shows how far it is"
+            if status == "running"
+            else f"finish it first: `bhfl resume {folder}`"
         )
+        raise _error(value, f"the run in {folder} is {status}; a warm start needs a finished run ({then})")
     mismatch = config_mismatch(_source_config(value, folder), dump(config))
     if mismatch is not None:
         key, theirs, ours = mismatch
@@ -174,3 +178,27 @@ def warm_start(ctx: RunContext) -> list[str]:
         carry_backbone(folder / BACKBONE_FILE, backbone)
     plan = copy_plan(spec, [n.id for n in ctx.tree], ctx.tree.root_id)
     return copy_models(source, ctx.store, plan)
+
+
+def check_sources(pipeline: Pipeline, run_dir: Path) -> Pipeline:
+    """The pipeline with every run-folder ``model.init_from`` found, checked and made absolute.
+
+    Stage references are left for their stage's start; a value that is neither an earlier
+    stage nor a run folder is a ConfigError naming the stage, the key and the value.
+    """
+    for stage in pipeline:
+        if stage.config.model.init_from is None or stage.source_stage is not None:
+            continue
+        where = f"stages.{stage.name}"
+        try:
+            config = resolve_init_from(stage.config, run_dir)
+        except ConfigError as exc:
+            spec = parse_init_from(stage.config.model.init_from)
+            hint = (
+                f" (and no stage of this pipeline is called {spec.run!r}: stages {', '.join(pipeline.names)})"
+                if "/" not in spec.run
+                else ""
+            )
+            raise ConfigError(f"{where}: {exc}{hint}") from None
+        pipeline = pipeline.replace_stage(Stage(stage.name, config))
+    return pipeline

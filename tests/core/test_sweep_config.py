@@ -154,6 +154,18 @@ def test_a_typo_for_grid_in_a_file_names_the_key_not_an_empty_sweep(tmp_path):
         load_sweep(typo)
 
 
+def test_a_pipeline_is_not_swept_and_the_error_says_so(tmp_path):
+    """`bhfl sweep PIPELINE.yaml` (or a sweep whose base: is one) said "shared: unknown key, stages: unknown key"."""
+    pipeline = CONFIGS / "groupperfl.yaml"
+    for spec in (pipeline, tmp_path / "s.yaml"):
+        (tmp_path / "s.yaml").write_text(f"base: {pipeline}\nseeds: [0, 1]\n")
+        with pytest.raises(ConfigError) as err:
+            load_sweep(spec, seeds=[0, 1])
+        message = str(err.value)
+        assert f"{pipeline} is a pipeline (top-level stages:)" in message and "unknown key" not in message, message
+        assert f"`bhfl run {pipeline} --set seed=1`" in message
+
+
 def test_option_mistakes_name_the_option():
     with pytest.raises(ConfigError, match=r"--grid 'tree.edge.eta_down'"):
         parse_grid_option("tree.edge.eta_down")

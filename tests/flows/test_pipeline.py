@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -30,9 +31,9 @@ from bhfl_core.store.node_store import StateStore
 from bhfl_core.store.transfer import TensorRef, Transfer
 from flows.cli.app import app
 from flows.experiment import run_experiment
-from flows.pipeline import check_sources, resume_pipeline, run_pipeline
+from flows.pipeline import check_sources, pipeline_deployment, pipeline_flow, resume_pipeline, run_pipeline
 from flows.records.pipeline_record import PipelineRecord
-from flows.records.run_record import RunRecord
+from flows.records.run_record import RunRecord, default_tracking_uri
 from flows.records.warm_source import resolve_init_from
 from tasks import faults
 from tests.small import REPO, SMALL
@@ -83,12 +84,18 @@ def _node_files(result, stage: str) -> dict[str, bytes]:
 
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory):
+    """The pipeline run as `bhfl serve PIPELINE.yaml` runs a scheduled or triggered run: the flow called with the
+    deployment's parameters (through JSON, as Prefect keeps them), making its own pipeline folder (the pipeline
+    through `bhfl run`'s path: the resume test)."""
     root = tmp_path_factory.mktemp("pipeline-runs")
-    return root, run_pipeline(_pipeline(), root)
+    deployment = pipeline_deployment(_pipeline(), "0 2 * * *", "nightly", root, default_tracking_uri(root))
+    assert deployment.name == "nightly" and deployment.tags == ["bhfl", "pipeline", "tp"]
+    state = pipeline_flow(**json.loads(json.dumps(deployment.parameters)), return_state=True)
+    return root, state.result(), state.state_details.flow_run_id
 
 
 def test_warm_starts_copy_the_source_models_bit_for_bit(finished):
-    _, result = finished
+    _, result, _ = finished
     assert {s["status"] for s in result["stages"].values()} == {"finished"}
     a, b, c = (_store(result, s) for s in "abc")
     # b's root started from a's final root: what it sent down in its one round is that model
@@ -114,13 +121,14 @@ def test_warm_starts_copy_the_source_models_bit_for_bit(finished):
 
 
 def test_mlflow_nests_pipeline_stage_and_node_runs(finished):
-    _, result = finished
+    _, result, _ = finished
     client = MlflowClient(result["tracking_uri"])
     pipeline_run = client.get_run(result["run_id"])
     experiment = client.get_experiment(pipeline_run.info.experiment_id)
     assert experiment.name == "tp" and pipeline_run.info.run_name == "tp" and pipeline_run.info.status == "FINISHED"
     assert "mlflow.parentRunId" not in pipeline_run.data.tags
     assert pipeline_run.data.tags["bhfl.pipeline_path"] == result["pipeline_path"]
+    assert pipeline_run.data.tags["bhfl.seed"] == "0"  # its stages' seed, as the stage runs are tagged
     for stage, entry in result["stages"].items():
         run = client.get_run(entry["run_id"])
         assert run.info.experiment_id == experiment.experiment_id and run.info.run_name.startswith(
@@ -148,11 +156,10 @@ def test_mlflow_nests_pipeline_stage_and_node_runs(finished):
 
 
 def test_prefect_runs_the_stages_as_subflows_of_the_pipeline(finished):
-    _, result = finished
+    root, result, flow_run_id = finished
+    assert Path(result["pipeline_path"]).parent == root.resolve() / "tp"  # a new folder per triggered run
     with get_client(sync_client=True) as client:
-        (pipeline,) = client.read_flow_runs(
-            flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[Path(result["pipeline_path"]).name]))
-        )
+        pipeline = client.read_flow_run(flow_run_id)
         stages = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=["a", "b", "c"])))
         parents = {r.name: client.read_task_run(r.parent_task_run_id).flow_run_id for r in stages}
     assert pipeline.state.is_completed()
@@ -160,7 +167,7 @@ def test_prefect_runs_the_stages_as_subflows_of_the_pipeline(finished):
 
 
 def test_resume_skips_finished_stages_and_ends_bit_identical(finished, monkeypatch, tmp_path, caplog):
-    root, clean = finished
+    root, clean, _ = finished
     monkeypatch.setenv(faults.COUNTER_ENV, str(tmp_path / "faults.txt"))  # one hit counter across the stages
     # server rounds: a's root (1), then b's edges (2-4: first rounds, 5-7: second rounds) and root (8)
     monkeypatch.setenv(faults.ENV, "round@5:raise")
@@ -170,6 +177,13 @@ def test_resume_skips_finished_stages_and_ends_bit_identical(finished, monkeypat
     record = PipelineRecord.read(folder)
     assert record.status == "failed" and "injected fault" in record.error
     assert [record.stages[s].status for s in "abc"] == ["finished", "failed", "pending"]
+    with get_client(sync_client=True) as prefect:  # what the Prefect UI shows: the pipeline and its stage b Failed
+        (failed,) = prefect.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=["interrupted"])))
+        stage_b = {
+            prefect.read_task_run(r.parent_task_run_id).flow_run_id: r.state
+            for r in prefect.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=["b"])))
+        }
+    assert failed.state.is_failed() and stage_b[failed.id].is_failed()
     a_path, b_path = (Path(record.stages[s].run_path) for s in "ab")
     assert RunRecord.read(b_path).status == "failed"
     a_before = {
@@ -202,10 +216,15 @@ def test_resume_skips_finished_stages_and_ends_bit_identical(finished, monkeypat
         [pipeline_run.info.experiment_id], f"tags.`mlflow.parentRunId` = '{result['run_id']}'"
     )
     assert sorted(r.data.tags["bhfl.pipeline_stage"] for r in stage_runs) == ["a", "b", "c"]  # one per stage
+    # every metric point once: the pipeline's (a's headlines were logged before the failure) and resumed b's
+    for run_id in (result["run_id"], result["stages"]["b"]["run_id"]):
+        for key in client.get_run(run_id).data.metrics:
+            steps = [m.step for m in client.get_metric_history(run_id, key)]
+            assert len(steps) == len(set(steps)), (run_id, key, steps)
 
 
 def test_bad_init_from_values_are_config_errors_naming_the_key(finished, tmp_path):
-    root, result = finished
+    root, result, _ = finished
     a_path = Path(result["stages"]["a"]["run_path"])
     b_config = _pipeline()["b"].config
 
@@ -224,7 +243,12 @@ def test_bad_init_from_values_are_config_errors_naming_the_key(finished, tmp_pat
     assert "has no run.json" in error(str(no_record))
     record = json.loads((a_path / "run.json").read_text())
     (no_record / "run.json").write_text(json.dumps({**record, "status": "failed"}))
-    assert "is failed; a warm start needs a finished run" in error(str(no_record))
+    assert "is failed; a warm start needs a finished run (finish it first: `bhfl resume " in error(str(no_record))
+    live = {**record, "status": "running", "pid": os.getpid(), "host": socket.gethostname()}  # its process lives
+    (no_record / "run.json").write_text(json.dumps(live))
+    assert f"is running; a warm start needs a finished run (wait for it to finish; `bhfl runs {no_record}`" in error(
+        str(no_record)
+    )
     other = _pipeline("model.max_length=16")["b"].config
     assert "model.max_length differs: 32 in the source run, 16 here" in error(f"{a_path}:root", other)
     assert "saved no node 'edge-de'; its saved nodes: " in error(f"{a_path}:edge-de")
@@ -249,7 +273,7 @@ def test_bad_init_from_values_are_config_errors_naming_the_key(finished, tmp_pat
 
 
 def test_cli_lists_compares_and_rejects_a_bad_pipeline_cleanly(finished, tmp_path):
-    root, result = finished
+    root, result, _ = finished
     runner = CliRunner()
     listed = runner.invoke(app, ["runs", "--run-dir", str(root)])
     assert listed.exit_code == 0, listed.output
@@ -259,6 +283,21 @@ def test_cli_lists_compares_and_rejects_a_bad_pipeline_cleanly(finished, tmp_pat
     assert one.exit_code == 0 and "a: finished" in one.output and "pipeline tp/" in one.output, one.output
     again = runner.invoke(app, ["resume", result["pipeline_path"], "--run-dir", str(root)])
     assert again.exit_code == 0 and "finished; nothing to resume" in " ".join(again.output.split()), again.output
+    # a pipeline.yaml edited since it ran: one paragraph naming the file and the key, exit 2, the record untouched
+    edited = tmp_path / "tp" / "edited"
+    shutil.copytree(result["pipeline_path"], edited)
+    (edited / "pipeline.json").write_text(
+        json.dumps({**json.loads((edited / "pipeline.json").read_text()), "status": "failed"})
+    )
+    record = (edited / "pipeline.json").read_bytes()
+    config = yaml.safe_load((edited / "pipeline.yaml").read_text())
+    config["stages"]["c"]["tree"]["root"]["rounds"] = "two"
+    (edited / "pipeline.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    broken = runner.invoke(app, ["resume", str(edited), "--run-dir", str(tmp_path)])
+    assert broken.exit_code == 2 and "Traceback" not in broken.output, broken.output
+    said = " ".join(broken.output.split())
+    assert f"{edited / 'pipeline.yaml'} cannot be read as the pipeline it ran (stages.c: " in said, said
+    assert "tree.root.rounds" in said and (edited / "pipeline.json").read_bytes() == record
     compared = runner.invoke(
         app, ["compare", result["run_id"], result["stages"]["b"]["run_id"], "--run-dir", str(root)]
     )
@@ -281,3 +320,8 @@ def test_cli_lists_compares_and_rejects_a_bad_pipeline_cleanly(finished, tmp_pat
     message = " ".join(out.stderr.split())
     assert "stages.x: model.init_from: 'gone:root': no run folder 'gone'" in message
     assert "Traceback" not in out.stderr and not (tmp_path / "runs" / "bad").exists()
+    # `bhfl serve` of the pipeline checks the same before its Prefect server starts: nothing written
+    served = runner.invoke(app, ["serve", str(path), "--run-dir", str(tmp_path / "served")])
+    assert served.exit_code == 2, served.output
+    assert "stages.x: model.init_from: 'gone:root': no run folder 'gone'" in " ".join(served.output.split())
+    assert not (tmp_path / "served").exists()

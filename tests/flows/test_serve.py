@@ -224,7 +224,8 @@ def test_a_served_sweep_registers_through_the_printed_server_and_sigterm_stops_i
 
 def test_a_prefect_server_of_the_users_that_does_not_answer_is_one_line(tmp_path):
     """PREFECT_API_URL naming a server that is not running: one line naming it, exit 2 (it was httpx's traceback after
-    Prefect's retries, exit 1; `bhfl run` the same: tests share this check, flows/cli/shell.py::prefect_api)."""
+    Prefect's retries, exit 1; `bhfl run` the same: tests share this check, flows/cli/shell.py::prefect_api). Served
+    here: a pipeline file, checked and then served like an experiment (it was refused as "a pipeline")."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]  # free once closed: nothing listens there
@@ -232,7 +233,15 @@ def test_a_prefect_server_of_the_users_that_does_not_answer_is_one_line(tmp_path
     env = {k: v for k, v in os.environ.items() if not k.lower().endswith("_proxy")}  # (a proxy is left to Prefect)
     env.update({"HF_HUB_OFFLINE": "1", "PREFECT_API_URL": api_url})
     out = subprocess.run(
-        [sys.executable, "-m", "flows.cli.app", "serve", "--run-dir", str(tmp_path / "runs")],
+        [
+            sys.executable,
+            "-m",
+            "flows.cli.app",
+            "serve",
+            "configs/groupperfl.yaml",
+            "--run-dir",
+            str(tmp_path / "runs"),
+        ],
         cwd=REPO,
         env=env,
         capture_output=True,
