@@ -151,6 +151,32 @@ def test_a_run_dir_that_is_a_file_is_one_line(tmp_path, command):
     assert given.read_text() == "name: bhfl\n"
 
 
+def test_a_model_check_failing_in_one_pipeline_stage_names_the_stage(tmp_path, monkeypatch):
+    """The model and data checks run once per distinct (data, model) before anything starts: a failure in one
+    stage says which (the same for a sweep's points: test_sweep.py)."""
+    import os
+
+    monkeypatch.setattr(os, "environ", os.environ.copy())
+    base = tmp_path / "small.yaml"
+    base.write_text(yaml.safe_dump(dump(small_config("runtime.executor=inprocess"))))
+    spec = tmp_path / "pipeline.yaml"
+    spec.write_text(
+        yaml.safe_dump(
+            {
+                "name": "two",
+                "stages": {
+                    "one": {"base": str(base)},
+                    "two": {"base": str(base), "model": {"name": str(tmp_path / "nowhere")}},
+                },
+            }
+        )
+    )
+    out = CliRunner().invoke(app, ["run", str(spec), "--run-dir", str(tmp_path / "runs")])
+    assert out.exit_code == 2, out.output
+    assert " ".join(out.stderr.split()).startswith("error: stage 'two': model.name: the folder")
+    assert not (tmp_path / "runs" / "two").exists()
+
+
 @pytest.mark.parametrize("command", ["run", "sweep"])
 def test_an_adapter_option_matching_no_module_stops_the_command_before_anything_starts(command, tmp_path, monkeypatch):
     """Checked on the model built without weights: one line naming the key, exit 2; no run or sweep folder, no
