@@ -6,9 +6,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import yaml
+from pydantic import ValidationError
 
 from bhfl_core.config.base import ConfigError
-from bhfl_core.config.loader import config_from_dict
+from bhfl_core.config.loader import config_from_dict, format_validation_error
 from bhfl_core.config.schema import ExperimentConfig, dump
 from bhfl_core.store.atomic import write_text_atomic
 from bhfl_core.store.run_layout import CONFIG_FILE
@@ -36,9 +37,17 @@ def load_run(run_path: Path) -> tuple[ExperimentConfig, RunRecord]:
         raise RunStateError(f"{run_path} is not a run folder (no {CONFIG_FILE}); `bhfl runs` lists the runs")
     try:
         config = ExperimentConfig.model_validate(yaml.safe_load((run_path / CONFIG_FILE).read_text()))
-        record = RunRecord.read(run_path)
+    except ValidationError as exc:  # a saved config a newer rule refuses, or one edited by hand: its keys named
+        raise RunStateError(
+            f"{run_path / CONFIG_FILE}: the run's saved config is refused by this bhfl (a rule newer than the run, "
+            f"or an edit)\n{format_validation_error(exc)}\nedit that file to go on"
+        ) from None
     except (ValueError, yaml.YAMLError) as exc:
-        raise RunStateError(f"{run_path}: the run's {CONFIG_FILE} or run.json is unreadable ({exc})") from None
+        raise RunStateError(f"{run_path}: the run's {CONFIG_FILE} is unreadable ({exc})") from None
+    try:
+        record = RunRecord.read(run_path)
+    except ValueError as exc:
+        raise RunStateError(f"{run_path}: the run's run.json is unreadable ({exc})") from None
     if record is None:
         record = RunRecord(name=config.name, status="failed", tracking_uri=default_tracking_uri(run_path.parents[1]))
     return config, record

@@ -122,6 +122,23 @@ def test_run_starts_prefect_before_importing_torch(tmp_path):
     assert out.returncode == 0, f"exit {out.returncode} (3: torch was imported)\n{out.stderr[-3000:]}"
 
 
+def test_a_saved_config_refused_by_a_newer_rule_names_its_file_and_key(tmp_path):
+    # a run saved before a rule tightened (here: a YAML boolean for a number), or a config.yaml edited by hand:
+    # `bhfl runs` and a resume name the file and the key (was: "unreadable (1 validation error for ...)")
+    folder = tmp_path / "itest" / "20260101-000000-000"
+    folder.mkdir(parents=True)
+    RunRecord(name="itest", status="interrupted", tracking_uri="sqlite:///unused.db").write(folder)
+    saved = dump(small_config())
+    saved["seed"] = True
+    (folder / "config.yaml").write_text(yaml.safe_dump(saved))
+    listed = CliRunner().invoke(app, ["runs", str(folder), "--run-dir", str(tmp_path)])
+    assert listed.exit_code == 2, listed.output
+    said = " ".join(listed.output.split())
+    assert f"{folder / 'config.yaml'}: the run's saved config is refused by this bhfl" in said
+    assert "seed: expected a number, got the boolean true" in said and "edit that file" in said
+    assert RunRecord.read(folder).status == "interrupted"  # nothing written
+
+
 def test_resume_of_a_run_whose_record_is_damaged_is_one_line_naming_the_file(tmp_path):
     # a run.json cut off by a full disk or a bad copy: one line naming the file, exit 2, the file kept as it was
     folder = tmp_path / "itest" / "20260101-000000-000"
