@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 
 from bhfl_core.config.schema import dump
 from flows.cli.app import app
-from flows.records.run_record import RunRecord
+from flows.records.run_record import RunRecord, RunStateError
 from tests.flows.commands import cli
 from tests.small import SMALL, small_config
 
@@ -137,6 +137,16 @@ def test_a_saved_config_refused_by_a_newer_rule_names_its_file_and_key(tmp_path)
     assert f"{folder / 'config.yaml'}: the run's saved config is refused by this bhfl" in said
     assert "seed: expected a number, got the boolean true" in said and "edit that file" in said
     assert RunRecord.read(folder).status == "interrupted"  # nothing written
+
+    # one the tree's checks refuse (an async-only key at a synchronous server): named before the resume touches
+    # the run (met mid-resume, it marked the run failed; a finished run's --force-eval too)
+    from flows.experiment import resume_experiment
+
+    saved["seed"], saved["tree"]["root"]["buffer"] = 0, 7
+    (folder / "config.yaml").write_text(yaml.safe_dump(saved))
+    with pytest.raises(RunStateError, match=r"config.yaml: the run's saved config is refused(.|\n)*tree.root.buffer"):
+        resume_experiment(folder)
+    assert RunRecord.read(folder).status == "interrupted"
 
 
 def test_resume_of_a_run_whose_record_is_damaged_is_one_line_naming_the_file(tmp_path):
