@@ -39,7 +39,7 @@ from flows.lifecycle import Attempt
 from flows.orchestration import PLAIN_CALLS, PREFECT_RUNS
 from flows.orchestration_protocol import Invocation, Orchestration
 from flows.records.run_record import PipelineLink, RunRecord, new_run_path
-from flows.records.run_state import RunStateError, load_run, resume_config
+from flows.records.run_state import RunStateError, check_saved_tree, load_run, resume_config
 from flows.records.warm_source import resolve_init_from
 from flows.run_attempt import run_attempt
 from flows.run_tracking import parent_run_name
@@ -215,5 +215,6 @@ def resume_experiment(
     config, record = load_run(run_path)
     if force_eval and record.status != "finished":
         raise RunStateError(f"run {run_path} is not finished: `bhfl resume` finishes it, evaluation included")
+    check_saved_tree(run_path, config)
     job = ExperimentJob(config, force_eval=force_eval)
     return lifecycle.resume(job, run_path, record, orchestration, overrides, cluster, flow_run_name)

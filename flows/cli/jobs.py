@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -70,21 +70,30 @@ def start_forkserver(configs: Sequence[ExperimentConfig]) -> None:
         start_forkserver()
 
 
-def _distinct(configs: Sequence[ExperimentConfig]) -> list[ExperimentConfig]:
-    """One config per (data, model): what the hub and data checks look at."""
+def _distinct(configs: Mapping[str, ExperimentConfig]) -> dict[str, ExperimentConfig]:
+    """One config per (data, model), what the hub and data checks look at, under what a failed check says
+    before its message: the first name sharing it (``"sweep point 'x,seed=0' (and 2 more): "``), or nothing
+    when every config shares it (the mistake is the job's, not one experiment's)."""
     from bhfl_core.config.schema import dump
 
-    seen: dict[str, ExperimentConfig] = {}
-    for config in configs:
+    groups: dict[str, list[tuple[str, ExperimentConfig]]] = {}
+    for name, config in configs.items():
         data = dump(config)
-        seen.setdefault(repr((data["data"], data["model"])), config)
-    return list(seen.values())
+        groups.setdefault(repr((data["data"], data["model"])), []).append((name, config))
+    if len(groups) == 1:
+        ((_, config), *_) = next(iter(groups.values()))
+        return {"": config}
+    named: dict[str, ExperimentConfig] = {}
+    for (name, config), *others in groups.values():
+        named[f"{name} (and {len(others)} more): " if others else f"{name}: "] = config
+    return named
 
 
-def _adapter_check(cfg: ExperimentConfig) -> None:
+def _adapter_check(cfg: ExperimentConfig, where: str = "") -> None:
     """An adapter option naming modules (``model.adapter.target_modules``, ...) that no module of the model matches?
     Checked on the model built without weights (bhfl_core/learning/adapter_check.py), before Prefect, the run
-    folder and the data: one line naming the key, exit 2. (Its warnings are the run's to note: ``start_run``.)"""
+    folder and the data: one line naming the key (after ``where``: which of a job's experiments), exit 2. (Its
+    warnings are the run's to note: ``start_run``.)"""
     from bhfl_core.learning.adapter_check import names_modules
 
     if not names_modules(cfg.model.adapter):  # torch and transformers (~3 s) only where an option names modules
@@ -95,7 +104,7 @@ def _adapter_check(cfg: ExperimentConfig) -> None:
     try:
         check_adapter(cfg.model, cfg.data.task)
     except ConfigError as exc:
-        fail(str(exc))
+        fail(f"{where}{exc}")
 
 
 def run_job(
@@ -105,7 +114,7 @@ def run_job(
     verbose: bool,
     work: Callable[[Launch], Result],
     announce: str,
-    configs: Sequence[ExperimentConfig] = (),
+    configs: Mapping[str, ExperimentConfig] | None = None,
     tracking_uri: str | None = None,
     cluster: ExperimentConfig | None = None,
 ) -> None:
@@ -113,20 +122,21 @@ def run_job(
 
     ``launch``: the run dir, the MLflow store (``tracking_uri`` or the run dir's), Prefect,
     and the address of the workers started beside Prefect for ``cluster`` (one
-    experiment's config). ``configs``: a new job's configs (checked before Prefect starts,
-    and beside it); empty for a resume, which opens no MLflow store here: it takes its
-    launch from its record.
+    experiment's config). ``configs``: a new job's configs, each under what a failed check
+    names it by (``"sweep point 'x,seed=0'"``, ``"stage 'global'"``), checked before Prefect starts and
+    beside it; none for a resume, which opens no MLflow store here: it takes its launch from
+    its record.
     """
-    checked = _distinct(configs)
-    for config in checked:
-        hub_check(config, run_dir)
-        _adapter_check(config)
+    checked = _distinct(configs or {})
+    for where, config in checked.items():
+        hub_check(config, run_dir, where)
+        _adapter_check(config, where)
     from bhfl_core.config.base import ConfigError
 
     try:
         with prefect_api(run_dir, full=False, resume=folder) as api, _cluster(cluster, folder) as starting:
-            for config in checked:
-                preflight(config, run_dir)
+            for where, config in checked.items():
+                preflight(config, run_dir, where)
             console.print(announce, highlight=False)
             uri = None
             if configs:  # the store opens and the flow's code loads while Prefect finishes starting

@@ -87,7 +87,7 @@ def run_pipeline_command(
         verbose,
         lambda launch: start_pipeline(pipeline, launch, folder),
         announce,
-        configs,
+        {f"stage {stage.name!r}": stage.config for stage in pipeline},
         tracking_uri,
     )
 

@@ -163,7 +163,7 @@ def run(
         f"[bold]bhfl[/] running [cyan]{cfg.name}[/] from {config} (seed {cfg.seed}); starting workers, "
         "Prefect and MLflow ..."
     )
-    run_job(EXPERIMENT, run_path, run_dir, verbose, work, announce, [cfg], tracking_uri, cluster=cfg)
+    run_job(EXPERIMENT, run_path, run_dir, verbose, work, announce, {cfg.name: cfg}, tracking_uri, cluster=cfg)
 
 
 def prepare(

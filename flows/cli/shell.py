@@ -179,7 +179,7 @@ def local_cluster(cfg: ExperimentConfig, run_path: Path) -> Iterator[ClusterStar
         starting.close()
 
 
-def hub_check(cfg: ExperimentConfig, run_dir: Path) -> None:
+def hub_check(cfg: ExperimentConfig, run_dir: Path, where: str = "") -> None:
     """A hub model or (uncached) dataset, and the hub unreachable? Seconds; before Prefect and the workers start.
 
     The full ``preflight`` runs beside their start-up; stopped there, the command would
@@ -191,12 +191,12 @@ def hub_check(cfg: ExperimentConfig, run_dir: Path) -> None:
     try:
         check_hub(cfg, run_dir / "cache")
     except ConfigError as exc:
-        fail(str(exc))
+        fail(f"{where}{exc}")
 
 
-def preflight(cfg: ExperimentConfig, run_dir: Path) -> None:
+def preflight(cfg: ExperimentConfig, run_dir: Path, where: str = "") -> None:
     """Model and (unless cached) data reachable, a ``tls://`` cluster's certificates readable? Checked beside
-    Prefect's start: one paragraph, exit 2."""
+    Prefect's start: one paragraph (after ``where``: which of a job's experiments), exit 2."""
     from bhfl_core.config.base import ConfigError
     from data_prep.prepare import preflight
 
@@ -211,7 +211,7 @@ def preflight(cfg: ExperimentConfig, run_dir: Path) -> None:
 
             security_for(cfg.runtime.cluster, cfg.runtime)
     except ConfigError as exc:
-        fail(str(exc))
+        fail(f"{where}{exc}")
 
 
 @dataclass(frozen=True)

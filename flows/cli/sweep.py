@@ -190,7 +190,8 @@ def run_sweep_command(
     announce = f"[bold]bhfl[/] sweep [cyan]{sweep.name}[/] from {path}: {len(sweep)} experiment(s) " + (
         f"(resuming {folder})" if folder else f"in {target}"
     )
-    run_job(_kind(len(sweep)), target, run_dir, verbose, work, announce, configs, tracking_uri)
+    named = {f"sweep point {p.label!r}": p.config for p in sweep}
+    run_job(_kind(len(sweep)), target, run_dir, verbose, work, announce, named, tracking_uri)
 
 
 def resume_sweep_command(folder: Path, overrides: list[str], run_dir: Path, verbose: bool) -> None:

@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 
 from bhfl_core.config.schema import dump
 from flows.cli.app import app
-from flows.records.run_record import RunRecord
+from flows.records.run_record import RunRecord, RunStateError
 from tests.flows.commands import cli
 from tests.small import SMALL, small_config
 
@@ -122,6 +122,33 @@ def test_run_starts_prefect_before_importing_torch(tmp_path):
     assert out.returncode == 0, f"exit {out.returncode} (3: torch was imported)\n{out.stderr[-3000:]}"
 
 
+def test_a_saved_config_refused_by_a_newer_rule_names_its_file_and_key(tmp_path):
+    # a run saved before a rule tightened (here: a YAML boolean for a number), or a config.yaml edited by hand:
+    # `bhfl runs` and a resume name the file and the key (was: "unreadable (1 validation error for ...)")
+    folder = tmp_path / "itest" / "20260101-000000-000"
+    folder.mkdir(parents=True)
+    RunRecord(name="itest", status="interrupted", tracking_uri="sqlite:///unused.db").write(folder)
+    saved = dump(small_config())
+    saved["seed"] = True
+    (folder / "config.yaml").write_text(yaml.safe_dump(saved))
+    listed = CliRunner().invoke(app, ["runs", str(folder), "--run-dir", str(tmp_path)])
+    assert listed.exit_code == 2, listed.output
+    said = " ".join(listed.output.split())
+    assert f"{folder / 'config.yaml'}: the run's saved config is refused by this bhfl" in said
+    assert "seed: expected a number, got the boolean true" in said and "edit that file" in said
+    assert RunRecord.read(folder).status == "interrupted"  # nothing written
+
+    # one the tree's checks refuse (an async-only key at a synchronous server): named before the resume touches
+    # the run (met mid-resume, it marked the run failed; a finished run's --force-eval too)
+    from flows.experiment import resume_experiment
+
+    saved["seed"], saved["tree"]["root"]["buffer"] = 0, 7
+    (folder / "config.yaml").write_text(yaml.safe_dump(saved))
+    with pytest.raises(RunStateError, match=r"config.yaml: the run's saved config is refused(.|\n)*tree.root.buffer"):
+        resume_experiment(folder)
+    assert RunRecord.read(folder).status == "interrupted"
+
+
 def test_resume_of_a_run_whose_record_is_damaged_is_one_line_naming_the_file(tmp_path):
     # a run.json cut off by a full disk or a bad copy: one line naming the file, exit 2, the file kept as it was
     folder = tmp_path / "itest" / "20260101-000000-000"
@@ -149,6 +176,32 @@ def test_a_run_dir_that_is_a_file_is_one_line(tmp_path, command):
     assert out.exception is None or isinstance(out.exception, SystemExit)  # no traceback
     assert f"error: --run-dir {given}" in out.output and "not a folder" in out.output
     assert given.read_text() == "name: bhfl\n"
+
+
+def test_a_model_check_failing_in_one_pipeline_stage_names_the_stage(tmp_path, monkeypatch):
+    """The model and data checks run once per distinct (data, model) before anything starts: a failure in one
+    stage says which (the same for a sweep's points: test_sweep.py)."""
+    import os
+
+    monkeypatch.setattr(os, "environ", os.environ.copy())
+    base = tmp_path / "small.yaml"
+    base.write_text(yaml.safe_dump(dump(small_config("runtime.executor=inprocess"))))
+    spec = tmp_path / "pipeline.yaml"
+    spec.write_text(
+        yaml.safe_dump(
+            {
+                "name": "two",
+                "stages": {
+                    "one": {"base": str(base)},
+                    "two": {"base": str(base), "model": {"name": str(tmp_path / "nowhere")}},
+                },
+            }
+        )
+    )
+    out = CliRunner().invoke(app, ["run", str(spec), "--run-dir", str(tmp_path / "runs")])
+    assert out.exit_code == 2, out.output
+    assert " ".join(out.stderr.split()).startswith("error: stage 'two': model.name: the folder")
+    assert not (tmp_path / "runs" / "two").exists()
 
 
 @pytest.mark.parametrize("command", ["run", "sweep"])

@@ -211,6 +211,27 @@ def test_cli_rejects_a_bad_grid_naming_the_key(tmp_path):
     assert not list(tmp_path.glob("*/*/sweep.json"))  # nothing started
 
 
+def test_cli_names_the_sweep_point_whose_model_check_fails(tmp_path):
+    """The model and data checks run once per distinct (data, model) before anything starts; a failure says
+    which point it was (the same for the adapter check: flows/cli/jobs.py)."""
+    spec = tmp_path / "models.yaml"
+    spec.write_text(
+        yaml.safe_dump(
+            {
+                "name": "models",
+                "base": str(CONFIG),
+                "configs": {"good": {}, "bad": {"set": {"model.name": str(tmp_path / "no-such-model")}}},
+                "seeds": [0],
+            }
+        )
+    )
+    out = CliRunner().invoke(app, ["sweep", str(spec), "--run-dir", str(tmp_path / "runs")])
+    assert out.exit_code == 2, out.output
+    said = " ".join(out.output.split())
+    assert "error: sweep point 'bad,seed=0': model.name: the folder" in said and "no-such-model" in said
+    assert not list(tmp_path.glob("runs/*/*/sweep.json"))  # nothing started
+
+
 def test_resuming_the_finished_sweep_changes_nothing(resumed):
     result = resumed[2]
     folder = Path(result["sweep_path"])
