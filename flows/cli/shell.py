@@ -71,10 +71,20 @@ def command_of(script: str, module: str) -> str:
 
 
 def ui_hint(uri: str, run_dir: Path) -> str:
-    """The command that opens the MLflow UI on ``uri``, as a user would type it."""
+    """The command that opens the MLflow UI on ``uri``, as a user would type it.
+
+    A store that is not ``run_dir``'s own is named by its folder: ``bhfl resume RUN`` given a
+    run folder under another run directory (the command its interruption prints, run from
+    anywhere) keeps that run's store, and ``bhfl ui`` alone would open ``runs/``'s.
+    """
     bhfl = command_of("bhfl", "flows.cli.main")
     if os.environ.get("MLFLOW_TRACKING_URI") or not uri.startswith("sqlite:///"):
         return f"{bhfl} ui --tracking-uri {uri}"
+    db = Path(uri[len("sqlite:///") :])
+    if db.name != "mlflow.db":
+        return f"{bhfl} ui --tracking-uri {uri}"
+    if db.resolve() != (run_dir / "mlflow.db").resolve():
+        run_dir = db.parent
     return f"{bhfl} ui" + ("" if str(run_dir) == "runs" else f" --run-dir {run_dir}")
 
 

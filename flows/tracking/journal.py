@@ -72,6 +72,10 @@ class Journal:
         """Every value of ``key`` the run sent to ``run_id``, in the order it sent them."""
         return list(self._read().points.get((run_id, key), []))
 
+    def has(self, run_id: str, point: Metric) -> bool:
+        """Whether ``point``'s metric has a value at its step for ``run_id`` (the store's test: ``delivery.logged``)."""
+        return any(m.step == point.step for m in self._read().points.get((run_id, point.key), []))
+
     def run_tags(self, run_id: str) -> dict[str, str]:
         """The tags sent to ``run_id`` (at its creation and since), the last value of each."""
         return dict(self._read().tags.get(run_id, {}))

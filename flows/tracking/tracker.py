@@ -125,15 +125,19 @@ class Tracker:
     def _batched(self, run_id: str, metrics: Iterable[Metric] = (), params: Iterable[tuple[str, str]] = ()) -> None:
         """Metric batches of ``_BATCH`` points at most (one transaction each), then the params.
 
-        A resumed attempt's batch is logged only if its first point is not in the store (``check``).
+        A resumed attempt's batch is logged only if its first point is not in the store (``check``),
+        and journaled only if not in the journal (an earlier attempt spooled it before journaling
+        it), so the journal the report reads holds what the store holds.
         """
         metrics, params = list(metrics), list(params)
         for i in range(0, len(metrics), _BATCH):
             chunk = metrics[i : i + _BATCH]
-            if self.journal is not None:
-                self.journal.metrics(run_id, chunk)
+            if self.resumed and self.journal is not None and self.journal.has(run_id, chunk[0]):
+                continue
             rows = [[m.key, m.value, m.timestamp, m.step] for m in chunk]
             self._post({"op": "log_batch", "run_id": run_id, "metrics": rows, "check": self.resumed})
+            if self.journal is not None:  # after the spool has it: a journaled batch is always sent
+                self.journal.metrics(run_id, chunk)
         for i in range(0, len(params), 100):
             self._post({"op": "log_batch", "run_id": run_id, "params": [list(p) for p in params[i : i + 100]]})
 

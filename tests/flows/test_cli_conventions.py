@@ -290,6 +290,8 @@ def test_end_of_run_summary_on_stdout_unwrapped(capsys, tmp_path):
     assert "Final evaluation" in captured.out and "root/union/accuracy" in captured.out
     assert f"  run files (node models, optimiser states): {run_path}\n" in captured.out  # one line, whole
     assert "MLflow run id: 0123456789abcdef0123456789abcdef" in captured.out
+    # its store is not runs/'s (a resumed run folder of another run directory): the UI command names it
+    assert f" ui --run-dir {tmp_path}   then browse " in captured.out, captured.out
 
 
 def test_a_run_logged_to_a_tracking_server_is_browsed_there_not_through_bhfl_ui(capsys, tmp_path):

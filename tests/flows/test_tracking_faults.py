@@ -30,7 +30,7 @@ from flows.experiment import PLAIN_CALLS, run_experiment
 from flows.records.run_record import RunRecord
 from flows.tracking.delivery import UNDELIVERED_EXIT, Courier, TrackingUnavailable, send
 from flows.tracking.spool import Spool
-from flows.tracking.tracker import RUN_KEY_TAG, sqlite_file
+from flows.tracking.tracker import RUN_KEY_TAG, Tracker, sqlite_file
 from tests.flows.kill_chain import node_files
 from tests.flows.mlflow_server import MlflowServer, free_port
 from tests.flows.test_resume import _store_points
@@ -259,6 +259,32 @@ def test_a_batch_that_arrived_before_its_answer_was_lost_is_not_logged_twice(tmp
         server.stop()
     assert history == [(1, 1_000), (2, 3_000)]  # once each; the refused call held nothing up
     assert spool.rejected_count() == 1 and spool.count() == 0
+
+
+def test_a_resumed_attempt_journals_what_the_store_keeps(server, tmp_path, monkeypatch):
+    """The run folder's journal (what the report reads) holds each point once, as the store does, after a resume.
+
+    A killed attempt evaluated round 1; the resume evaluates it again (other seconds) and goes on.
+    """
+    for key, value in FAST_RETRIES.items():
+        monkeypatch.setenv(key, value)
+    server.running()
+    client = MlflowClient(server.url)
+    run_id = client.create_run(client.create_experiment("journal-after-resume")).info.run_id
+    killed = Tracker(server.url, run_path=tmp_path)
+    assert killed.journal is not None
+    killed.journal.begin()
+    killed.log_metrics(run_id, {"time/eval_s": 1.5, "acc": 0.5}, step=1)
+    assert killed.close(60) is None
+    resumed = Tracker(server.url, resumed=True, run_path=tmp_path)
+    resumed.log_metrics(run_id, {"time/eval_s": 2.5, "acc": 0.5}, step=1)
+    resumed.log_metrics(run_id, {"time/eval_s": 1.0, "acc": 0.6}, step=2)
+    assert resumed.close(60) is None
+    assert resumed.journal is not None
+    for key in ("time/eval_s", "acc"):
+        store = sorted((m.step, m.value, m.timestamp) for m in client.get_metric_history(run_id, key))
+        assert sorted((m.step, m.value, m.timestamp) for m in resumed.journal.points(run_id, key)) == store, key
+    assert resumed.history(run_id, "time/eval_s") == {1: 1.5, 2: 1.0}  # the value MLflow shows for round 1
 
 
 def test_a_server_unreachable_at_the_start_stops_the_run_with_a_paragraph(tmp_path, monkeypatch):
