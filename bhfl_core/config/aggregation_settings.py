@@ -412,11 +412,20 @@ def _neighbours(settings: SecureAggregationSettings, key: str, group: int) -> in
     return k
 
 
-def check_dp_sgd(train: TrainSettings, key: str, node_id: str, role: Role, task: str, tuned: str | None = None) -> None:
+def check_dp_sgd(
+    train: TrainSettings,
+    key: str,
+    node_id: str,
+    role: Role,
+    task: str,
+    tuned: str | None = None,
+    proximal: str = "FedProx's term",
+) -> None:
     """DP-SGD protects a client's examples; what it cannot be combined with is rejected here.
 
     ``task``: the run's ``data.task``; ``tuned``: the key of a tuned NODEOPT (``interp``) at the
-    node, which would choose its model by the loss on held-out rows no DP-SGD step protects.
+    node, which would choose its model by the loss on held-out rows no DP-SGD step protects;
+    ``proximal``: what ``mu`` is in the error (FedProx's term; Ditto's lambda for ``personal``).
     """
     if train.dp_sgd is None:
         return
@@ -440,7 +449,7 @@ def check_dp_sgd(train: TrainSettings, key: str, node_id: str, role: Role, task:
         )
     if train.mu > 0:
         raise ConfigError(
-            f"{key}.dp_sgd: FedProx's term (mu: {train.mu}) would be overwritten by the DP optimizer; set mu: 0"
+            f"{key}.dp_sgd: {proximal} (mu: {train.mu}) would be overwritten by the DP optimizer; set mu: 0"
         )
     if train.precision != "fp32":
         raise ConfigError(f"{key}.dp_sgd: DP-SGD runs in fp32 only (precision is {train.precision!r})")

@@ -142,6 +142,8 @@ def _resolve(config: ExperimentConfig, node_id: str, role: Role, depth: int, num
     personal = values["personal"]
     if personal is not None and role is not Role.CLIENT:
         raise ConfigError(f"{origin['personal']}: only clients keep a personal (Ditto) model; {node_id!r} is a server")
+    if personal is not None:  # Opacus sets .grad itself: Ditto's lambda (v - w) would be dropped, not privatised
+        check_dp_sgd(personal, origin["personal"], node_id, role, config.data.task, proximal="Ditto's lambda")
 
     aggregate = aggregate_params(
         config, node_id, role, values, origin, _expected(cohort, poisson_rate, num_children), num_children

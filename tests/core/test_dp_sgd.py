@@ -103,6 +103,10 @@ def test_the_clients_epsilon_is_the_poisson_sampled_gaussian_composed_over_its_s
             ["tree.client.train.dp_sgd={noise_multiplier: 1, max_grad_norm: 1}", "tree.client.train.mu=0.1"],
             "tree.client.train.dp_sgd: FedProx's term (mu: 0.1) would be overwritten",
         ),
+        (  # Ditto's personal TRAIN: Opacus's step would drop lambda (v - w) and train a plain local model
+            ["tree.client.personal={mu: 0.1, dp_sgd: {noise_multiplier: 1, max_grad_norm: 1}}"],
+            "tree.client.personal.dp_sgd: Ditto's lambda (mu: 0.1) would be overwritten",
+        ),
         (
             ["tree.client.train.dp_sgd={noise_multiplier: 1, max_grad_norm: 1}", "tree.client.train.precision=bf16"],
             "tree.client.train.dp_sgd: DP-SGD runs in fp32 only",
