@@ -20,6 +20,7 @@ import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from filelock import FileLock
 from mlflow.entities import Metric
@@ -89,13 +90,21 @@ class Journal:
         return out
 
     def _append(self, record: Mapping[str, object]) -> None:
+        """Append ``record``; a read cache that was current takes it too (a resumed attempt asks ``has`` before
+        each batch it appends: re-reading the whole journal each time would grow as batches x journal)."""
         line = (json.dumps(record) + "\n").encode()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with FileLock(self._lock), open(self.path, "a+b") as fh:
             size = fh.tell()
             if size and os.pread(fh.fileno(), 1, size - 1) != b"\n":  # a line cut short by a kill
                 line = b"\n" + line
+            current = self._cache is not None and self._cache[0] == (size, os.fstat(fh.fileno()).st_mtime_ns)
             fh.write(line)
+            fh.flush()
+            if self._cache is not None and current:
+                _add(self._cache[1], record)
+                stat = os.fstat(fh.fileno())
+                self._cache = ((stat.st_size, stat.st_mtime_ns), self._cache[1])
 
     def _read(self) -> _Contents:
         try:
@@ -112,11 +121,16 @@ class Journal:
                     record = json.loads(line)
                 except ValueError:
                     continue  # cut short by a kill
-                run = record.get("run")
-                if run is None:
-                    continue
-                for key, value, timestamp, step in record.get("m", []):
-                    contents.points.setdefault((run, key), []).append(Metric(key, value, timestamp, step))
-                contents.tags.setdefault(run, {}).update(record.get("t", {}))
+                _add(contents, record)
         self._cache = (version, contents)
         return contents
+
+
+def _add(contents: _Contents, record: Mapping[str, Any]) -> None:
+    """One journal line's points and tags into ``contents`` (the header line has none)."""
+    run = record.get("run")
+    if run is None:
+        return
+    for key, value, timestamp, step in record.get("m", []):
+        contents.points.setdefault((run, key), []).append(Metric(key, value, timestamp, step))
+    contents.tags.setdefault(run, {}).update(record.get("t", {}))

@@ -56,6 +56,25 @@ def test_journal_skips_a_line_a_kill_cut_short_and_goes_on(tmp_path):
     assert not Journal(tmp_path / "elsewhere").complete  # no journal: its run reads from the server
 
 
+def test_journal_appends_keep_a_current_read_cache_current_and_another_writer_is_seen(tmp_path):
+    # a resumed attempt asks `has` before each batch it appends: the cache takes its own appends (no re-read of
+    # the whole journal per batch), and a line another writer appended is still read
+    journal = Journal(tmp_path)
+    journal.begin()
+    journal.metrics("run", [Metric("loss", 1.0, 10, 1)])
+    assert journal.has("run", Metric("loss", 0.0, 0, 1))  # the cache is built here
+    journal.metrics("run", [Metric("loss", 2.0, 20, 2)])
+    journal.tags("run", {"note": "hi"})
+    stat = journal.path.stat()
+    assert journal._cache is not None and journal._cache[0] == (stat.st_size, stat.st_mtime_ns)  # still current
+    assert journal.has("run", Metric("loss", 0.0, 0, 2)) and journal.run_tags("run") == {"note": "hi"}
+    Journal(tmp_path).metrics("run", [Metric("loss", 3.0, 30, 3)])  # another writer (another thread's journal)
+    journal.metrics("run", [Metric("loss", 4.0, 40, 4)])
+    fresh = Journal(tmp_path)
+    assert [(m.step, m.value) for m in journal.points("run", "loss")] == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 4.0)]
+    assert journal.points("run", "loss") == fresh.points("run", "loss")
+
+
 def _wrapped(cause: BaseException) -> MlflowException:
     """How MLflow's client reports a failed request: its own exception, the transport's as context."""
     try:
