@@ -349,20 +349,14 @@ def _secagg(
     sizes: tuple[int, int, str],
     privacy: PrivacySettings | None,
 ) -> SecAggParams:
-    """A server's ``secagg`` wrapper (``secure_aggregation:``) resolved (threshold, mask seed); errors name the key.
-
-    ``sizes``: the contributions a fold expects (a round's cohort, or an asynchronous
-    server's buffer), the node's children and the key that set the first; ``privacy``: the
-    node's ``dp`` settings, if ``dp`` wraps it. A threshold below 2 is refused: the server
-    could unmask a sum of one child's update (every flush of a buffer of 1 is one).
-    """
+    """A server's ``secagg`` wrapper resolved (threshold, mask seed); errors name the key. ``sizes``: the
+    contributions a fold expects (cohort, or async buffer), the children, the key that set the first; ``privacy``:
+    ``dp`` around it. A threshold below 2 is refused: a sum of one child's update would be unmasked."""
     cohort, children, size_key = sizes
     _check_server_fold(key, "secure aggregation", node_id, role, values)
     _check_flush(key, "a secure-aggregation flush", node_id, values, cohort, children)
     if settings.fraction_bits >= settings.bits - 1:
-        raise ConfigError(
-            f"{key}.fraction_bits: {settings.fraction_bits} leaves no integer part in {settings.bits} bits"
-        )
+        raise ConfigError(f"{key}.fraction_bits: {settings.fraction_bits} leaves no integer bits of {settings.bits}")
     if privacy is not None and privacy.adaptive is not None:
         raise ConfigError(
             f"{key}: adaptive clipping with secure aggregation is not supported yet (the unclipped count would need "

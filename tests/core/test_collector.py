@@ -34,8 +34,10 @@ def test_resume_freezes_once_after_a_pause_and_is_a_no_op_while_the_collector_is
     collector.resume()
     frozen = gc.get_freeze_count()
     assert gc.isenabled() and frozen > 0
+    made = [[] for _ in range(1000)]  # tracked objects a second freeze would take
     collector.resume()  # on already: nothing is frozen again (a sweep's later points collect as usual)
-    assert gc.get_freeze_count() == frozen
+    # (frozen objects other threads free meanwhile lower the count: compare with what a freeze would add)
+    assert gc.get_freeze_count() < frozen + len(made)
     gc.disable()
     assert collector.pause() is False
     collector.restore(False)  # off before: left off
