@@ -130,7 +130,10 @@ def test_secure_aggregation_resolves_per_edge_with_a_majority_threshold():
             ],
             "tree.root.buffer: 1 lets 'root' unmask a flush that one child's update alone went into",
         ),
-        (["tree.edge.secure_aggregation={bits: 20, fraction_bits: 19}"], "fraction_bits: 19 leaves no integer bits of 20"),
+        (
+            ["tree.edge.secure_aggregation={bits: 20, fraction_bits: 19}"],
+            "fraction_bits: 19 leaves no integer bits of 20",
+        ),
         (["tree.edge.secure_aggregation={bits: 70}"], "tree.edge.secure_aggregation.bits"),
         (["tree.edge.secure_aggregation={neighbours: 2}"], "tree.edge.secure_aggregation.neighbours: 2 needs graph"),
         (["tree.edge.secure_aggregation={graph: sparse, neighbours: 3}"], "neighbours: 3 is odd; the Harary"),
