@@ -343,9 +343,6 @@ def pipeline_deployment(pipeline: Pipeline, cron: str, name: str, run_root: Path
 
 def serve_pipeline(pipeline: Pipeline, cron: str, name: str, run_root: Path, tracking_uri: str) -> None:
     """Register the deployment ``bhfl-pipeline/<name>`` and serve it until interrupted."""
-    from prefect import serve
-    from prefect.deployments.runner import RunnerDeployment
+    from flows.serve import serve_deployment
 
-    deployment = pipeline_deployment(pipeline, cron, name, run_root, tracking_uri)
-    assert isinstance(deployment, RunnerDeployment)  # to_deployment is sync outside an event loop
-    serve(deployment, print_starting_message=True)
+    serve_deployment(pipeline_deployment(pipeline, cron, name, run_root, tracking_uri))

@@ -14,12 +14,12 @@ pipeline file are served the same way by their own modules (``flows.sweep.serve_
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 
 def serve_experiment(config_data: dict, cron: str, name: str, run_root: Path, tracking_uri: str) -> None:
     """Register the deployment ``bhfl-experiment/<name>`` and serve it until interrupted."""
-    from prefect import serve
-    from prefect.deployments.runner import EntrypointType, RunnerDeployment
+    from prefect.deployments.runner import EntrypointType
 
     from flows.experiment import experiment_flow
 
@@ -32,5 +32,13 @@ def serve_experiment(config_data: dict, cron: str, name: str, run_root: Path, tr
         enforce_parameter_schema=False,
         entrypoint_type=EntrypointType.MODULE_PATH,  # runs from any working directory
     )
+    serve_deployment(deployment)
+
+
+def serve_deployment(deployment: Any) -> None:
+    """Serve one deployment built by ``to_deployment`` (experiment, sweep or pipeline) until interrupted."""
+    from prefect import serve
+    from prefect.deployments.runner import RunnerDeployment
+
     assert isinstance(deployment, RunnerDeployment)  # to_deployment is sync outside an event loop
     serve(deployment, print_starting_message=True)

@@ -442,9 +442,6 @@ def sweep_deployment(sweep: Sweep, cron: str, name: str, run_root: Path, trackin
 
 def serve_sweep(sweep: Sweep, cron: str, name: str, run_root: Path, tracking_uri: str) -> None:
     """Register the deployment ``bhfl-sweep/<name>`` and serve it until interrupted."""
-    from prefect import serve
-    from prefect.deployments.runner import RunnerDeployment
+    from flows.serve import serve_deployment
 
-    deployment = sweep_deployment(sweep, cron, name, run_root, tracking_uri)
-    assert isinstance(deployment, RunnerDeployment)  # to_deployment is sync outside an event loop
-    serve(deployment, print_starting_message=True)
+    serve_deployment(sweep_deployment(sweep, cron, name, run_root, tracking_uri))

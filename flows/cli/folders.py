@@ -15,7 +15,7 @@ from typing import Annotated
 import typer
 
 from flows.cli.options import DEFAULT_RUN_DIR, JsonOption, RunDirOption, RunSpecArgument
-from flows.cli.shell import console, fail, out, prepare_environment, print_json
+from flows.cli.shell import console, fail, out, prepare_environment, print_json, runs_folder_of
 
 
 def sync(
@@ -33,6 +33,7 @@ def sync(
     ] = None,
 ) -> None:
     """Deliver the MLflow tracking calls a run kept because its tracking server was down (exit 3 if some are left)."""
+    run_dir = runs_folder_of(run_spec, run_dir)
     prepare_environment(run_dir, verbose=False)
     from flows.cli.sync import sync_run
     from flows.records.listing import resolve_run
@@ -64,6 +65,7 @@ def export(
     run_dir: RunDirOption = DEFAULT_RUN_DIR,
 ) -> None:
     """Write a node's final model in save_pretrained layout with its tokenizer (merged, or its LoRA adapters)."""
+    run_dir = runs_folder_of(run_spec, run_dir)
     prepare_environment(run_dir, verbose=False)
     from bhfl_core.config.base import ConfigError
     from flows.cli.export import export_model
@@ -105,6 +107,7 @@ def runs(
     as_json: JsonOption = False,
 ) -> None:
     """List runs with their status (finished, failed at node X round Y, running) and what a resume would redo."""
+    run_dir = runs_folder_of(run_spec, run_dir)
     prepare_environment(run_dir, verbose=False)
     from bhfl_core.store.state_header import CheckpointError
     from flows.cli.pipeline import pipeline_entry, print_pipelines

@@ -37,6 +37,7 @@ from flows.cli.shell import (
     prefect_api,
     preflight,
     prepare_environment,
+    runs_folder_of,
 )
 
 if TYPE_CHECKING:
@@ -239,6 +240,7 @@ def resume(
 
 def resume_job(run_spec: str, overrides: list[str], run_dir: Path, verbose: bool, force_eval: bool = False) -> None:
     """``bhfl resume``: a pipeline folder, a sweep folder or a run, each the way its kind resumes."""
+    run_dir = runs_folder_of(run_spec, run_dir)
     prepare_environment(run_dir, verbose)  # before anything imports prefect
     from flows.records.listing import resolve_pipeline, resolve_run
     from flows.records.run_state import RunStateError

@@ -18,6 +18,8 @@ from typer.testing import CliRunner
 
 from bhfl_core.config.schema import dump
 from flows.cli.app import app
+from flows.cli.options import DEFAULT_RUN_DIR
+from flows.cli.shell import runs_folder_of
 from flows.records.run_record import RunRecord, RunStateError
 from tests.flows.commands import cli
 from tests.small import SMALL, small_config
@@ -78,6 +80,21 @@ def test_runs_reads_the_plan_from_checkpoint_headers_and_names_a_damaged_one(pre
     listed = runner.invoke(app, ["runs", "--run-dir", str(tmp_path)])
     assert listed.exit_code == 0, listed.output
     assert f"{copy}  unreadable: checkpoint {node} is damaged (unreadable: the tensors end at byte" in listed.stdout
+
+
+def test_a_run_typed_as_a_path_uses_the_runs_folder_it_lives_in(prepared_run, tmp_path, monkeypatch):
+    """`bhfl runs /data/runs/x/<stamp>` typed in another folder creates no ./runs (nor its .prefect) there."""
+    run_dir, path = prepared_run
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert runs_folder_of(str(path), DEFAULT_RUN_DIR) == run_dir.resolve()
+    assert runs_folder_of(str(path), tmp_path) == tmp_path  # --run-dir given: it wins
+    assert runs_folder_of(str(elsewhere), DEFAULT_RUN_DIR) == DEFAULT_RUN_DIR  # no run there
+    one = CliRunner().invoke(app, ["runs", str(path)])
+    assert one.exit_code == 0, one.output
+    assert "root rounds saved: 1 of 2" in one.stdout
+    assert not list(elsewhere.iterdir())
 
 
 def _imported(*args: str) -> set[str]:
