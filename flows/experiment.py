@@ -56,7 +56,7 @@ __all__ = [
 ]
 
 
-@flow(name="bhfl-experiment", validate_parameters=False)
+@flow(name="bhfl-experiment", validate_parameters=False, flow_run_name=lifecycle.served_run_name)
 def experiment_flow(
     config: ExperimentConfig | dict[str, Any],
     run_root: str,

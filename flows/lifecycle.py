@@ -125,3 +125,18 @@ def finish_or_fail(work: Callable[[], R], end: Callable[[BaseException | None], 
 def stamp() -> str:
     """A flow run's default name for a job started now: the minute it started."""
     return time.strftime("%Y-%m-%d %H:%M")
+
+
+def served_run_name() -> str:
+    """The name of a flow run a deployment starts (``bhfl serve``), as ``bhfl run`` names its own: the job's name
+    and the minute it started (Prefect's own is a random pair of words, which says nothing in its UI).
+
+    The flows take it as their ``flow_run_name``; a job started by a command names its flow
+    run itself (``with_options``), which replaces this.
+    """
+    from prefect.runtime import flow_run
+
+    parameters = flow_run.parameters
+    job = next((parameters[key] for key in ("config", "sweep", "pipeline") if parameters.get(key) is not None), None)
+    name = job.get("name") if isinstance(job, dict) else getattr(job, "name", None)
+    return f"{name} {stamp()}" if name else str(flow_run.name)

@@ -218,7 +218,7 @@ def _pipeline(folder: Path, launch: Launch, overrides: Sequence[str] = ()) -> di
     }
 
 
-@flow(name="bhfl-pipeline", validate_parameters=False)
+@flow(name="bhfl-pipeline", validate_parameters=False, flow_run_name=lifecycle.served_run_name)
 def pipeline_flow(
     pipeline_path: str | None = None,
     overrides: list[str] | None = None,

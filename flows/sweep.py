@@ -307,7 +307,7 @@ class SweepJob:
         return Invocation(sweep_flow, parameters, body, attempt.flow_run_name(attempt.folder.name))
 
 
-@flow(name="bhfl-sweep", validate_parameters=False)
+@flow(name="bhfl-sweep", validate_parameters=False, flow_run_name=lifecycle.served_run_name)
 def sweep_flow(
     sweep_path: str | None = None,
     sweep: dict[str, Any] | None = None,

@@ -124,6 +124,9 @@ def _quick_run(base: str, deployment: dict, proc: subprocess.Popen, log_path) ->
         return state == "COMPLETED"
 
     _wait("the triggered run", finished, 420, proc)
+    # named as `bhfl run` names its flow runs (the config's name, the minute), not Prefect's random words
+    name = api(f"{base}/flow_runs/{run['id']}")["name"]
+    assert re.fullmatch(r"itest \d{4}-\d\d-\d\d \d\d:\d\d", name), name
     # the run's progress is in its logs in the Prefect UI (bhfl.progress, a Prefect extra logger)
     logs = api(f"{base}/logs/filter", {"logs": {"flow_run_id": {"any_": [run["id"]]}}})
     assert any("root rounds" in entry["message"] for entry in logs), [e["message"] for e in logs][:10]
