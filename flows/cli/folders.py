@@ -14,8 +14,8 @@ from typing import Annotated
 
 import typer
 
-from flows.cli.options import DEFAULT_RUN_DIR, JsonOption, RunDirOption, RunSpecArgument
-from flows.cli.shell import console, fail, out, prepare_environment, print_json, runs_folder_of
+from flows.cli.options import DEFAULT_RUN_DIR, JsonOption, RunDirOption, RunSpecArgument, runs_folder_of
+from flows.cli.shell import console, fail, out, prepare_environment, print_json
 
 
 def sync(

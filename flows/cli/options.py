@@ -1,4 +1,5 @@
-"""The options and arguments ``bhfl`` commands share, so each is written (and documented) once.
+"""The options and arguments ``bhfl`` commands share, so each is written (and documented) once, and how a
+RUN given as a folder path sets the default ``--run-dir``.
 
 Typer shows a value type beside every option; flags take no value, so they set
 ``metavar=FLAG`` (empty) and ``Command`` does the same for typer's own flags.
@@ -68,3 +69,23 @@ RunSpecArgument = Annotated[
         help="Run folder, <name>/<stamp>, `latest` or an MLflow run id (full or a unique 8+ character prefix).",
     ),
 ]
+
+
+def runs_folder_of(run_spec: str | None, run_dir: Path) -> Path:
+    """The runs folder a RUN typed as a folder path lives in, when ``--run-dir`` is left at its default.
+
+    Every run, sweep and pipeline folder is ``<runs folder>/<name>/<stamp>`` (its resume reads
+    its MLflow store and data cache there already): ``bhfl resume /data/runs/x/<stamp>`` typed
+    in another folder uses that runs folder's Prefect home rather than creating ``./runs``.
+    """
+    from bhfl_core.store.run_layout import CONFIG_FILE
+    from flows.records.pipeline_record import PIPELINE_CONFIG
+    from flows.records.sweep_record import SWEEP_CONFIG
+
+    if run_spec is None or run_dir != DEFAULT_RUN_DIR:
+        return run_dir
+    folder = Path(run_spec).expanduser()
+    if not any((folder / name).is_file() for name in (CONFIG_FILE, SWEEP_CONFIG, PIPELINE_CONFIG)):
+        return run_dir
+    runs = folder.resolve().parents[1]
+    return run_dir if runs == run_dir.resolve() else runs

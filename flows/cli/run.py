@@ -25,6 +25,7 @@ from flows.cli.options import (
     SetOption,
     TrackingOption,
     VerboseOption,
+    runs_folder_of,
 )
 from flows.cli.prefect_link import EXPERIMENT_FLOW
 from flows.cli.shell import (
@@ -37,7 +38,6 @@ from flows.cli.shell import (
     prefect_api,
     preflight,
     prepare_environment,
-    runs_folder_of,
 )
 
 if TYPE_CHECKING:

@@ -126,27 +126,6 @@ def load_config(path: Path, overrides: list[str]) -> ExperimentConfig:
         raise  # unreachable: fail exits
 
 
-def runs_folder_of(run_spec: str | None, run_dir: Path) -> Path:
-    """The runs folder a RUN typed as a folder path lives in, when ``--run-dir`` is left at its default.
-
-    Every run, sweep and pipeline folder is ``<runs folder>/<name>/<stamp>`` (its resume reads
-    its MLflow store and data cache there already): ``bhfl resume /data/runs/x/<stamp>`` typed
-    in another folder uses that runs folder's Prefect home rather than creating ``./runs``.
-    """
-    from bhfl_core.store.run_layout import CONFIG_FILE
-    from flows.cli.options import DEFAULT_RUN_DIR
-    from flows.records.pipeline_record import PIPELINE_CONFIG
-    from flows.records.sweep_record import SWEEP_CONFIG
-
-    if run_spec is None or run_dir != DEFAULT_RUN_DIR:
-        return run_dir
-    folder = Path(run_spec).expanduser()
-    if not any((folder / name).is_file() for name in (CONFIG_FILE, SWEEP_CONFIG, PIPELINE_CONFIG)):
-        return run_dir
-    runs = folder.resolve().parents[1]
-    return run_dir if runs == run_dir.resolve() else runs
-
-
 def prepare_environment(run_dir: Path, verbose: bool) -> None:
     """Defaults for Prefect and HF libraries, set before they are imported; user settings win."""
     try:

@@ -18,8 +18,7 @@ from typer.testing import CliRunner
 
 from bhfl_core.config.schema import dump
 from flows.cli.app import app
-from flows.cli.options import DEFAULT_RUN_DIR
-from flows.cli.shell import runs_folder_of
+from flows.cli.options import DEFAULT_RUN_DIR, runs_folder_of
 from flows.records.run_record import RunRecord, RunStateError
 from tests.flows.commands import cli
 from tests.small import SMALL, small_config
