@@ -74,3 +74,38 @@ def test_up_residual_candidates_at_an_asynchronous_node_are_the_stale_weighted_m
     want += 3 * torch.tensor([5 / 3, 4 / 3 + 2 / 2**0.5], dtype=torch.float64)
     assert total.weight == 5.0
     assert torch.allclose(total.total.double(), want, atol=1e-5)
+
+
+def test_a_synchronous_root_receives_its_asynchronous_edge_after_exactly_its_flushes(tmp_path):
+    """sync root (2 rounds) -> async edge A (1 flush per execution, C 2, K 1) -> persistent clients a1, a2
+    (eta_down 0.5, TRAIN adds [1, 0] / [0, 2]); a1 takes 1 s, a2 3 s on its first call and 0.5 s after.
+
+    Root round 0 sends [0, 0]: A sends it to both; a1 arrives first, A's flush adopts [1, 0] (fedavg, eta 1,
+    s 0) and A returns it after 1 s: a2, still in flight, is awaited and dropped, but it saved its model
+    [0, 2]. Root round 1 sends [1, 0]: a2 now arrives first, from its own advanced model:
+    0.5 [0, 2] + 0.5 [1, 0] + [0, 2] = [0.5, 3], which A adopts and the root receives; a1 (dropped) saved
+    0.5 [1, 0] + 0.5 [1, 0] + [1, 0] = [2, 0]. The root's clock: 1 + 0.5."""
+    from bhfl_core.algorithm.contract import ROOT_PLAN
+    from bhfl_core.algorithm.tree import Node, Role
+    from tests.core.test_async_resume import AsyncHooks
+
+    client = settings(train=True, eta_down=0.5)
+    nodes = {c: Node(c, Role.CLIENT, 2, "A", (), client, w) for c, w in (("a1", 1.0), ("a2", 3.0))}
+    edge = replace(settings(rounds=1), asynchronous=AsyncParams(concurrency=2, buffer=1))
+    nodes["A"] = Node("A", Role.EDGE, 1, "root", ("a1", "a2"), edge, 4.0)
+    nodes["root"] = Node("root", Role.ROOT, 0, None, ("A",), settings(rounds=2), 4.0)
+    tree = Tree(nodes=nodes, root_id="root")
+
+    class Timed(AsyncHooks):
+        def call_duration(self, node, child, plan):
+            return 1.0 if child.id == "a1" else (3.0 if plan.caller.round < 2 else 0.5)
+
+    store = StateStore(tmp_path)
+    store.save("root", NodeState(model=torch.zeros(2)))
+    hooks = Timed(tree, store, None, eager=False)
+    result = hooks.execute(tree.root, None, ROOT_PLAN)
+    assert result.theta.tolist() == [0.5, 3.0]
+    assert store.load("A").rounds_done == 2  # one flush per execution, versions counted on
+    assert (store.load_model("a1").tolist(), store.load_model("a2").tolist()) == ([2.0, 0.0], [0.5, 3.0])
+    assert [hooks.metrics[("A", r)]["async/dropped_results"] for r in (0, 1)] == [1.0, 1.0]
+    assert result.virtual_s == 1.5
