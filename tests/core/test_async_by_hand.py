@@ -109,3 +109,35 @@ def test_a_synchronous_root_receives_its_asynchronous_edge_after_exactly_its_flu
     assert (store.load_model("a1").tolist(), store.load_model("a2").tolist()) == ([2.0, 0.0], [0.5, 3.0])
     assert [hooks.metrics[("A", r)]["async/dropped_results"] for r in (0, 1)] == [1.0, 1.0]
     assert result.virtual_s == 1.5
+
+
+def test_an_asynchronous_root_weighs_a_synchronous_edge_by_the_flushes_since_it_was_sent(tmp_path):
+    """async root (2 flushes, C 2, K 1, 1/sqrt(1+s)) -> sync edges A (1 round) and B (2 rounds) -> clients
+    (1 virtual second a call; TRAIN adds STEPS; edges take the example-weighted mean).
+
+    t=0: A and B are sent theta0 = 0. A's execution takes 1 s: [0, 0] + ([1, 0] + 3 [0, 2]) / 4 = [1/4, 3/2]
+    -> flush 1 adopts it (s 0); A is sent theta1 again. t=2: B (2 rounds of + (2 [2, 2] + 2 [4, 0]) / 4,
+    so [6, 2] from theta0) ties with A's second call and goes first (earlier dispatch): s 1 ->
+    flush 2: theta2 = theta1 + [6, 2] / sqrt2; A's second result is dropped."""
+    from bhfl_core.algorithm.contract import ROOT_PLAN
+    from bhfl_core.algorithm.tree import Node, Role
+    from tests.core.test_async_resume import AsyncHooks
+
+    weights = {"a1": 1.0, "a2": 3.0, "b1": 2.0, "b2": 2.0}
+    nodes = {c: Node(c, Role.CLIENT, 2, c[0].upper(), (), settings(train=True), w) for c, w in weights.items()}
+    nodes["A"] = Node("A", Role.EDGE, 1, "root", ("a1", "a2"), settings(rounds=1), 4.0)
+    nodes["B"] = Node("B", Role.EDGE, 1, "root", ("b1", "b2"), settings(rounds=2), 4.0)
+    root = replace(settings(rounds=2), asynchronous=AsyncParams(concurrency=2, buffer=1))
+    nodes["root"] = Node("root", Role.ROOT, 0, None, ("A", "B"), root, 8.0)
+    tree = Tree(nodes=nodes, root_id="root")
+    store = StateStore(tmp_path)
+    store.save("root", NodeState(model=torch.zeros(2)))
+    hooks = AsyncHooks(tree, store, None, eager=False)
+    result = hooks.execute(tree.root, None, ROOT_PLAN)
+    r2 = 2**0.5
+    want = torch.tensor([1 / 4 + 6 / r2, 3 / 2 + 2 / r2], dtype=torch.float64)
+    assert torch.allclose(result.theta.double(), want, atol=1e-6)
+    assert result.virtual_s == 2.0
+    assert [hooks.metrics[("root", r)]["async/staleness_max"] for r in (0, 1)] == [0.0, 1.0]
+    assert hooks.metrics[("root", 1)]["async/dropped_results"] == 1.0
+    assert (store.load("A").rounds_done, store.load("B").rounds_done) == (2, 2)  # A ran twice, B once
