@@ -22,7 +22,10 @@ fast the real workers are, while the real calls of all in-flight children run at
 Choices where FedBuff is silent (docs/algorithm.md):
 - the version ``v`` is the node's round counter (flushes), so staleness is counted in
   the node's own model versions;
-- a result is buffered with the child's example weight ``p_i`` (``asynchrony.py``);
+- a result is buffered with the child's example weight ``p_i`` (``asynchrony.py``), and a child
+  sent the model again after its result arrived may be buffered again before the flush;
+- no staleness bound: every arrival is used, shrunk by ``w(s)`` only;
+- an up-residual candidate is the result as folded, ``theta_v + w(s_i) Delta_i`` (``_buffer``);
 - at the end of an execution (T_q flushes) the children still in flight are awaited
   and their results dropped (``async/dropped_results``): an execution hands its parent
   a model, not pending work; the next execution starts with an empty buffer;
@@ -259,7 +262,10 @@ def _buffer(
     """Fold an arrived result into the buffer: ``theta_v + w(s) (y - theta_{v_i})`` with the child's weight.
 
     The buffer is the node's rule's partial, opened from its state's plan against ``theta_v``
-    (the model the stale-weighted contribution is relative to).
+    (the model the stale-weighted contribution is relative to). An up-residual candidate is
+    that same stale-weighted model, not the raw ``y``: SELECTRESIDUALS ranks ``candidate -
+    theta_v``, which for the raw ``y`` of a stale child would add the node's own drift since
+    ``theta_{v_i}`` to the child's update (a fresh result is ``y`` itself, bit for bit).
     """
     assert result.model is not None
     node, rule, version = scope.node, scope.rule, state.rounds_done
@@ -277,7 +283,7 @@ def _buffer(
         run.proxy_metrics = proxy_metrics(result)
     elif node.settings.res_up:
         loss = result.losses[0].loss if result.losses else math.nan
-        run.candidates.append(Candidate(member.id, result.model, member.weight, loss))
+        run.candidates.append(Candidate(member.id, stale, member.weight, loss))  # as folded: see docstring
 
 
 class _Saved:
