@@ -44,6 +44,7 @@ from bhfl_core.config.base import ConfigError
 from bhfl_core.config.loader import apply_override, config_from_dict, read_yaml
 from bhfl_core.config.pipeline import is_pipeline, read_pipeline_yaml
 from bhfl_core.config.schema import ExperimentConfig, dump
+from bhfl_core.config.tree_schema import NodeOverride
 from bhfl_core.config.yaml_reader import parse_yaml
 
 TOP_KEYS = ("name", "base", "set", "configs", "grid", "seeds", "baseline")
@@ -63,7 +64,20 @@ def config_hash(config: ExperimentConfig) -> str:
     data = dump(config)
     data.pop("runtime", None)
     data.get("eval", {}).pop("batch_size", None)
+    _as_first_hashed(data.get("tree", {}))
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _as_first_hashed(tree: dict[str, Any]) -> None:
+    """Per-node and per-depth entries in the form the hash was first taken over: every key, null where unset
+    (``NodeOverride`` dumps only the keys written now), so runs recorded before still match; an explicit
+    ``cohort: null`` (all children), which that form could not tell from an unset one, is marked."""
+    for section in ("nodes", "levels"):
+        for entry in (tree.get(section) or {}).values():
+            if "cohort" in entry and entry["cohort"] is None:
+                entry["cohort_all_children"] = True
+            for key in NodeOverride.model_fields:
+                entry.setdefault(key, None)
 
 
 @dataclass(frozen=True)

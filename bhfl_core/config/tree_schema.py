@@ -187,7 +187,27 @@ class LevelSettings(Strict):
 
 
 class NodeOverride(Strict):
-    """Per-node override: any subset of LevelSettings keys."""
+    """Per-node override: any subset of LevelSettings keys.
+
+    Only the keys written are dumped (``_only_written``): a key's absence means "the level's
+    value", while ``cohort: null`` written means "all children", so a dump listing every key
+    would read back with each inherited cohort replaced by all children (a resumed run, a
+    sweep point, a pipeline stage or a served run trained other cohorts than the config said).
+    """
+
+    @model_validator(mode="before")
+    @classmethod
+    def _dumped_by_an_earlier_version(cls, data: Any) -> Any:
+        """An entry listing every key is a run's ``config.yaml`` written before ``_only_written``: its
+        ``cohort: null`` was not written by the user, so the level's cohort applies (as when the run started)."""
+        if isinstance(data, dict) and set(cls.model_fields) <= set(data) and data.get("cohort") is None:
+            return {k: v for k, v in data.items() if k != "cohort"}
+        return data
+
+    @model_serializer(mode="wrap")
+    def _only_written(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
+        return {k: v for k, v in data.items() if k in self.model_fields_set}
 
     rounds: Annotated[int, Field(ge=1)] | None = None
     cohort: Annotated[int, Field(ge=1)] | Annotated[float, Field(gt=0, le=1)] | None = None
