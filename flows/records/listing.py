@@ -123,7 +123,9 @@ def redo_summary(p: Progress | None) -> str:
     if p.root_done < p.root_rounds:
         inside = p.stopped_at and not p.stopped_at.startswith(f"{ROOT} ")
         parts.append(f"root round {p.root_done + 1}" + (f" (from {p.stopped_at})" if inside else ""))
-        if p.root_done + 1 < p.root_rounds:
+        if p.root_done + 2 == p.root_rounds:
+            parts.append(f"round {p.root_rounds}")
+        elif p.root_done + 2 < p.root_rounds:
             parts.append(f"rounds {p.root_done + 2}-{p.root_rounds}")
     parts.append("final evaluation")
     return "; ".join(parts)

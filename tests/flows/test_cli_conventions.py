@@ -27,7 +27,7 @@ from typer.testing import CliRunner
 
 from bhfl_core.config.schema import dump
 from flows.cli.app import _print_summary, app
-from flows.records.listing import _by_run_id
+from flows.records.listing import Progress, _by_run_id, redo_summary
 from flows.records.pipeline_record import PipelineRecord, StageRecord
 from flows.records.run_record import RunRecord
 from flows.records.run_state import RunStateError
@@ -355,3 +355,15 @@ def test_an_error_is_printed_as_written_not_read_as_markup(capsys):
         fail(message)
     assert stop.value.exit_code == 2
     assert capsys.readouterr().err.strip() == f"error: {message}"
+
+
+def test_redo_names_one_remaining_round_as_a_round_not_a_range():
+    """An interrupted 2-round run said 'rounds 2-2'; the rest of a run reads as English."""
+    inside = "edge-ru round 1"
+    assert redo_summary(Progress(0, 2, stopped_at=inside)) == (
+        "root round 1 (from edge-ru round 1); round 2; final evaluation"
+    )
+    assert redo_summary(Progress(0, 4, stopped_at=inside)) == (
+        "root round 1 (from edge-ru round 1); rounds 2-4; final evaluation"
+    )
+    assert redo_summary(Progress(1, 2)) == "root round 2; final evaluation"
