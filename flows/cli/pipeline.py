@@ -21,6 +21,7 @@ from rich.table import Table
 from flows.cli.jobs import JobKind, resumable, run_job, start_forkserver
 from flows.cli.prefect_link import PIPELINE_FLOW
 from flows.cli.shell import console, fail, open_ui, out, prepare_environment, serve_on_schedule
+from flows.cli.tables import print_table
 from flows.progress import RichReporter
 
 
@@ -172,7 +173,7 @@ def print_summary(result: dict[str, Any], run_dir: Path) -> None:
             _num(m, "comm/total_model_equivalents", 0),
             _num(m, "time/total_s", 0),
         )
-    out.print(table, soft_wrap=False)  # the results: stdout
+    print_table(table)  # the results: stdout
     uri = result["tracking_uri"]
     stage_lines = "\n".join(f"    {name}: {entry['run_path']}" for name, entry in result["stages"].items())
     out.print(

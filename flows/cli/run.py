@@ -39,6 +39,7 @@ from flows.cli.shell import (
     preflight,
     prepare_environment,
 )
+from flows.cli.tables import print_table
 
 if TYPE_CHECKING:
     from flows.launch import Launch
@@ -81,7 +82,7 @@ def print_summary(result: dict, run_dir: Path) -> None:
     for name, value in result["headline"].items():
         beside = [f"{baseline[name]:.4g}" if name in baseline else ""] if baseline else []
         table.add_row(name, f"{value:.4g}", *beside)
-    out.print(table, soft_wrap=False)
+    print_table(table)
     uri = result["tracking_uri"]
     out.print(
         f"\n[bold green]done[/] in {result['wall_time_s']:.0f} s\n"

@@ -27,6 +27,7 @@ from flows.cli.jobs import JobKind, resumable, run_job, start_forkserver
 from flows.cli.options import DEFAULT_CONFIG, DEFAULT_RUN_DIR, RunDirOption, TrackingOption, VerboseOption
 from flows.cli.prefect_link import SWEEP_FLOW
 from flows.cli.shell import console, exit_if_stopped, fail, open_ui, out, prepare_environment, serve_on_schedule
+from flows.cli.tables import print_table, results_width
 from flows.progress import RichReporter
 
 if TYPE_CHECKING:
@@ -313,7 +314,7 @@ def print_summary(result: dict[str, Any], run_dir: Path) -> None:
         label: client.get_run(entry["run_id"]).data.metrics if entry["run_id"] else {}
         for label, entry in result["points"].items()
     }
-    out.print(summary_table(result, metrics, out.width), soft_wrap=False)  # the results: stdout
+    print_table(summary_table(result, metrics, results_width()))  # the results: stdout
     uri = result["tracking_uri"]
     skipped = len(result["points"]) - len(result["ran"])
     out.print(

@@ -30,6 +30,7 @@ from bhfl_core.analysis.comparison import (
 )
 from bhfl_core.config.sweep import load_sweep
 from flows.cli.sweep import summary_table
+from flows.cli.tables import print_table, results_width
 from tests.small import REPO, SMALL
 
 pytestmark = pytest.mark.integration  # tests/flows: the session's Prefect server starts (it is not used here)
@@ -79,6 +80,24 @@ def test_a_label_longer_than_its_column_wraps_at_commas_never_cut():
     assert any(cell.endswith(",") for cell in cells)  # it did wrap
     parts = {part for label in labels for part in label.split(",")}
     assert all(any(part in cell for cell in cells) for part in parts)  # every key=value whole on one line
+
+
+def test_a_table_printed_to_a_file_is_not_wrapped_at_80_columns(monkeypatch, capsys):
+    """stdout redirected (not a terminal, no COLUMNS): the sweep table takes the width it needs, each label and
+    each "mean / worst 10%" pair on one line (rich assumed 80 columns and wrapped them)."""
+    grid = ["tree.edge.eta_down=0.5,1.0", "tree.client.eta_down=0.5,1.0"]
+    labels = load_sweep(REPO / "configs" / "embedded.yaml", SMALL, grid, [0], name="eta").labels
+    monkeypatch.delenv("COLUMNS", raising=False)
+    result = {
+        "name": "eta",
+        "points": {label: {"status": "finished", "run_id": f"run-{i}"} for i, label in enumerate(labels)},
+        "tasks": dict.fromkeys(labels, "classification"),
+    }
+    numbers = {"client_on_own_clients/accuracy_mean": 0.8312, "client_on_own_clients/accuracy_worst10": 0.6}
+    print_table(summary_table(result, dict.fromkeys(labels, numbers), results_width()))
+    lines = capsys.readouterr().out.splitlines()
+    assert max(map(len, lines)) > 80
+    assert all(any(label in line and "0.831 / 0.600" in line for line in lines) for label in labels)
 
 
 def _by_config(values: dict[str, dict[str, list[float]]], metric: str, baseline: str | None = None) -> ByConfig:
