@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import functools
 import platform
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -180,7 +179,6 @@ def _run_stages(
 
 
 def _pipeline(folder: Path, launch: Launch, overrides: Sequence[str] = ()) -> dict[str, Any]:
-    started = time.time()
     pipeline = read_pipeline_config(folder)
     record = PipelineRecord.found(folder)
     tracker = Tracker(record.tracking_uri, resumed=record.resumes > 0)
@@ -214,7 +212,6 @@ def _pipeline(folder: Path, launch: Launch, overrides: Sequence[str] = ()) -> di
         "metrics": metrics,  # stage -> its headline metrics
         "totals": totals,  # the last stage's headlines; communication and time summed over the stages
         "resumes": record.resumes,
-        "wall_time_s": time.time() - started,
     }
 
 

@@ -227,7 +227,6 @@ class _Attempt:
             **self.summary,
             "timeline": self.record.timeline,
             "resumes": self.record.resumes,
-            "wall_time_s": time.time() - self.started,
             "tracking_undelivered": undelivered.message() if undelivered else "",
         }
 

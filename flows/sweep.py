@@ -161,7 +161,6 @@ class _Sweeper:
         progress.note(f"point {point.label}: {status}" + (f" ({error})" if error else ""))
 
     def run(self, parallel: int | None) -> dict[str, Any]:
-        started = time.time()
         record = self.record
         todo: list[Point] = []
         for point in self.sweep:
@@ -225,7 +224,6 @@ class _Sweeper:
             "points": {label: entry.model_dump() for label, entry in record.points.items()},
             "tasks": {p.label: p.config.data.task for p in self.sweep},
             "resumes": record.resumes,
-            "wall_time_s": time.time() - started,
         }
 
     def _run_all(self, todo: list[Point], width: int, launch: Launch) -> None:

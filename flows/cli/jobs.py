@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,6 +61,15 @@ class JobKind:
     reporter: Callable[[], RichReporter]  # its progress on stderr
     summary: Callable[[Result, Path], None]  # its results on stdout
     guard: Guard = guarded  # failures as one paragraph and an exit code
+
+
+def command_seconds() -> float:
+    """Seconds since this command's process started: what the summaries' "done in" says, imports, the Prefect
+    server and the workers included (the run's own ``time/total_s`` counts from its flow's start, 10-50 s less),
+    so it agrees with the user's clock."""
+    import psutil
+
+    return time.time() - psutil.Process().create_time()
 
 
 def start_forkserver(configs: Sequence[ExperimentConfig]) -> None:

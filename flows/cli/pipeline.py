@@ -18,7 +18,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from flows.cli.jobs import JobKind, resumable, run_job, start_forkserver
+from flows.cli.jobs import JobKind, command_seconds, resumable, run_job, start_forkserver
 from flows.cli.prefect_link import PIPELINE_FLOW
 from flows.cli.shell import console, fail, open_ui, out, prepare_environment, serve_on_schedule
 from flows.cli.tables import print_table
@@ -177,7 +177,7 @@ def print_summary(result: dict[str, Any], run_dir: Path) -> None:
     uri = result["tracking_uri"]
     stage_lines = "\n".join(f"    {name}: {entry['run_path']}" for name, entry in result["stages"].items())
     out.print(
-        f"\n[bold green]done[/] in {result['wall_time_s']:.0f} s\n"
+        f"\n[bold green]done[/] in {command_seconds():.0f} s\n"
         f"  pipeline folder: {result['pipeline_path']}\n  stage runs (each with report/report.md):\n{stage_lines}\n"
         f"  MLflow store: {uri}\n  MLflow pipeline run id: {result['run_id']}\n"
         + open_ui(uri, run_dir, result["experiment_id"], result["run_id"]),

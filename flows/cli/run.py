@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from flows.cli.jobs import JobKind, run_job, start_forkserver
+from flows.cli.jobs import JobKind, command_seconds, run_job, start_forkserver
 from flows.cli.options import (
     DEFAULT_CONFIG,
     DEFAULT_RUN_DIR,
@@ -85,7 +85,7 @@ def print_summary(result: dict, run_dir: Path) -> None:
     print_table(table)
     uri = result["tracking_uri"]
     out.print(
-        f"\n[bold green]done[/] in {result['wall_time_s']:.0f} s\n"
+        f"\n[bold green]done[/] in {command_seconds():.0f} s\n"
         f"  run files (node models, optimiser states): {result['run_path']}{_on_disk(result)}\n"
         f"  MLflow store: {uri}\n"
         f"  MLflow run id: {result['run_id']}  (evaluation matrix: artefact eval/matrix.csv)\n"

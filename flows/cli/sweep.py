@@ -23,7 +23,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from flows.cli.jobs import JobKind, resumable, run_job, start_forkserver
+from flows.cli.jobs import JobKind, command_seconds, resumable, run_job, start_forkserver
 from flows.cli.options import DEFAULT_CONFIG, DEFAULT_RUN_DIR, RunDirOption, TrackingOption, VerboseOption
 from flows.cli.prefect_link import SWEEP_FLOW
 from flows.cli.shell import console, exit_if_stopped, fail, open_ui, out, prepare_environment, serve_on_schedule
@@ -318,7 +318,7 @@ def print_summary(result: dict[str, Any], run_dir: Path) -> None:
     uri = result["tracking_uri"]
     skipped = len(result["points"]) - len(result["ran"])
     out.print(
-        f"\n[bold green]done[/] in {result['wall_time_s']:.0f} s: {len(result['ran'])} experiment(s) run, "
+        f"\n[bold green]done[/] in {command_seconds():.0f} s: {len(result['ran'])} experiment(s) run, "
         f"{result['parallel']} at a time; {skipped} finished before\n"
         f"  sweep folder: {result['sweep_path']} (sweep.json: label -> run folder)\n"
         f"  MLflow store: {uri}\n  MLflow sweep run id: {result['run_id']}\n"
