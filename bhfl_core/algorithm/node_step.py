@@ -22,7 +22,8 @@ Choices where ALGORITHMS.md is silent:
   sends no up-residuals; a DP server's still gets the round's noise (whether a round was
   empty would otherwise show, and under Poisson sampling that depends on who is in the data).
 - A LoRA node with ``adapter_rank`` (``settings.rank``) caps theta_0, the mean input and
-  theta' (after the up-residuals, which may come from nodes of a higher rank) to its rank (``adapter_fold.cap_rank``: HetLoRA's zero-padding, FlexLoRA's truncation).
+  theta' (after the up-residuals, which may come from nodes of a higher rank) to its
+  rank (``adapter_fold.cap_rank``: HetLoRA's zero-padding, FlexLoRA's truncation).
   A FedSA client (``settings.own_b``) takes theta_0's B matrices from the model it saved
   (``adapter_fold.keep_own_b``), persistent or not: it always keeps its state.
 """
