@@ -50,7 +50,8 @@ def adapter_fold(
     if adapter.aggregation == "exact":
         raise ConfigError(
             f"model.adapter.aggregation: exact re-factorises the mean of the children's products s·B_i·A_i, "
-            f"but at {node_id!r} {reason}; use aggregation: ab-mean or ffa there (ffa is exact under any rule)"
+            f"but at {node_id!r} {reason}; use aggregation: ab-mean or ffa there (ffa's fold is linear in B: "
+            "exact under dp, secagg and any rule linear in the models)"
         )
     return None  # ab-mean's error metric: logged where the fold sees the children's models
 
