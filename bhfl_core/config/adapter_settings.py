@@ -73,6 +73,13 @@ def rank_cap(config: ExperimentConfig, rank: int | None, key: str) -> RankCap | 
             f"{key}: with model.adapter.aggregation: ffa the A matrices are frozen and not federated, so a rank "
             "cannot be cut from them; use ab-mean or exact with per-node ranks"
         )
+    if adapter.init_lora_weights in ("pissa", "olora"):
+        raise ConfigError(
+            f"{key}: with model.adapter.init_lora_weights: {adapter.init_lora_weights} the adapters start as the "
+            "principal part of each adapted weight, taken out of the frozen one (W - s·B·A), so cutting A's rows "
+            f"and B's columns from {rank} on would remove that part of the pretrained weights, not train a smaller "
+            "adapter; use init_lora_weights: true or gaussian with per-node ranks"
+        )
     return RankCap(rank)
 
 

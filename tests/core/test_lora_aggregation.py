@@ -283,6 +283,15 @@ def test_an_option_peft_would_ignore_is_refused_naming_the_key(overrides, messag
             ["model.adapter={aggregation: ffa}", "tree.client.adapter_rank=2"],
             r"tree\.client\.adapter_rank: with model\.adapter\.aggregation: ffa",
         ),
+        # pissa/olora move the adapters' start out of the frozen weights: a cut would remove part of the backbone
+        (
+            ["model.adapter={r: 4, init_lora_weights: pissa}", "tree.nodes.en-01.adapter_rank=2"],
+            r"tree\.nodes\.en-01\.adapter_rank: with model\.adapter\.init_lora_weights: pissa",
+        ),
+        (
+            ["model.adapter={r: 4, init_lora_weights: olora}", "tree.client.adapter_rank=2"],
+            r"tree\.client\.adapter_rank: with model\.adapter\.init_lora_weights: olora",
+        ),
     ],
 )
 def test_bad_adapter_settings_are_refused_naming_the_key(overrides, message):
