@@ -21,8 +21,9 @@ Choices where ALGORITHMS.md is silent:
 - A round whose children all failed (empty aggregate) leaves the model as it was and
   sends no up-residuals; a DP server's still gets the round's noise (whether a round was
   empty would otherwise show, and under Poisson sampling that depends on who is in the data).
-- A LoRA node with ``adapter_rank`` (``settings.rank``) caps theta_0 and the mean input
-  to its rank (``adapter_fold.cap_rank``: HetLoRA's zero-padding, FlexLoRA's truncation).
+- A LoRA node with ``adapter_rank`` (``settings.rank``) caps theta_0, the mean input and
+  theta' (after the up-residuals, which may come from nodes of a higher rank) to its
+  rank (``adapter_fold.cap_rank``: HetLoRA's zero-padding, FlexLoRA's truncation).
   A FedSA client (``settings.own_b``) takes theta_0's B matrices from the model it saved
   (``adapter_fold.keep_own_b``), persistent or not: it always keeps its state.
 """
@@ -158,6 +159,7 @@ def node_up(
             posts.append(ResidualPost(link.target, link.key, contribution(chosen, link.combine), models))
     opt_up, stepped = node_opt_step(state.opt_up, theta, mean_input, settings.opt_up, scorer)
     theta, opt_res, seen = fold_residuals(inbox, theta, stepped, state.opt_res, state.res_seen, settings, scorer)
+    theta = cap_rank(theta, settings.rank)  # an up-residual from a node of a higher rank is cut like the mean
     after = replace(state, model=theta, opt_up=opt_up, opt_res=opt_res, res_seen=seen, rule_state=dict(rule_state))
     return after, posts, metrics
 

@@ -50,7 +50,8 @@ def adapter_fold(
     if adapter.aggregation == "exact":
         raise ConfigError(
             f"model.adapter.aggregation: exact re-factorises the mean of the children's products s·B_i·A_i, "
-            f"but at {node_id!r} {reason}; use aggregation: ab-mean or ffa there (ffa is exact under any rule)"
+            f"but at {node_id!r} {reason}; use aggregation: ab-mean or ffa there (ffa's fold is linear in B: "
+            "exact under dp, secagg and any rule linear in the models)"
         )
     return None  # ab-mean's error metric: logged where the fold sees the children's models
 
@@ -71,6 +72,13 @@ def rank_cap(config: ExperimentConfig, rank: int | None, key: str) -> RankCap | 
         raise ConfigError(
             f"{key}: with model.adapter.aggregation: ffa the A matrices are frozen and not federated, so a rank "
             "cannot be cut from them; use ab-mean or exact with per-node ranks"
+        )
+    if adapter.init_lora_weights in ("pissa", "olora"):
+        raise ConfigError(
+            f"{key}: with model.adapter.init_lora_weights: {adapter.init_lora_weights} the adapters start as the "
+            "principal part of each adapted weight, taken out of the frozen one (W - s·B·A), so cutting A's rows "
+            f"and B's columns from {rank} on would remove that part of the pretrained weights, not train a smaller "
+            "adapter; use init_lora_weights: true or gaussian with per-node ranks"
         )
     return RankCap(rank)
 

@@ -13,11 +13,14 @@ import torch
 
 from bhfl_core.algorithm.adapter_fold import AdapterBlock, AdapterFold, RankCap, cap_rank
 from bhfl_core.algorithm.adapter_rule import AB_ERROR, TRUNCATION_ERROR, AdapterRule
-from bhfl_core.algorithm.aggregation_rule import MeanRule
-from bhfl_core.algorithm.node_state import Caller, RoundKey
+from bhfl_core.algorithm.aggregation import WeightedSum
+from bhfl_core.algorithm.aggregation_rule import FoldedRound, MeanRule
+from bhfl_core.algorithm.node_opt import NodeOptParams
+from bhfl_core.algorithm.node_state import Caller, NodeState, RoundKey
+from bhfl_core.algorithm.node_step import PendingResidual, node_up
 from bhfl_core.algorithm.rule_registry import AggregateParams
 from bhfl_core.algorithm.rules import rule_for
-from bhfl_core.algorithm.tree import TrainParams
+from bhfl_core.algorithm.tree import NodeSettings, TrainParams
 from bhfl_core.config.base import ConfigError, SettingError
 from bhfl_core.config.topology import build_tree, placeholder_clients
 from bhfl_core.learning.adapter_layout import adapter_layout, with_adapter_layout
@@ -121,6 +124,23 @@ def test_a_capped_rank_zero_pads_the_fold_and_truncates_an_exact_factorisation()
     full = 2 * exact[6:10].double().view(2, 2) @ exact[:6].double().view(2, 3)
     u, s, vh = torch.linalg.svd(full)
     assert torch.allclose(product, s[0] * u[:, :1] @ vh[:1], atol=1e-5)
+
+
+def test_a_capped_server_stays_at_its_rank_after_folding_an_up_residual_of_a_higher_rank():
+    # a rank-1 server (RANK2 layout: [A 2x3 | B 2x2 | head 2]) with no children's change (mean = its model) and
+    # an up-residual from a rank-2 node, folded by FedAvg at eta 1: theta + (residual - theta) = the residual,
+    # whose second row of A and column of B must be cut like everything else the node holds
+    cap = RankCap(1, (RANK2,), 12)
+    own = cap_rank(torch.zeros(12), cap)
+    report = FoldedRound(WeightedSum(), [], {}, [])
+    report.partial.add(own, 1.0)
+    residual = WeightedSum()
+    residual.add(torch.arange(1.0, 13.0), 1.0)
+    inbox = {"up0": PendingResidual(residual, {"up0/c9": 0})}
+    settings = NodeSettings(rank=cap, res_in=(("up0", NodeOptParams()),))
+    state, _, _ = node_up(NodeState(model=own), report, inbox, settings, KEY)
+    # by hand: A = [[1 2 3], [0 0 0]], B = [[7 0], [9 0]], head [11 12]
+    assert state.theta.tolist() == [1.0, 2, 3, 0, 0, 0, 7, 0, 9, 0, 11, 12]
 
 
 def test_a_client_of_rank_r_trains_only_its_r_components():
@@ -262,6 +282,15 @@ def test_an_option_peft_would_ignore_is_refused_naming_the_key(overrides, messag
         (
             ["model.adapter={aggregation: ffa}", "tree.client.adapter_rank=2"],
             r"tree\.client\.adapter_rank: with model\.adapter\.aggregation: ffa",
+        ),
+        # pissa/olora move the adapters' start out of the frozen weights: a cut would remove part of the backbone
+        (
+            ["model.adapter={r: 4, init_lora_weights: pissa}", "tree.nodes.en-01.adapter_rank=2"],
+            r"tree\.nodes\.en-01\.adapter_rank: with model\.adapter\.init_lora_weights: pissa",
+        ),
+        (
+            ["model.adapter={r: 4, init_lora_weights: olora}", "tree.client.adapter_rank=2"],
+            r"tree\.client\.adapter_rank: with model\.adapter\.init_lora_weights: olora",
         ),
     ],
 )
