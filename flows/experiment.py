@@ -29,6 +29,7 @@ from typing import Any
 import yaml
 from prefect import flow
 
+from bhfl_core.config.adapter_caveats import exact_caveats
 from bhfl_core.config.schema import ExperimentConfig, dump
 from bhfl_core.learning.adapter_check import check_adapter
 from bhfl_core.store.atomic import write_text_atomic
@@ -133,10 +134,11 @@ def start_run(
     """A new run of ``config`` under ``launch`` (in ``run_path``, default a new ``<run_root>/<name>/<stamp>``).
 
     A ``model.init_from`` source and the adapter options (``check_adapter``: a ``SettingError``
-    naming the key; its warnings become progress notes) are checked before anything is written or started.
+    naming the key) are checked before anything is written or started; the adapter warnings (``check_adapter``,
+    ``exact_caveats``) become progress notes.
     """
     config = resolve_init_from(config, launch.run_root)
-    for warning in check_adapter(config.model, config.data.task):
+    for warning in (*check_adapter(config.model, config.data.task), *exact_caveats(config)):
         progress.note(f"warning: {warning}")
     launch.run_root.mkdir(parents=True, exist_ok=True)
     path = (run_path or new_run_path(launch.run_root, config.name)).resolve()

@@ -21,6 +21,7 @@ from bhfl_core.algorithm.node_step import PendingResidual, node_up
 from bhfl_core.algorithm.rule_registry import AggregateParams
 from bhfl_core.algorithm.rules import rule_for
 from bhfl_core.algorithm.tree import NodeSettings, TrainParams
+from bhfl_core.config.adapter_caveats import exact_caveats
 from bhfl_core.config.base import ConfigError, SettingError
 from bhfl_core.config.topology import build_tree, placeholder_clients
 from bhfl_core.learning.adapter_layout import adapter_layout, with_adapter_layout
@@ -364,3 +365,35 @@ def test_exact_with_a_rank_above_the_matrix_size_keeps_the_rows_without_a_direct
     assert torch.allclose(2 * b @ a, by_hand, atol=1e-5)  # a 2 x 3 product has 2 directions: nothing truncated
     assert torch.equal(out[6:9], ((children[0][6:9] + children[1][6:9]) / 2).double())  # A's third row: the mean
     assert torch.equal(b[:, 2], torch.zeros(2))
+
+
+def test_exact_warns_at_each_key_that_combines_factorisations_and_nowhere_else():
+    """Under exact only the servers' folds are exact: each written key whose step mixes two models' A and B (a
+    partial down step, an up step other than adoption, Ditto, residuals, error feedback) gets one warning naming
+    it; adoption everywhere, and the same keys under ab-mean, get none."""
+    exact = "model.adapter={r: 4, alpha: 8, aggregation: exact}"
+    mixing = (
+        "tree.edge.eta_down=0.3",
+        "tree.nodes.edge-en.opt_up={kind: fedadam}",
+        "tree.residuals.up=[{from: edge, to: root}]",
+        "tree.client.personal={lr: 0.01, mu: 0.1}",
+        "tree.root.aggregate={kind: mean, compress: {kind: int8}}",
+    )
+    warned = [w.split(": ", 1)[0] for w in exact_caveats(small_config(exact, *mixing))]
+    assert sorted(warned) == sorted(
+        [
+            "tree.edge.eta_down",
+            "tree.nodes.edge-en.opt_up",
+            "tree.residuals.up",
+            "tree.client.personal",
+            "tree.root.aggregate",
+        ]
+    )
+    assert exact_caveats(small_config(exact)) == []
+    assert (
+        exact_caveats(
+            small_config(exact, "tree.root.aggregate={kind: mean, compress: {kind: int8, error_feedback: false}}")
+        )
+        == []
+    )
+    assert exact_caveats(small_config("model.adapter={r: 4, alpha: 8}", *mixing)) == []
