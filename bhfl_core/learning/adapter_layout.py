@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -16,7 +16,8 @@ if TYPE_CHECKING:
 
 
 def adapter_layout(model: nn.Module) -> tuple[tuple[AdapterBlock, ...], int]:
-    """Each adapted linear layer whose A and B are both trained, in model order, and the flat vector's length.
+    """Each adapted layer (linear or embedding) whose A and B are both trained, in model order, and the flat
+    vector's length.
 
     Offsets follow ``params.get_flat`` (trainable parameters in ``model.parameters()``
     order). A layer whose A is frozen (``aggregation: ffa``) has no block: nothing of it
@@ -30,9 +31,9 @@ def adapter_layout(model: nn.Module) -> tuple[tuple[AdapterBlock, ...], int]:
         size += p.numel()
     blocks = []
     for name, layer in model.named_modules():
-        if not isinstance(layer, LoraLayer) or "default" not in layer.lora_A:
+        if not isinstance(layer, LoraLayer) or (pair := _factors(layer)) is None:
             continue
-        a, b = _weight(layer.lora_A["default"]), _weight(layer.lora_B["default"])
+        a, b = pair
         if id(a) in offsets and id(b) in offsets and a.dim() == 2 and b.dim() == 2:
             scaling = float(layer.scaling["default"])
             rank, fan_in, fan_out = int(a.shape[0]), int(a.shape[1]), int(b.shape[0])
@@ -40,10 +41,23 @@ def adapter_layout(model: nn.Module) -> tuple[tuple[AdapterBlock, ...], int]:
     return tuple(blocks), size
 
 
-def _weight(linear: nn.Module) -> torch.Tensor:
-    weight = linear.weight
-    assert isinstance(weight, torch.Tensor)
-    return weight
+def _factors(layer: Any) -> tuple[torch.Tensor, torch.Tensor] | None:  # a peft LoraLayer (untyped attributes)
+    """A layer's (A, B): ``r x fan_in`` and ``fan_out x r``, its update ``s·B·A`` (up to a transpose).
+
+    A linear layer keeps them as ``lora_A``/``lora_B`` modules; an adapted embedding
+    (``target_modules: [word_embeddings]``) as the parameters ``lora_embedding_A``
+    (``r x num_embeddings``) and ``lora_embedding_B`` (``dim x r``), whose update peft adds
+    as ``(B·A)^T``: the same product, so it is folded, capped and kept (FedSA) like a
+    linear layer's, not left to the plain mean of A and B.
+    """
+    if "default" in layer.lora_A:
+        a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
+    elif "default" in getattr(layer, "lora_embedding_A", {}):
+        a, b = layer.lora_embedding_A["default"], layer.lora_embedding_B["default"]
+    else:
+        return None
+    assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+    return a, b
 
 
 def with_adapter_layout(tree: Tree, model: nn.Module) -> Tree:

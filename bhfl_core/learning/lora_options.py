@@ -69,7 +69,7 @@ def settle_lora(wrapped: nn.Module, adapter: AdapterSettings) -> None:
             raise SettingError(f"model.adapter.modules_to_save: no module of the model is named {entry!r}")
     if adapter.aggregation == "ffa":
         for name, p in wrapped.named_parameters():
-            if ".lora_A." in name:
+            if ".lora_A." in name or ".lora_embedding_A." in name:  # an adapted embedding's A too
                 p.requires_grad_(False)
 
 

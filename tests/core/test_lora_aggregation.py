@@ -397,3 +397,26 @@ def test_exact_warns_at_each_key_that_combines_factorisations_and_nowhere_else()
         == []
     )
     assert exact_caveats(small_config("model.adapter={r: 4, alpha: 8}", *mixing)) == []
+
+
+def test_an_adapted_embedding_is_located_folded_capped_and_frozen_like_a_linear_layer():
+    """peft keeps an embedding's A and B as parameters (``lora_embedding_A``, ``r x vocab``; ``_B``, ``dim x r``) and
+    adds ``(B·A)^T``: the layout locates them, so exact folds, rank caps and FedSA's own B cover the embedding too
+    (they left it to the plain mean of A and B), and ffa freezes its A."""
+    adapter = "model.adapter={r: 4, alpha: 8, target_modules: [query, value, word_embeddings]}"
+    model = _model(adapter)
+    set_flat(model, torch.randn(get_flat(model).numel(), generator=torch.Generator().manual_seed(3)))
+    blocks, size = adapter_layout(model)
+    assert [b.name.rsplit(".", 1)[-1] for b in blocks] == ["word_embeddings", "query", "value"]
+    embedding, flat = blocks[0], get_flat(model)
+    assert (embedding.rank, embedding.fan_in, embedding.fan_out, embedding.scaling) == (4, 400, 32, 2.0)
+    a = flat[embedding.a_offset : embedding.a_offset + 4 * 400].view(4, 400).double()
+    b = flat[embedding.b_offset : embedding.b_offset + 32 * 4].view(32, 4).double()
+    layer = _lora_layers(model)[embedding.name]
+    assert torch.allclose(2.0 * b @ a, layer.get_delta_weight("default").double().T, atol=1e-6)  # peft's own update
+    capped = cap_rank(flat, RankCap(2, blocks, size)).view(-1)
+    assert not capped[embedding.a_offset + 2 * 400 : embedding.a_offset + 4 * 400].any()  # A's rows 2, 3
+    assert not capped.view(-1)[embedding.b_offset : embedding.b_offset + 128].view(32, 4)[:, 2:].any()  # B's columns
+    ffa = _model(adapter.replace("}", ", aggregation: ffa}"))
+    assert not [n for n, p in ffa.named_parameters() if "lora_embedding_A" in n and p.requires_grad]
+    assert adapter_layout(ffa)[0] == ()
