@@ -274,7 +274,10 @@ class PipelineJob:
     def invocation(self, launch: Launch, attempt: Attempt) -> Invocation[dict[str, Any]]:
         parameters = {"pipeline_path": str(attempt.folder), "overrides": list(attempt.overrides)}
         body = functools.partial(_pipeline, attempt.folder, launch, attempt.overrides)
-        return Invocation(pipeline_flow, parameters, body, attempt.flow_run_name(attempt.folder.name))
+        # named as an experiment's and a served pipeline's: its name and the minute it started (it was the folder's
+        # stamp, which says nothing in the Prefect UI's list)
+        name = f"{PipelineRecord.found(attempt.folder).name} {lifecycle.stamp()}"
+        return Invocation(pipeline_flow, parameters, body, attempt.flow_run_name(name))
 
 
 def start_pipeline(pipeline: Pipeline, launch: Launch, folder: Path | None = None) -> dict[str, Any]:

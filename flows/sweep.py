@@ -302,7 +302,9 @@ class SweepJob:
             "cluster": launch.cluster,
         }
         body = functools.partial(_sweep, attempt.folder, launch, attempt.overrides, self.parallel)
-        return Invocation(sweep_flow, parameters, body, attempt.flow_run_name(attempt.folder.name))
+        # named as an experiment's and a served sweep's: its name and the minute it started (it was the folder's stamp)
+        name = f"{SweepRecord.found(attempt.folder).name} {lifecycle.stamp()}"
+        return Invocation(sweep_flow, parameters, body, attempt.flow_run_name(name))
 
 
 @flow(name="bhfl-sweep", validate_parameters=False, flow_run_name=lifecycle.served_run_name)

@@ -118,7 +118,7 @@ def ui(
             "interface with --host (127.0.0.1 is this machine only) or another port with --port."
         )
     console.print(
-        f"MLflow UI for {uri} on {_address(host, port)}  (Ctrl-C to stop; open 'Training runs' of your experiment)",
+        f"MLflow UI for {uri} on {_address(host, port)}  (Ctrl-C to stop; your experiment: Model training → Runs)",
         highlight=False,
     )
     from flows.services.processes import serve_until_stopped

@@ -10,6 +10,7 @@ what they send down.
 import json
 import logging
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -178,7 +179,10 @@ def test_resume_skips_finished_stages_and_ends_bit_identical(finished, monkeypat
     assert record.status == "failed" and "injected fault" in record.error
     assert [record.stages[s].status for s in "abc"] == ["finished", "failed", "pending"]
     with get_client(sync_client=True) as prefect:  # what the Prefect UI shows: the pipeline and its stage b Failed
-        (failed,) = prefect.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=["interrupted"])))
+        # named as `bhfl run` names an experiment's: the pipeline's name and the minute (it was the folder's name)
+        named = prefect.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(like_="tp 20")))
+        (failed,) = [r for r in named if r.parameters.get("pipeline_path") == str(folder.resolve())]
+        assert re.fullmatch(r"tp \d{4}-\d\d-\d\d \d\d:\d\d", failed.name), failed.name
         stage_b = {
             prefect.read_task_run(r.parent_task_run_id).flow_run_id: r.state
             for r in prefect.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=["b"])))

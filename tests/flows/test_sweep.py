@@ -184,9 +184,10 @@ def test_the_sweep_report_aggregates_seeds_and_pairs_against_the_baseline(resume
 def test_prefect_runs_the_experiments_as_subflows_of_the_sweep(resumed):
     result = resumed[2]
     with get_client(sync_client=True) as client:
-        (sweep_run,) = client.read_flow_runs(
-            flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[f"resume {Path(result['sweep_path']).name}"]))
-        )
+        # named as `bhfl run` names an experiment's: the sweep's name and the minute (it was the folder's name)
+        named = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(like_="resume tsweep 20")))
+        (sweep_run,) = [r for r in named if r.parameters.get("sweep_path") == result["sweep_path"]]
+        assert re.fullmatch(r"resume tsweep \d{4}-\d\d-\d\d \d\d:\d\d", sweep_run.name), sweep_run.name
         points = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=result["ran"])))
         resumed_points = [r for r in points if r.parent_task_run_id]
         parents = {client.read_task_run(r.parent_task_run_id).flow_run_id for r in resumed_points}
