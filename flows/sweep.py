@@ -64,6 +64,7 @@ from flows.records.sweep_record import (
     write_sweep_config,
 )
 from flows.run_attempt import orchestrator_threads
+from flows.services.stop_signals import signal_behind
 from flows.sweep_workers import default_parallel, resolve_lazy_imports, shared_runtime
 from flows.tracking.sweep_report import REPORT_DIR, write_sweep_report
 from flows.tracking.tracker import Tracker
@@ -258,6 +259,8 @@ class _Sweeper:
                 for entry in self.record.points.values():
                     if entry.status == "running":
                         entry.status = self.record.status  # failed, or interrupted (a stop)
+                        if signal_behind(error) is not None:
+                            RunRecord.end_abandoned(Path(entry.run_path), error)
             self._write()
         self.tracker.log_text((self.folder / "sweep.json").read_text(), "sweep.json")
         self.tracker.finish(self.record.mlflow_status)

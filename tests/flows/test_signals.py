@@ -189,6 +189,25 @@ def test_sigterm_mid_run_then_resume_is_bit_identical(tmp_path, reference):
     assert mlflow.get_run(record.parent_run_id).info.status == "FINISHED"
 
 
+def test_sigint_mid_sweep_ends_with_one_line_and_records_the_point_interrupted(tmp_path):
+    """`bhfl sweep` held after its point's first root round (a pause in the command, where the point's thread
+    commits rounds), Ctrl-C'd there: one line, exit 130, no Dask traceback (the point's client used to log each
+    refused reconnection to the stopped workers at ERROR), and the point's own run.json says interrupted (it
+    stayed `running` under the dead pid: the stop reaches the main thread only)."""
+    run_dir, log = tmp_path / "runs", tmp_path / "sweep.log"
+    args = ["sweep", *sets(), "--seeds", "0", "--run-dir", str(run_dir)]
+    proc = start(args, own_servers_env(BHFL_FAULTS="round@1:pause"), log)
+    wait_for("the pause", lambda: psutil.Process(proc.pid).status() == psutil.STATUS_STOPPED, proc, log)
+    proc.send_signal(signal.SIGINT)
+    proc.send_signal(signal.SIGCONT)
+    code, out = _stopped(proc, log)
+    assert code == 130, out[-3000:]
+    _one_line(out, "interrupted.")
+    (point,) = (run_dir / "itest").iterdir()
+    record = RunRecord.read(point)
+    assert (record.status, record.error) == ("interrupted", "stopped by SIGINT"), out[-3000:]
+
+
 def test_what_a_stop_ended_with_is_traced_to_its_first_signal():
     """The chain of what the work ended with names the stop: a ``Stopped`` wins over the KeyboardInterrupt an
     event loop raised around it, Prefect's TerminationSignal carries its signal, a bare KeyboardInterrupt is
