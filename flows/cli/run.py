@@ -199,7 +199,11 @@ def prepare(
             prepared = guarded(work, None, verbose)["prepared"]
     report = prepared.report_dir / "partition.md"
     print(report.read_text() if report.exists() else "")
+    # A `kind: prepared` folder is used where it is, never cached: calling it a cache hit sent users to
+    # <run-dir>/cache for data that was not there.
     state = "cache hit (no tokenisation)" if prepared.cached else "prepared"
+    if cfg.data.source.kind == "prepared":
+        state = "used in place (no tokenisation)"
     out.print(
         f"[bold green]{state}[/] in {prepared.seconds:.2f} s: {prepared.root}\n"
         f"  manifest: {prepared.root / 'manifest.json'}\n  plots: {prepared.report_dir}",

@@ -40,6 +40,13 @@ def test_prepare_on_a_cache_hit_is_quick_and_reports_on_stdout(tmp_path):
     assert f"data cache hit {prepared.root}: reusing pre-tokenised shards" in out.stderr  # the note
     assert not list((tmp_path / ".prefect").glob("*.db"))  # no Prefect server was started for a hit
 
+    # The same folder as a `kind: prepared` source is used in place, not a hit of the run dir's cache.
+    source = f"data.source={{kind: prepared, path: {prepared.root}, languages: [en, de, fr]}}"
+    out = cli("prepare", *sets, "--set", source, "--run-dir", str(tmp_path / "elsewhere"))
+    assert out.returncode == 0, out.stderr
+    assert "used in place (no tokenisation) in " in out.stdout and "cache hit" not in out.stdout
+    assert not (tmp_path / "elsewhere" / "cache").exists()
+
 
 @pytest.fixture(scope="module")
 def prepared_run(tmp_path_factory):
