@@ -61,9 +61,11 @@ _COUNTS: dict[str, Callable[[RunContext], ClientCounts]] = {"majority": _label_c
 
 
 def trivial_baseline(ctx: RunContext) -> TrivialBaseline | None:
-    """The run's trivial baseline on every client test split, ``union`` and ``proxy``; None if its task has none."""
+    """The run's trivial baseline on every client test split, ``union`` (the evaluation's population) and ``proxy``;
+    None if its task has none."""
     kind = trivial_kind(ctx.manifest.task)
     if kind is None:
         return None
     clients, proxy = _COUNTS[kind.name](ctx)
-    return score(kind, ctx.task_kind.metrics, clients, proxy)
+    plan = ctx.eval_plan  # under eval.clients: N the models' union is the sample's test splits: the baseline's too
+    return score(kind, ctx.task_kind.metrics, clients, proxy, None if plan.complete else frozenset(plan.population))
