@@ -67,5 +67,13 @@ def trivial_baseline(ctx: RunContext) -> TrivialBaseline | None:
     if kind is None:
         return None
     clients, proxy = _COUNTS[kind.name](ctx)
-    plan = ctx.eval_plan  # under eval.clients: N the models' union is the sample's test splits: the baseline's too
-    return score(kind, ctx.task_kind.metrics, clients, proxy, None if plan.complete else frozenset(plan.population))
+    return score(kind, ctx.task_kind.metrics, clients, proxy, _union_clients(ctx))
+
+
+def _union_clients(ctx: RunContext) -> frozenset[str] | None:
+    """The clients whose test splits the models' ``union`` is: the sample under ``eval.clients: N``; None: all (the
+    plan, which builds the tree, only read when there is a sample)."""
+    if ctx.config.eval.sample_sizes()[0] is None:
+        return None
+    plan = ctx.eval_plan
+    return None if plan.complete else frozenset(plan.population)
