@@ -41,7 +41,8 @@ def best_fraction_mean(values: Sequence[float], fraction: float = 0.1, higher_is
 class Distribution:
     """A metric's distribution over clients; ``variance`` is the population variance (ddof 0).
 
-    ``of``: the clients the ``n`` stand for: ``n`` when every client was scored; more when
+    ``of``: the clients the ``n`` stand for: ``n`` when every client was scored (one without a value, NaN from
+    an empty test split, is left out of both); more when
     they are a sample (``eval.clients: N``), and then ``mean_low``/``mean_high`` is the
     95% interval of the mean over all ``of`` (a t-interval with the finite-population
     correction, clipped to the metric's bounds); for a complete population it is the mean itself.
@@ -93,7 +94,9 @@ def distribution(
     mid = len(ordered) // 2
     median = ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
     mean = float(t.mean())
-    total = max(of or 0, len(clean))
+    # ``values`` that are every one of the ``of`` clients are the whole population, whether or not some are NaN
+    # (an empty test split: a client with no value, not one left unsampled): its mean is exact, no interval
+    total = len(clean) if of is None or of <= len(values) else of
     return Distribution(
         len(clean),
         mean,

@@ -31,7 +31,7 @@ run's headline of that key (a client model that was never trained is left out of
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -133,18 +133,29 @@ class TrivialBaseline:
 
 
 def score(
-    kind: TrivialKind, task: TaskMetrics, clients: Iterable[tuple[str, Counts]], proxy: Counts
+    kind: TrivialKind,
+    task: TaskMetrics,
+    clients: Iterable[tuple[str, Counts]],
+    proxy: Counts,
+    union_of: Container[str] | None = None,
 ) -> TrivialBaseline:
     """Score ``kind`` on each client's test split, the union (counts summed over clients) and the proxy test.
 
-    ``clients`` is consumed one at a time and only the running union is held, so a
-    masked-LM run with many clients never holds every client's vocabulary-sized counts.
+    ``union_of``: the clients whose test splits the evaluation's ``union`` is made of (its
+    population, a sample under ``eval.clients: N``; None: every client), so the baseline's
+    ``union`` is scored on the same rows as the models'. Its trivial model is still fitted
+    on every client's train split, the data the root learns from. ``clients`` is consumed
+    one at a time and only the running union is held, so a masked-LM run with many
+    clients never holds every client's vocabulary-sized counts.
     """
     blocks: dict[str, torch.Tensor] = {}
     union: Counts | None = None
     for client, counts in clients:
         blocks[client] = kind.block(counts.train, counts.test)
-        union = counts if union is None else union + counts
+        tested = (
+            counts if union_of is None or client in union_of else Counts(counts.train, torch.zeros_like(counts.test))
+        )
+        union = tested if union is None else union + tested
     if union is not None:
         blocks[UNION] = kind.block(union.train, union.test)
     blocks[PROXY] = kind.block(proxy.train, proxy.test)

@@ -61,9 +61,19 @@ _COUNTS: dict[str, Callable[[RunContext], ClientCounts]] = {"majority": _label_c
 
 
 def trivial_baseline(ctx: RunContext) -> TrivialBaseline | None:
-    """The run's trivial baseline on every client test split, ``union`` and ``proxy``; None if its task has none."""
+    """The run's trivial baseline on every client test split, ``union`` (the evaluation's population) and ``proxy``;
+    None if its task has none."""
     kind = trivial_kind(ctx.manifest.task)
     if kind is None:
         return None
     clients, proxy = _COUNTS[kind.name](ctx)
-    return score(kind, ctx.task_kind.metrics, clients, proxy)
+    return score(kind, ctx.task_kind.metrics, clients, proxy, _union_clients(ctx))
+
+
+def _union_clients(ctx: RunContext) -> frozenset[str] | None:
+    """The clients whose test splits the models' ``union`` is: the sample under ``eval.clients: N``; None: all (the
+    plan, which builds the tree, only read when there is a sample)."""
+    if ctx.config.eval.sample_sizes()[0] is None:
+        return None
+    plan = ctx.eval_plan
+    return None if plan.complete else frozenset(plan.population)

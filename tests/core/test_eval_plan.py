@@ -144,6 +144,21 @@ def test_an_interval_over_seeds_covers_the_full_mean_about_95_times_in_100():
     assert 180 <= covered <= 200  # 95% nominal: 190 expected, binomial sd ~3
 
 
+def test_the_finite_population_correction_keeps_95_percent_when_the_sample_is_most_of_the_clients():
+    """150 of 200 clients: without the correction sqrt((200 - 150) / 200) = 0.5 the interval would be twice as wide
+    and hold the full mean nearly always; with it, ~95% of the time."""
+    values = np.random.default_rng(2).beta(2, 5, size=200)
+    truth = float(values.mean())
+    covered = uncorrected = 0
+    for seed in range(400):
+        pick = np.random.default_rng(seed).choice(200, 150, replace=False)
+        d = distribution(values[pick].tolist(), True, of=200)
+        covered += d.mean_low <= truth <= d.mean_high
+        uncorrected += abs(d.mean - truth) <= 2 * (d.mean_high - d.mean)
+    assert 367 <= covered <= 393  # 380 expected, binomial sd 4.4
+    assert uncorrected >= 398  # what the test tells apart: the uncorrected interval covers ~99.99%
+
+
 def test_a_sampled_interval_near_a_bound_is_clipped_to_what_the_metric_can_take():
     """Three of 100 clients sampled, accuracies 0, 0, 0.3: the t-interval runs below 0, which no accuracy can."""
     values = [0.0, 0.0, 0.3]

@@ -4,6 +4,7 @@ communication accounting. No Prefect, no MLflow."""
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -97,6 +98,57 @@ def test_distribution_statistics_and_direction():
     d20 = distribution([float(i) for i in range(20)], higher_is_better=True)
     assert d20.worst10 == pytest.approx(0.5) and d20.best10 == pytest.approx(18.5)  # 2 of 20 each side
     assert distribution([float("nan")], True).n == 0
+
+
+def test_worst_and_best_10_percent_average_the_ceil_of_a_tenth_of_the_clients():
+    """Not the 10th percentile: the mean of the ``ceil(n / 10)`` worst (at least one), NaNs left out first."""
+    six = [0.9, 0.1, 0.5, 0.3, 0.7, 0.4]  # ceil(0.6) = 1 client each side
+    d = distribution(six, True)
+    assert (d.worst10, d.best10) == (0.1, 0.9)
+    assert np.percentile(six, 10) == pytest.approx(0.2)  # what a percentile would have said instead
+    for n in (10, 11, 20, 21, 70, 99, 101):  # k = ceil(n / 10) in integers: 1, 2, 2, 3, 7, 10, 11
+        k = -(-n // 10)
+        d = distribution([float(v) for v in reversed(range(n))], True)  # values 0..n-1, given unsorted
+        assert (d.worst10, d.best10) == (pytest.approx((k - 1) / 2), pytest.approx(n - 1 - (k - 1) / 2)), n
+    ties = distribution([0.2, 0.2, 0.2, 0.8, 0.8, 0.8, 0.8, 0.8, 0.8, 0.8, 0.8], True)  # 11 clients: 2 worst
+    assert ties.worst10 == pytest.approx(0.2) and ties.best10 == pytest.approx(0.8)
+    gaps = distribution([math.nan] * 5 + [0.3, 0.6], True)  # 2 values: one each side, the NaNs not counted
+    assert (gaps.n, gaps.worst10, gaps.best10) == (2, 0.3, 0.6)
+
+
+def test_a_client_without_a_value_leaves_a_complete_evaluation_exact():
+    """A client whose test split is empty has NaN metrics; over all clients the mean is still exact (no interval,
+    ``of = n``), while in a sample (``eval.clients: N``) the other sampled clients stand for all of them."""
+    d = distribution([0.5, 0.7, math.nan, 0.9], True, of=4, bounds=(0.0, 1.0))
+    assert (d.n, d.of, d.mean_low, d.mean_high) == (3, 3, d.mean, d.mean) and d.mean == pytest.approx(0.7)
+    s = distribution([0.5, 0.7, math.nan, 0.9], True, of=10)  # 4 sampled of 10, one of them without a value
+    half = 4.302652730 * 0.2 / math.sqrt(3) * math.sqrt(7 / 10)  # t(0.975, 2), sample std 0.2, fpc (10 - 3) / 10
+    assert (s.n, s.of) == (3, 10)
+    assert (s.mean_low, s.mean_high) == (pytest.approx(0.7 - half), pytest.approx(0.7 + half))
+    # through an evaluation: b2 has no test rows, every client scored; nothing claims a sample
+    blocks = {"a1": conf(3, 1), "a2": conf(1, 3), "b1": conf(2, 0), "b2": torch.zeros(2, 2), "proxy": conf(9, 1)}
+    ev = Evaluation.from_stats(tree(), CLS, {N("root"): blocks})
+    rows = {(r.population, r.metric): r.dist for r in ev.distribution_rows()}
+    assert all(r.n == r.of == 3 and r.mean_low == r.mean == r.mean_high for r in rows.values())
+    assert rows[("all", "accuracy")].mean == pytest.approx((0.75 + 0.25 + 1.0) / 3)
+    assert not any(k.endswith(("_mean_low", "_mean_high")) for k in ev.node_metrics("root"))
+    assert not any(k.endswith(("_mean_low", "_mean_high")) for k in ev.headline())
+
+
+def test_macro_f1_and_accuracy_match_scikit_learn_with_classes_absent_from_a_split():
+    """Macro-F1 averages over the classes in the truth or the predictions (sklearn's ``labels=None``)."""
+    from sklearn.metrics import accuracy_score, f1_score
+
+    rng = np.random.default_rng(5)
+    for _ in range(50):
+        n = int(rng.integers(1, 15))
+        true, pred = rng.integers(0, 3, n), rng.integers(1, 5, n)  # class 0 never predicted, 4 never true, ...
+        confusion = torch.zeros(6, 6, dtype=torch.int64)  # class 5 in neither
+        for t, p in zip(true, pred):
+            confusion[t, p] += 1
+        m = classification_metrics(confusion)
+        assert m["macro_f1"] == pytest.approx(f1_score(true, pred, average="macro"), abs=1e-12)
+        assert m["accuracy"] == pytest.approx(accuracy_score(true, pred), abs=1e-12)
 
 
 def test_relatives_headline_and_gain_over_local_only():

@@ -60,6 +60,23 @@ def test_majority_scores_by_hand():
     assert set(s) == {"a", "b", "union", "proxy"}
 
 
+def test_the_union_is_scored_on_the_evaluations_population_and_fitted_on_every_client():
+    """``eval.clients: N``: the models' ``union`` is the sampled clients' test splits, so the baseline's is too;
+    its majority label stays that of all clients' training data (the global prior the root learns from)."""
+    clients = [
+        ("a", counts([5, 3, 0], [2, 1, 1])),
+        ("b", counts([1, 1, 4], [0, 3, 1])),
+        ("c", counts([0, 6, 0], [0, 0, 5])),
+    ]
+    proxy = counts([0, 2, 1], [4, 4, 0])
+    full = score(MAJORITY, CLS, iter(clients), proxy).scores
+    sample = score(MAJORITY, CLS, iter(clients), proxy, union_of=frozenset({"a", "b"})).scores
+    # training labels of a + b + c: [6, 10, 4] -> label 1 (a + b alone: [6, 4, 4] -> label 0, 2 of 8 right)
+    assert full["union"]["accuracy"] == pytest.approx(4 / 13)  # tests of a + b + c: [2, 4, 7]
+    assert sample["union"]["accuracy"] == pytest.approx(4 / 8)  # tests of a + b: [2, 4, 2]
+    assert {c: full[c] for c in ("a", "b", "c", "proxy")} == {c: sample[c] for c in ("a", "b", "c", "proxy")}
+
+
 def test_an_empty_test_split_has_no_number():
     s = score(MAJORITY, CLS, iter([("a", counts([1, 0], [0, 0]))]), counts([1, 0], [0, 0])).scores
     assert math.isnan(s["a"]["accuracy"]) and math.isnan(s["proxy"]["macro_f1"])

@@ -24,9 +24,10 @@ from bhfl_core.store.transfer import Transfer
 from data_prep.figures import MIN_FONT_PT, PNG_DPI
 from flows.cli.app import app
 from flows.tracking import plots
+from flows.tracking.baselines import trivial_baseline
 from flows.tracking.links import HEADLINE_VIEW_KEY, SHARED_VIEW_TAG, runs_link
 from flows.tracking.tracker import Tracker
-from tasks.context import open_run
+from tasks.context import RunContext, open_run
 from tasks.worker import WorkerRuntime, worker_device
 from tests.flows.commands import scored_with
 
@@ -158,6 +159,17 @@ def test_a_sampled_population_is_read_and_scored_alone_as_the_full_evaluation_sc
         assert accuracy == pytest.approx(value[("root", client, "accuracy")], abs=1e-6)
         assert f1 == pytest.approx(value[("root", client, "macro_f1")], abs=1e-6)
     assert sampled.on_sets["proxy"][0] == pytest.approx(value[("root", "proxy", "accuracy")], abs=1e-6)
+    # the trivial baseline's union is the same sample's test splits, its majority label all clients' training one
+    config = open_run(tree["run_path"]).config
+    ctx = RunContext.open(
+        Path(tree["run_path"]), config.model_copy(update={"eval": config.eval.model_copy(update={"clients": 5})})
+    )
+    assert ctx.eval_plan.population == names
+    hist = {c.id: c for c in ctx.manifest.clients}
+    prior = int(torch.tensor([hist[c].train.label_hist for c in hist]).sum(0).argmax())
+    tested = torch.tensor([hist[c].test.label_hist for c in names]).sum(0)
+    union = trivial_baseline(ctx).scores["union"]["accuracy"]  # type: ignore[union-attr]
+    assert union == pytest.approx(int(tested[prior]) / int(tested.sum()))
 
 
 def test_per_round_curves_for_every_node(evaluated_runs):
