@@ -36,6 +36,16 @@ def new_run_path(run_root: Path, name: str) -> Path:
     return run_root / name / stamp
 
 
+def fresh_run_path(run_root: Path, name: str, taken: set[str]) -> Path:
+    """A new run folder for ``name`` not in ``taken`` (a sweep's points start within a millisecond: the stamp's)."""
+    while True:
+        path = new_run_path(run_root, name)
+        if str(path) not in taken and not path.exists():
+            taken.add(str(path))
+            return path
+        time.sleep(0.002)
+
+
 def process_alive(host: str, pid: int) -> bool:
     """Whether process ``pid`` on ``host`` still runs (same host only: another host's process counts as gone)."""
     if host != socket.gethostname():
