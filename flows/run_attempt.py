@@ -37,6 +37,7 @@ from flows.records.environment import peak_rss_mb
 from flows.records.run_record import LOGGED_FILES, RunRecord
 from flows.records.warm_source import warm_start
 from flows.run_tracking import log_committed_rounds, log_run_files, open_tracking, record_logged, worker_loss_metrics
+from flows.services.stop_signals import as_stopped
 from flows.tracking.prefect_summary import summary_markdown
 from flows.tracking.timings import evaluation_cost
 from flows.tracking.tracker import Tracker
@@ -202,6 +203,7 @@ class _Attempt:
         status into MLflow too (a finished run's is set as the last step of its work)."""
         current = RunRecord.read(self.path) or self.record
         forced = current.forced_evaluations + int(self.force_eval and error is None)
+        error = as_stopped(error)  # a sweep's point failing as its sweep stops under it: that stop
         current = current.ended(error).model_copy(
             update={"forced_evaluations": forced, "worker_losses": worker_losses(self.path)}
         )

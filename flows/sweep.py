@@ -33,7 +33,6 @@ from __future__ import annotations
 import functools
 import platform
 import threading
-import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 from contextlib import ExitStack
@@ -54,7 +53,7 @@ from flows.lifecycle import Attempt, finish_or_fail
 from flows.orchestration import PLAIN_CALLS, PREFECT_RUNS
 from flows.orchestration_protocol import Invocation, Orchestration
 from flows.records.environment import git_commit
-from flows.records.run_record import PipelineLink, RunRecord, new_run_path
+from flows.records.run_record import PipelineLink, RunRecord, fresh_run_path, new_run_path
 from flows.records.sweep_record import (
     SWEEP_CONFIG,
     PointRecord,
@@ -64,6 +63,7 @@ from flows.records.sweep_record import (
     write_sweep_config,
 )
 from flows.run_attempt import orchestrator_threads
+from flows.services.stop_signals import Halt, signal_behind
 from flows.sweep_workers import default_parallel, resolve_lazy_imports, shared_runtime
 from flows.tracking.sweep_report import REPORT_DIR, write_sweep_report
 from flows.tracking.tracker import Tracker
@@ -73,16 +73,6 @@ __all__ = ["PLAIN_CALLS", "PREFECT_RUNS", "SweepError", "SweepJob", "resume_swee
 
 class SweepError(RuntimeError):
     """Some points of a sweep failed (the others ran to the end); names them and how to go on."""
-
-
-def _fresh_path(run_root: Path, name: str, taken: set[str]) -> Path:
-    """A new run folder for ``name`` that no point of this sweep took (stamps have millisecond resolution)."""
-    while True:
-        path = new_run_path(run_root, name)
-        if str(path) not in taken and not path.exists():
-            taken.add(str(path))
-            return path
-        time.sleep(0.002)
 
 
 class _Sweeper:
@@ -99,6 +89,7 @@ class _Sweeper:
         self.lock = threading.Lock()  # record changes: from the points' threads
         self.taken: set[str] = {p.run_path for p in record.points.values() if p.run_path}
         self.tracker = Tracker(record.tracking_uri, resumed=record.resumes > 0)
+        self.halt = Halt()  # set when a stop ends the sweep: its points' threads then end as stopped, not failed
 
     def _write(self) -> None:
         self.record.write(self.folder)
@@ -154,6 +145,8 @@ class _Sweeper:
             run_or_resume(link, "point", path, launch, lambda: point.config, self.overrides)
         except Exception as exc:  # the other points go on; the sweep ends failed, naming this one
             status, error = "failed", f"{type(exc).__name__}: {exc}"[:2000]
+            if self.halt.stop is not None:  # its workers stopped under it: the sweep's stop, not its failure
+                status, error = "interrupted", ""
         with self.lock:
             entry.status, entry.error = status, error
             self._label_run(point, entry)
@@ -194,7 +187,12 @@ class _Sweeper:
             )
             if width > 1:
                 resolve_lazy_imports(self.sweep)
-            self._run_all(todo, width, launch)
+            try:
+                self._run_all(todo, width, launch)
+            except BaseException as ended:  # before the workers stop under the points (the stack's close)
+                if signal_behind(ended) is not None:
+                    self.halt.stop = ended
+                raise
         failed = [label for label, e in record.points.items() if e.status == "failed"]
         finished = sum(e.status == "finished" for e in record.points.values())
         report = write_sweep_report(self.folder, self.sweep, record)
@@ -235,13 +233,14 @@ class _Sweeper:
             with self.lock:
                 entry = self.record.points[point.label]
                 if not entry.run_path:
-                    entry.run_path = str(_fresh_path(self.launch.run_root, point.config.name, self.taken))
+                    entry.run_path = str(fresh_run_path(self.launch.run_root, point.config.name, self.taken))
                 entry.status, entry.error = "running", ""
                 self._write()
 
             def work(point: Point = point, entry: PointRecord = entry) -> None:
                 try:
-                    self._run_point(point, entry, launch)
+                    with self.halt.over_this_thread():
+                        self._run_point(point, entry, launch)
                 finally:
                     slots.release()
 
@@ -258,6 +257,8 @@ class _Sweeper:
                 for entry in self.record.points.values():
                     if entry.status == "running":
                         entry.status = self.record.status  # failed, or interrupted (a stop)
+                        if signal_behind(error) is not None:
+                            RunRecord.end_abandoned(Path(entry.run_path), error)
             self._write()
         self.tracker.log_text((self.folder / "sweep.json").read_text(), "sweep.json")
         self.tracker.finish(self.record.mlflow_status)

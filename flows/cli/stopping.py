@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import os
 import signal
 import sys
@@ -197,6 +198,7 @@ class StopRequest:
 
     def _grace_period(self) -> None:
         self._asked.wait()
+        _quiet_libraries()
         time.sleep(self.grace_s)  # the command normally exits long before, and this daemon thread with it
         name = signal.Signals(self.signum or signal.SIGTERM).name
         self.end_now(f"stopped by {name}, but still stopping after {self.grace_s:g} s: ended now. {self.hint_text()}")
@@ -227,6 +229,24 @@ class StopRequest:
                 with contextlib.suppress(psutil.Error):
                     child.kill()
         os._exit(code if code is not None else self.exit_code)
+
+
+QUIET_ON_STOP = "distributed"  # the loggers (and their children) a stop's unwinding silences
+
+
+def _quiet_libraries() -> None:
+    """Silence Dask's loggers once a stop is asked for: what they log from then on is the stop's doing.
+
+    A sweep's points run in threads of the command, each with a Dask client of the
+    workers the command started; the command stops those workers as it ends, and a
+    point's client, still waiting on them, logs each refused reconnection at ERROR with
+    its traceback (after the command's one line). dask's own logging config sets levels on
+    ``distributed.client`` and others, so each logger of the family is set, not just the
+    parent. Runs in the grace period's thread (ordinary code, not the signal handler).
+    """
+    for name in [QUIET_ON_STOP, *logging.Logger.manager.loggerDict]:
+        if name == QUIET_ON_STOP or name.startswith(QUIET_ON_STOP + "."):
+            logging.getLogger(name).setLevel(logging.CRITICAL + 1)
 
 
 def _is_a_stop(exc: BaseException | None) -> bool:

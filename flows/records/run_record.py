@@ -9,6 +9,7 @@ killed (SIGKILL, power loss, OOM killer); one stopped by a signal it could act o
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -33,6 +34,16 @@ def new_run_path(run_root: Path, name: str) -> Path:
     """``<run_root>/<name>/<UTC timestamp>``: where a new run of ``name`` writes."""
     stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S-%f")[:-3]
     return run_root / name / stamp
+
+
+def fresh_run_path(run_root: Path, name: str, taken: set[str]) -> Path:
+    """A new run folder for ``name`` not in ``taken`` (a sweep's points start within a millisecond: the stamp's)."""
+    while True:
+        path = new_run_path(run_root, name)
+        if str(path) not in taken and not path.exists():
+            taken.add(str(path))
+            return path
+        time.sleep(0.002)
 
 
 def process_alive(host: str, pid: int) -> bool:
@@ -165,6 +176,21 @@ class ProcessRecord(BaseModel):
         if (signum := signal_behind(error)) is not None:
             return self.model_copy(update={"status": "interrupted", "error": f"stopped by {Signals(signum).name}"})
         return self.model_copy(update={"status": "failed", "error": failure_text(error)})
+
+    @classmethod
+    def end_abandoned(cls, folder: Path, error: BaseException) -> None:
+        """The record in ``folder`` ended by ``error`` where its own attempt could not say so: a sweep's point.
+
+        A point runs in a thread of the sweep's process; a stop is raised in the main
+        thread only, so the point's attempt never unwinds to write its end (its thread dies
+        with the process) and its record would say ``running`` under a dead pid. Written
+        only while it is this process's and still running: a job that ended by itself
+        keeps what it wrote.
+        """
+        with contextlib.suppress(RunStateError, OSError):  # stopped before its folder or record existed
+            record = cls.read(folder)
+            if record is not None and record.status == "running" and record.pid == os.getpid():
+                record.ended(error).write(folder)
 
     @property
     def mlflow_status(self) -> str:

@@ -189,6 +189,25 @@ def test_sigterm_mid_run_then_resume_is_bit_identical(tmp_path, reference):
     assert mlflow.get_run(record.parent_run_id).info.status == "FINISHED"
 
 
+def test_sigint_mid_sweep_ends_with_one_line_and_records_the_point_interrupted(tmp_path):
+    """`bhfl sweep` Ctrl-C'd while its second point trains (in a thread of the command, on the workers the command
+    started): one line, exit 130, no Dask traceback (the point's client logged its failed reconnections to the
+    stopped workers at ERROR, after the line), and the point's own run.json says interrupted, not `running` under
+    the dead pid nor failed with what the stopped workers raised (the stop is raised in the main thread only)."""
+    run_dir, log = tmp_path / "runs", tmp_path / "sweep.log"
+    grid = ["--grid", "tree.edge.eta_down=1.0,0.5", "--seeds", "0", "--parallel", "1"]
+    proc = start(["sweep", *sets("tree.root.rounds=5"), *grid, "--run-dir", str(run_dir)], own_servers_env(), log)
+    # a process-directed signal goes to the main thread (waiting on the point), as a terminal's Ctrl-C does
+    rounds = lambda: len(list(run_dir.glob("itest/*/state/nodes/root.safetensors"))) == 2  # noqa: E731
+    wait_for("the second point's first root round", rounds, proc, log)
+    proc.send_signal(signal.SIGINT)
+    code, out = _stopped(proc, log)
+    assert code == 130, out[-3000:]
+    _one_line(out, "interrupted.")
+    records = sorted((r.status, r.error) for r in map(RunRecord.read, (run_dir / "itest").iterdir()))
+    assert records == [("finished", ""), ("interrupted", "stopped by SIGINT")], out[-3000:]
+
+
 def test_what_a_stop_ended_with_is_traced_to_its_first_signal():
     """The chain of what the work ended with names the stop: a ``Stopped`` wins over the KeyboardInterrupt an
     event loop raised around it, Prefect's TerminationSignal carries its signal, a bare KeyboardInterrupt is
