@@ -149,7 +149,7 @@ def summarize(run_path: Path) -> RunSummary:
     status = record.effective_status
     where = f" at {p.stopped_at}" if p and p.stopped_at and status != "finished" else ""
     if status == "finished":
-        detail = f"{p.root_rounds} root rounds" if p else ""
+        detail = f"{p.root_rounds} root round{'s' * (p.root_rounds != 1)}" if p else ""
     elif status == "running":
         detail = f"process {record.pid}" + where
     else:
