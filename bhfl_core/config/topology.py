@@ -37,6 +37,7 @@ from bhfl_core.config.privacy_plan import plan_privacy
 from bhfl_core.config.residual_wiring import wire_residuals
 from bhfl_core.config.schema import ExperimentConfig
 from bhfl_core.config.selectors import DEPTH_SELECTOR, holds_proxy
+from bhfl_core.config.step_normalised_starts import check_step_normalised_starts
 from bhfl_core.config.tree_schema import TrainSettings
 
 ROOT_ID = "root"
@@ -343,12 +344,13 @@ def build_tree(config: ExperimentConfig, clients: Sequence[ClientInfo]) -> Tree:
 
 
 def _finish(config: ExperimentConfig, nodes: dict[str, Node]) -> Tree:
-    """Check node-name references and mode-specific keys, wire residual links and compressed uplinks, plan DP
-    budgets, freeze the tree."""
+    """Check node-name references and mode-specific keys, wire residual links and compressed uplinks, check that
+    FedNova's children start from what they are sent, plan DP budgets, freeze the tree."""
     _check_names(config, nodes)
     check_mode_keys(config, nodes.values())
-    tree = Tree(nodes=_wire_uplinks(nodes), root_id=ROOT_ID)
-    return plan_privacy(wire_residuals(config, tree))
+    tree = wire_residuals(config, Tree(nodes=_wire_uplinks(nodes), root_id=ROOT_ID))
+    check_step_normalised_starts(config, tree)
+    return plan_privacy(tree)
 
 
 def _wire_uplinks(nodes: dict[str, Node]) -> dict[str, Node]:
