@@ -134,6 +134,7 @@ def _resolve(config: ExperimentConfig, node_id: str, role: Role, depth: int, num
         tuned = next((origin[f"opt_{d}"] for d in ("down", "up") if is_tuned(values[f"opt_{d}"].kind)), None)
         check_dp_sgd(values["train"], origin["train"], node_id, role, config.data.task, tuned)
     _check_down_step_used(values, origin, node_id, role)
+    _check_tuned_eta(values, origin, node_id)
     asynchronous = None
     if values["mode"] == "async":
         if role is Role.CLIENT:
@@ -196,6 +197,19 @@ def _check_down_step_used(values: dict[str, Any], origin: dict[str, str], node_i
             else "make it persistent for partial aggregation on the way down, or drop the key"
         )
     )
+
+
+def _check_tuned_eta(values: dict[str, Any], origin: dict[str, str], node_id: str) -> None:
+    """``interp`` picks its own mixing weight (``alpha``, ``node_opt.py``) and never reads ``eta_up`` / ``eta_down``:
+    one set to another value than 1 beside it would be silently ignored."""
+    for direction in ("up", "down"):
+        eta = values[f"eta_{direction}"]
+        if is_tuned(values[f"opt_{direction}"].kind) and eta != 1.0:
+            raise ConfigError(
+                f"{origin[f'eta_{direction}']}: {eta} would not be read: the opt_{direction} of {node_id!r} "
+                f"({origin[f'opt_{direction}']}) is interp, which picks its own mixing weight (alpha) from its "
+                "grid; drop the eta"
+            )
 
 
 def _cohort(
