@@ -44,7 +44,8 @@ def check_step_normalised_starts(config: ExperimentConfig, tree: Tree) -> None:
                     f"sends it, but the aggregate.kind {kind} of {server.id!r} divides each child's update from the "
                     "model it was sent by the child's local steps, so that offset, which no step made, would be "
                     "rescaled as if it were training; let the children adopt the model they are sent (eta_down: 1, "
-                    "opt_down fedavg, no down-residuals into them), or use aggregate.kind: mean there"
+                    "opt_down fedavg, no down-residuals into them, an adapter aggregation other than fedsa), or use "
+                    "aggregate.kind: mean there"
                 )
 
 

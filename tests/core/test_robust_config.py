@@ -125,6 +125,7 @@ def test_unset_rule_parameters_are_not_dumped_so_config_hashes_stay_as_they_were
         ("tree.nodes.de-01.eta_down=0.9", r"tree.nodes.de-01.eta_down", "de-01"),
         ("tree.client.opt_down={kind: fedavgm}", r"tree.client.opt_down.kind", "de-00"),
         ("tree.residuals={down: [{from: root, to: client}]}", r"tree.residuals.down\[0\]", "de-00"),
+        ("model.adapter={r: 4, aggregation: fedsa}", r"model.adapter.aggregation", "de-00"),  # its own B
     ],
 )
 def test_fednova_refuses_children_that_start_from_a_mix_of_their_own_model_and_the_one_sent(override, key, child):
