@@ -39,8 +39,9 @@ Where it applies (rejected by the config otherwise, naming the key): a server wh
 children are all clients (a child server's model has no step count), synchronous
 (``mode: async`` folds buffers of stale arrivals), without ``proxy_train: async`` (its
 proxy model would need one), ``privacy:`` or ``secure_aggregation:`` (they fold their
-own sums). FedNova assumes the children start from ``x_ref``: with a client
-``eta_down < 1`` they start from a mix and ``d_i`` includes that offset. The fold is
+own sums), or whose clients do not start from ``x_ref`` (a client ``eta_down < 1``
+starts from a mix, and ``d_i`` would include that offset:
+``bhfl_core/config/step_normalised_starts.py``). The fold is
 never closed on a worker (the parent holds ``x_ref`` and the formula is one pass).
 Residuals combine (they are stepped separately from the regular input).
 """

@@ -28,7 +28,9 @@ passes a ``Scorer`` (losses of candidate models); ``alpha`` is kept in the state
 it is checkpointed and logged. A grid rather than APFL's gradient step on ``alpha``:
 it needs no gradient through the interpolation, is exact at ``alpha`` 0 (adopt the
 input) and 1 (keep the own model), and one forward pass per candidate on a few held-out
-rows costs little next to TRAIN.
+rows costs little next to TRAIN. Unlike APFL, no separate local model is trained through
+the mixture and the mixture is the node's model itself (a client TRAINs it and sends it
+up): docs/algorithm.md, "How it differs from APFL".
 """
 
 from __future__ import annotations

@@ -27,6 +27,11 @@ def _receiver_opt(
 ) -> NodeOptParams:
     """A residual kind's optimiser at ``node``: the rule's settings over the node's own for that direction."""
     own: NodeOptParams = getattr(node.settings, f"opt_{direction}")
+    if eta is not None and eta != 1.0 and is_tuned(opt.kind if opt is not None else own.kind):
+        raise ConfigError(
+            f"{key[: -len('.opt')]}.eta: {eta} would not be read: the residual is folded at {node.id!r} by interp, "
+            "which picks its own mixing weight (alpha) from its grid; drop the eta"
+        )
     if opt is None:
         return replace(own, eta=own.eta if eta is None else eta)
     if is_tuned(opt.kind):

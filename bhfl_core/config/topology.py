@@ -37,6 +37,7 @@ from bhfl_core.config.privacy_plan import plan_privacy
 from bhfl_core.config.residual_wiring import wire_residuals
 from bhfl_core.config.schema import ExperimentConfig
 from bhfl_core.config.selectors import DEPTH_SELECTOR, holds_proxy
+from bhfl_core.config.step_normalised_starts import check_step_normalised_starts
 from bhfl_core.config.tree_schema import TrainSettings
 
 ROOT_ID = "root"
@@ -133,6 +134,7 @@ def _resolve(config: ExperimentConfig, node_id: str, role: Role, depth: int, num
         tuned = next((origin[f"opt_{d}"] for d in ("down", "up") if is_tuned(values[f"opt_{d}"].kind)), None)
         check_dp_sgd(values["train"], origin["train"], node_id, role, config.data.task, tuned)
     _check_down_step_used(values, origin, node_id, role)
+    _check_tuned_eta(values, origin, node_id)
     asynchronous = None
     if values["mode"] == "async":
         if role is Role.CLIENT:
@@ -195,6 +197,19 @@ def _check_down_step_used(values: dict[str, Any], origin: dict[str, str], node_i
             else "make it persistent for partial aggregation on the way down, or drop the key"
         )
     )
+
+
+def _check_tuned_eta(values: dict[str, Any], origin: dict[str, str], node_id: str) -> None:
+    """``interp`` picks its own mixing weight (``alpha``, ``node_opt.py``) and never reads ``eta_up`` / ``eta_down``:
+    one set to another value than 1 beside it would be silently ignored."""
+    for direction in ("up", "down"):
+        eta = values[f"eta_{direction}"]
+        if is_tuned(values[f"opt_{direction}"].kind) and eta != 1.0:
+            raise ConfigError(
+                f"{origin[f'eta_{direction}']}: {eta} would not be read: the opt_{direction} of {node_id!r} "
+                f"({origin[f'opt_{direction}']}) is interp, which picks its own mixing weight (alpha) from its "
+                "grid; drop the eta"
+            )
 
 
 def _cohort(
@@ -343,12 +358,13 @@ def build_tree(config: ExperimentConfig, clients: Sequence[ClientInfo]) -> Tree:
 
 
 def _finish(config: ExperimentConfig, nodes: dict[str, Node]) -> Tree:
-    """Check node-name references and mode-specific keys, wire residual links and compressed uplinks, plan DP
-    budgets, freeze the tree."""
+    """Check node-name references and mode-specific keys, wire residual links and compressed uplinks, check that
+    FedNova's children start from what they are sent, plan DP budgets, freeze the tree."""
     _check_names(config, nodes)
     check_mode_keys(config, nodes.values())
-    tree = Tree(nodes=_wire_uplinks(nodes), root_id=ROOT_ID)
-    return plan_privacy(wire_residuals(config, tree))
+    tree = wire_residuals(config, Tree(nodes=_wire_uplinks(nodes), root_id=ROOT_ID))
+    check_step_normalised_starts(config, tree)
+    return plan_privacy(tree)
 
 
 def _wire_uplinks(nodes: dict[str, Node]) -> dict[str, Node]:

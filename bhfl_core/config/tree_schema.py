@@ -49,6 +49,29 @@ class OptSettings(Strict):
             raise ValueError(f"unknown NODEOPT {v!r}; choose one of {available_node_opts()}")
         return v
 
+    @model_validator(mode="after")
+    def _read_by_kind(self) -> OptSettings:
+        """A hyperparameter the kind does not read (``beta2`` of ``fedavgm``, ``tau`` of ``fedavg``) would be
+        silently ignored: an error, unless it holds its default (every saved config writes every key)."""
+        for key in OPT_PARAMETERS:
+            value = getattr(self, key)
+            if key not in OPT_READS.get(self.kind, OPT_PARAMETERS) and value != type(self).model_fields[key].default:
+                readers = [k for k, reads in OPT_READS.items() if key in reads]
+                raise ValueError(f"{key}: {value} is read by kind {' or '.join(readers)}, not by {self.kind!r}")
+        return self
+
+
+OPT_PARAMETERS = ("beta1", "beta2", "tau", "alphas")
+OPT_READS: dict[str, tuple[str, ...]] = {
+    "fedavg": (),
+    "fedavgm": ("beta1",),
+    "fedadagrad": ("beta1", "tau"),
+    "fedadam": ("beta1", "beta2", "tau"),
+    "fedyogi": ("beta1", "beta2", "tau"),
+    "interp": ("alphas",),
+}
+"""The hyperparameters each NODEOPT reads (``node_opt.py``); a kind registered elsewhere reads them all."""
+
 
 RULE_PARAMETERS = ("trim", "byzantine", "keep")
 """``aggregate`` keys a rule may read besides ``kind`` (``RuleTraits.params``)."""

@@ -81,6 +81,31 @@ def test_fresh_buffer_equals_the_synchronous_weighted_mean():
     assert torch.allclose(got.double(), want, atol=1e-6)
 
 
+def test_a_flush_is_flsims_fedbuff_step_with_linear_example_weights():
+    """FLSim's FedBuff (``HybridAggregator``, a reducer of type WEIGHTED_SUM, an SGD server step) transcribed:
+    ``x -= lr * sum_i e(n_i) w(s_i) (before_i - after_i)`` with FLSim's ``LinearExampleWeight``
+    ``e(n) = n / avg_num_examples`` (1) and ``PolynomialStalenessWeight``
+    ``w(s) = (1 + s)^-a / (1 + avg_staleness)^-a``. With
+    ``lr = (1 + avg_staleness)^-a / sum_i n_i`` it is bhfl's flush followed by fedavg at eta 1 (docs/algorithm.md)."""
+    import numpy as np
+
+    rng = np.random.default_rng(3)
+    theta = rng.normal(size=6)
+    bases = [theta, theta - rng.normal(size=6), theta + rng.normal(size=6)]  # models of versions v, v-1, v-4
+    staleness, examples, a, avg = [0, 1, 4], [30, 5, 12], 0.5, 1
+    afters = [b + rng.normal(size=6) for b in bases]
+    w = [(1 + s) ** -a / (1 + avg) ** -a for s in staleness]
+    reduced = sum(n * wi * (before - after) for n, wi, before, after in zip(examples, w, bases, afters))
+    flsim = theta - (1 + avg) ** -a / sum(examples) * reduced
+
+    as_torch = [torch.tensor(x, dtype=torch.float32) for x in (theta, *bases, *afters)]
+    t, bs, ys = as_torch[0], as_torch[1:4], as_torch[4:]
+    arrivals = [(y, t if i == 0 else b, float(n), s) for i, (y, b, n, s) in enumerate(zip(ys, bs, examples, staleness))]
+    mean_input = flush(t, arrivals, StalenessParams("poly", a=a))
+    _, stepped = node_opt_step({}, t, mean_input, NodeOptParams("fedavg", eta=1.0))
+    np.testing.assert_allclose(stepped.double().numpy(), flsim, rtol=1e-5, atol=1e-5)
+
+
 def test_speeds_are_seeded_by_client_or_group():
     flat = ClockParams()
     assert client_speed(0, "en-00", "en", flat) == 1.0

@@ -132,3 +132,27 @@ def test_four_rounds_match_flowers_strategies(kind):
         np.testing.assert_allclose(step, flower_step, rtol=1e-10, atol=1e-12)
         flower_theta = new_flower
     assert int(state["step"]) == 4
+
+
+@pytest.mark.parametrize(
+    ("opt", "message"),
+    [
+        ("{kind: fedavg, tau: 0.1}", r"tau: 0.1 is read by kind fedadagrad or fedadam or fedyogi, not by 'fedavg'"),
+        ("{kind: fedavgm, beta2: 0.5}", r"beta2: 0.5 is read by kind fedadam or fedyogi, not by 'fedavgm'"),
+        ("{kind: fedadagrad, beta2: 0.5}", r"beta2: 0.5 is read by kind fedadam or fedyogi, not by 'fedadagrad'"),
+        ("{kind: fedadam, alphas: [0.5]}", r"alphas: \[0.5\] is read by kind interp, not by 'fedadam'"),
+        ("{kind: interp, beta1: 0.5}", r"beta1: 0.5 is read by kind fedavgm or fedadagrad or fedadam or fedyogi"),
+    ],
+)
+def test_a_hyperparameter_the_kind_does_not_read_is_an_error_naming_the_key(opt, message):
+    """``beta2`` of ``fedavgm`` (its momentum is ``beta1``) or ``tau`` of ``fedavg`` would be silently ignored;
+    the same keys at their defaults are what every saved config writes, so they pass."""
+    from bhfl_core.config.base import ConfigError
+    from tests.small import small_config
+
+    with pytest.raises(ConfigError, match=rf"tree.edge.opt_up: {message}"):
+        small_config(f"tree.edge.opt_up={opt}", "tree.edge.holdout=0.2")
+    written = small_config("tree.edge.opt_up={kind: fedavgm, beta1: 0.5, beta2: 0.99, tau: 0.001}")
+    assert written.tree.edge.opt_up.beta1 == 0.5  # the read key, and the others at their defaults
+    with pytest.raises(ConfigError, match=r"tree.residuals.up\[0\].opt: tau: 0.1 is read by kind fedadagrad"):
+        small_config("tree.residuals={up: [{from: edge, to: root, opt: {kind: fedavgm, tau: 0.1}}]}")

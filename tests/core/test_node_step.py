@@ -119,6 +119,12 @@ def test_node_up_with_no_children_or_all_dropped_changes_nothing():
     assert node_up(state, None, {}, settings, KEY) == (state, [], {})
     dropped = replace(folded_round(), dropped=["c1"])
     assert node_up(state, dropped, {"up0": pending("up0", "x", 0, ([1.0, 1.0], 1.0))}, settings, KEY) == (state, [], {})
+    # a stateful server optimiser neither steps nor counts the empty round (as a Flower strategy given no results)
+    adam = replace(settings, opt_up=NodeOptParams("fedadam", eta=0.1))
+    moments = {"m": t(0.5, -0.5), "v": t(0.25, 0.25), "step": torch.tensor(3)}
+    stateful = replace(state, opt_up=moments)
+    after, posts, _ = node_up(stateful, dropped, {}, adam, KEY)
+    assert after is stateful and posts == [] and after.opt_up is moments
 
 
 def test_down_posts_send_the_round_model_with_weight_one():

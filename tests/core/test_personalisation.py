@@ -243,6 +243,19 @@ def test_interp_and_ditto_reach_the_nodes_from_the_config():
         (["tree.client.opt_down={kind: interp, alphas: []}"], r"alphas"),
         (["tree.client.opt_down={kind: interp, alphas: [1.5]}"], r"alphas"),
         (["tree.client.holdout=0.9"], r"tree\.client\.holdout"),
+        (  # interp picks alpha itself: an eta beside it would be read by nothing
+            ["tree.client.opt_down={kind: interp}", "tree.client.holdout=0.2", "tree.nodes.en-01.eta_down=0.5"],
+            r"tree\.nodes\.en-01\.eta_down: 0\.5 would not be read: the opt_down of 'en-01' \(tree\.client\.opt_",
+        ),
+        (
+            [
+                "data.proxy.servers=[root, edge]",
+                "tree.edge.holdout=0.2",
+                "tree.edge.opt_down={kind: interp}",
+                "tree.residuals={down: [{from: root, to: edge, eta: 0.3}]}",
+            ],
+            r"tree\.residuals\.down\[0\]\.eta: 0\.3 would not be read: the residual is folded at 'edge-\w+' by interp",
+        ),
     ],
 )
 def test_bad_interp_and_ditto_settings_name_the_key(overrides, message):

@@ -116,3 +116,25 @@ def test_unset_rule_parameters_are_not_dumped_so_config_hashes_stay_as_they_were
     trimmed = small_config("tree.edge.aggregate={kind: trimmed_mean, trim: 0.2}")
     assert dump(trimmed)["tree"]["edge"]["aggregate"] == {"kind": "trimmed_mean", "compress": None, "trim": 0.2}
     assert config_from_dict(dump(trimmed)).tree.edge.aggregate.trim == 0.2  # what a run folder's config.yaml reads
+
+
+@pytest.mark.parametrize(
+    ("override", "key", "child"),
+    [
+        ("tree.client.eta_down=0.5", r"tree.client.eta_down", "de-00"),
+        ("tree.nodes.de-01.eta_down=0.9", r"tree.nodes.de-01.eta_down", "de-01"),
+        ("tree.client.opt_down={kind: fedavgm}", r"tree.client.opt_down.kind", "de-00"),
+        ("tree.residuals={down: [{from: root, to: client}]}", r"tree.residuals.down\[0\]", "de-00"),
+        ("model.adapter={r: 4, aggregation: fedsa}", r"model.adapter.aggregation", "de-00"),  # its own B
+    ],
+)
+def test_fednova_refuses_children_that_start_from_a_mix_of_their_own_model_and_the_one_sent(override, key, child):
+    """FedNova divides ``x_ref - x_i`` by the child's steps: a child that starts from a mix (partial aggregation on
+    the way down, a stateful down step, down-residuals) would have the mix's offset rescaled as training."""
+    nova = "tree.nodes.edge-de.aggregate={kind: fednova}"
+    with pytest.raises(
+        ConfigError, match=rf"^{key}: '{child}' would start .* the aggregate.kind fednova of 'edge-de' divides"
+    ):
+        tree(nova, override)
+    assert tree(override)["edge-de"].settings.aggregate.kind == "mean"  # the same start under the mean is fine
+    assert tree(nova, "tree.nodes.en-00.eta_down=0.5")["edge-de"].settings.aggregate.kind == "fednova"  # not its child
