@@ -165,3 +165,21 @@ def test_adoption_stays_the_parents_tensor_and_other_nodes_get_no_product_steps(
         assert all(n.settings.products is None for n in build_tree(other, placeholder_clients(other)))
     adam = small_config(exact, "tree.edge.opt_down={kind: fedadam}", "tree.edge.eta_down=0.3")  # stays warned
     assert all(n.settings.products is None for n in build_tree(adam, placeholder_clients(adam)))
+
+
+def test_the_mix_has_the_same_bits_whatever_the_thread_count():
+    """A server's step runs in the orchestrator at its thread count (cores left over by the workers), a client's in a
+    worker at runtime.torch_threads: LAPACK's QR of the 3072 x 24 stack of B's gave other bits at 1 and 2 threads
+    (BERT's intermediate layer's shape), the mix must not."""
+    block = AdapterBlock("wide", a_offset=0, b_offset=8 * 768, rank=8, fan_in=768, fan_out=3072, scaling=2.0)
+    steps = ProductSteps((block,), 8 * (768 + 3072))
+    own, phi, residual = (_random(steps, seed) for seed in (12, 13, 14))
+    threads = torch.get_num_threads()
+    try:
+        bits = []
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            bits.append(_down(own, phi, steps, inbox=_inbox("down0", residual), res_eta=1.0))  # 3 products: K = 24
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(bits[0], bits[1])
