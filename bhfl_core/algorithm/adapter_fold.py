@@ -121,3 +121,16 @@ def keep_own_b(received: torch.Tensor, own: torch.Tensor | None, keep: OwnB | No
         part = slice(b.b_offset, b.b_offset + b.fan_out * b.rank)
         out[part] = own[part].to(out.device, out.dtype)
     return out
+
+
+@dataclass(frozen=True)
+class ProductSteps:
+    """Under ``aggregation: exact``: the node's linear steps combine its models' products, not their factors.
+
+    Set (``config/adapter_settings.product_steps``) at a node with such a step: FedAvg's
+    ``eta_down`` or ``eta_up`` other than 1, or residuals to fold (``adapter_mix.py``).
+    ``blocks``: the layout (``with_adapter_layout``).
+    """
+
+    blocks: tuple[AdapterBlock, ...] = ()
+    size: int = 0

@@ -87,7 +87,7 @@ def products(fold: AdapterFold, model: torch.Tensor) -> torch.Tensor:
 
     parts = []
     for b in fold.blocks:
-        a, bb = _factor(model, b, "A").double(), _factor(model, b, "B").double()
+        a, bb = factor(model, b, "A").double(), factor(model, b, "B").double()
         product = bb[:, :1] * a[:1]
         for k in range(1, b.rank):
             product.add_(bb[:, k : k + 1] * a[k : k + 1])
@@ -95,7 +95,8 @@ def products(fold: AdapterFold, model: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts).to(torch.float32)
 
 
-def _factor(model: torch.Tensor, block: AdapterBlock, which: str) -> torch.Tensor:
+def factor(model: torch.Tensor, block: AdapterBlock, which: str) -> torch.Tensor:
+    """A view of ``model``'s ``"A"`` (rank x fan_in) or ``"B"`` (fan_out x rank) of ``block``."""
     if which == "A":
         return model[block.a_offset : block.a_offset + block.rank * block.fan_in].view(block.rank, block.fan_in)
     return model[block.b_offset : block.b_offset + block.fan_out * block.rank].view(block.fan_out, block.rank)
@@ -202,20 +203,34 @@ def refactorise(fold: AdapterFold, mean: torch.Tensor, mean_product: torch.Tenso
         m = mean_product[offset : offset + block.product_size].cpu().double().view(block.fan_out, block.fan_in)
         offset += block.product_size
         u, s, vh = torch.linalg.svd(m, full_matrices=False)
-        r = block.rank
-        lost += float((s[r:] ** 2).sum())
+        lost += float((s[block.rank :] ** 2).sum())
         total += float((s**2).sum())
-        kept = torch.zeros(r, dtype=torch.float64)  # r may exceed min(fan_in, fan_out): those rows have no direction
-        kept[: min(r, len(s))] = s[:r]
-        root = (kept / block.scaling).sqrt()
-        b_new = torch.zeros(block.fan_out, r, dtype=torch.float64)
-        a_new = torch.zeros(r, block.fan_in, dtype=torch.float64)
-        b_new[:, : len(s)] = u[:, :r] * root[: len(s)]
-        a_new[: len(s)] = root[: len(s), None] * vh[:r]
-        dead = kept <= (float(s[0]) if len(s) else 0.0) * 1e-12  # no direction: keep ab-mean's row of A, B's column 0
-        if bool(dead.any()):
-            a_new[dead] = _factor(mean, block, "A").cpu().double()[dead]
-            b_new[:, dead] = 0.0
-        _factor(out, block, "A").copy_(a_new.to(out.dtype))
-        _factor(out, block, "B").copy_(b_new.to(out.dtype))
+        write_factors(out, block, u, s, vh, mean)
     return out, math.sqrt(lost / total) if total > 0 else 0.0
+
+
+def write_factors(
+    out: torch.Tensor, block: AdapterBlock, u: torch.Tensor, s: torch.Tensor, vh: torch.Tensor, fallback: torch.Tensor
+) -> None:
+    """Write into ``out`` the block's rank-r factors of ``M = U·diag(S)·V^T`` (float64, ``S`` descending).
+
+    FlexLoRA's split, ``B = U_r·sqrt(S_r/s)``, ``A = sqrt(S_r/s)·V_r^T``. A row of A whose
+    singular value is zero (``M`` spans fewer than r directions) keeps ``fallback``'s row
+    beside a zero column of B: the same product, and the direction stays trainable.
+    """
+    import torch
+
+    r = block.rank
+    kept = torch.zeros(r, dtype=torch.float64)  # r may exceed min(fan_in, fan_out): those rows have no direction
+    kept[: min(r, len(s))] = s[:r]
+    root = (kept / block.scaling).sqrt()
+    b_new = torch.zeros(block.fan_out, r, dtype=torch.float64)
+    a_new = torch.zeros(r, block.fan_in, dtype=torch.float64)
+    b_new[:, : len(s)] = u[:, :r] * root[: len(s)]
+    a_new[: len(s)] = root[: len(s), None] * vh[:r]
+    dead = kept <= (float(s[0]) if len(s) else 0.0) * 1e-12  # no direction: keep the fallback's row of A, B's column 0
+    if bool(dead.any()):
+        a_new[dead] = factor(fallback, block, "A").cpu().double()[dead]
+        b_new[:, dead] = 0.0
+    factor(out, block, "A").copy_(a_new.to(out.dtype))
+    factor(out, block, "B").copy_(b_new.to(out.dtype))

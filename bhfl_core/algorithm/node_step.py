@@ -26,6 +26,9 @@ Choices where ALGORITHMS.md is silent:
   rank (``adapter_fold.cap_rank``: HetLoRA's zero-padding, FlexLoRA's truncation).
   A FedSA client (``settings.own_b``) takes theta_0's B matrices from the model it saved
   (``adapter_fold.keep_own_b``), persistent or not: it always keeps its state.
+- Under LoRA's ``exact`` (``settings.products``) the linear steps (FedAvg's eta, the
+  residual folding) combine the models' products, re-factorised to rank r
+  (``adapter_mix.py``); the rest of the vector is the plain step.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from bhfl_core.algorithm.adapter_fold import cap_rank, keep_own_b
+from bhfl_core.algorithm.adapter_mix import STEP_TRUNCATION, Terms, mix_products, step_terms
 from bhfl_core.algorithm.aggregation import WeightedSum
 from bhfl_core.algorithm.aggregation_rule import FoldedRound
 from bhfl_core.algorithm.node_opt import NodeOptParams, OptState, Scorer, node_opt_step
@@ -108,10 +112,12 @@ def node_down(
         return state
     if state.model is None:  # tensors are never changed in place: the node may share phi's storage
         base, opt_down, theta = phi, state.opt_down, phi
+        step: Terms = ((1.0, phi),)
     else:
         base = state.model
         opt_down, theta = node_opt_step(state.opt_down, state.model, phi, settings.opt_down, scorer)
-    theta, opt_res, seen = fold_residuals(inbox, base, theta, state.opt_res, state.res_seen, settings, scorer)
+        step = step_terms(settings.opt_down, base, phi, theta)
+    theta, opt_res, seen, _ = fold_residuals(inbox, base, theta, state.opt_res, state.res_seen, settings, scorer, step)
     theta = cap_rank(keep_own_b(theta, stored.model, settings.own_b), settings.rank)
     return replace(state, model=theta, opt_down=opt_down, opt_res=opt_res, res_seen=seen)
 
@@ -158,7 +164,12 @@ def node_up(
             models = 1 if link.combine == "mean" else len(chosen)
             posts.append(ResidualPost(link.target, link.key, contribution(chosen, link.combine), models))
     opt_up, stepped = node_opt_step(state.opt_up, theta, mean_input, settings.opt_up, scorer)
-    theta, opt_res, seen = fold_residuals(inbox, theta, stepped, state.opt_res, state.res_seen, settings, scorer)
+    step = step_terms(settings.opt_up, theta, mean_input, stepped)
+    theta, opt_res, seen, lost = fold_residuals(
+        inbox, theta, stepped, state.opt_res, state.res_seen, settings, scorer, step
+    )
+    if lost is not None:
+        metrics = {**metrics, STEP_TRUNCATION: lost}
     theta = cap_rank(theta, settings.rank)  # an up-residual from a node of a higher rank is cut like the mean
     after = replace(state, model=theta, opt_up=opt_up, opt_res=opt_res, res_seen=seen, rule_state=dict(rule_state))
     return after, posts, metrics
@@ -212,18 +223,25 @@ def fold_residuals(
     seen: Mapping[str, int],
     settings: NodeSettings,
     scorer: Scorer | None = None,
-) -> tuple[torch.Tensor, dict[str, OptState], dict[str, int]]:
+    step: Terms = (),
+) -> tuple[torch.Tensor, dict[str, OptState], dict[str, int], float | None]:
     """Add each waiting kind's NODEOPT step (taken from ``base``) to ``stepped``.
 
-    Returns the model, the residual optimiser states and the consumed marks; kinds are
-    folded in sorted order, so the float sum does not depend on how the inbox was read.
+    Returns the model, the residual optimiser states, the consumed marks and, where the
+    node takes its linear steps in product space (``settings.products``, under LoRA's
+    ``exact``), what rank r left out of their combination (``adapter_mix.py``; None where
+    nothing was re-factorised). ``step``: the regular step (``stepped``) as a linear
+    combination of models. Kinds are folded in sorted order, so the float sum does not
+    depend on how the inbox was read.
     """
     theta, new_opt_res, new_seen = stepped, dict(opt_res), dict(seen)
+    terms = list(step) or [(1.0, stepped)]
     for kind in sorted(inbox):
-        pending = inbox[kind]
-        new_opt_res[kind], moved = node_opt_step(
-            new_opt_res.get(kind, {}), base, pending.total.mean(), settings.residual_opt(kind), scorer
-        )
+        pending, params = inbox[kind], settings.residual_opt(kind)
+        mean = pending.total.mean()
+        new_opt_res[kind], moved = node_opt_step(new_opt_res.get(kind, {}), base, mean, params, scorer)
         theta = theta + (moved - base)
+        terms += [*step_terms(params, base, mean, moved), (-1.0, base)]
         new_seen.update(pending.read)
-    return theta, new_opt_res, new_seen
+    theta, lost = mix_products(settings.products, theta, terms)
+    return theta, new_opt_res, new_seen, lost

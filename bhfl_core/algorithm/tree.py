@@ -12,7 +12,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from enum import Enum
 
-from bhfl_core.algorithm.adapter_fold import OwnB, RankCap
+from bhfl_core.algorithm.adapter_fold import OwnB, ProductSteps, RankCap
 from bhfl_core.algorithm.asynchrony import AsyncParams
 from bhfl_core.algorithm.compression import CompressParams
 from bhfl_core.algorithm.node_opt import NodeOptParams, is_tuned
@@ -98,6 +98,7 @@ class NodeSettings:
     downlink: CompressParams | None = None  # servers: how it broadcasts its model to its children (compress_down)
     rank: RankCap | None = None  # LoRA: its adapters' rank below the model's (adapter_rank; adapter_fold.py)
     own_b: OwnB | None = None  # LoRA clients under aggregation: fedsa: B kept from their own model (adapter_fold.py)
+    products: ProductSteps | None = None  # LoRA under exact: linear steps combine products (adapter_mix.py)
 
     @property
     def tunes(self) -> bool:

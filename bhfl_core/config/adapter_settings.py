@@ -1,5 +1,6 @@
 """Where a LoRA run's servers fold their children's products (``model.adapter``: ``aggregation``, ``error_metric``),
-the nodes' own ranks (``adapter_rank``) and FedSA's clients' own B.
+the nodes' own ranks (``adapter_rank``), FedSA's clients' own B and the nodes whose linear steps ``exact`` takes in
+product space.
 
 ``exact`` and the ab-mean error need every child's model at the fold: the ``adapter``
 wrapper (bhfl_core/algorithm/adapter_rule.py) sits directly around ``kind: mean`` in
@@ -13,10 +14,12 @@ same everywhere: any rule's mean of B is the mean product).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
-from bhfl_core.algorithm.adapter_fold import AdapterFold, OwnB, RankCap
-from bhfl_core.algorithm.tree import Role
+from bhfl_core.algorithm.adapter_fold import AdapterFold, OwnB, ProductSteps, RankCap
+from bhfl_core.algorithm.adapter_mix import mixes_models
+from bhfl_core.algorithm.tree import Role, Tree
 from bhfl_core.config.base import ConfigError
 from bhfl_core.config.schema import ExperimentConfig
 
@@ -87,3 +90,19 @@ def own_b(config: ExperimentConfig, role: Role) -> OwnB | None:
     """A client's FedSA part (``aggregation: fedsa``): its B matrices, kept from its own saved model."""
     adapter = config.model.adapter
     return OwnB() if adapter is not None and adapter.aggregation == "fedsa" and role is Role.CLIENT else None
+
+
+def product_steps(config: ExperimentConfig, tree: Tree) -> Tree:
+    """``tree`` with ``ProductSteps`` (layout still empty) at each node whose linear steps combine two models'
+    adapters under ``aggregation: exact`` (``adapter_mix.mixes_models``: FedAvg at an eta other than 1, residuals);
+    as it is otherwise. After the residuals are wired: a node's residual inputs are one such step."""
+    adapter = config.model.adapter
+    if adapter is None or adapter.aggregation != "exact":
+        return tree
+    nodes = {
+        node_id: replace(node, settings=replace(node.settings, products=ProductSteps()))
+        if mixes_models(node.settings, node.is_leaf)
+        else node
+        for node_id, node in tree.nodes.items()
+    }
+    return replace(tree, nodes=nodes)

@@ -27,7 +27,7 @@ from bhfl_core.algorithm.asynchrony import AsyncParams, StalenessParams
 from bhfl_core.algorithm.node_opt import is_tuned
 from bhfl_core.algorithm.privacy_params import DpSgdParams
 from bhfl_core.algorithm.tree import Node, NodeSettings, Role, TrainParams, Tree
-from bhfl_core.config.adapter_settings import own_b, rank_cap
+from bhfl_core.config.adapter_settings import own_b, product_steps, rank_cap
 from bhfl_core.config.aggregation_settings import aggregate_params, check_dp_sgd, node_opt
 from bhfl_core.config.base import ConfigError
 from bhfl_core.config.data import KMeansClustering, LanguageClustering
@@ -359,12 +359,13 @@ def build_tree(config: ExperimentConfig, clients: Sequence[ClientInfo]) -> Tree:
 
 def _finish(config: ExperimentConfig, nodes: dict[str, Node]) -> Tree:
     """Check node-name references and mode-specific keys, wire residual links and compressed uplinks, check that
-    FedNova's children start from what they are sent, plan DP budgets, freeze the tree."""
+    FedNova's children start from what they are sent, mark LoRA's product-space steps, plan DP budgets, freeze the
+    tree."""
     _check_names(config, nodes)
     check_mode_keys(config, nodes.values())
     tree = wire_residuals(config, Tree(nodes=_wire_uplinks(nodes), root_id=ROOT_ID))
     check_step_normalised_starts(config, tree)
-    return plan_privacy(tree)
+    return plan_privacy(product_steps(config, tree))
 
 
 def _wire_uplinks(nodes: dict[str, Node]) -> dict[str, Node]:

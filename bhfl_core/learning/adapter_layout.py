@@ -61,7 +61,8 @@ def _factors(layer: Any) -> tuple[torch.Tensor, torch.Tensor] | None:  # a peft 
 
 
 def with_adapter_layout(tree: Tree, model: nn.Module) -> Tree:
-    """``tree`` with ``model``'s layout in every ``AdapterFold``, ``RankCap`` and ``OwnB`` (other nodes as they are)."""
+    """``tree`` with ``model``'s layout in every ``AdapterFold``, ``RankCap``, ``OwnB`` and ``ProductSteps`` (other
+    nodes as they are)."""
     blocks, size = adapter_layout(model)
     nodes = dict(tree.nodes)
     for node_id, node in tree.nodes.items():
@@ -73,14 +74,16 @@ def with_adapter_layout(tree: Tree, model: nn.Module) -> Tree:
             settings = replace(settings, rank=replace(settings.rank, blocks=blocks, size=size))
         if settings.own_b is not None:
             settings = replace(settings, own_b=replace(settings.own_b, blocks=blocks, size=size))
+        if settings.products is not None:
+            settings = replace(settings, products=replace(settings.products, blocks=blocks, size=size))
         nodes[node_id] = replace(node, settings=settings)
     return replace(tree, nodes=nodes)
 
 
 def needs_layout(tree: Tree) -> bool:
-    """Whether a node of ``tree`` folds adapter products, caps its rank or keeps its own B (then
-    ``with_adapter_layout``)."""
+    """Whether a node of ``tree`` folds adapter products, caps its rank, keeps its own B or takes its steps in
+    product space (then ``with_adapter_layout``)."""
     return any(
-        s.aggregate.adapter is not None or s.rank is not None or s.own_b is not None
+        s.aggregate.adapter is not None or s.rank is not None or s.own_b is not None or s.products is not None
         for s in (node.settings for node in tree)
     )

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from bhfl_core.algorithm.adapter_fold import AdapterBlock, AdapterFold, RankCap, cap_rank
+from bhfl_core.algorithm.adapter_fold import AdapterBlock, AdapterFold, ProductSteps, RankCap, cap_rank
 from bhfl_core.algorithm.adapter_rule import AB_ERROR, TRUNCATION_ERROR, AdapterRule
 from bhfl_core.algorithm.aggregation import WeightedSum
 from bhfl_core.algorithm.aggregation_rule import FoldedRound, MeanRule
@@ -171,10 +171,12 @@ def test_the_layout_locates_a_and_b_and_the_tree_gets_it_where_a_server_folds_pr
         assert torch.equal(flat[b.a_offset : b.a_offset + a.numel()].view_as(a), a)
         assert torch.equal(flat[b.b_offset : b.b_offset + bb.numel()].view_as(bb), bb)
         assert (b.rank, b.fan_in, b.fan_out, b.scaling) == (4, 32, 32, 2.0)
-    cfg = small_config("model.adapter={r: 4, alpha: 8, aggregation: exact}", "tree.nodes.edge-en.adapter_rank=2")
+    exact = "model.adapter={r: 4, alpha: 8, aggregation: exact}"
+    cfg = small_config(exact, "tree.nodes.edge-en.adapter_rank=2", "tree.edge.eta_down=0.3")
     tree = with_adapter_layout(build_tree(cfg, placeholder_clients(cfg)), model)
     servers = [n for n in tree if not n.is_leaf]
     assert all(n.settings.aggregate.adapter == AdapterFold("exact", blocks, size) for n in servers)
+    assert tree["edge-de"].settings.products == ProductSteps(blocks, size) and tree["root"].settings.products is None
     assert all(n.settings.aggregate.adapter is None for n in tree if n.is_leaf)
     assert tree["edge-en"].settings.rank == RankCap(2, blocks, size) and tree["root"].settings.rank is None
     default = small_config("model.adapter={r: 4, alpha: 8}")  # ab-mean without the metric: the plain mean rule
@@ -367,29 +369,39 @@ def test_exact_with_a_rank_above_the_matrix_size_keeps_the_rows_without_a_direct
     assert torch.equal(b[:, 2], torch.zeros(2))
 
 
-def test_exact_warns_at_each_key_that_combines_factorisations_and_nowhere_else():
-    """Under exact only the servers' folds are exact: each written key whose step mixes two models' A and B (a
-    partial down step, an up step other than adoption, Ditto, residuals, error feedback) gets one warning naming
-    it; adoption everywhere, and the same keys under ab-mean, get none."""
+def test_exact_warns_at_each_key_whose_step_stays_on_the_factors_and_nowhere_else():
+    """Under exact the folds and the linear steps (FedAvg's eta, residual folding) combine products; each written key
+    whose step still mixes two models' A and B (an optimiser other than FedAvg, down or up or on a residual, Ditto,
+    error feedback, a residual accumulator averaging several models) gets one warning naming it; FedAvg at any eta
+    and a down-residual received every round get none, and the same keys under ab-mean none."""
     exact = "model.adapter={r: 4, alpha: 8, aggregation: exact}"
     mixing = (
         "tree.edge.eta_down=0.3",
+        "tree.nodes.west.eta_up=0.5",
+        "tree.nodes.edge-fr.opt_down={kind: fedadam}",
         "tree.nodes.edge-en.opt_up={kind: fedadam}",
         "tree.residuals.up=[{from: edge, to: root}]",
+        # root -> de-01: its edge samples 2 of 3 clients, so rounds pile up; root -> edge: fedadam;
+        # west -> edge-en: received every round by FedAvg, exact
+        "tree.residuals.down=[{from: root, to: de-01}, {from: root, to: edge, opt: {kind: fedadam}},"
+        " {from: west, to: edge-en}]",
         "tree.client.personal={lr: 0.01, mu: 0.1}",
         "tree.root.aggregate={kind: mean, compress: {kind: int8}}",
     )
     warned = [w.split(": ", 1)[0] for w in exact_caveats(small_config(exact, *mixing))]
     assert sorted(warned) == sorted(
         [
-            "tree.edge.eta_down",
+            "tree.nodes.edge-fr.opt_down",
             "tree.nodes.edge-en.opt_up",
-            "tree.residuals.up",
+            "tree.residuals.up[0]",
+            "tree.residuals.down[0]",
+            "tree.residuals.down[1]",
             "tree.client.personal",
             "tree.root.aggregate",
         ]
     )
-    assert exact_caveats(small_config(exact)) == []
+    linear = ("tree.edge.eta_down=0.3", "tree.nodes.west.eta_up=0.5", "tree.residuals.down=[{from: west, to: edge-en}]")
+    assert exact_caveats(small_config(exact, *linear)) == []
     assert (
         exact_caveats(
             small_config(exact, "tree.root.aggregate={kind: mean, compress: {kind: int8, error_feedback: false}}")
