@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING
 from bhfl_core.algorithm.adapter_fold import ProductSteps
 from bhfl_core.algorithm.adapter_rule import factor, write_factors
 from bhfl_core.algorithm.node_opt import NodeOptParams
+from bhfl_core.algorithm.one_thread import one_thread
 
 if TYPE_CHECKING:
     import torch
@@ -132,7 +133,8 @@ def _low_rank_svd(
         empty = torch.zeros(0, dtype=torch.float64)
         return p.new_zeros(p.shape[0], 0), empty, q.new_zeros(0, q.shape[1])
     core = _times(root_p.T, root_q)  # kp x kq
-    u, s, vh = torch.linalg.svd(core, full_matrices=False)
+    with one_thread():  # K x K: thread-independent up to K = 192 here, pinned for larger K (one_thread.py)
+        u, s, vh = torch.linalg.svd(core, full_matrices=False)
     left = _times(p, _times(basis_p, u[:, :rank]))  # fan_out x r: P·V_P·L_P^-1/2·U_r
     right = _times(_times(vh[:rank], basis_q.T), q)  # r x fan_in
     return left, s * scaling, right
@@ -143,7 +145,8 @@ def _range(gram: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     symmetric positive semi-definite matrix: its eigenvectors and eigenvalues, descending)."""
     import torch
 
-    v, eigen, _ = torch.linalg.svd(gram)
+    with one_thread():
+        v, eigen, _ = torch.linalg.svd(gram)
     keep = eigen > eigen[0] * 1e-12 if len(eigen) else eigen > 0
     v, eigen = v[:, keep], eigen[keep]
     return v / eigen.sqrt(), v * eigen.sqrt()

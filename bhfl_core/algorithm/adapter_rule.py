@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING
 from bhfl_core.algorithm.adapter_fold import AdapterBlock, AdapterFold
 from bhfl_core.algorithm.contract import NO_PLAN, FoldPlan, Partial
 from bhfl_core.algorithm.node_state import Caller, RoundKey
+from bhfl_core.algorithm.one_thread import one_thread
 from bhfl_core.algorithm.rule_registry import NO_STATE, AggregationRule, Finalized, RuleState, register_wrapper
 
 if TYPE_CHECKING:
@@ -202,7 +203,8 @@ def refactorise(fold: AdapterFold, mean: torch.Tensor, mean_product: torch.Tenso
     for block in fold.blocks:
         m = mean_product[offset : offset + block.product_size].cpu().double().view(block.fan_out, block.fan_in)
         offset += block.product_size
-        u, s, vh = torch.linalg.svd(m, full_matrices=False)
+        with one_thread():  # the same bits whatever the orchestrator's thread count (one_thread.py)
+            u, s, vh = torch.linalg.svd(m, full_matrices=False)
         lost += float((s[block.rank :] ** 2).sum())
         total += float((s**2).sum())
         write_factors(out, block, u, s, vh, mean)

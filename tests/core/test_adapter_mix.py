@@ -10,8 +10,9 @@ import math
 import pytest
 import torch
 
-from bhfl_core.algorithm.adapter_fold import AdapterBlock, ProductSteps
+from bhfl_core.algorithm.adapter_fold import AdapterBlock, AdapterFold, ProductSteps
 from bhfl_core.algorithm.adapter_mix import STEP_TRUNCATION
+from bhfl_core.algorithm.adapter_rule import refactorise
 from bhfl_core.algorithm.aggregation import WeightedSum
 from bhfl_core.algorithm.aggregation_rule import FoldedRound
 from bhfl_core.algorithm.node_opt import NodeOptParams
@@ -183,3 +184,24 @@ def test_the_mix_has_the_same_bits_whatever_the_thread_count():
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(bits[0], bits[1])
+
+
+def test_the_fold_refactorises_to_the_same_bits_whatever_the_callers_thread_count():
+    """The fold's SVD runs in the orchestrator at the threads its cores leave over; LAPACK's SVD of a 320 x 320
+    matrix gives other bits at 1, 2 and 4 threads, the refactorised model must not (one_thread.py)."""
+    n, rank = 320, 4
+    block = AdapterBlock("wide", a_offset=0, b_offset=rank * n, rank=rank, fan_in=n, fan_out=n, scaling=2.0)
+    fold = AdapterFold("exact", (block,), 2 * rank * n)
+    generator = torch.Generator().manual_seed(3)
+    mean = torch.randn(2 * rank * n, generator=generator)
+    mean_product = torch.randn(n * n, generator=generator)
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for count in (1, 2, 4):
+            torch.set_num_threads(count)
+            results.append(refactorise(fold, mean, mean_product))
+            assert torch.get_num_threads() == count  # the caller's count is restored
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(r[0], results[0][0]) and r[1] == results[0][1] for r in results[1:])
