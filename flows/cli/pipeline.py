@@ -131,7 +131,7 @@ def resume_pipeline_command(folder: Path, overrides: list[str], run_dir: Path, v
     from flows.records.pipeline_record import PipelineRecord, read_pipeline_config
     from flows.records.run_state import RunStateError
 
-    resumable(PipelineRecord, folder)  # before Prefect or any worker starts
+    resumable(PipelineRecord, folder, overrides)  # before Prefect or any worker starts
     try:
         pipeline = read_pipeline_config(folder)
     except RunStateError as exc:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from flows.cli.jobs import JobKind, command_seconds, run_job, start_forkserver
+from flows.cli.jobs import JobKind, check_overrides, command_seconds, not_applied, run_job, start_forkserver
 from flows.cli.options import (
     DEFAULT_CONFIG,
     DEFAULT_RUN_DIR,
@@ -258,6 +258,7 @@ def resume_job(run_spec: str, overrides: list[str], run_dir: Path, verbose: bool
     sweep_folder = SweepRecord.find(run_spec, run_dir)
     if force_eval and (pipeline is not None or sweep_folder is not None):
         fail(f"--force-eval evaluates one run again; {run_spec} is a pipeline or sweep folder: give one of its runs")
+    check_overrides(overrides, "pipeline" if pipeline is not None else "sweep" if sweep_folder is not None else "run")
     if pipeline is not None:
         from flows.cli.pipeline import resume_pipeline_command
 
@@ -288,11 +289,15 @@ def _resume_run(run_path: Path, overrides: list[str], run_dir: Path, verbose: bo
         from flows.tracking.spool import pending_count
 
         if pending_count(run_path) > 0:
+            if overrides:
+                console.print(f"[bold]bhfl[/] {run_path} finished{not_applied(overrides)}", highlight=False)
             sync_run(run_path, wait=None)  # all a finished run can lack: its tracking server's copy
             return
         # nothing to redo, and nothing of its record (MLflow, run.json) is touched
         console.print(
-            f"[bold]bhfl[/] {run_path} finished; nothing to resume (--force-eval evaluates it again)", highlight=False
+            f"[bold]bhfl[/] {run_path} finished; nothing to resume (--force-eval evaluates it again)"
+            + not_applied(overrides),
+            highlight=False,
         )
         return
     if force_eval and not finished:

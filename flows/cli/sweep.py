@@ -199,7 +199,7 @@ def resume_sweep_command(folder: Path, overrides: list[str], run_dir: Path, verb
     """Finish a sweep: finished experiments are kept, interrupted ones resume, the rest run."""
     from flows.records.sweep_record import SweepRecord, read_sweep_config
 
-    resumable(SweepRecord, folder)  # before Prefect or any worker starts
+    resumable(SweepRecord, folder, overrides)  # before Prefect or any worker starts
     sweep = read_sweep_config(folder)
     start_forkserver([p.config for p in sweep])
     from flows.sweep import resume_sweep

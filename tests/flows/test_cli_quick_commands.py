@@ -189,6 +189,34 @@ def test_resume_of_a_run_whose_record_is_damaged_is_one_line_naming_the_file(tmp
     assert "unreadable: " in listed.output and "damaged run record" in " ".join(listed.output.split())
 
 
+def test_resume_set_follows_one_rule_whether_or_not_the_run_finished(tmp_path):
+    # `bhfl resume RUN --set tree.root.rounds=5` on a finished run said "nothing to resume" and dropped the --set
+    folder = tmp_path / "itest" / "20260101-000000-000"
+    folder.mkdir(parents=True)
+    RunRecord(name="itest", status="finished", tracking_uri="sqlite:///unused.db").write(folder)
+    (folder / "config.yaml").write_text(yaml.safe_dump(dump(small_config()), sort_keys=False))
+    saved, record = (folder / "config.yaml").read_bytes(), (folder / "run.json").read_bytes()
+
+    def resume(*sets: str):
+        args = [arg for assignment in sets for arg in ("--set", assignment)]
+        out = CliRunner().invoke(app, ["resume", str(folder), *args, "--run-dir", str(tmp_path)])
+        return out.exit_code, " ".join(out.output.split())
+
+    code, said = resume("tree.root.rounds=5")  # a key a resume may not change: refused, as for any resume
+    assert code == 2 and "--set tree.root.rounds=5: a resumed run keeps its config" in said, said
+    code, said = resume("runtime.workers=1", "eval.batch_size=8")  # allowed, but nothing runs: said so
+    assert code == 0 and "finished; nothing to resume" in said, said
+    assert "--set runtime.workers=1 --set eval.batch_size=8 not applied: nothing runs" in said
+    assert (folder / "config.yaml").read_bytes() == saved and (folder / "run.json").read_bytes() == record
+
+    RunRecord(name="itest", status="interrupted", tracking_uri="sqlite:///unused.db").write(folder)
+    record = (folder / "run.json").read_bytes()
+    code, said = resume("seed=1")  # an unfinished run: refused before Prefect or a worker starts
+    assert code == 2 and "--set seed=1: a resumed run keeps its config" in said, said
+    assert not (tmp_path / ".prefect").exists()  # (it was refused after the command's Prefect server started)
+    assert (folder / "run.json").read_bytes() == record
+
+
 @pytest.mark.parametrize("command", [["prepare"], ["runs"]])
 def test_a_run_dir_that_is_a_file_is_one_line(tmp_path, command):
     # `--run-dir configs/bhfl.yaml` (a slip of the hand): the folder cannot be made, exit 2, not a FileExistsError
