@@ -124,7 +124,8 @@ def _check_utf8(raw: bytes, path: Path) -> None:
         raise ConfigError(
             f"{path}: not UTF-8 text: byte 0x{raw[start]:02x} on line {line}, column {start - line_start + 1} "
             f"(byte offset {start}) is not valid UTF-8. A config file must be UTF-8 (the file was likely saved "
-            f"as Latin-1 or Windows-1252): save it as UTF-8, e.g. `iconv -f latin1 -t utf-8 {shlex.quote(str(path))} > new.yaml`"
+            f"as Latin-1 or Windows-1252): save it as UTF-8, e.g. "
+            f"`iconv -f latin1 -t utf-8 {shlex.quote(str(path))} > new.yaml`"
         ) from None
 
 
