@@ -20,7 +20,7 @@ from bhfl_core.config.schema import dump
 from flows.cli.app import app
 from flows.cli.options import DEFAULT_RUN_DIR, runs_folder_of
 from flows.records.run_record import RunRecord, RunStateError
-from tests.flows.commands import cli
+from tests.flows.commands import cli, sets
 from tests.small import SMALL, small_config
 
 pytestmark = pytest.mark.integration
@@ -215,6 +215,33 @@ def test_resume_set_follows_one_rule_whether_or_not_the_run_finished(tmp_path):
     assert code == 2 and "--set seed=1: a resumed run keeps its config" in said, said
     assert not (tmp_path / ".prefect").exists()  # (it was refused after the command's Prefect server started)
     assert (folder / "run.json").read_bytes() == record
+
+
+def test_a_prefect_api_url_that_is_no_prefect_server_is_one_line_and_nothing_is_made(tmp_path):
+    # PREFECT_API_URL at a web server that is not Prefect (here: one that answers 404 to everything): Prefect's
+    # client failed with a traceback ("Failed to reach API", exit 1) after the run folder and mlflow.db were made
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class NotPrefect(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_error(404)
+
+        def log_message(self, *_: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), NotPrefect)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    api_url = f"http://127.0.0.1:{server.server_port}/api"
+    try:
+        out = cli("run", *sets(), "--run-dir", str(tmp_path / "runs"), env={"PREFECT_API_URL": api_url})
+    finally:
+        server.shutdown()
+    assert out.returncode == 2, out.stderr[-3000:]
+    said = " ".join(out.stderr.split())
+    assert f"error: PREFECT_API_URL is {api_url}: something answers there, but not as a Prefect API" in said
+    assert "(GET /admin/version: HTTP 404 Not Found)" in said and "Traceback" not in out.stderr
+    assert list((tmp_path / "runs").iterdir()) == []  # no mlflow.db, no run folder
 
 
 @pytest.mark.parametrize("command", [["prepare"], ["runs"]])
