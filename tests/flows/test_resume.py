@@ -159,6 +159,10 @@ def test_killed_and_resumed_run_is_bit_identical_to_uninterrupted(reference):
     # --force-eval: evaluated again (no training), at a step of its own after the last root round
     forced, _ = cli("resume", str(run_path), "--force-eval", *IN_PROCESS, faults=None, run_dir=run_dir)
     assert forced.returncode == 0, forced.stderr[-3000:]
+    # said as what it is: the 3-round run's first re-evaluation, logged at step 4 (it said "after root round 4")
+    assert "after root round 3, re-evaluation 1 (MLflow step 4)" in " ".join(forced.stderr.split())
+    report = (run_path / "report" / "report.md").read_text()
+    assert "\n| 3, re-evaluation 1 (MLflow step 4) | " in report and "\n| 4 | " not in report
     after = _store_points(record.tracking_uri, record.run_key)
     added = {k: sorted(set(steps) - set(got[k])) for k, steps in after.items()}  # KeyError: a new metric
     assert {tuple(v) for v in added.values()} == {(), (4,)}  # only points at step 4 (root rounds + 1)
