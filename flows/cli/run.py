@@ -247,15 +247,14 @@ def resume_job(run_spec: str, overrides: list[str], run_dir: Path, verbose: bool
     """``bhfl resume``: a pipeline folder, a sweep folder or a run, each the way its kind resumes."""
     run_dir = runs_folder_of(run_spec, run_dir)
     prepare_environment(run_dir, verbose)  # before anything imports prefect
-    from flows.records.listing import resolve_pipeline, resolve_run
+    from flows.records.listing import resolve_pipeline, resolve_run, resolve_sweep
     from flows.records.run_state import RunStateError
-    from flows.records.sweep_record import SweepRecord
 
     try:
         pipeline = resolve_pipeline(run_spec, run_dir)
+        sweep_folder = None if pipeline is not None else resolve_sweep(run_spec, run_dir)
     except RunStateError as exc:
         fail(str(exc))
-    sweep_folder = SweepRecord.find(run_spec, run_dir)
     if force_eval and (pipeline is not None or sweep_folder is not None):
         fail(f"--force-eval evaluates one run again; {run_spec} is a pipeline or sweep folder: give one of its runs")
     check_overrides(overrides, "pipeline" if pipeline is not None else "sweep" if sweep_folder is not None else "run")

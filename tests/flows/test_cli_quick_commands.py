@@ -189,6 +189,62 @@ def test_resume_of_a_run_whose_record_is_damaged_is_one_line_naming_the_file(tmp
     assert "unreadable: " in listed.output and "damaged run record" in " ".join(listed.output.split())
 
 
+def test_runs_lists_a_sweep_with_its_points_grouped(prepared_run, tmp_path):
+    # `bhfl sweep --run-dir X` then `bhfl runs X` showed each point as an unrelated run and no sweep; `bhfl runs
+    # SWEEP_FOLDER` was "no run". A sweep of 100 points as its records leave it: 97 finished, 2 failed, 1 pending.
+    from flows.records.sweep_record import PointRecord, SweepRecord
+
+    _, interrupted = prepared_run
+    run_dir = tmp_path / "runs"
+    shutil.copytree(interrupted, run_dir / "itest" / interrupted.name)  # a run of no sweep: listed as before
+    saved = yaml.safe_dump(dump(small_config()), sort_keys=False)
+    points = {}
+    for i in range(100):
+        label, path = f"eta_down={i},seed=0", run_dir / "itest" / f"20260102-000000-{i:03d}"
+        status = "failed" if i in (3, 50) else "finished"
+        if i < 99:  # the last point never started
+            path.mkdir(parents=True)
+            (path / "config.yaml").write_text(saved)
+            RunRecord(
+                name="itest", status=status, started=1.8e9 + i, error=f"boom {i}\nmore" if status == "failed" else ""
+            ).write(path)
+        points[label] = PointRecord(
+            config_hash=f"{i:016x}", run_path=str(path) if i < 99 else "", run_id=f"{i:032x}" if i < 99 else ""
+        )
+    folder = run_dir / "itest-sweep" / "20260102-000000-000"
+    folder.mkdir(parents=True)
+    (folder / "sweep.yaml").write_text("{}\n")  # (not read by the listing)
+    sweep_id = "5eef" * 8
+    SweepRecord(name="itest-sweep", status="failed", started=1.8e9, run_id=sweep_id, points=points).write(folder)
+
+    listed = CliRunner().invoke(app, ["runs", "--run-dir", str(run_dir)])
+    assert listed.exit_code == 0, listed.output
+    lines = listed.output.splitlines()
+    assert lines[0].startswith("sweep itest-sweep/20260102-000000-000  failed  ") and sweep_id in lines[0]
+    assert lines[1] == "    100 points: 97 finished, 2 failed, 1 pending"
+    assert f"    eta_down=3,seed=0: failed  {run_dir}/itest/20260102-000000-003  (boom 3)" in lines
+    assert "    eta_down=99,seed=0: pending  (not started)" in lines
+    assert sum(line.startswith("    eta_down=") for line in lines) == 100
+    assert f"    continue with: bhfl resume {folder}" in lines
+    assert sum(line.startswith("itest/") for line in lines) == 1  # the points are not listed again as runs
+    assert lines[-1] == "(99 runs of the sweeps above not listed again: `bhfl runs RUN` shows one's plan)"
+
+    as_json = json.loads(CliRunner().invoke(app, ["runs", "--run-dir", str(run_dir), "--json"]).output)
+    sweep = next(entry for entry in as_json if entry["kind"] == "sweep")
+    assert (sweep["status"], sweep["mlflow_run_id"], len(sweep["points"])) == ("failed", sweep_id, 100)
+    assert sweep["points"][3] == {
+        "label": "eta_down=3,seed=0",
+        "status": "failed",
+        "path": str(run_dir / "itest" / "20260102-000000-003"),
+        "mlflow_run_id": f"{3:032x}",
+    }
+    assert sum(entry["kind"] == "run" for entry in as_json) == 100  # --json keeps every run, points included
+
+    for spec in (str(folder), "itest-sweep/20260102-000000-000", sweep_id[:8]):  # one sweep, however named
+        one = CliRunner().invoke(app, ["runs", spec, "--run-dir", str(run_dir)])
+        assert one.exit_code == 0 and one.output.splitlines()[:2] == lines[:2], (spec, one.output)
+
+
 def test_resume_set_follows_one_rule_whether_or_not_the_run_finished(tmp_path):
     # `bhfl resume RUN --set tree.root.rounds=5` on a finished run said "nothing to resume" and dropped the --set
     folder = tmp_path / "itest" / "20260101-000000-000"
