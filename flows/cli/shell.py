@@ -317,14 +317,9 @@ def users_server_answers(api_url: str, resume: Path | None) -> None:
     from flows.services.prefect_server import unreachable
 
     if (problem := unreachable(api_url)) is not None:
-        fix = (
-            "Start that Prefect server (`prefect server start`)"
-            if problem.startswith("nothing answers")
-            else "Point it at a Prefect server's API (`prefect server start` serves http://127.0.0.1:4200/api)"
-        )
         fail(
-            f"PREFECT_API_URL is {api_url}: {problem}. {fix}, or unset PREFECT_API_URL to have the command start one "
-            f"of its own. {how_to_go_on(resume)}"
+            f"PREFECT_API_URL is {api_url}: {problem}. Start that Prefect server (`prefect server start`), or unset "
+            f"PREFECT_API_URL to have the command start one of its own. {how_to_go_on(resume)}"
         )
 
 

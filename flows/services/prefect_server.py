@@ -120,7 +120,10 @@ def not_prefect(api_url: str, timeout_s: float = 10.0) -> str | None:
     except urllib.error.HTTPError as exc:
         if exc.code in (401, 403):  # a server behind PREFECT_API_KEY / PREFECT_API_AUTH_STRING
             return None
-        return f"something answers there, but not as a Prefect API (GET /admin/version: HTTP {exc.code} {exc.reason})"
+        return (
+            f"something answers there, but not as a Prefect API (GET /admin/version: HTTP {exc.code} {exc.reason}; "
+            "a Prefect server's API is http://HOST:4200/api)"
+        )
     except (urllib.error.URLError, OSError) as exc:
         return f"its API does not answer (GET /admin/version: {getattr(exc, 'reason', exc)})"
     try:

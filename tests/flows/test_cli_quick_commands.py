@@ -296,7 +296,7 @@ def test_a_prefect_api_url_that_is_no_prefect_server_is_one_line_and_nothing_is_
     assert out.returncode == 2, out.stderr[-3000:]
     said = " ".join(out.stderr.split())
     assert f"error: PREFECT_API_URL is {api_url}: something answers there, but not as a Prefect API" in said
-    assert "(GET /admin/version: HTTP 404 Not Found)" in said and "Traceback" not in out.stderr
+    assert "(GET /admin/version: HTTP 404 Not Found; " in said and "Traceback" not in out.stderr
     assert list((tmp_path / "runs").iterdir()) == []  # no mlflow.db, no run folder
 
 
