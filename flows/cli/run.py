@@ -141,8 +141,8 @@ def run(
     if is_pipeline_file(config):
         run_pipeline_command(config, set_, run_dir, tracking_uri, verbose)
         return
+    cfg = load_config(config, set_)  # before the run dir is made: a refused config leaves nothing behind
     prepare_environment(run_dir, verbose)
-    cfg = load_config(config, set_)
     start_forkserver([cfg])
     from flows.records.run_record import new_run_path
 

@@ -21,7 +21,7 @@ from flows.cli.app import app
 from flows.cli.options import DEFAULT_RUN_DIR, runs_folder_of
 from flows.records.run_record import RunRecord, RunStateError
 from tests.flows.commands import cli, sets
-from tests.small import SMALL, small_config
+from tests.small import REPO, SMALL, small_config
 
 pytestmark = pytest.mark.integration
 
@@ -243,6 +243,22 @@ def test_runs_lists_a_sweep_with_its_points_grouped(prepared_run, tmp_path):
     for spec in (str(folder), "itest-sweep/20260102-000000-000", sweep_id[:8]):  # one sweep, however named
         one = CliRunner().invoke(app, ["runs", spec, "--run-dir", str(run_dir)])
         assert one.exit_code == 0 and one.output.splitlines()[:2] == lines[:2], (spec, one.output)
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["run", "embedded.yaml", "--set", "seed=x"],
+        ["sweep", "embedded.yaml", "--grid", "tree.edge.eta_dwn=1.0,0.5"],
+        ["run", "groupperfl.yaml", "--set", "stages.nope.seed=1"],
+    ],
+)
+def test_a_refused_config_makes_no_run_dir(tmp_path, command):
+    # a config mistake is found before anything is made: `--run-dir NEW` with a typo left an empty NEW behind
+    command[1] = str(REPO / "configs" / command[1])
+    out = CliRunner().invoke(app, [*command, "--run-dir", str(tmp_path / "new")])
+    assert out.exit_code == 2 and out.output.startswith("error: "), out.output
+    assert not (tmp_path / "new").exists()
 
 
 def test_resume_set_follows_one_rule_whether_or_not_the_run_finished(tmp_path):
