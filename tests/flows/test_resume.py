@@ -161,8 +161,7 @@ def test_killed_and_resumed_run_is_bit_identical_to_uninterrupted(reference):
     # --force-eval: evaluated again (no training), at a step of its own after the last root round
     forced, _ = cli("resume", str(run_path), "--force-eval", *IN_PROCESS, faults=None, run_dir=run_dir)
     assert forced.returncode == 0, forced.stderr[-3000:]
-    # said as what it is: the 3-round run's first re-evaluation, logged at step 4 (it said "after root round 4")
-    assert "after root round 3, re-evaluation 1 (MLflow step 4)" in " ".join(forced.stderr.split())
+    assert "after root round 3, re-evaluation 1 (MLflow step 4)" in " ".join(forced.stderr.split())  # not "round 4"
     report = (run_path / "report" / "report.md").read_text()
     over_time = report.split("## Quality against virtual time", 1)[1].split("\n## ", 1)[0]
     assert "\n| 3, re-evaluation 1 (MLflow step 4) | " in over_time and "\n| 4 | " not in over_time, over_time
