@@ -8,6 +8,7 @@ from bhfl_core.algorithm.round_tail import VIRTUAL_TIME
 from bhfl_core.analysis.evaluation import Evaluation
 from bhfl_core.analysis.matrix_axes import ModelRef
 from bhfl_core.analysis.model_values import ModelValues
+from bhfl_core.analysis.time_to_accuracy import round_label
 from bhfl_core.learning.metrics import task_metrics
 from bhfl_core.placement import Job, place
 from flows import progress
@@ -49,7 +50,7 @@ def evaluate_all(rt: NodeRuntime, step: int, final: bool = False) -> Evaluation:
     from flows.tracking.report import log_evaluation  # matplotlib and the report code: not needed at start-up
 
     log_evaluation(rt.tracker, evaluation, step, seconds)
-    progress.note(f"evaluated {len(values)} models after root round {step}")
+    progress.note(f"evaluated {len(values)} models after root round {round_label(step, ctx.tree.root.settings.rounds)}")
     return evaluation
 
 

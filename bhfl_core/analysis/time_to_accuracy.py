@@ -22,6 +22,16 @@ class CurvePoint:
     value: float
 
 
+def round_label(step: int, rounds: int) -> str:
+    """The root round an evaluation logged at ``step`` followed, as the report and the progress notes say it.
+
+    A step past the run's ``rounds`` is the n-th forced re-evaluation of the finished run
+    (``bhfl resume --force-eval``, logged at ``rounds + n``): a 3-round run's first one was
+    called "root round 4", a round the run never had.
+    """
+    return str(step) if step <= rounds else f"{rounds}, re-evaluation {step - rounds} (MLflow step {step})"
+
+
 def curve(virtual: Mapping[int, float], values: Mapping[int, float]) -> list[CurvePoint]:
     """The evaluations that have both a virtual time and a value, in step order."""
     return [CurvePoint(step, virtual[step], values[step]) for step in sorted(values) if step in virtual]

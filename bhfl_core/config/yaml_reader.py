@@ -17,6 +17,7 @@ that contains itself, or that aliases expand beyond ``MAX_VALUES`` values (the
 from __future__ import annotations
 
 import io
+import shlex
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -98,9 +99,34 @@ def read_yaml_file(path: Path) -> Any:
         if not path.is_dir() and not path.is_absolute():  # e.g. the default configs/embedded.yaml outside a checkout
             what += f" (relative to the current directory, {Path.cwd()})"
         raise ConfigError(f"config file {str(path)!r} {what}")
+    _check_utf8(raw, path)
     stream = io.BytesIO(raw)
     stream.name = str(path)  # YAML's messages then say `in "<path>", line 3, column 7`
     return parse_yaml(stream, str(path))
+
+
+def _check_utf8(raw: bytes, path: Path) -> None:
+    """A file that is not UTF-8 (nor UTF-16 with its byte-order mark, which YAML also reads): ``ConfigError``
+    saying so, with the first bad byte's line, column and offset.
+
+    YAML's own message ("unacceptable character #x00e9: invalid continuation byte ...
+    position 51") names neither the encoding the file must have nor a line: a file saved
+    as Latin-1 or Windows-1252 (an accent in a comment or a name) left users guessing.
+    """
+    if raw.startswith((b"\xff\xfe", b"\xfe\xff")):
+        return
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        start = exc.start
+        line_start = raw.rfind(b"\n", 0, start) + 1
+        line = raw.count(b"\n", 0, start) + 1
+        raise ConfigError(
+            f"{path}: not UTF-8 text: byte 0x{raw[start]:02x} on line {line}, column {start - line_start + 1} "
+            f"(byte offset {start}) is not valid UTF-8. A config file must be UTF-8 (the file was likely saved "
+            f"as Latin-1 or Windows-1252): save it as UTF-8, e.g. "
+            f"`iconv -f latin1 -t utf-8 {shlex.quote(str(path))} > new.yaml`"
+        ) from None
 
 
 def _check_size(data: Any, source: str) -> None:

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 from datetime import datetime
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from flows.cli.options import DEFAULT_RUN_DIR, JsonOption, RunDirOption, RunSpecArgument, runs_folder_of
 from flows.cli.shell import console, fail, out, prepare_environment, print_json
+
+if TYPE_CHECKING:
+    from flows.records.listing import RunSummary
 
 
 def sync(
@@ -99,31 +102,29 @@ def runs(
         str | None,
         typer.Argument(
             metavar="RUN",
-            help="Show one run's plan (or a pipeline's stages) in detail: a run folder, <name>/<stamp>, `latest`, "
-            "an MLflow run id (full or a unique prefix of 8+ characters) or a pipeline folder.",
+            help="Show one run's plan (or a pipeline's stages, a sweep's points) in detail: a run folder, "
+            "<name>/<stamp>, `latest`, an MLflow run id (full or a unique prefix of 8+ characters), a pipeline or "
+            "sweep folder.",
         ),
     ] = None,
     run_dir: RunDirOption = DEFAULT_RUN_DIR,
     as_json: JsonOption = False,
 ) -> None:
-    """List runs with their status (finished, failed at node X round Y, running) and what a resume would redo."""
+    """List runs with their status (finished, failed at node X round Y, running) and what a resume would redo;
+    pipelines and sweeps first, each with its stages or points."""
     run_dir = runs_folder_of(run_spec, run_dir)
     prepare_environment(run_dir, verbose=False)
     from bhfl_core.store.state_header import CheckpointError
-    from flows.cli.pipeline import pipeline_entry, print_pipelines
-    from flows.records.listing import find_runs, resolve_pipeline, resolve_run, run_entry, summarize
+    from flows.cli.pipeline import print_pipelines
+    from flows.cli.sweep_listing import print_sweeps, sweep_entry, sweep_folders
+    from flows.records.listing import find_runs, resolve_run, run_entry, summarize
     from flows.records.run_state import RunStateError
 
     unreadable = (RunStateError, CheckpointError)  # a run folder's files, or a node checkpoint's header
 
     if run_spec is not None:
         try:
-            pipeline = resolve_pipeline(run_spec, run_dir)
-            if pipeline is not None:
-                if as_json:
-                    print_json([pipeline_entry(pipeline)])
-                else:
-                    print_pipelines(out, run_dir, only=pipeline)
+            if _shown_job(run_spec, run_dir, as_json):
                 return
             path = resolve_run(run_spec, run_dir)
             summary = summarize(path)
@@ -146,31 +147,64 @@ def runs(
     if as_json:
         from flows.cli.pipeline import pipeline_entries
 
-        entries = pipeline_entries(run_dir)
-        for path in paths:
+        entries = [*pipeline_entries(run_dir), *(sweep_entry(folder) for folder in sweep_folders(run_dir))]
+        for path in paths:  # every run, a sweep's points and a pipeline's stages included
             try:
                 entries.append(run_entry(summarize(path)))
             except unreadable as exc:
                 entries.append(run_entry(None, path=path, error=str(exc)))
         print_json(entries)
         return
-    print_pipelines(out, run_dir)  # pipelines first, then every run (stages included)
-    if not paths:
+    print_pipelines(out, run_dir)  # pipelines first, then sweeps, then every run (stages included, points not)
+    in_sweeps = print_sweeps(out, run_dir)
+    paths = [path for path in paths if path.resolve() not in in_sweeps]
+    if not paths and not in_sweeps:
         out.print(f"no runs under {run_dir}", highlight=False)
-    colour = {"finished": "green", "running": "cyan", "failed": "red", "interrupted": "yellow"}
     for path in paths:  # one block per run: long error texts stay readable in a narrow terminal
         try:
-            s = summarize(path)
+            _print_run(path, summarize(path))
         except unreadable as exc:
             out.print(f"{path}  unreadable: {exc}", highlight=False)
-            continue
-        started = datetime.fromtimestamp(s.started).strftime("%Y-%m-%d %H:%M")
+    if in_sweeps:
         out.print(
-            f"[bold]{s.name}/{path.name}[/]  [{colour.get(s.status, 'white')}]{s.status}[/]  "
-            f"started {started}  MLflow run {s.mlflow_run_id or '-'}",
+            f"({len(in_sweeps)} run{'s' * (len(in_sweeps) != 1)} of the sweeps above not listed again: "
+            "`bhfl runs RUN` shows one's plan)",
             highlight=False,
         )
-        if s.detail:
-            out.print(f"    {s.detail}", highlight=False)
-        if s.status != "finished":
-            out.print(f"    a resume would redo: {s.redo}", highlight=False)
+
+
+def _shown_job(spec: str, run_dir: Path, as_json: bool) -> bool:
+    """``bhfl runs SPEC`` for a pipeline or a sweep (its folder, ``<name>/<stamp>`` or MLflow run id): shown,
+    True; False when ``spec`` names neither (RunStateError: a damaged record, or an ambiguous id prefix)."""
+    from flows.cli.pipeline import pipeline_entry, print_pipelines
+    from flows.cli.sweep_listing import print_sweeps, sweep_entry
+    from flows.records.listing import resolve_pipeline, resolve_sweep
+
+    if (pipeline := resolve_pipeline(spec, run_dir)) is not None:
+        if as_json:
+            print_json([pipeline_entry(pipeline)])
+        else:
+            print_pipelines(out, run_dir, only=pipeline)
+        return True
+    if (sweep := resolve_sweep(spec, run_dir)) is None:
+        return False
+    if as_json:
+        print_json([sweep_entry(sweep)])
+    else:
+        print_sweeps(out, run_dir, only=sweep)
+    return True
+
+
+def _print_run(path: Path, s: RunSummary) -> None:
+    """One run of the ``bhfl runs`` listing: name, status, start, MLflow run; where it stopped; what a resume redoes."""
+    colour = {"finished": "green", "running": "cyan", "failed": "red", "interrupted": "yellow"}
+    started = datetime.fromtimestamp(s.started).strftime("%Y-%m-%d %H:%M")
+    out.print(
+        f"[bold]{s.name}/{path.name}[/]  [{colour.get(s.status, 'white')}]{s.status}[/]  "
+        f"started {started}  MLflow run {s.mlflow_run_id or '-'}",
+        highlight=False,
+    )
+    if s.detail:
+        out.print(f"    {s.detail}", highlight=False)
+    if s.status != "finished":
+        out.print(f"    a resume would redo: {s.redo}", highlight=False)

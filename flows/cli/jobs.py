@@ -180,13 +180,38 @@ def _cluster(config: ExperimentConfig | None, folder: Path) -> Iterator[Any]:
         yield starting
 
 
-def resumable(record_type: type[ProcessRecord], folder: Path) -> ProcessRecord:
+def check_overrides(overrides: Sequence[str], noun: str) -> None:
+    """``bhfl resume --set``: only keys that do not change results, whatever the job and whether it finished;
+    else one line naming the assignment (exit 2) before anything starts. (A finished job was told "nothing to
+    resume" with a ``--set tree.root.rounds=5`` silently dropped; an unfinished one learnt it after Prefect's start.)"""
+    from bhfl_core.config.base import ConfigError
+    from flows.records.run_state import check_resume_overrides
+
+    try:
+        check_resume_overrides(overrides, noun)
+    except ConfigError as exc:
+        fail(str(exc))
+
+
+def not_applied(overrides: Sequence[str]) -> str:
+    """What a resume that runs nothing says of its ``--set``s: they change nothing (its config stays as it was)."""
+    if not overrides:
+        return ""
+    sets = " ".join(f"--set {assignment}" for assignment in overrides)
+    return f"; {sets} not applied: nothing runs, its config is unchanged"
+
+
+def resumable(record_type: type[ProcessRecord], folder: Path, overrides: Sequence[str] = ()) -> ProcessRecord:
     """The record of the job in ``folder`` if a resume has something to do; a finished job ends the command here
-    (nothing of its record is touched), one that cannot be resumed fails it (exit 2); before Prefect starts."""
+    (nothing of its record is touched; ``overrides`` said not to apply), one that cannot be resumed fails it
+    (exit 2); before Prefect starts."""
     from flows.records.run_state import RunStateError
 
     if (record := record_type.read(folder)) is not None and record.status == "finished":
-        console.print(f"[bold]bhfl[/] {record.NOUN} {folder} finished; nothing to resume", highlight=False)
+        console.print(
+            f"[bold]bhfl[/] {record.NOUN} {folder} finished; nothing to resume" + not_applied(overrides),
+            highlight=False,
+        )
         raise typer.Exit(0)
     try:
         return record_type.resumable(folder)

@@ -60,7 +60,6 @@ def run_pipeline_command(
     path: Path, overrides: list[str], run_dir: Path, tracking_uri: str | None, verbose: bool
 ) -> None:
     """Check every stage, then run them all; print the per-stage summary."""
-    prepare_environment(run_dir, verbose)
     from bhfl_core.config.base import ConfigError
     from bhfl_core.config.pipeline import load_pipeline
 
@@ -68,6 +67,7 @@ def run_pipeline_command(
         pipeline = load_pipeline(path, overrides)
     except ConfigError as exc:
         fail(str(exc))
+    prepare_environment(run_dir, verbose)  # after the checks: a refused pipeline leaves no run dir behind
     configs = [s.config for s in pipeline]
     start_forkserver(configs)
     from flows.pipeline import check_sources, start_pipeline
@@ -131,7 +131,7 @@ def resume_pipeline_command(folder: Path, overrides: list[str], run_dir: Path, v
     from flows.records.pipeline_record import PipelineRecord, read_pipeline_config
     from flows.records.run_state import RunStateError
 
-    resumable(PipelineRecord, folder)  # before Prefect or any worker starts
+    resumable(PipelineRecord, folder, overrides)  # before Prefect or any worker starts
     try:
         pipeline = read_pipeline_config(folder)
     except RunStateError as exc:

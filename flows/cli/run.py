@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from flows.cli.jobs import JobKind, command_seconds, run_job, start_forkserver
+from flows.cli.jobs import JobKind, check_overrides, command_seconds, not_applied, run_job, start_forkserver
 from flows.cli.options import (
     DEFAULT_CONFIG,
     DEFAULT_RUN_DIR,
@@ -141,8 +141,8 @@ def run(
     if is_pipeline_file(config):
         run_pipeline_command(config, set_, run_dir, tracking_uri, verbose)
         return
+    cfg = load_config(config, set_)  # before the run dir is made: a refused config leaves nothing behind
     prepare_environment(run_dir, verbose)
-    cfg = load_config(config, set_)
     start_forkserver([cfg])
     from flows.records.run_record import new_run_path
 
@@ -247,17 +247,17 @@ def resume_job(run_spec: str, overrides: list[str], run_dir: Path, verbose: bool
     """``bhfl resume``: a pipeline folder, a sweep folder or a run, each the way its kind resumes."""
     run_dir = runs_folder_of(run_spec, run_dir)
     prepare_environment(run_dir, verbose)  # before anything imports prefect
-    from flows.records.listing import resolve_pipeline, resolve_run
+    from flows.records.listing import resolve_pipeline, resolve_run, resolve_sweep
     from flows.records.run_state import RunStateError
-    from flows.records.sweep_record import SweepRecord
 
     try:
         pipeline = resolve_pipeline(run_spec, run_dir)
+        sweep_folder = None if pipeline is not None else resolve_sweep(run_spec, run_dir)
     except RunStateError as exc:
         fail(str(exc))
-    sweep_folder = SweepRecord.find(run_spec, run_dir)
     if force_eval and (pipeline is not None or sweep_folder is not None):
         fail(f"--force-eval evaluates one run again; {run_spec} is a pipeline or sweep folder: give one of its runs")
+    check_overrides(overrides, "pipeline" if pipeline is not None else "sweep" if sweep_folder is not None else "run")
     if pipeline is not None:
         from flows.cli.pipeline import resume_pipeline_command
 
@@ -288,11 +288,15 @@ def _resume_run(run_path: Path, overrides: list[str], run_dir: Path, verbose: bo
         from flows.tracking.spool import pending_count
 
         if pending_count(run_path) > 0:
+            if overrides:
+                console.print(f"[bold]bhfl[/] {run_path} finished{not_applied(overrides)}", highlight=False)
             sync_run(run_path, wait=None)  # all a finished run can lack: its tracking server's copy
             return
         # nothing to redo, and nothing of its record (MLflow, run.json) is touched
         console.print(
-            f"[bold]bhfl[/] {run_path} finished; nothing to resume (--force-eval evaluates it again)", highlight=False
+            f"[bold]bhfl[/] {run_path} finished; nothing to resume (--force-eval evaluates it again)"
+            + not_applied(overrides),
+            highlight=False,
         )
         return
     if force_eval and not finished:

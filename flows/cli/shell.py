@@ -288,9 +288,10 @@ def prefect_api(run_dir: Path, full: bool, resume: Path | None = None) -> Iterat
     command stops at once (``server_died``); ``resume`` is the run, pipeline or sweep
     folder that ``bhfl resume`` then continues.
     """
-    if "PREFECT_API_URL" in os.environ:
+    if "PREFECT_API_URL" in os.environ:  # checked now: before the job's MLflow store and folder are made
         with stopped_by_signals(resume):
-            yield PrefectApi(lambda: users_server_answers(os.environ["PREFECT_API_URL"], resume), own=False)
+            users_server_answers(os.environ["PREFECT_API_URL"], resume)
+            yield PrefectApi(lambda: None, own=False)
         return
     from flows.services.prefect_server import start_server
 
@@ -310,8 +311,9 @@ def prefect_api(run_dir: Path, full: bool, resume: Path | None = None) -> Iterat
 
 
 def users_server_answers(api_url: str, resume: Path | None) -> None:
-    """A Prefect server of the user's (``PREFECT_API_URL``) that does not listen: one line, exit 2, before the
-    command's first Prefect call (whose retries ended in a traceback, exit 1)."""
+    """A Prefect server of the user's (``PREFECT_API_URL``) that does not listen, or is no Prefect API: one line,
+    exit 2, before the job's folder and MLflow store are made (the command's first Prefect call ended in a
+    traceback, exit 1, and left them behind)."""
     from flows.services.prefect_server import unreachable
 
     if (problem := unreachable(api_url)) is not None:

@@ -157,11 +157,8 @@ def run_sweep_command(
     verbose: bool,
 ) -> None:
     """Check every point, then run them all (or finish the sweep folder ``resume``); print the summary."""
-    prepare_environment(run_dir, verbose)
     from bhfl_core.config.base import ConfigError
     from bhfl_core.config.sweep import load_sweep, parse_seeds
-    from flows.records.run_state import RunStateError
-    from flows.records.sweep_record import SweepRecord
 
     if parallel is not None and parallel < 1:
         fail(f"--parallel {parallel}: give at least 1 (or leave it out: one experiment per shared worker)")
@@ -169,6 +166,10 @@ def run_sweep_command(
         sweep = load_sweep(path, overrides, grid, parse_seeds(seeds) if seeds is not None else None, name)
     except ConfigError as exc:
         fail(str(exc))
+    prepare_environment(run_dir, verbose)  # after the checks: a refused sweep leaves no run dir behind
+    from flows.records.run_state import RunStateError
+    from flows.records.sweep_record import SweepRecord
+
     folder = None
     if resume is not None:
         if (folder := SweepRecord.find(resume, run_dir)) is None:
@@ -199,7 +200,7 @@ def resume_sweep_command(folder: Path, overrides: list[str], run_dir: Path, verb
     """Finish a sweep: finished experiments are kept, interrupted ones resume, the rest run."""
     from flows.records.sweep_record import SweepRecord, read_sweep_config
 
-    resumable(SweepRecord, folder)  # before Prefect or any worker starts
+    resumable(SweepRecord, folder, overrides)  # before Prefect or any worker starts
     sweep = read_sweep_config(folder)
     start_forkserver([p.config for p in sweep])
     from flows.sweep import resume_sweep

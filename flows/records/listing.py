@@ -262,11 +262,21 @@ def resolve_pipeline(spec: str, run_dir: Path) -> Path | None:
     """The pipeline folder ``spec`` names (a path, ``<name>/<stamp>``, or its MLflow run id or a prefix), else None."""
     from flows.records.pipeline_record import PipelineRecord
 
-    if (folder := PipelineRecord.find(spec, run_dir)) is not None:
+    return _resolve_job(PipelineRecord, spec, run_dir)
+
+
+def resolve_sweep(spec: str, run_dir: Path) -> Path | None:
+    """The sweep folder ``spec`` names (a path, ``<name>/<stamp>``, or its MLflow run id or a prefix), else None."""
+    from flows.records.sweep_record import SweepRecord
+
+    return _resolve_job(SweepRecord, spec, run_dir)
+
+
+def _resolve_job(kind: Any, spec: str, run_dir: Path) -> Path | None:
+    """The folder of a job of ``kind`` (a pipeline or sweep record class) that ``spec`` names, else None."""
+    if (folder := kind.find(spec, run_dir)) is not None:
         return folder
     if not is_id_prefix(spec):
         return None
-    ids = {
-        folder: record.run_id for folder in PipelineRecord.find_all(run_dir) if (record := PipelineRecord.read(folder))
-    }
-    return _by_run_id(spec, ids, "pipeline")
+    ids = {folder: record.run_id for folder in kind.find_all(run_dir) if (record := kind.read(folder))}
+    return _by_run_id(spec, ids, kind.NOUN)

@@ -73,9 +73,11 @@ USER_SERVER_GRACE_S = 3.0  # a server of the user's that does not listen yet: ho
 def unreachable(api_url: str, grace_s: float = USER_SERVER_GRACE_S) -> str | None:
     """Why nothing answers at ``api_url`` (a Prefect server of the user's, ``PREFECT_API_URL``); None: it listens.
 
-    Only the connection is tried (not an HTTP call, which a Prefect Cloud workspace answers
-    only with its key): Prefect's client would otherwise retry a refused connection for
-    ~20 s and end the command with httpx's traceback.
+    The connection is tried, then (not for Prefect Cloud, which answers only with its key)
+    the call Prefect's client makes first, ``GET /admin/version`` (``not_prefect``):
+    Prefect's client would otherwise retry a refused connection for ~20 s and end the
+    command with httpx's traceback, or meet a web server that is no Prefect API
+    (``Failed to reach API``) after the run's folder and MLflow store were made.
     """
     from urllib.parse import urlsplit
 
@@ -92,11 +94,47 @@ def unreachable(api_url: str, grace_s: float = USER_SERVER_GRACE_S) -> str | Non
     while True:
         try:
             with socket.create_connection((host, port), timeout=5):
-                return None
+                pass
+            return None if host.endswith(PREFECT_CLOUD) else not_prefect(api_url)
         except OSError as exc:
             if time.monotonic() >= deadline:
                 return f"nothing answers at {host}:{port} ({exc.strerror or exc})"
         time.sleep(0.25)
+
+
+PREFECT_CLOUD = "prefect.cloud"  # api.prefect.cloud: its API answers only with the workspace's key
+
+
+def not_prefect(api_url: str, timeout_s: float = 10.0) -> str | None:
+    """Why what answers at ``api_url`` is no Prefect server this bhfl can use; None: it is one, or no definite
+    answer came (a key this probe does not send, a timeout: Prefect's client, with its key and retries, judges then).
+
+    ``GET <api>/admin/version``, as Prefect's client does before its first call (it fails
+    with ``Failed to reach API`` on anything but a version, and refuses another major version).
+    """
+    import json
+
+    try:
+        with urllib.request.urlopen(f"{api_url.rstrip('/')}/admin/version", timeout=timeout_s) as resp:
+            body = resp.read(1000)
+    except urllib.error.HTTPError as exc:
+        if exc.code in (401, 403):  # a server behind PREFECT_API_KEY / PREFECT_API_AUTH_STRING
+            return None
+        return (
+            f"something answers there, but not as a Prefect API (GET /admin/version: HTTP {exc.code} {exc.reason}; "
+            "a Prefect server's API is http://HOST:4200/api)"
+        )
+    except (urllib.error.URLError, OSError):  # slow (a loaded machine) or cut: not a definite answer, Prefect retries
+        return None
+    try:
+        version = json.loads(body)
+        major = int(str(version).split(".")[0])
+    except ValueError:
+        return f"something answers there, but not as a Prefect API (GET /admin/version: {body[:60]!r})"
+    ours = importlib.metadata.version("prefect")
+    if major != int(ours.split(".")[0]):
+        return f"it is Prefect {version}; this bhfl's Prefect is {ours}, and the major versions must match"
+    return None
 
 
 class PrefectServer:

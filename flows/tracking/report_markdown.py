@@ -272,8 +272,9 @@ def _time_to_accuracy(r: ReportInputs) -> list[str]:
     populations = list(r.curves)
     evaluated = sorted({p.step for points in r.curves.values() for p in points})
     at = {label: {p.step: p for p in points} for label, points in r.curves.items()}
+    rounds = r.ctx.tree.root.settings.rounds  # a step past it: a forced re-evaluation, not a round
     rows = [
-        [step, f"{next(at[lb][step].virtual_s for lb in populations if step in at[lb]):.1f}"]
+        [tta.round_label(step, rounds), f"{next(at[lb][step].virtual_s for lb in populations if step in at[lb]):.1f}"]
         + [f"{at[lb][step].value:.3f}" if step in at[lb] else "" for lb in populations]
         for step in evaluated
     ]

@@ -158,6 +158,23 @@ def test_override_and_file_errors(tmp_path, monkeypatch):
         load_config(tmp_path / "child.yaml")
 
 
+def test_a_file_that_is_not_utf8_is_named_with_its_line_and_the_encoding_it_needs(tmp_path):
+    latin1 = tmp_path / "latin1.yaml"
+    latin1.write_bytes("base: embedded.yaml\n# résumé\nname: café\n".encode("latin-1"))
+    # the first bad byte: "é" of "résumé", line 2, column 4 ("# r" before it), offset 20 + 3
+    said = f"{latin1}: not UTF-8 text: byte 0xe9 on line 2, column 4 (byte offset 23)"
+    with pytest.raises(ConfigError, match=re.escape(said)) as raised:
+        load_config(latin1)
+    assert "must be UTF-8" in str(raised.value)
+    (tmp_path / "child.yaml").write_text("base: latin1.yaml\nname: x\n")  # a base file is named, not its child
+    with pytest.raises(ConfigError, match=re.escape(said)):
+        load_config(tmp_path / "child.yaml")
+    utf16 = tmp_path / "utf16.yaml"  # UTF-16 with its byte-order mark is YAML too: still read
+    utf16.write_bytes("base: embedded.yaml\n# résumé\nname: cafe\n".encode("utf-16"))
+    (tmp_path / "embedded.yaml").write_text((REPO / "configs" / "embedded.yaml").read_text())
+    assert load_config(utf16).name == "cafe"
+
+
 def test_residual_rules_resolve_to_links_and_receiver_optimisers():
     cfg = load_config(
         REPO / "configs" / "bhfl-full.yaml",

@@ -1,6 +1,6 @@
 """Time to accuracy: the evaluation curve against virtual time and the first time a target is met."""
 
-from bhfl_core.analysis.time_to_accuracy import CurvePoint, curve, curve_csv, time_to_target
+from bhfl_core.analysis.time_to_accuracy import CurvePoint, curve, curve_csv, round_label, time_to_target
 
 
 def test_curve_joins_by_step_and_finds_the_first_time_at_target():
@@ -14,3 +14,10 @@ def test_curve_joins_by_step_and_finds_the_first_time_at_target():
     loss = curve(virtual, {1: 2.0, 2: 1.2, 3: 0.9})
     assert time_to_target(loss, 1.0, higher_is_better=False) == 31.0  # lower is better: at or below
     assert curve_csv(points[:1], "accuracy").splitlines() == ["step,virtual_s,accuracy", "2,25.000000,0.400000"]
+
+
+def test_a_step_past_the_last_root_round_is_named_as_a_re_evaluation():
+    # bhfl resume --force-eval logs its n-th evaluation of a 3-round run at step 3 + n
+    assert [round_label(step, 3) for step in (1, 3)] == ["1", "3"]
+    assert round_label(4, 3) == "3, re-evaluation 1 (MLflow step 4)"
+    assert round_label(6, 3) == "3, re-evaluation 3 (MLflow step 6)"

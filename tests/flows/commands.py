@@ -7,7 +7,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -15,11 +15,16 @@ from tests.flows.kill_chain import leftovers
 from tests.small import REPO, SMALL
 
 
-def cli(*args: str, timeout: float = 120, python: Sequence[str] = ()) -> subprocess.CompletedProcess[str]:
-    """``bhfl ARGS`` in a subprocess (``python``: options for the interpreter, e.g. ``-X importtime``)."""
+def cli(
+    *args: str, timeout: float = 120, python: Sequence[str] = (), env: Mapping[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``bhfl ARGS`` in a subprocess (``python``: options for the interpreter, e.g. ``-X importtime``; ``env``:
+    variables set for it, e.g. a server of the user's)."""
+    extra = env or {}
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "COLUMNS": "200"}
     for own_servers in ("MLFLOW_TRACKING_URI", "PREFECT_API_URL"):  # the commands' defaults, not the user's
         env.pop(own_servers, None)
+    env.update(extra)
     return subprocess.run(
         [sys.executable, *python, "-m", "flows.cli.app", *args],
         cwd=REPO,

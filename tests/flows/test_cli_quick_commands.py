@@ -20,8 +20,8 @@ from bhfl_core.config.schema import dump
 from flows.cli.app import app
 from flows.cli.options import DEFAULT_RUN_DIR, runs_folder_of
 from flows.records.run_record import RunRecord, RunStateError
-from tests.flows.commands import cli
-from tests.small import SMALL, small_config
+from tests.flows.commands import cli, sets
+from tests.small import REPO, SMALL, small_config
 
 pytestmark = pytest.mark.integration
 
@@ -187,6 +187,133 @@ def test_resume_of_a_run_whose_record_is_damaged_is_one_line_naming_the_file(tmp
     listed = CliRunner().invoke(app, ["runs", "--run-dir", str(tmp_path)])  # the listing shows it, unreadable
     assert listed.exit_code == 0, listed.output
     assert "unreadable: " in listed.output and "damaged run record" in " ".join(listed.output.split())
+
+
+def test_runs_lists_a_sweep_with_its_points_grouped(prepared_run, tmp_path):
+    # `bhfl sweep --run-dir X` then `bhfl runs X` showed each point as an unrelated run and no sweep; `bhfl runs
+    # SWEEP_FOLDER` was "no run". A sweep of 100 points as its records leave it: 97 finished, 2 failed, 1 pending.
+    from flows.records.sweep_record import PointRecord, SweepRecord
+
+    _, interrupted = prepared_run
+    run_dir = tmp_path / "runs"
+    shutil.copytree(interrupted, run_dir / "itest" / interrupted.name)  # a run of no sweep: listed as before
+    saved = yaml.safe_dump(dump(small_config()), sort_keys=False)
+    points = {}
+    for i in range(100):
+        label, path = f"eta_down={i},seed=0", run_dir / "itest" / f"20260102-000000-{i:03d}"
+        status = "failed" if i in (3, 50) else "finished"
+        if i < 99:  # the last point never started
+            path.mkdir(parents=True)
+            (path / "config.yaml").write_text(saved)
+            RunRecord(
+                name="itest", status=status, started=1.8e9 + i, error=f"boom {i}\nmore" if status == "failed" else ""
+            ).write(path)
+        points[label] = PointRecord(
+            config_hash=f"{i:016x}", run_path=str(path) if i < 99 else "", run_id=f"{i:032x}" if i < 99 else ""
+        )
+    folder = run_dir / "itest-sweep" / "20260102-000000-000"
+    folder.mkdir(parents=True)
+    (folder / "sweep.yaml").write_text("{}\n")  # (not read by the listing)
+    sweep_id = "5eef" * 8
+    SweepRecord(name="itest-sweep", status="failed", started=1.8e9, run_id=sweep_id, points=points).write(folder)
+
+    listed = CliRunner().invoke(app, ["runs", "--run-dir", str(run_dir)])
+    assert listed.exit_code == 0, listed.output
+    lines = listed.output.splitlines()
+    assert lines[0].startswith("sweep itest-sweep/20260102-000000-000  failed  ") and sweep_id in lines[0]
+    assert lines[1] == "    100 points: 97 finished, 2 failed, 1 pending"
+    assert f"    eta_down=3,seed=0: failed  {run_dir}/itest/20260102-000000-003  (boom 3)" in lines
+    assert "    eta_down=99,seed=0: pending  (not started)" in lines
+    assert sum(line.startswith("    eta_down=") for line in lines) == 100
+    assert f"    continue with: bhfl resume {folder}" in lines
+    assert sum(line.startswith("itest/") for line in lines) == 1  # the points are not listed again as runs
+    assert lines[-1] == "(99 runs of the sweeps above not listed again: `bhfl runs RUN` shows one's plan)"
+
+    as_json = json.loads(CliRunner().invoke(app, ["runs", "--run-dir", str(run_dir), "--json"]).output)
+    sweep = next(entry for entry in as_json if entry["kind"] == "sweep")
+    assert (sweep["status"], sweep["mlflow_run_id"], len(sweep["points"])) == ("failed", sweep_id, 100)
+    assert sweep["points"][3] == {
+        "label": "eta_down=3,seed=0",
+        "status": "failed",
+        "path": str(run_dir / "itest" / "20260102-000000-003"),
+        "mlflow_run_id": f"{3:032x}",
+    }
+    assert sum(entry["kind"] == "run" for entry in as_json) == 100  # --json keeps every run, points included
+
+    for spec in (str(folder), "itest-sweep/20260102-000000-000", sweep_id[:8]):  # one sweep, however named
+        one = CliRunner().invoke(app, ["runs", spec, "--run-dir", str(run_dir)])
+        assert one.exit_code == 0 and one.output.splitlines()[:2] == lines[:2], (spec, one.output)
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["run", "embedded.yaml", "--set", "seed=x"],
+        ["sweep", "embedded.yaml", "--grid", "tree.edge.eta_dwn=1.0,0.5"],
+        ["run", "groupperfl.yaml", "--set", "stages.nope.seed=1"],
+    ],
+)
+def test_a_refused_config_makes_no_run_dir(tmp_path, command):
+    # a config mistake is found before anything is made: `--run-dir NEW` with a typo left an empty NEW behind
+    command[1] = str(REPO / "configs" / command[1])
+    out = CliRunner().invoke(app, [*command, "--run-dir", str(tmp_path / "new")])
+    assert out.exit_code == 2 and out.output.startswith("error: "), out.output
+    assert not (tmp_path / "new").exists()
+
+
+def test_resume_set_follows_one_rule_whether_or_not_the_run_finished(tmp_path):
+    # `bhfl resume RUN --set tree.root.rounds=5` on a finished run said "nothing to resume" and dropped the --set
+    folder = tmp_path / "itest" / "20260101-000000-000"
+    folder.mkdir(parents=True)
+    RunRecord(name="itest", status="finished", tracking_uri="sqlite:///unused.db").write(folder)
+    (folder / "config.yaml").write_text(yaml.safe_dump(dump(small_config()), sort_keys=False))
+    saved, record = (folder / "config.yaml").read_bytes(), (folder / "run.json").read_bytes()
+
+    def resume(*sets: str):
+        args = [arg for assignment in sets for arg in ("--set", assignment)]
+        out = CliRunner().invoke(app, ["resume", str(folder), *args, "--run-dir", str(tmp_path)])
+        return out.exit_code, " ".join(out.output.split())
+
+    code, said = resume("tree.root.rounds=5")  # a key a resume may not change: refused, as for any resume
+    assert code == 2 and "--set tree.root.rounds=5: a resumed run keeps its config" in said, said
+    code, said = resume("runtime.workers=1", "eval.batch_size=8")  # allowed, but nothing runs: said so
+    assert code == 0 and "finished; nothing to resume" in said, said
+    assert "--set runtime.workers=1 --set eval.batch_size=8 not applied: nothing runs" in said
+    assert (folder / "config.yaml").read_bytes() == saved and (folder / "run.json").read_bytes() == record
+
+    RunRecord(name="itest", status="interrupted", tracking_uri="sqlite:///unused.db").write(folder)
+    record = (folder / "run.json").read_bytes()
+    code, said = resume("seed=1")  # an unfinished run: refused before Prefect or a worker starts
+    assert code == 2 and "--set seed=1: a resumed run keeps its config" in said, said
+    assert not (tmp_path / ".prefect").exists()  # (it was refused after the command's Prefect server started)
+    assert (folder / "run.json").read_bytes() == record
+
+
+def test_a_prefect_api_url_that_is_no_prefect_server_is_one_line_and_nothing_is_made(tmp_path):
+    # PREFECT_API_URL at a web server that is not Prefect (here: one that answers 404 to everything): Prefect's
+    # client failed with a traceback ("Failed to reach API", exit 1) after the run folder and mlflow.db were made
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class NotPrefect(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_error(404)
+
+        def log_message(self, *_: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), NotPrefect)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    api_url = f"http://127.0.0.1:{server.server_port}/api"
+    try:
+        out = cli("run", *sets(), "--run-dir", str(tmp_path / "runs"), env={"PREFECT_API_URL": api_url})
+    finally:
+        server.shutdown()
+    assert out.returncode == 2, out.stderr[-3000:]
+    said = " ".join(out.stderr.split())
+    assert f"error: PREFECT_API_URL is {api_url}: something answers there, but not as a Prefect API" in said
+    assert "(GET /admin/version: HTTP 404 Not Found; " in said and "Traceback" not in out.stderr
+    assert list((tmp_path / "runs").iterdir()) == []  # no mlflow.db, no run folder
 
 
 @pytest.mark.parametrize("command", [["prepare"], ["runs"]])

@@ -103,7 +103,9 @@ def test_killed_and_resumed_run_is_bit_identical_to_uninterrupted(reference):
     for i, (fault, code, text, what) in enumerate(CHAIN):
         if run_path is None:
             out, session = cli("run", "configs/bhfl-full.yaml", *sets, faults=fault, run_dir=run_dir)
-            run_path = max((p for p in (run_dir / "itest").iterdir() if p != clean_path), key=lambda p: p.name)
+            started = [p for p in (run_dir / "itest").iterdir() if p != clean_path]
+            assert started, f"no run folder made: {out.returncode}\n{out.stderr[-3000:]}"
+            run_path = max(started, key=lambda p: p.name)
         else:
             if i in LISTED_AFTER:
                 listed, _ = cli("runs", faults=None, run_dir=run_dir)
@@ -159,6 +161,10 @@ def test_killed_and_resumed_run_is_bit_identical_to_uninterrupted(reference):
     # --force-eval: evaluated again (no training), at a step of its own after the last root round
     forced, _ = cli("resume", str(run_path), "--force-eval", *IN_PROCESS, faults=None, run_dir=run_dir)
     assert forced.returncode == 0, forced.stderr[-3000:]
+    assert "after root round 3, re-evaluation 1 (MLflow step 4)" in " ".join(forced.stderr.split())  # not "round 4"
+    report = (run_path / "report" / "report.md").read_text()
+    over_time = report.split("## Quality against virtual time", 1)[1].split("\n## ", 1)[0]
+    assert "\n| 3, re-evaluation 1 (MLflow step 4) | " in over_time and "\n| 4 | " not in over_time, over_time
     after = _store_points(record.tracking_uri, record.run_key)
     added = {k: sorted(set(steps) - set(got[k])) for k, steps in after.items()}  # KeyError: a new metric
     assert {tuple(v) for v in added.values()} == {(), (4,)}  # only points at step 4 (root rounds + 1)
