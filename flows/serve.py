@@ -36,9 +36,34 @@ def serve_experiment(config_data: dict, cron: str, name: str, run_root: Path, tr
 
 
 def serve_deployment(deployment: Any) -> None:
-    """Serve one deployment built by ``to_deployment`` (experiment, sweep or pipeline) until interrupted."""
-    from prefect import serve
+    """Serve one deployment built by ``to_deployment`` (experiment, sweep or pipeline) until stopped.
+
+    Prefect's ``serve`` with one change: its runner's SIGTERM handler (installed when the
+    runner starts) hands the signal to the command's (flows/cli/stopping.py), so SIGTERM
+    stops ``bhfl serve`` as Ctrl-C and SIGHUP do, one line and exit 128 + the signal.
+    Prefect's own handler exits 0; a SIGTERM that came before the runner had started
+    (the deployment already registered) met the command's and exited 143, so a
+    supervisor saw one or the other by timing. Either way the runner unwinds the same:
+    its schedules paused, the flow runs it started stopped.
+    """
+    import asyncio
+    import contextlib
+    import signal
+
     from prefect.deployments.runner import RunnerDeployment
+    from prefect.runner import Runner
 
     assert isinstance(deployment, RunnerDeployment)  # to_deployment is sync outside an event loop
-    serve(deployment, print_starting_message=True)
+    commands = signal.getsignal(signal.SIGTERM)
+
+    class CommandStoppedRunner(Runner):
+        def handle_sigterm(self, *args: Any, **kwargs: Any) -> None:
+            if not callable(commands):  # no handler of the command's (a caller that runs this in-process)
+                super().handle_sigterm(*args, **kwargs)
+                return
+            commands(*args, **kwargs)  # the first raises Stopped(SIGTERM), unwound as Ctrl-C is
+
+    runner = CommandStoppedRunner(pause_on_shutdown=True)
+    runner.add_deployment(deployment)
+    with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C or a Stopped: the command says how (flows/cli/shell.py)
+        asyncio.run(runner.start())

@@ -396,7 +396,7 @@ def serve_on_schedule(run_dir: Path, cron: str, deployment: str, note: str, serv
         )
         ended: BaseException | None = None
         try:
-            serve()  # Ctrl-C: Prefect's runner takes the KeyboardInterrupt and returns (SIGTERM: it exits 0 itself)
+            serve()  # a stop signal: the runner unwinds and returns (flows/serve.py::serve_deployment)
         except BaseException as exc:
             ended = exc
             raise

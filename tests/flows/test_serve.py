@@ -207,6 +207,8 @@ def test_a_cron_of_six_fields_is_refused_not_read_as_seconds():
 
 
 def test_a_served_sweep_registers_through_the_printed_server_and_sigterm_stops_it(tmp_path):
+    """SIGTERM once Prefect's runner polls (it has installed its SIGTERM handler by then): one line, exit 143, as
+    Ctrl-C's 130. Prefect's handler exited 0 and the command's, met before the runner started, 143: CI saw each."""
     sweep = tmp_path / "sweep.yaml"
     sweep.write_text(
         f"name: nightly-sweep\nbase: {REPO}/configs/embedded.yaml\ngrid: {{tree.edge.eta_down: [1.0, 0.5]}}\n"
@@ -218,10 +220,16 @@ def test_a_served_sweep_registers_through_the_printed_server_and_sigterm_stops_i
             deployment = _wait("the deployment", lambda: api(f"{base}/deployments/name/bhfl-sweep/nightly"), 120, proc)
             assert len(deployment["parameters"]["sweep"]["points"]) == 2, deployment["parameters"]
             assert _temporary_servers(proc.pid) == []  # (flows.sweep, which imports Prefect, was imported too early)
+            # the runner's first poll marks the deployment polled
+            _wait("the runner", lambda: api(f"{base}/deployments/{deployment['id']}")["last_polled"], 120, proc)
         finally:
             os.killpg(proc.pid, signal.SIGTERM)
             code = proc.wait(timeout=60)
-    assert code == 0  # Prefect's runner handles SIGTERM (docs/runtime.md, "Faults")
+            log.seek(0)
+            said = log.read()
+    assert code == 143, said[-3000:]  # 128 + SIGTERM, as every bhfl command (docs/runtime.md, "Faults")
+    assert said.rstrip().endswith("the same `bhfl serve` serves the deployment again."), said[-3000:]
+    assert "stopped by SIGTERM." in said.splitlines()[-1], said[-3000:]
     assert leftovers(proc.pid) == []
 
 
