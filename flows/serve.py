@@ -44,7 +44,8 @@ def serve_deployment(deployment: Any) -> None:
     Prefect's own handler exits 0; a SIGTERM that came before the runner had started
     (the deployment already registered) met the command's and exited 143, so a
     supervisor saw one or the other by timing. Either way the runner unwinds the same:
-    its schedules paused, the flow runs it started stopped.
+    its schedules paused, the flow runs it started stopped. (Prefect's start table is not
+    printed: the command's own line names the deployment, the UI and how to trigger it.)
     """
     import asyncio
     import contextlib
