@@ -30,10 +30,11 @@ from bhfl_core.algorithm.aggregation import Allocator
 from bhfl_core.algorithm.contract import ChildResult, MemberLoss, RoundPlan, Work
 from bhfl_core.algorithm.engine import execute_node
 from bhfl_core.algorithm.engine_hooks import PendingTrain
+from bhfl_core.algorithm.fednova_norm import local_norm
 from bhfl_core.algorithm.node_state import NodeResult, RoundKey
 from bhfl_core.algorithm.residuals import Candidate, keep_top
 from bhfl_core.algorithm.rules import rule_for
-from bhfl_core.algorithm.tree import Node, TrainParams, local_steps, planned_steps
+from bhfl_core.algorithm.tree import Node, TrainParams, planned_steps
 from bhfl_core.algorithm.virtual_clock import ClockParams, client_call_s
 from bhfl_core.learning.local_train import TrainResult, held_out_loss, split_holdout, train_model
 from bhfl_core.learning.params import get_flat, set_flat
@@ -215,7 +216,7 @@ def train_clients(
                 steps = planned_steps(int(node.weight), _params(node, plan))
                 work.append(Work(client_id, steps, time.perf_counter() - started, trainer.kind))
             if partial is not None:
-                rule.contribute(partial, client_id, result.theta, node.weight, steps=local_steps(node, plan.epochs))
+                rule.contribute(partial, client_id, result.theta, node.weight, steps=local_norm(node, plan.epochs))
             else:
                 model = result.theta
             if rule.sees_members and node.settings.reports_loss:  # (not under secure aggregation, nor DP-SGD's)

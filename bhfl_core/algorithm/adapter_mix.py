@@ -21,7 +21,8 @@ their kr x kr Gram matrices), the SVD of the kr x kr core ``R_B·R_A^T`` gives `
 O(fan·(kr)^2) a block, float64 on the CPU, the same bits for any thread count
 (``_low_rank_svd``). Where the terms span at most r directions the result is the exact
 combination (to float32's precision); otherwise it is its best rank-r approximation
-(Eckart-Young), and ``adapter/step_truncation_error`` says what it left out.
+(Eckart-Young), and ``adapter/step_truncation_error`` (``adapter/down_step_truncation_error`` for the
+down step) says what it left out.
 
 A step that is one model with coefficient 1 (FedAvg at ``eta`` 1 without residuals:
 adoption) is returned as it is. Non-linear steps (FedAvgM, FedAdam, ... on the factors,
@@ -47,6 +48,8 @@ if TYPE_CHECKING:
 
 STEP_TRUNCATION = "adapter/step_truncation_error"
 """Metric (``exact``): what rank r leaves out of a product-space step's combination, relative to it."""
+DOWN_STEP_TRUNCATION = "adapter/down_step_truncation_error"
+"""The same for the down step (NODEOPT_down and down-residuals), logged with its execution's first round."""
 
 Terms = Sequence[tuple[float, "torch.Tensor"]]
 """A step as a linear combination of flat vectors: ``sum_j c_j·v_j``."""

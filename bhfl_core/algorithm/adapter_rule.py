@@ -132,7 +132,7 @@ class AdapterRule:
         return AdapterPartial(self.inner.start(round_of, plan, reference, allocate), WeightedSum())
 
     def contribute(
-        self, partial: Partial, member: str, model: torch.Tensor, weight: float, steps: int | None = None
+        self, partial: Partial, member: str, model: torch.Tensor, weight: float, steps: float | None = None
     ) -> None:
         fold = _adapter(partial)
         if model.numel() != self.fold.size:

@@ -55,7 +55,7 @@ class MeanRule(Stateless):
         return WeightedSum(allocate=allocate)
 
     def contribute(
-        self, partial: Partial, member: str, model: torch.Tensor, weight: float, steps: int | None = None
+        self, partial: Partial, member: str, model: torch.Tensor, weight: float, steps: float | None = None
     ) -> None:
         _sum(partial).add(model, weight)
 

@@ -175,7 +175,8 @@ def _begin(state: NodeState, done: int, scope: _Scope) -> tuple[NodeState, _Exec
             run.calls[flight.dispatch] = _start(scope, scope.members[flight.child], flight, run.models)
     else:
         node, inbox = scope.node, scope.store.inbox(scope.node.id, "down", state.res_seen)
-        state = node_down(state, scope.phi, inbox, node.settings, scope.plan.caller, scope.scorer)
+        # no metric lines: only LoRA's exact has any, refused at an asynchronous server (config/adapter_settings.py)
+        state, _ = node_down(state, scope.phi, inbox, node.settings, scope.plan.caller, scope.scorer)
         state = replace(state, sent={})
         run = _Execution(dispatched=progress.dispatched, models={state.rounds_done: state.theta})
     return state, run

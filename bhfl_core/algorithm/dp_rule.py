@@ -175,7 +175,7 @@ class DpRule:
         return ClippedSum(reference, self.params.clip if clip is None else clip, inner)
 
     def contribute(
-        self, partial: Partial, member: str, model: torch.Tensor, weight: float, steps: int | None = None
+        self, partial: Partial, member: str, model: torch.Tensor, weight: float, steps: float | None = None
     ) -> None:
         import torch
 

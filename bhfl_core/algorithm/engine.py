@@ -104,13 +104,15 @@ def execute_node(
     if done >= settings.rounds:  # finished before a crash: hand back the saved result
         return saved_result(state, phi, settings)
     scorer = functools.partial(hooks.score, node) if settings.tunes else None
+    down: dict[str, float] = {}  # the down step's metric lines, logged with the first round
     if not done:
-        state = node_down(state, phi, store.inbox(node.id, "down", state.res_seen), settings, caller, scorer)
+        state, down = node_down(state, phi, store.inbox(node.id, "down", state.res_seen), settings, caller, scorer)
         state = replace(state, virtual_s=0.0, sent={})
     persist = keeps_state(settings, node.is_leaf)
     with RoundCommits(store, hooks, node, behind=commits_behind(tree, node)) as commits:
         for _ in range(done, settings.rounds):
-            state = _round(tree, node, state, plan, store, hooks, seed, scorer, persist, phi, commits)
+            state = _round(tree, node, state, plan, store, hooks, seed, scorer, persist, phi, commits, down)
+            down = {}
     return saved_result(state, phi, settings)
 
 
@@ -126,8 +128,10 @@ def _round(
     persist: bool,
     phi: torch.Tensor | None,
     commits: RoundCommits,
+    down: dict[str, float],
 ) -> NodeState:
-    """One synchronous round, committed (``commits``); returns its state (``phi``: the model the parent sent).
+    """One synchronous round, committed (``commits``); returns its state (``phi``: the model the parent sent;
+    ``down``: the execution's down step's metric lines, for its first round).
 
     A function of its own so that what the round held — its children's results and
     their folded partial, model-sized each — is released when it returns, before the
@@ -165,7 +169,7 @@ def _round(
     traffic = Traffic(len(cohort), len(cohort) - len(folded.dropped), folded.sent_bytes, down_bytes)
     tail = round_tail(scope, state, folded, traffic)
     virtual_s = state.virtual_s + round_virtual_s(folded, tail.train_s)
-    metrics = {**round_metrics(present, folded, mine), **tail.metrics, VIRTUAL_TIME: virtual_s}
+    metrics = {**down, **round_metrics(present, folded, mine), **tail.metrics, VIRTUAL_TIME: virtual_s}
     if sent is not None:
         metrics["comm/down_error"] = sent.error()
     loss, examples = reported(node, tail, folded, rule.reports_up)

@@ -13,27 +13,34 @@ client's update *per step* and rescales by an effective step count::
 ``x_nova`` is the mean input the node's NODEOPT_up steps towards (FedAvg with ``eta_up: 1``
 adopts it: the paper's server step; a server optimiser takes ``x_nova - x_ref`` as its
 pseudo-gradient). With every ``tau_i`` equal it is the example-weighted mean of the
-models. ``tau_i`` is the client's optimiser steps in its execution
+models. ``tau_i`` is the paper's ``||a_i||_1``, how many steps' worth of gradient the
+client's execution adds up to (``fednova_norm.local_norm``, passed to ``contribute`` as
+``steps`` where the client is folded, tasks/client_training.py): its optimiser steps
 (``tree.local_steps``: its rounds times ``planned_steps`` on its training rows, at the
-epochs its plan gives, so Tempo's per-child epochs count), passed to ``contribute`` as
-``steps`` where the client is folded (tasks/client_training.py). This is the paper's
-vanilla-SGD normaliser ``||a_i||_1 = tau_i``; it is what a client's AdamW is given too
-(the paper's momentum variant uses another ``a_i``).
+epochs its plan gives, so Tempo's per-child epochs count) for plain SGD, the vanilla-SGD
+normaliser, also given to AdamW (the paper has none for adaptive optimisers); for SGD with
+FedProx's ``mu > 0`` the paper's proximal one, ``rounds · (1 - (1 - lr·mu)^s) / (lr·mu)``
+(``s`` steps a TRAIN call), which is not an integer. With it, ``tau_eff = sum_i p_i ||a_i||_1``
+(the paper's; its reference implementation's ``average`` takes ``p_i`` times the steps instead
+when ``mu != 0``, a larger server step): clients that all ran the same ``a`` still give their weighted mean.
 
 The partial streams like the mean's: ``S`` is an exact ``WeightedSum`` (16 bytes per
-parameter whatever the cohort), each member's ``(w_i, tau_i)`` kept as numbers. ``a_i``
-is rounded to 29 significant bits (``nova_weight``, a relative change below ``2**-29``)
-so that every product ``a_i x_i`` is exact in float64 and the sum keeps its
-order-independence (``aggregation.py``). The example weights are then taken as the
-``a_i`` hold them, ``w_i ~ a_i tau_i`` (within ``2**-29``), so that ``p_i``, ``A``,
-``W = sum_i a_i tau_i`` and ``tau_eff`` agree with ``S`` exactly: with every ``tau_i``
-equal, ``x_ref`` then cancels and ``x_nova = S / A``, the weighted mean. These sums are
-exact (``math.fsum``) over the members' numbers, so the result is the same bits however
-the children were batched or ordered. It is computed in float64 from the rounded sum and
+parameter whatever the cohort), each member's ``(w_i, tau_i)`` kept as numbers (float64:
+``tau_i`` is the very number ``local_norm`` gave, on the wire too). ``a_i`` is rounded to
+29 significant bits (``nova_weight``, a relative change below ``2**-29``) so that every
+product ``a_i x_i`` is exact in float64 and the sum keeps its order-independence
+(``aggregation.py``). The example weights are then taken as the ``a_i`` hold them,
+``w_i ~ a_i tau_i`` (within ``2**-29``), so that ``p_i``, ``A``, ``W = sum_i a_i tau_i`` and
+``tau_eff`` agree with ``S``: with every ``tau_i`` equal, ``x_ref`` then cancels and
+``x_nova = S / A``, the weighted mean. These sums are ``math.fsum``s of each member's own
+products (exact for integer steps below ``2**12``; a non-integer ``tau_i``'s rounded in
+float64 member by member, the same bits whoever computes them), so the result is the same bits however the
+children were batched or ordered. It is computed in float64 from the rounded sum and
 rounded once to float32. With equal ``tau_i`` a power of two it is the mean rule's mean
-bit for bit (the ``a_i`` are exact); with other equal ``tau_i`` it is that mean with
-weights within ``2**-29`` of ``w_i``: equal to one float32 unit (tests/core/test_fednova.py:
->99% of values identical), and where the mean is near 0, within ``2**-27`` of the updates.
+bit for bit (the ``a_i`` are exact); with other equal ``tau_i`` (integers, or FedProx's
+normalisers) it is that mean with weights within ``2**-29`` of ``w_i``: equal to one
+float32 unit (tests/core/test_fednova.py: >99% of values identical), and where the mean is
+near 0, within ``2**-27`` of the updates.
 
 Where it applies (rejected by the config otherwise, naming the key): a server whose
 children are all clients (a child server's model has no step count), synchronous
@@ -64,16 +71,16 @@ if TYPE_CHECKING:
 WEIGHT = "weight."
 """Wire numbers: ``weight.<member>`` is w_i (its training examples)."""
 STEPS = "steps."
-"""Wire numbers: ``steps.<member>`` is tau_i (its local optimiser steps)."""
+"""Wire numbers: ``steps.<member>`` is tau_i (its ``||a_i||_1``, ``fednova_norm.local_norm``)."""
 _CHUNK = 1 << 20
 """Elements per float64 pass of ``result``: 8 MiB temporaries, not five model-sized ones (4.4 GB at 110M)."""
 _WEIGHT_BITS = 29
 """Significant bits of a_i: 29 + float32's 24 = float64's 53, so ``a_i x_i`` is exact."""
 
 
-def nova_weight(weight: float, steps: int) -> float:
+def nova_weight(weight: float, steps: float) -> float:
     """``a_i = w_i / tau_i`` rounded to 29 significant bits (exact products with float32 models)."""
-    if not weight > 0 or steps < 1:
+    if not weight > 0 or not steps >= 1:
         raise ValueError(f"FedNova needs a positive weight and at least one local step, got {weight} and {steps}")
     mantissa, exponent = math.frexp(weight / steps)
     return math.ldexp(round(mantissa * 2**_WEIGHT_BITS), exponent - _WEIGHT_BITS)
@@ -89,7 +96,7 @@ class NovaSum:
 
         self.reference = reference
         self.total = total if total is not None else WeightedSum(allocate=allocate)
-        self.members: dict[str, tuple[float, int]] = {}
+        self.members: dict[str, tuple[float, float]] = {}
 
     @property
     def weight(self) -> float:
@@ -99,7 +106,7 @@ class NovaSum:
     def empty(self) -> bool:
         return self.total.empty
 
-    def add(self, member: str, model: torch.Tensor, weight: float, steps: int | None) -> None:
+    def add(self, member: str, model: torch.Tensor, weight: float, steps: float | None) -> None:
         if steps is None:
             raise ValueError(
                 f"fednova divides each child's update by its local steps; {member!r} reported none (only clients "
@@ -108,7 +115,7 @@ class NovaSum:
         if member in self.members:
             raise ValueError(f"{member!r} contributed twice to one fednova round")
         self.total.add(model, nova_weight(weight, steps))
-        self.members[member] = (float(weight), int(steps))
+        self.members[member] = (float(weight), float(steps))
 
     def merge(self, other: NovaSum) -> None:
         twice = sorted(self.members.keys() & other.members.keys())
@@ -137,7 +144,7 @@ class NovaSum:
 
     def wire(self) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
         numbers = {f"{WEIGHT}{m}": w for m, (w, _) in self.members.items()}
-        numbers.update({f"{STEPS}{m}": float(tau) for m, (_, tau) in self.members.items()})
+        numbers.update({f"{STEPS}{m}": tau for m, (_, tau) in self.members.items()})
         return self.total.parts(), numbers
 
 
@@ -164,7 +171,7 @@ class FedNovaRule(Stateless):
         return NovaSum(reference, allocate)
 
     def contribute(
-        self, partial: Partial, member: str, model: torch.Tensor, weight: float, steps: int | None = None
+        self, partial: Partial, member: str, model: torch.Tensor, weight: float, steps: float | None = None
     ) -> None:
         _nova(partial).add(member, model, weight, steps)
 
@@ -187,5 +194,5 @@ class FedNovaRule(Stateless):
         out = NovaSum(None, total=total)
         for key in sorted(k for k in numbers if k.startswith(WEIGHT)):
             member = key[len(WEIGHT) :]
-            out.members[member] = (float(numbers[key]), int(numbers[f"{STEPS}{member}"]))
+            out.members[member] = (float(numbers[key]), float(numbers[f"{STEPS}{member}"]))
         return out

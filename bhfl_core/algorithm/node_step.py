@@ -39,7 +39,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from bhfl_core.algorithm.adapter_fold import cap_rank, keep_own_b
-from bhfl_core.algorithm.adapter_mix import STEP_TRUNCATION, Terms, mix_products, step_terms
+from bhfl_core.algorithm.adapter_mix import DOWN_STEP_TRUNCATION, STEP_TRUNCATION, Terms, mix_products, step_terms
 from bhfl_core.algorithm.aggregation import WeightedSum
 from bhfl_core.algorithm.aggregation_rule import FoldedRound
 from bhfl_core.algorithm.node_opt import NodeOptParams, OptState, Scorer, node_opt_step
@@ -82,7 +82,7 @@ def node_down(
     settings: NodeSettings,
     caller: Caller,
     scorer: Scorer | None = None,
-) -> NodeState:
+) -> tuple[NodeState, dict[str, float]]:
     """Begin the execution ``caller`` triggered: theta_0 = NODEOPT_down(q, W_q, [phi], R_down[q]).
 
     Without ``phi`` (the root) the node starts from its own model. ``inbox`` holds the
@@ -90,7 +90,9 @@ def node_down(
     ``scorer``: held-out losses for tuned NODEOPTs (``interp``). A Ditto personal model
     is the client's own: kept even when the node is not persistent, and so are the
     error-feedback residual of its compressed updates (``compression.py``) and the model
-    its children hold from its compressed broadcasts (``downlink.py``).
+    its children hold from its compressed broadcasts (``downlink.py``). Returns the state and
+    the step's metric lines (under LoRA's ``exact``: what rank r left out of its product
+    combination, ``adapter_mix.py``), which the execution's first round logs.
     """
     state = (
         stored
@@ -109,7 +111,7 @@ def node_down(
     if phi is None:
         if state.model is None:
             raise ValueError("executed without a parent model and has no model of its own")
-        return state
+        return state, {}
     if state.model is None:  # tensors are never changed in place: the node may share phi's storage
         base, opt_down, theta = phi, state.opt_down, phi
         step: Terms = ((1.0, phi),)
@@ -117,9 +119,12 @@ def node_down(
         base = state.model
         opt_down, theta = node_opt_step(state.opt_down, state.model, phi, settings.opt_down, scorer)
         step = step_terms(settings.opt_down, base, phi, theta)
-    theta, opt_res, seen, _ = fold_residuals(inbox, base, theta, state.opt_res, state.res_seen, settings, scorer, step)
+    theta, opt_res, seen, lost = fold_residuals(
+        inbox, base, theta, state.opt_res, state.res_seen, settings, scorer, step
+    )
     theta = cap_rank(keep_own_b(theta, stored.model, settings.own_b), settings.rank)
-    return replace(state, model=theta, opt_down=opt_down, opt_res=opt_res, res_seen=seen)
+    metrics = {DOWN_STEP_TRUNCATION: lost} if lost is not None else {}
+    return replace(state, model=theta, opt_down=opt_down, opt_res=opt_res, res_seen=seen), metrics
 
 
 def down_posts(theta: torch.Tensor, settings: NodeSettings) -> list[ResidualPost]:

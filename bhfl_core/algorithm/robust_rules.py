@@ -92,7 +92,7 @@ class StackedRule(Stateless):
         return StackedModels(round_of, allocate)
 
     def contribute(
-        self, partial: Partial, member: str, model: torch.Tensor, weight: float, steps: int | None = None
+        self, partial: Partial, member: str, model: torch.Tensor, weight: float, steps: float | None = None
     ) -> None:
         _stacked(partial).add(member, model, weight)
 

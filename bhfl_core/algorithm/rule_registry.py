@@ -167,12 +167,13 @@ class AggregationRule(Protocol):
         ...
 
     def contribute(
-        self, partial: Partial, member: str, model: torch.Tensor, weight: float, steps: int | None = None
+        self, partial: Partial, member: str, model: torch.Tensor, weight: float, steps: float | None = None
     ) -> None:
         """Fold one child's model (float32, any device) with its aggregation weight.
 
-        ``steps``: the local optimiser steps behind a client's model (``tree.local_steps``),
-        for rules that normalise by them (FedNova); None where there are none (a child server).
+        ``steps``: how many steps' worth of gradient a client's model moved by, FedNova's
+        ``||a_i||_1`` (``fednova_norm.local_norm``: its optimiser steps for plain SGD), for rules
+        that normalise by them; None where there are none (a child server).
         """
         ...
 

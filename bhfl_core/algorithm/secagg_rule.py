@@ -85,7 +85,7 @@ class SecAggRule:
         return MaskedSum(self.params, round_of, plan.peers, reference, plan.drawn)
 
     def contribute(
-        self, partial: Partial, member: str, model: torch.Tensor, weight: float, steps: int | None = None
+        self, partial: Partial, member: str, model: torch.Tensor, weight: float, steps: float | None = None
     ) -> None:
         import torch
 

@@ -56,7 +56,7 @@ def held_out_rows(rows: int, fraction: float) -> int:
 
 
 def local_steps(node: Node, epochs: int | None = None) -> int:
-    """The optimiser steps of a client's execution: its rounds' TRAIN calls on its training rows (FedNova's tau_i).
+    """The optimiser steps of a client's execution: its rounds' TRAIN calls on its training rows (``fednova_norm``).
 
     ``epochs``: its plan's local epochs (Tempo), instead of its ``train.epochs``. A pure
     function of the tree, so a client handed back from its checkpoint (a retried batch)

@@ -87,7 +87,7 @@ class ZeroingRule:
         return Zeroed(self.inner.start(round_of, plan, reference, allocate), reference)
 
     def contribute(
-        self, partial: Partial, member: str, model: torch.Tensor, weight: float, steps: int | None = None
+        self, partial: Partial, member: str, model: torch.Tensor, weight: float, steps: float | None = None
     ) -> None:
         import torch
 

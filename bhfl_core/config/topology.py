@@ -133,6 +133,7 @@ def _resolve(config: ExperimentConfig, node_id: str, role: Role, depth: int, num
         train = _train_params(values["train"])
         tuned = next((origin[f"opt_{d}"] for d in ("down", "up") if is_tuned(values[f"opt_{d}"].kind)), None)
         check_dp_sgd(values["train"], origin["train"], node_id, role, config.data.task, tuned)
+        _check_proximal_step(values["train"], origin["train"], node_id, "FedProx's mu")
     _check_down_step_used(values, origin, node_id, role)
     _check_tuned_eta(values, origin, node_id)
     asynchronous = None
@@ -146,6 +147,7 @@ def _resolve(config: ExperimentConfig, node_id: str, role: Role, depth: int, num
         raise ConfigError(f"{origin['personal']}: only clients keep a personal (Ditto) model; {node_id!r} is a server")
     if personal is not None:  # Opacus sets .grad itself: Ditto's lambda (v - w) would be dropped, not privatised
         check_dp_sgd(personal, origin["personal"], node_id, role, config.data.task, proximal="Ditto's lambda")
+        _check_proximal_step(personal, origin["personal"], node_id, "Ditto's lambda (mu)")
 
     aggregate = aggregate_params(
         config, node_id, role, values, origin, _expected(cohort, poisson_rate, num_children), num_children
@@ -197,6 +199,25 @@ def _check_down_step_used(values: dict[str, Any], origin: dict[str, str], node_i
             else "make it persistent for partial aggregation on the way down, or drop the key"
         )
     )
+
+
+def _check_proximal_step(train: TrainSettings, key: str, node_id: str, term: str) -> None:
+    """Refuse SGD whose proximal pull alone oversteps its anchor: ``lr·mu >= 1``.
+
+    One SGD step multiplies the distance to the anchor by ``1 - lr·mu`` (besides the loss's
+    gradient): at ``>= 1`` the step lands on or past the anchor, flipping sides each step, and
+    from 2 on the distance grows every step. FedNova's normaliser for it,
+    ``sum_k (1 - lr·mu)^k`` (``fednova_norm.py``), would weight gradients by alternating
+    signs or vanish. AdamW scales its steps itself: ``lr·mu`` says nothing there.
+    """
+    alpha = train.lr * train.mu
+    if train.optimizer == "sgd" and alpha >= 1:
+        raise ConfigError(
+            f"{key}.mu: {term} {train.mu} with sgd at lr {train.lr} makes lr·mu = {alpha:g} >= 1: every step "
+            f"would move the parameters of {node_id!r} onto or past the model they are pulled towards (each step "
+            "multiplies their distance to it by 1 - lr·mu; from 2 on the distance grows), so TRAIN oscillates "
+            "or diverges; lower mu or lr so that lr·mu < 1"
+        )
 
 
 def _check_tuned_eta(values: dict[str, Any], origin: dict[str, str], node_id: str) -> None:

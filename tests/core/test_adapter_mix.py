@@ -6,20 +6,24 @@ factors (``s·B·A``), and the truncation is checked against a full SVD of the f
 """
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
 
 from bhfl_core.algorithm.adapter_fold import AdapterBlock, AdapterFold, ProductSteps
-from bhfl_core.algorithm.adapter_mix import STEP_TRUNCATION
+from bhfl_core.algorithm.adapter_mix import DOWN_STEP_TRUNCATION, STEP_TRUNCATION
 from bhfl_core.algorithm.adapter_rule import refactorise
 from bhfl_core.algorithm.aggregation import WeightedSum
 from bhfl_core.algorithm.aggregation_rule import FoldedRound
+from bhfl_core.algorithm.engine import execute_node
 from bhfl_core.algorithm.node_opt import NodeOptParams
 from bhfl_core.algorithm.node_state import Caller, NodeState, RoundKey
 from bhfl_core.algorithm.node_step import PendingResidual, node_down, node_up
 from bhfl_core.algorithm.tree import NodeSettings
 from bhfl_core.config.topology import build_tree, placeholder_clients
+from bhfl_core.store.node_store import StateStore
+from tests.core.fake_tree import AddVectorHooks, settings, two_edge_tree
 from tests.small import small_config
 
 CALLER = Caller("parent", 0)
@@ -71,7 +75,9 @@ def _off(v, expected):
 def _down(own, phi, steps, eta=0.3, inbox=None, res_eta=None):
     res_in = (("down0", NodeOptParams(eta=res_eta)),) if res_eta is not None else ()
     settings = NodeSettings(opt_down=NodeOptParams(eta=eta), res_in=res_in, products=steps)
-    return node_down(NodeState(model=own), phi, inbox or {}, settings, CALLER).theta
+    state, metrics = node_down(NodeState(model=own), phi, inbox or {}, settings, CALLER)
+    assert (DOWN_STEP_TRUNCATION in metrics) == (steps is not None and state.theta is not phi)  # what it mixed
+    return state.theta
 
 
 def _inbox(kind, model):
@@ -128,6 +134,27 @@ def test_a_mix_beyond_rank_r_is_its_best_rank_r_approximation_and_the_up_step_lo
     assert torch.allclose(_b(mixed, T).norm(dim=0), _a(mixed, T).norm(dim=1), rtol=1e-5)
     assert torch.allclose(_b(mixed, T).double().norm(dim=0) ** 2 * 2, s[:2], rtol=1e-5)
     assert torch.equal(mixed[18:], torch.lerp(own, parent, 0.6)[18:])
+    # the same mix on the way down (eta_down 0.6 from the parent's model): the same cut, on its own metric line
+    down = NodeSettings(opt_down=NodeOptParams(eta=0.6), products=TRUNC)
+    state, metrics = node_down(NodeState(model=own), parent, {}, down, CALLER)
+    assert torch.allclose(_product(state.theta, T), best, atol=1e-5)
+    assert metrics == {DOWN_STEP_TRUNCATION: pytest.approx(float((s[2:] ** 2).sum().sqrt() / s.norm()), rel=1e-6)}
+
+
+def test_a_down_steps_truncation_is_logged_with_its_executions_first_round(tmp_path):
+    # edge A: 2 rounds an execution, eta_down 0.5 under exact, over a 1 x 1 "adapter" (B at 1, A at 0): its
+    # products are scalars, so rank 1 leaves nothing out (0); the line comes with the first round of the execution
+    # that mixes (the second: the first adopts the root's model), and only with it
+    one = AdapterBlock("one", a_offset=0, b_offset=1, rank=1, fan_in=1, fan_out=1, scaling=1.0)
+    tree = two_edge_tree(settings(train=True), root_rounds=2)
+    edge = replace(tree["A"].settings, rounds=2, opt_down=NodeOptParams(eta=0.5), products=ProductSteps((one,), 2))
+    tree.nodes["A"] = replace(tree["A"], settings=edge)  # type: ignore[index]
+    store = StateStore(tmp_path)
+    store.save("root", NodeState(model=torch.tensor([1.0, 2.0])))
+    hooks = AddVectorHooks(tree, store)
+    execute_node(tree, tree.root, None, store, hooks, seed=0)
+    logged = {r: m.get(DOWN_STEP_TRUNCATION) for (node, r), m in hooks.metrics.items() if node == "A"}
+    assert logged == {0: None, 1: None, 2: 0.0, 3: None}
 
 
 def test_residual_folding_combines_products_and_base_cancels():

@@ -158,3 +158,16 @@ def test_mu_reaches_every_level_and_is_validated():
     with pytest.raises(ConfigError) as err:
         load_config(REPO / "configs" / "embedded.yaml", ["tree.client.train.mu=-1"])
     assert "tree.client.train.mu" in str(err.value)
+
+
+def test_sgd_whose_proximal_step_oversteps_its_anchor_is_refused():
+    # lr·mu >= 1: one SGD step multiplies the distance to the anchor by 1 - lr·mu <= 0 (FedNova's normaliser too)
+    embedded = REPO / "configs" / "embedded.yaml"
+    load_config(embedded, ["tree.nodes.en-00.train={optimizer: sgd, lr: 0.33, mu: 3}"])  # 0.99: accepted
+    load_config(embedded, ["tree.nodes.en-00.train={optimizer: adamw, lr: 0.5, mu: 4}"])  # AdamW scales its steps
+    for override, message in (
+        ("tree.nodes.en-00.train={optimizer: sgd, lr: 0.5, mu: 2}", r"tree\.nodes\.en-00\.train\.mu: FedProx.* = 1 "),
+        ("tree.client.personal={optimizer: sgd, lr: 0.5, mu: 5}", r"tree\.client\.personal\.mu: Ditto's .* = 2\.5 "),
+    ):
+        with pytest.raises(ConfigError, match=rf"{message}>= 1: every step would move the parameters of 'en-00'"):
+            load_config(embedded, [override])

@@ -43,8 +43,8 @@ def test_node_down_first_execution_adopts_phi_and_folds_its_down_residuals():
     # steps from phi to [1, 2]; that step is added to the adopted phi: [1, 2].
     settings = NodeSettings(res_in=(("down0", NodeOptParams(eta=0.5)),))
     inbox = {"down0": pending("down0", "root", 3, ([2.0, 4.0], 1.0))}
-    state = node_down(NodeState(rounds_done=2), t(0, 0), inbox, settings, Caller("edge", 5))
-    assert state.theta.tolist() == [1.0, 2.0]
+    state, metrics = node_down(NodeState(rounds_done=2), t(0, 0), inbox, settings, Caller("edge", 5))
+    assert state.theta.tolist() == [1.0, 2.0] and metrics == {}  # metric lines only under LoRA's exact
     assert state.res_seen == {"down0/root": 3}
     assert int(state.opt_res["down0"]["step"]) == 1
     assert (state.exec_caller, state.exec_start, state.rounds_done) == ("edge:5", 2, 2)
@@ -55,7 +55,7 @@ def test_node_down_steps_the_persistent_model_towards_phi_with_its_own_optimiser
     # Delta = [2, -2]; m = 0.9 * [1, 0] + [2, -2] = [2.9, -2]; theta_0 = W + m = [3.9, -1].
     settings = NodeSettings(opt_down=NodeOptParams(kind="fedavgm", eta=1.0, beta1=0.9))
     stored = NodeState(model=t(1, 1), opt_down={"m": t(1, 0), "step": torch.tensor(4)})
-    state = node_down(stored, t(3, -1), {}, settings, ROOT_CALLER)
+    state, _ = node_down(stored, t(3, -1), {}, settings, ROOT_CALLER)
     assert state.theta.tolist() == pytest.approx([3.9, -1.0])
     assert state.opt_down["m"].tolist() == pytest.approx([2.9, -2.0])
     assert int(state.opt_down["step"]) == 5
@@ -65,7 +65,7 @@ def test_node_down_steps_the_persistent_model_towards_phi_with_its_own_optimiser
 def test_node_down_of_a_non_persistent_node_starts_from_phi_with_fresh_states():
     settings = NodeSettings(persistent=False, opt_down=NodeOptParams(kind="fedavgm", eta=1.0))
     stored = NodeState(model=t(9, 9), opt_down={"m": t(5, 5)}, rounds_done=7, res_seen={"down0/root": 1})
-    state = node_down(stored, t(2, 3), {}, settings, Caller("edge", 0))
+    state, _ = node_down(stored, t(2, 3), {}, settings, Caller("edge", 0))
     assert state.theta.tolist() == [2.0, 3.0]
     assert state.opt_down == {} and state.rounds_done == 7 and state.res_seen == {"down0/root": 1}
 
@@ -73,7 +73,7 @@ def test_node_down_of_a_non_persistent_node_starts_from_phi_with_fresh_states():
 def test_node_down_without_phi_keeps_the_own_model_and_ignores_the_inbox():
     settings = NodeSettings(res_in=(("down0", NodeOptParams()),))
     inbox = {"down0": pending("down0", "x", 0, ([5.0, 5.0], 1.0))}
-    state = node_down(NodeState(model=t(1, 2)), None, inbox, settings, ROOT_CALLER)
+    state, _ = node_down(NodeState(model=t(1, 2)), None, inbox, settings, ROOT_CALLER)
     assert state.theta.tolist() == [1.0, 2.0] and state.res_seen == {}
     with pytest.raises(ValueError, match="no model of its own"):
         node_down(NodeState(), None, {}, settings, ROOT_CALLER)

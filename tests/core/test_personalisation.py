@@ -71,7 +71,7 @@ def test_node_down_and_node_up_pass_the_scorer_to_interp():
     # down: own W = [2, 0], phi = [0, 2]; candidates a=0 [0,2], .25 [.5,1.5], .5 [1,1], .75 [1.5,.5], 1 [2,0]
     # distance to [1.5, 0.5]: 4.5, 2, 0.5, 0, 0.5 -> alpha 0.75
     stored = NodeState(model=torch.tensor([2.0, 0.0]))
-    down = node_down(stored, torch.tensor([0.0, 2.0]), {}, node_settings, Caller("p", 0), distance_to([1.5, 0.5]))
+    down, _ = node_down(stored, torch.tensor([0.0, 2.0]), {}, node_settings, Caller("p", 0), distance_to([1.5, 0.5]))
     assert down.theta.tolist() == [1.5, 0.5]
     assert down.opt_down["alpha"].item() == 0.75
     # up: theta [1.5, 0.5], children's mean [3.5, 0.5]: a=0 [3.5,.5] .25 [3,.5] .5 [2.5,.5] .75 [2,.5] 1 [1.5,.5]

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from bhfl_core.algorithm.fednova_norm import local_norm
 from bhfl_core.algorithm.robust import coordinate_median, krum
 from bhfl_core.algorithm.stacked import Member
 from flows.experiment import PLAIN_CALLS, run_experiment
@@ -26,6 +27,9 @@ ROBUST = [
     "tree.nodes.edge-en.aggregate={kind: median}",
     "tree.nodes.edge-fr.aggregate={kind: krum, byzantine: 0, keep: 2}",
     "tree.nodes.edge-de.aggregate={kind: fednova}",
+    # two of its clients FedProx SGD: normalised by (1 - (1 - lr·mu)^s) / (lr·mu), not an integer (fednova_norm.py)
+    "tree.nodes.de-00.train={optimizer: sgd, lr: 0.05, mu: 1.0, epochs: 1, batch_size: 4}",
+    "tree.nodes.de-01.train={optimizer: sgd, lr: 0.05, mu: 1.0, epochs: 1, batch_size: 4}",
     "tree.server.aggregate={kind: trimmed_mean, trim: 0.25}",  # child servers' models, stacked at the parent
 ]
 
@@ -73,6 +77,7 @@ def test_each_edge_holds_its_rule_applied_to_what_its_clients_sent(runs, run):
     clients = sent("edge-de")
     mean = sum(m.weight * m.row.double() for m in clients) / sum(m.weight for m in clients)
     assert (store.load_model("edge-de").double() - mean).abs().max() > 1e-6  # FedNova: not the plain mean
+    assert all(local_norm(ctx.tree[c]) % 1 > 0 for c in ("de-00", "de-01"))  # FedProx SGD's: not step counts
 
 
 @pytest.mark.timeout(900)
