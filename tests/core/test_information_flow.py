@@ -1,5 +1,5 @@
 """What crosses a DP server, pinned through the engine (issue 46, item 7): which children are clipped, and how the
-rounds of a DP server compose over its executions.
+rounds of a DP server compose over its executions; and which training losses reach a secure-aggregation server.
 
 The tree is ``fake_tree``'s (root -> A(a1, a2), B(b1, b2); TRAIN adds a known vector), so every model is known by
 hand; the other information-flow classes are pinned where they are made (docs/privacy.md, "What the tests pin").
