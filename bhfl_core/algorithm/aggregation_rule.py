@@ -127,7 +127,10 @@ def fold_results(
     The order makes everything that is not an exact sum (candidate lists, the loss mean,
     the dropped list) the same however the children were placed or arrived. The node's
     own proxy TRAIN (member ``order[-1]``) is folded like a child, but its loss is its
-    own (``Training/proxy_loss``), not one of the children's.
+    own (``Training/proxy_loss``), not one of the children's. A rule that may not see its
+    children one by one (``sees_members`` False: secure aggregation) takes no child's loss:
+    a worker's clients send none, and a child server's, which comes up with its model, is
+    dropped here.
     """
     rank = {member: i for i, member in enumerate(order)}
     own = order[-1] if order else None
@@ -148,7 +151,8 @@ def fold_results(
         folded.dropped.extend(result.dropped)
         folded.virtual_s = max(folded.virtual_s, result.virtual_s)
         folded.sent_bytes += result.sent_bytes
-        losses.update((m.member, (m.loss, m.examples)) for m in result.losses if m.member != own)
+        if rule.sees_members:  # not under secure aggregation: a child server's loss would be one child's, in the clear
+            losses.update((m.member, (m.loss, m.examples)) for m in result.losses if m.member != own)
     folded.candidates.sort(key=lambda c: rank.get(c.node_id, len(rank)))
     folded.dropped.sort(key=lambda m: rank.get(m, len(rank)))
     if losses:  # summed in child-id order: the same float sum however children were batched

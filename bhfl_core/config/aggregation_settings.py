@@ -266,7 +266,7 @@ def _privacy(
         distributed=settings.distributed,
     )
     if settings.target_epsilon is None:
-        check_noise_split(params, key)
+        check_noise_split(params, key, default=settings.adaptive is not None and settings.adaptive.count_noise is None)
     return params
 
 
@@ -276,12 +276,13 @@ def _canaries(config: ExperimentConfig, node_id: str) -> CanaryParams | None:
     return None if audit is None else CanaryParams(audit.canaries, derive_seed(config.seed, "canary", node_id))
 
 
-def check_noise_split(params: PrivacyParams, key: str) -> None:
-    """Adaptive clipping's count noise must leave the update some of the noise multiplier (error names the key)."""
+def check_noise_split(params: PrivacyParams, key: str, default: bool = False) -> None:
+    """Adaptive clipping's count noise must leave the update some of the noise multiplier (``default``: it is unset)."""
     try:
         params.update_noise_multiplier  # noqa: B018  (validates the split of the budget)
     except ValueError as exc:
-        raise ConfigError(f"{key}.adaptive.count_noise: {exc}") from None
+        origin = f"; not set, it is the default: {params.expected:g} contributions a fold / 20" if default else ""
+        raise ConfigError(f"{key}.adaptive.count_noise: {exc}{origin}") from None
 
 
 def _compress(

@@ -1,5 +1,5 @@
 """What crosses a DP server, pinned through the engine (issue 46, item 7): which children are clipped, and how the
-rounds of a DP server compose over its executions.
+rounds of a DP server compose over its executions; and which training losses reach a secure-aggregation server.
 
 The tree is ``fake_tree``'s (root -> A(a1, a2), B(b1, b2); TRAIN adds a known vector), so every model is known by
 hand; the other information-flow classes are pinned where they are made (docs/privacy.md, "What the tests pin").
@@ -131,3 +131,20 @@ def test_a_proxy_train_folded_like_a_child_is_clipped_like_one():
     folded = fold_results(rule, KEY, results, ["c0", "c2"], REFERENCE, rule.plan({}, ()))
     summed = by_hand_clipped(MODELS["c0"] - REFERENCE, 1.0).double() + by_hand_clipped(MODELS["c2"] - REFERENCE, 1.0)
     assert torch.equal(rule.finalize(folded.partial, KEY).input, (REFERENCE.double() + summed / 2).to(torch.float32))
+
+
+def test_a_secure_aggregation_server_is_not_told_its_child_servers_training_losses(tmp_path):
+    """Secure aggregation at the root over the edges A and B (child servers, whose results come up whole through
+    the orchestrator, not a worker's batch): the root may learn only the masked sum, so it logs no ``Training/loss``
+    or ``Training/examples`` of A's or B's subtrees (each edge's own loss, as A and B log it, would be a per-child
+    value in the clear), and reports none up. A and B still log their clients'."""
+    from bhfl_core.algorithm.privacy_params import SecAggParams
+
+    secagg = SecAggParams(threshold=2, mask_seed=3)
+    tree = two_edge_tree(settings(train=True))
+    root = replace(tree.root, settings=replace(tree.root.settings, aggregate=AggregateParams(wrappers=(secagg,))))
+    store, hooks = _run(Tree(nodes={**tree.nodes, "root": root}, root_id="root"), tmp_path, LossHooks)
+    assert hooks.metrics[("A", 0)]["Training/loss"] == (1.0 * 1 + 0.0 * 3) / 4  # below the root: told as before
+    assert "Training/loss" not in hooks.metrics[("root", 0)]
+    assert "Training/examples" not in hooks.metrics[("root", 0)]
+    assert (store.load_header("root").loss, store.load_header("root").examples) == (None, 0)

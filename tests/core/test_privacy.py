@@ -203,7 +203,9 @@ def test_privacy_at_a_level_resolves_per_node_with_its_cohort_and_its_own_noise_
         ),
         (
             ["tree.edge.privacy={clip: 1, noise_multiplier: 0.5, adaptive: {}}"],  # default count_noise: cohort 4 / 20
-            "tree.edge.privacy.adaptive.count_noise: adaptive clipping: count_noise 0.2 leaves no budget",
+            "tree.edge.privacy.adaptive.count_noise: adaptive clipping: count_noise 0.2 leaves no budget for the "
+            "update at noise_multiplier 0.5 (it needs 2 * count_noise > noise_multiplier); not set, it is the "
+            "default: 4 contributions a fold / 20",
         ),
         (
             ["tree.edge.privacy={clip: 1, noise_multiplier: 1}", "tree.residuals.up=[{from: edge, to: root}]"],
