@@ -202,22 +202,29 @@ def _check_down_step_used(values: dict[str, Any], origin: dict[str, str], node_i
 
 
 def _check_proximal_step(train: TrainSettings, key: str, node_id: str, term: str) -> None:
-    """Refuse SGD whose proximal pull alone oversteps its anchor: ``lr·mu >= 1``.
+    """Refuse SGD whose proximal pull or weight decay alone oversteps: ``lr·mu >= 1`` or ``lr·weight_decay >= 1``.
 
-    One SGD step multiplies the distance to the anchor by ``1 - lr·mu`` (besides the loss's
-    gradient): at ``>= 1`` the step lands on or past the anchor, flipping sides each step, and
-    from 2 on the distance grows every step. FedNova's normaliser for it,
-    ``sum_k (1 - lr·mu)^k`` (``fednova_norm.py``), would weight gradients by alternating
-    signs or vanish. AdamW scales its steps itself: ``lr·mu`` says nothing there.
+    One SGD step multiplies the distance to the anchor by ``1 - lr·mu`` (to zero: by
+    ``1 - lr·weight_decay``), besides the loss's gradient: at ``>= 1`` the step lands on or
+    past it, flipping sides each step, and from 2 on the distance grows every step.
+    FedNova's normaliser, ``sum_k (1 - lr·mu)^k`` (``fednova_norm.py``), would weight
+    gradients by alternating signs or vanish. AdamW scales its steps itself (and decouples
+    its decay): ``lr·mu`` says nothing there.
     """
-    alpha = train.lr * train.mu
-    if train.optimizer == "sgd" and alpha >= 1:
-        raise ConfigError(
-            f"{key}.mu: {term} {train.mu} with sgd at lr {train.lr} makes lr·mu = {alpha:g} >= 1: every step "
-            f"would move the parameters of {node_id!r} onto or past the model they are pulled towards (each step "
-            "multiplies their distance to it by 1 - lr·mu; from 2 on the distance grows), so TRAIN oscillates "
-            "or diverges; lower mu or lr so that lr·mu < 1"
-        )
+    if train.optimizer != "sgd":
+        return
+    pulls = (
+        ("mu", train.mu, term, "the model they are pulled towards"),
+        ("weight_decay", train.weight_decay, "weight decay", "zero"),
+    )
+    for name, coefficient, label, towards in pulls:
+        if (alpha := train.lr * coefficient) >= 1:
+            raise ConfigError(
+                f"{key}.{name}: {label} {coefficient} with sgd at lr {train.lr} makes lr·{name} = {alpha:g} >= 1: "
+                f"every step would move the parameters of {node_id!r} onto or past {towards} (each step multiplies "
+                f"their distance to it by 1 - lr·{name}; from 2 on the distance grows), so TRAIN oscillates or "
+                f"diverges; lower {name} or lr so that lr·{name} < 1"
+            )
 
 
 def _check_tuned_eta(values: dict[str, Any], origin: dict[str, str], node_id: str) -> None:

@@ -165,9 +165,15 @@ def test_sgd_whose_proximal_step_oversteps_its_anchor_is_refused():
     embedded = REPO / "configs" / "embedded.yaml"
     load_config(embedded, ["tree.nodes.en-00.train={optimizer: sgd, lr: 0.33, mu: 3}"])  # 0.99: accepted
     load_config(embedded, ["tree.nodes.en-00.train={optimizer: adamw, lr: 0.5, mu: 4}"])  # AdamW scales its steps
+    load_config(embedded, ["tree.nodes.en-00.train={optimizer: adamw, lr: 0.5, weight_decay: 4}"])  # and decouples
     for override, message in (
         ("tree.nodes.en-00.train={optimizer: sgd, lr: 0.5, mu: 2}", r"tree\.nodes\.en-00\.train\.mu: FedProx.* = 1 "),
         ("tree.client.personal={optimizer: sgd, lr: 0.5, mu: 5}", r"tree\.client\.personal\.mu: Ditto's .* = 2\.5 "),
+        # weight decay pulls towards zero the same way (SGD adds weight_decay·p to the gradient)
+        (
+            "tree.nodes.en-00.train={optimizer: sgd, lr: 0.5, weight_decay: 3}",
+            r"en-00\.train\.weight_decay: .* = 1\.5 ",
+        ),
     ):
         with pytest.raises(ConfigError, match=rf"{message}>= 1: every step would move the parameters of 'en-00'"):
             load_config(embedded, [override])
