@@ -198,7 +198,7 @@ def prepare(
             api()
             prepared = guarded(work, None, verbose)["prepared"]
     report = prepared.report_dir / "partition.md"
-    print(report.read_text() if report.exists() else "")
+    print(report.read_text(encoding="utf-8") if report.exists() else "")
     # A `kind: prepared` folder is used where it is, never cached: calling it a cache hit sent users to
     # <run-dir>/cache for data that was not there.
     state = "cache hit (no tokenisation)" if prepared.cached else "prepared"

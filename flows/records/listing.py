@@ -60,7 +60,7 @@ class _Run:
 
 def _open(run_path: Path, config: ExperimentConfig) -> _Run:
     # the tree as tasks/context.py RunContext builds it, without importing the data libraries it needs
-    data_root = Path(json.loads((run_path / DATA_POINTER).read_text())["data_root"])
+    data_root = Path(json.loads((run_path / DATA_POINTER).read_text(encoding="utf-8"))["data_root"])
     tree = build_tree(config, Manifest.read(data_root).tree_clients())
     return _Run(tree, run_path / STATE_DIR, config.seed)
 

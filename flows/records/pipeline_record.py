@@ -65,7 +65,7 @@ def read_pipeline_config(folder: Path) -> Pipeline:
     """
     path = folder / PIPELINE_CONFIG
     try:
-        return pipeline_from_dict(yaml.safe_load(path.read_text()), source=str(path))
+        return pipeline_from_dict(yaml.safe_load(path.read_text(encoding="utf-8")), source=str(path))
     except (OSError, yaml.YAMLError, ConfigError) as exc:
         why = str(exc).removeprefix(f"{path}: ")
         raise RunStateError(

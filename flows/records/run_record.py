@@ -105,7 +105,7 @@ class ProcessRecord(BaseModel):
         if not path.exists():
             return None
         try:
-            return cls.model_validate_json(path.read_text())
+            return cls.model_validate_json(path.read_text(encoding="utf-8"))
         except (ValidationError, UnicodeDecodeError) as exc:  # a truncated or hand-edited record: no traceback
             why = exc.errors()[0]["msg"] if isinstance(exc, ValidationError) else str(exc)
             raise RunStateError(f"{path}: damaged {cls.NOUN} record ({why})") from None

@@ -62,4 +62,4 @@ def write_sweep_config(folder: Path, sweep: Sweep) -> None:
 def read_sweep_config(folder: Path) -> Sweep:
     """The resolved sweep of a sweep folder (every point's full config, validated again)."""
     path = folder / SWEEP_CONFIG
-    return sweep_from_dump(yaml.safe_load(path.read_text()), source=str(path))
+    return sweep_from_dump(yaml.safe_load(path.read_text(encoding="utf-8")), source=str(path))
