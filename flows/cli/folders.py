@@ -37,7 +37,7 @@ def sync(
 ) -> None:
     """Deliver the MLflow tracking calls a run kept because its tracking server was down (exit 3 if some are left)."""
     run_dir = runs_folder_of(run_spec, run_dir)
-    prepare_environment(run_dir, verbose=False)
+    prepare_environment(run_dir, verbose=False, create=False)  # reads only: makes no folder
     from flows.cli.sync import sync_run
     from flows.records.listing import resolve_run
     from flows.records.run_state import RunStateError
@@ -69,7 +69,7 @@ def export(
 ) -> None:
     """Write a node's final model in save_pretrained layout with its tokenizer (merged, or its LoRA adapters)."""
     run_dir = runs_folder_of(run_spec, run_dir)
-    prepare_environment(run_dir, verbose=False)
+    prepare_environment(run_dir, verbose=False, create=False)  # reads only: makes no folder
     from bhfl_core.config.base import ConfigError
     from flows.cli.export import export_model
     from flows.records.listing import resolve_run
@@ -113,7 +113,7 @@ def runs(
     """List runs with their status (finished, failed at node X round Y, running) and what a resume would redo;
     pipelines and sweeps first, each with its stages or points."""
     run_dir = runs_folder_of(run_spec, run_dir)
-    prepare_environment(run_dir, verbose=False)
+    prepare_environment(run_dir, verbose=False, create=False)  # reads only: makes no folder
     from bhfl_core.store.state_header import CheckpointError
     from flows.cli.pipeline import print_pipelines
     from flows.cli.sweep_listing import print_sweeps, sweep_entry, sweep_folders

@@ -1,4 +1,5 @@
-"""What ``bhfl`` reads and what it leaves: files are UTF-8 whatever the locale.
+"""What ``bhfl`` reads and what it leaves: commands that only read create nothing, and files are UTF-8 whatever
+the locale.
 
 Job folders are made as a job leaves them (records and configs written directly); nothing is trained or resumed
 for real: each resume here is refused or finds nothing to do.
@@ -9,7 +10,9 @@ from __future__ import annotations
 import json
 
 import pytest
+from typer.testing import CliRunner
 
+from flows.cli.app import app
 from tests.flows.commands import cli
 
 pytestmark = pytest.mark.integration
@@ -40,3 +43,23 @@ def test_a_non_utf8_locale_reads_our_utf8_files_and_prints_what_it_cannot_show_a
     helped = cli("compare", "--help", env=ascii_locale)
     assert helped.returncode == 0, helped.stderr[-3000:]
     assert "mean ? std" in " ".join(helped.stdout.split()) and "Traceback" not in helped.stderr
+
+
+def test_commands_that_only_read_make_no_run_dir(tmp_path, monkeypatch):
+    # `bhfl runs SOMEID` or `bhfl resume SOMEID` typed in a folder without runs left an empty ./runs/ behind
+    monkeypatch.chdir(tmp_path)
+    spec = "0123abcd0123"
+    for command, code in (
+        (["runs"], 0),
+        (["runs", "--json"], 0),
+        (["runs", spec], 2),
+        (["resume", spec], 2),
+        (["resume", spec, "--set", "runtime.workers=1"], 2),
+        (["sync", spec], 2),
+        (["export", spec, "--to", "model"], 2),
+        (["runs", "--run-dir", "elsewhere/new"], 0),
+    ):
+        out = CliRunner().invoke(app, command)
+        assert out.exit_code == code, (command, out.output)
+        assert code == 0 or f"error: no run {spec!r} under " in out.output, (command, out.output)
+        assert list(tmp_path.iterdir()) == [], command
