@@ -8,12 +8,12 @@ node's model with its tokenizer.
 
 from __future__ import annotations
 
-from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from flows.cli.job_lines import print_header
 from flows.cli.options import DEFAULT_RUN_DIR, JsonOption, RunDirOption, RunSpecArgument, runs_folder_of
 from flows.cli.shell import console, fail, out, prepare_environment, print_json
 
@@ -197,13 +197,7 @@ def _shown_job(spec: str, run_dir: Path, as_json: bool) -> bool:
 
 def _print_run(path: Path, s: RunSummary) -> None:
     """One run of the ``bhfl runs`` listing: name, status, start, MLflow run; where it stopped; what a resume redoes."""
-    colour = {"finished": "green", "running": "cyan", "failed": "red", "interrupted": "yellow"}
-    started = datetime.fromtimestamp(s.started).strftime("%Y-%m-%d %H:%M")
-    out.print(
-        f"[bold]{s.name}/{path.name}[/]  [{colour.get(s.status, 'white')}]{s.status}[/]  "
-        f"started {started}  MLflow run {s.mlflow_run_id or '-'}",
-        highlight=False,
-    )
+    print_header(out, f"{s.name}/{path.name}", s.status, s.started, s.mlflow_run_id)
     if s.detail:
         out.print(f"    {s.detail}", highlight=False)
     if s.status != "finished":
