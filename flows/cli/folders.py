@@ -43,10 +43,9 @@ def sync(
     from flows.records.run_state import RunStateError
 
     try:
-        run_path = resolve_run(run_spec, run_dir)
-    except RunStateError as exc:
+        sync_run(resolve_run(run_spec, run_dir), wait)
+    except RunStateError as exc:  # no such run, or its run.json damaged (that was a traceback)
         fail(str(exc))
-    sync_run(run_path, wait)
 
 
 def export(
