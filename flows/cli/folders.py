@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
+from rich.markup import escape
 
 from flows.cli.job_lines import print_header
 from flows.cli.options import DEFAULT_RUN_DIR, JsonOption, RunDirOption, RunSpecArgument, runs_folder_of
@@ -133,14 +134,14 @@ def runs(
             print_json([run_entry(summary, with_plan=True)])
             return
         out.print(
-            f"[bold]{summary.name}[/] {path}\n  status: {summary.status} {summary.detail}\n"
+            f"[bold]{summary.name}[/] {escape(str(path))}\n  status: {summary.status} {escape(summary.detail)}\n"
             f"  a resume would redo: {summary.redo}\n  MLflow run id: {summary.mlflow_run_id or '-'}",
             highlight=False,
         )
         if (plan := summary.plan) is not None:
             out.print(f"  root rounds saved: {plan.root_done} of {plan.root_rounds}", highlight=False)
             for line in plan.lines:
-                out.print(f"    {line}", highlight=False)
+                out.print(f"    {line}", markup=False, highlight=False)
         return
     paths = find_runs(run_dir)
     if as_json:
@@ -158,12 +159,12 @@ def runs(
     in_sweeps = print_sweeps(out, run_dir)
     paths = [path for path in paths if path.resolve() not in in_sweeps]
     if not paths and not in_sweeps:
-        out.print(f"no runs under {run_dir}", highlight=False)
+        out.print(f"no runs under {run_dir}", markup=False, highlight=False)
     for path in paths:  # one block per run: long error texts stay readable in a narrow terminal
         try:
             _print_run(path, summarize(path))
         except unreadable as exc:
-            out.print(f"{path}  unreadable: {exc}", highlight=False)
+            out.print(f"{path}  unreadable: {exc}", markup=False, highlight=False)
     if in_sweeps:
         out.print(
             f"({len(in_sweeps)} run{'s' * (len(in_sweeps) != 1)} of the sweeps above not listed again: "
@@ -198,6 +199,6 @@ def _print_run(path: Path, s: RunSummary) -> None:
     """One run of the ``bhfl runs`` listing: name, status, start, MLflow run; where it stopped; what a resume redoes."""
     print_header(out, f"{s.name}/{path.name}", s.status, s.started, s.mlflow_run_id)
     if s.detail:
-        out.print(f"    {s.detail}", highlight=False)
+        out.print(f"    {s.detail}", markup=False, highlight=False)
     if s.status != "finished":
-        out.print(f"    a resume would redo: {s.redo}", highlight=False)
+        out.print(f"    a resume would redo: {s.redo}", markup=False, highlight=False)

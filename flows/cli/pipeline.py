@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from flows.cli.job_lines import print_job
@@ -235,7 +236,7 @@ def print_pipelines(out: Console, run_dir: Path, only: Path | None = None) -> No
 
     def read(folder: Path) -> tuple[Any, list[str]]:
         record, stages = _stages(folder)
-        return record, [f"{name}: {status}  {path or '(not started)'}" for name, status, path, _ in stages]
+        return record, [escape(f"{name}: {status}  {path or '(not started)'}") for name, status, path, _ in stages]
 
     for folder in [only] if only is not None else _pipeline_folders(run_dir):
         print_job(out, "pipeline", folder, read)

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 
 from flows.cli.job_lines import coloured, print_job
 from flows.records.listing import read_entry
@@ -86,7 +87,7 @@ def print_sweeps(out: Console, run_dir: Path, only: Path | None = None) -> set[P
 def _point_line(p: Point) -> str:
     """``eta_down=3,seed=0: failed  <its run folder>  (<the first line of why>)``."""
     why = f"  ({p.error})" if p.error and p.status != "finished" else ""
-    return f"{p.label}: {coloured(p.status)}  {p.path or '(not started)'}{why}"
+    return f"{escape(p.label)}: {coloured(p.status)}  {escape(p.path or '(not started)')}{escape(why)}"
 
 
 def sweep_entry(folder: Path) -> dict[str, Any]:

@@ -162,3 +162,35 @@ def test_a_non_utf8_locale_reads_our_utf8_files_and_prints_what_it_cannot_show_a
     helped = cli("compare", "--help", env=ascii_locale)
     assert helped.returncode == 0, helped.stderr[-3000:]
     assert "mean ? std" in " ".join(helped.stdout.split()) and "Traceback" not in helped.stderr
+
+
+def test_the_listing_prints_paths_labels_and_errors_as_written(tmp_path):
+    # `bhfl runs` printed them as rich markup: a run dir named "[old] runs" lost "[old]" from every path (a printed
+    # path no longer pasted back), a point labelled "langs=[en]" and an error quoting "[bold]" lost those words
+    from flows.records.pipeline_record import PipelineRecord, StageRecord
+    from flows.records.sweep_record import PointRecord, SweepRecord
+
+    run_dir = tmp_path / "[old] runs"
+    run = run_dir / "itest" / "20260101-000000-000"
+    run.mkdir(parents=True)
+    (run / "config.yaml").write_text("name: itest\n", encoding="utf-8")
+    RunRecord(name="itest", status="failed", started=1.7e9, error="ValueError: a [bold] word\nmore").write(run)
+    sweep = run_dir / "sw" / "20260101-000000-001"
+    sweep.mkdir(parents=True)
+    (sweep / "sweep.yaml").write_text("{}\n", encoding="utf-8")
+    point = PointRecord(config_hash="0" * 16, run_path=str(run), status="failed")
+    SweepRecord(name="sw", status="failed", started=1.7e9, points={"langs=[en]": point}).write(sweep)
+    pipeline = run_dir / "tp" / "20260101-000000-002"
+    pipeline.mkdir(parents=True)
+    (pipeline / "pipeline.yaml").write_text("stages: {}\n", encoding="utf-8")
+    PipelineRecord(name="tp", status="failed", started=1.7e9, stages={"a": StageRecord(run_path=str(run))}).write(
+        pipeline
+    )
+
+    listed = CliRunner().invoke(app, ["runs", "--run-dir", str(run_dir)])
+    assert listed.exit_code == 0, listed.output
+    lines = listed.output.splitlines()
+    assert f"    a: failed  {run}" in lines and f"    continue with: bhfl resume {pipeline}" in lines
+    assert f"    langs=[en]: failed  {run}  (ValueError: a [bold] word)" in lines
+    one = CliRunner().invoke(app, ["runs", str(run), "--run-dir", str(run_dir)])
+    assert one.exit_code == 0 and f"itest {run}" in one.output and "a [bold] word" in one.output, one.output
