@@ -155,10 +155,10 @@ def runs(
                 entries.append(run_entry(None, path=path, error=str(exc)))
         print_json(entries)
         return
-    print_pipelines(out, run_dir)  # pipelines first, then sweeps, then every run (stages included, points not)
+    pipelines = print_pipelines(out, run_dir)  # pipelines first, then sweeps, then every run (stages, not points)
     in_sweeps = print_sweeps(out, run_dir)
     paths = [path for path in paths if path.resolve() not in in_sweeps]
-    if not paths and not in_sweeps:
+    if not paths and not in_sweeps and not pipelines and not sweep_folders(run_dir):  # (it said so under a sweep)
         out.print(f"no runs under {run_dir}", markup=False, highlight=False)
     for path in paths:  # one block per run: long error texts stay readable in a narrow terminal
         try:

@@ -230,13 +230,15 @@ def pipeline_entries(run_dir: Path) -> list[dict[str, Any]]:
     return [pipeline_entry(folder) for folder in _pipeline_folders(run_dir)]
 
 
-def print_pipelines(out: Console, run_dir: Path, only: Path | None = None) -> None:
+def print_pipelines(out: Console, run_dir: Path, only: Path | None = None) -> int:
     """``bhfl runs``: every pipeline under ``run_dir`` (or ``only`` that one) with its stages' status; a damaged
-    record is one line naming its file, the rest of the listing intact."""
+    record is one line naming its file, the rest of the listing intact. How many were listed."""
 
     def read(folder: Path) -> tuple[Any, list[str]]:
         record, stages = _stages(folder)
         return record, [escape(f"{name}: {status}  {path or '(not started)'}") for name, status, path, _ in stages]
 
-    for folder in [only] if only is not None else _pipeline_folders(run_dir):
+    folders = [only] if only is not None else _pipeline_folders(run_dir)
+    for folder in folders:
         print_job(out, "pipeline", folder, read)
+    return len(folders)

@@ -156,6 +156,7 @@ def test_a_non_utf8_locale_reads_our_utf8_files_and_prints_what_it_cannot_show_a
     assert listed.returncode == 0, listed.stderr[-3000:]
     assert listed.stdout.startswith("sweep sw/20260101-000000-000  finished  "), listed.stdout
     assert "    path=caf?: finished  (not started)" in listed.stdout  # "é" is no ASCII: shown as "?"
+    assert "no runs under" not in listed.stdout  # (it said so under the sweep it had just listed)
     resumed = cli("resume", str(folder), env=ascii_locale)
     assert resumed.returncode == 0 and f"sweep {folder} finished; nothing to resume" in resumed.stderr, resumed.stderr
 
