@@ -202,7 +202,7 @@ class Manifest(BaseModel):
 
     @classmethod
     def read(cls, folder: Path) -> Manifest:
-        return cls.model_validate_json((folder / MANIFEST_NAME).read_text())
+        return cls.model_validate_json((folder / MANIFEST_NAME).read_text(encoding="utf-8"))
 
     def tree_clients(self) -> list[ClientInfo]:
         """The clients as the tree is built from them (``build_tree``): id, language, size, edge, cluster."""

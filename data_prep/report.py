@@ -213,9 +213,9 @@ def write_report(manifest: Manifest, folder: Path) -> list[Path]:
     """Write the summary, the clients' table and the plots into ``folder``; returns the files written."""
     folder.mkdir(parents=True, exist_ok=True)
     summary = partition_summary(manifest)
-    (folder / SUMMARY).write_text(json.dumps(summary, indent=2))
-    (folder / MARKDOWN).write_text(summary_markdown(summary))
-    (folder / CLIENTS_CSV).write_text(clients_csv(manifest))
+    (folder / SUMMARY).write_text(json.dumps(summary, indent=2), encoding="utf-8")
+    (folder / MARKDOWN).write_text(summary_markdown(summary), encoding="utf-8")
+    (folder / CLIENTS_CSV).write_text(clients_csv(manifest), encoding="utf-8")
     written = [folder / SUMMARY, folder / MARKDOWN, folder / CLIENTS_CSV]
     if manifest.clients:
         plot_sizes(manifest, folder / SIZES_PNG)

@@ -152,7 +152,8 @@ def _open_run(tracker: Tracker, pipeline: Pipeline, record: PipelineRecord, fold
         )
         record.experiment_id = tracker.experiment_id
         record.write(folder)
-    tracker.log_text((folder / PIPELINE_CONFIG).read_text(), PIPELINE_CONFIG)  # every attempt: a kill may have cut it
+    config = (folder / PIPELINE_CONFIG).read_text(encoding="utf-8")
+    tracker.log_text(config, PIPELINE_CONFIG)  # every attempt: a kill may have cut it
 
 
 def _run_stages(

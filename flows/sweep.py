@@ -99,7 +99,8 @@ class _Sweeper:
         record, tracker = self.record, self.tracker
         if record.run_id:
             tracker.reopen_run(record.experiment_id, record.run_id, record.resumes)
-            tracker.log_text((self.folder / SWEEP_CONFIG).read_text(), SWEEP_CONFIG)  # a kill may have cut it
+            config = (self.folder / SWEEP_CONFIG).read_text(encoding="utf-8")
+            tracker.log_text(config, SWEEP_CONFIG)  # a kill may have cut it
             return
         keys = sorted({k for p in self.sweep for k in p.values})
         tags = {
@@ -114,7 +115,7 @@ class _Sweeper:
         record.run_id = tracker.start_pipeline(self.sweep.name, params, tags, description, run_key=record.run_key)
         record.experiment_id = tracker.experiment_id
         self._write()
-        tracker.log_text((self.folder / SWEEP_CONFIG).read_text(), SWEEP_CONFIG)
+        tracker.log_text((self.folder / SWEEP_CONFIG).read_text(encoding="utf-8"), SWEEP_CONFIG)
 
     def _label_run(self, point: Point, entry: PointRecord) -> None:
         """Name the point's MLflow run after its label and tag it with the sweep (once its run exists)."""
@@ -260,7 +261,7 @@ class _Sweeper:
                         if signal_behind(error) is not None:
                             RunRecord.end_abandoned(Path(entry.run_path), error)
             self._write()
-        self.tracker.log_text((self.folder / "sweep.json").read_text(), "sweep.json")
+        self.tracker.log_text((self.folder / "sweep.json").read_text(encoding="utf-8"), "sweep.json")
         self.tracker.finish(self.record.mlflow_status)
 
 

@@ -174,16 +174,16 @@ def _probe_here(probe: str, token: str, data_root: str, dask_worker: Any = None)
     name = str(dask_worker.name) if dask_worker is not None else "worker"
     folder = Path(probe)
     try:
-        seen = (folder / ORCHESTRATOR_FILE).read_text()
+        seen = (folder / ORCHESTRATOR_FILE).read_text(encoding="utf-8")
     except OSError as exc:
         return f"does not see the run folder: it cannot read {folder / ORCHESTRATOR_FILE} ({exc.strerror or exc})"
     if seen != token:
         return f"sees another run folder at {folder.parent}: {folder / ORCHESTRATOR_FILE} holds another token"
     mine, tmp = folder / name, folder / f".{name}.tmp"
     try:
-        tmp.write_text(f"{token} {name}")
+        tmp.write_text(f"{token} {name}", encoding="utf-8")
         os.replace(tmp, mine)
-        if mine.read_text() != f"{token} {name}":
+        if mine.read_text(encoding="utf-8") != f"{token} {name}":
             return f"cannot write in the run folder {folder.parent}: {mine} reads back otherwise"
     except OSError as exc:
         return f"cannot write in the run folder {folder.parent} ({exc.strerror or exc}: {exc.filename or mine})"
@@ -205,7 +205,7 @@ def check_shared_folders(
     probe = run_path / f"{PROBE_PREFIX}{token[:8]}"
     probe.mkdir()
     try:
-        (probe / ORCHESTRATOR_FILE).write_text(token)
+        (probe / ORCHESTRATOR_FILE).write_text(token, encoding="utf-8")
         with connected(address, runtime) as client:
             by_name = {str(w["name"]): a for a, w in client.scheduler_info(n_workers=-1)["workers"].items()}
             targets = {by_name[w["name"]]: w["name"] for w in workers if w["name"] in by_name}
@@ -231,7 +231,7 @@ def _problem(answer: str | None, written: Path, expected: str) -> str | None:
     if answer is not None:
         return answer
     try:
-        if written.read_text() == expected:
+        if written.read_text(encoding="utf-8") == expected:
             return None
     except OSError:
         pass

@@ -63,8 +63,10 @@ class RunContext:
     def open(cls, run_path: Path, config: ExperimentConfig | None = None) -> RunContext:
         """The run in ``run_path``; ``config``: its config, already validated by the caller (else read here)."""
         if config is None:
-            config = ExperimentConfig.model_validate(yaml.safe_load((run_path / CONFIG_FILE).read_text()))
-        data_root = Path(json.loads((run_path / DATA_POINTER).read_text())["data_root"])
+            config = ExperimentConfig.model_validate(
+                yaml.safe_load((run_path / CONFIG_FILE).read_text(encoding="utf-8"))
+            )
+        data_root = Path(json.loads((run_path / DATA_POINTER).read_text(encoding="utf-8"))["data_root"])
         return cls(run_path, config, data_root, Manifest.read(data_root), FaultPlan.for_run(run_path))
 
     @cached_property
@@ -335,5 +337,7 @@ def read_marks(run_path: Path) -> dict[str, float]:
     if not folder.is_dir():
         return {}
     return {
-        p.name: float(p.read_text() or "nan") for p in folder.iterdir() if p.is_file() and not p.name.startswith(".")
+        p.name: float(p.read_text(encoding="utf-8") or "nan")
+        for p in folder.iterdir()
+        if p.is_file() and not p.name.startswith(".")
     }

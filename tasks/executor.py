@@ -363,7 +363,7 @@ def _record_loss(call: _Call, lost: str) -> None:
     if run_path is None or not run_path.is_dir():
         return
     line = {"time": time.time(), "worker": lost, "call": _what(call), "cause": call.cause}
-    with open(run_path / LOSSES_FILE, "a") as fh:
+    with open(run_path / LOSSES_FILE, "a", encoding="utf-8") as fh:
         fh.write(json.dumps(line) + "\n")
 
 
@@ -372,7 +372,7 @@ def worker_losses(run_path: Path) -> list[dict[str, Any]]:
     path = run_path / LOSSES_FILE
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
 class InProcessExecutor:

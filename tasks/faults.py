@@ -113,7 +113,7 @@ def _parse(spec: str) -> Planned:
 def _count_in(counter: Path, point: str) -> int:
     """This hit's number at ``point``, appended to ``counter`` (an exclusive lock: processes and threads alike)."""
     counter.parent.mkdir(parents=True, exist_ok=True)
-    with open(counter, "a+") as fh:
+    with open(counter, "a+", encoding="utf-8") as fh:
         fcntl.flock(fh, fcntl.LOCK_EX)  # per open file: two threads of one process exclude each other too
         fh.seek(0)
         counts = Counter(fh.read().split())
@@ -154,4 +154,4 @@ def share_with_workers() -> dict[str, str]:
 
 def shared_counts(path: str) -> Counter[str]:
     """The hits counted so far in a counter file (tests read what the run's processes did)."""
-    return Counter(Path(path).read_text().split()) if Path(path).exists() else Counter()
+    return Counter(Path(path).read_text(encoding="utf-8").split()) if Path(path).exists() else Counter()

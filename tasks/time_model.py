@@ -21,7 +21,7 @@ FILE = Path("state") / "placement.json"
 
 def load_time_model(run_path: Path) -> TimeModel:
     path = run_path / FILE
-    return TimeModel.from_dict(json.loads(path.read_text())) if path.exists() else TimeModel()
+    return TimeModel.from_dict(json.loads(path.read_text(encoding="utf-8"))) if path.exists() else TimeModel()
 
 
 def record_timings(run_path: Path, observations: Iterable[tuple[str, int, float]]) -> None:
@@ -31,7 +31,7 @@ def record_timings(run_path: Path, observations: Iterable[tuple[str, int, float]
         return
     path = run_path / FILE
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_suffix(".lock"), "a") as lock:
+    with open(path.with_suffix(".lock"), "a", encoding="utf-8") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         model = load_time_model(run_path)
         for kind, steps, seconds in observations:

@@ -177,7 +177,7 @@ class WorkerRuntime:
                 trim_heap()  # what the call freed goes back to the system, holes in the heap included
                 folder = ctx.run_path / BUSY_DIR
                 folder.mkdir(parents=True, exist_ok=True)
-                with open(folder / f"{self.name}.txt", "a") as fh:
+                with open(folder / f"{self.name}.txt", "a", encoding="utf-8") as fh:
                     fh.write(f"{started:.6f} {time.time():.6f}\n")
 
     def train_clients(
@@ -265,6 +265,6 @@ def busy_intervals(run_path: Path) -> dict[str, list[tuple[float, float]]]:
     out: dict[str, list[tuple[float, float]]] = {}
     folder = run_path / BUSY_DIR
     for path in sorted(folder.glob("*.txt")) if folder.is_dir() else []:
-        rows = (line.split() for line in path.read_text().splitlines())
+        rows = (line.split() for line in path.read_text(encoding="utf-8").splitlines())
         out[path.stem] = [(float(a), float(b)) for a, b in (r for r in rows if len(r) == 2)]
     return out

@@ -127,4 +127,4 @@ def atomic_path(
 def write_text_atomic(path: Path, text: str) -> None:
     """Readers (and a resumed run after a kill) see the old content or the new one, never a mix."""
     with atomic_path(path) as tmp:
-        tmp.write_text(text)
+        tmp.write_text(text, encoding="utf-8")

@@ -35,7 +35,7 @@ def write_csv_atomic(path: Path, header: Sequence[str], rows: Iterable[Sequence[
     """``table_csv`` written as ``rows`` come (a table of millions of rows never held as one string), to a
     temporary file that becomes ``path`` once complete."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_path(path) as tmp, open(tmp, "w", newline="") as fh:
+    with atomic_path(path) as tmp, open(tmp, "w", newline="", encoding="utf-8") as fh:
         writer = csv.writer(fh, lineterminator="\n", quoting=csv.QUOTE_MINIMAL)
         writer.writerow(header)
         writer.writerows(rows)

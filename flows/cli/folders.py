@@ -8,12 +8,13 @@ node's model with its tokenizer.
 
 from __future__ import annotations
 
-from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
+from rich.markup import escape
 
+from flows.cli.job_lines import print_header
 from flows.cli.options import DEFAULT_RUN_DIR, JsonOption, RunDirOption, RunSpecArgument, runs_folder_of
 from flows.cli.shell import console, fail, out, prepare_environment, print_json
 
@@ -37,16 +38,15 @@ def sync(
 ) -> None:
     """Deliver the MLflow tracking calls a run kept because its tracking server was down (exit 3 if some are left)."""
     run_dir = runs_folder_of(run_spec, run_dir)
-    prepare_environment(run_dir, verbose=False)
+    prepare_environment(run_dir, verbose=False, create=False)  # reads only: makes no folder
     from flows.cli.sync import sync_run
     from flows.records.listing import resolve_run
     from flows.records.run_state import RunStateError
 
     try:
-        run_path = resolve_run(run_spec, run_dir)
-    except RunStateError as exc:
+        sync_run(resolve_run(run_spec, run_dir), wait)
+    except RunStateError as exc:  # no such run, or its run.json damaged (that was a traceback)
         fail(str(exc))
-    sync_run(run_path, wait)
 
 
 def export(
@@ -69,7 +69,7 @@ def export(
 ) -> None:
     """Write a node's final model in save_pretrained layout with its tokenizer (merged, or its LoRA adapters)."""
     run_dir = runs_folder_of(run_spec, run_dir)
-    prepare_environment(run_dir, verbose=False)
+    prepare_environment(run_dir, verbose=False, create=False)  # reads only: makes no folder
     from bhfl_core.config.base import ConfigError
     from flows.cli.export import export_model
     from flows.records.listing import resolve_run
@@ -113,7 +113,7 @@ def runs(
     """List runs with their status (finished, failed at node X round Y, running) and what a resume would redo;
     pipelines and sweeps first, each with its stages or points."""
     run_dir = runs_folder_of(run_spec, run_dir)
-    prepare_environment(run_dir, verbose=False)
+    prepare_environment(run_dir, verbose=False, create=False)  # reads only: makes no folder
     from bhfl_core.store.state_header import CheckpointError
     from flows.cli.pipeline import print_pipelines
     from flows.cli.sweep_listing import print_sweeps, sweep_entry, sweep_folders
@@ -134,14 +134,14 @@ def runs(
             print_json([run_entry(summary, with_plan=True)])
             return
         out.print(
-            f"[bold]{summary.name}[/] {path}\n  status: {summary.status} {summary.detail}\n"
+            f"[bold]{summary.name}[/] {escape(str(path))}\n  status: {summary.status} {escape(summary.detail)}\n"
             f"  a resume would redo: {summary.redo}\n  MLflow run id: {summary.mlflow_run_id or '-'}",
             highlight=False,
         )
         if (plan := summary.plan) is not None:
             out.print(f"  root rounds saved: {plan.root_done} of {plan.root_rounds}", highlight=False)
             for line in plan.lines:
-                out.print(f"    {line}", highlight=False)
+                out.print(f"    {line}", markup=False, highlight=False)
         return
     paths = find_runs(run_dir)
     if as_json:
@@ -155,16 +155,16 @@ def runs(
                 entries.append(run_entry(None, path=path, error=str(exc)))
         print_json(entries)
         return
-    print_pipelines(out, run_dir)  # pipelines first, then sweeps, then every run (stages included, points not)
+    pipelines = print_pipelines(out, run_dir)  # pipelines first, then sweeps, then every run (stages, not points)
     in_sweeps = print_sweeps(out, run_dir)
     paths = [path for path in paths if path.resolve() not in in_sweeps]
-    if not paths and not in_sweeps:
-        out.print(f"no runs under {run_dir}", highlight=False)
+    if not paths and not in_sweeps and not pipelines and not sweep_folders(run_dir):  # (it said so under a sweep)
+        out.print(f"no runs under {run_dir}", markup=False, highlight=False)
     for path in paths:  # one block per run: long error texts stay readable in a narrow terminal
         try:
             _print_run(path, summarize(path))
         except unreadable as exc:
-            out.print(f"{path}  unreadable: {exc}", highlight=False)
+            out.print(f"{path}  unreadable: {exc}", markup=False, highlight=False)
     if in_sweeps:
         out.print(
             f"({len(in_sweeps)} run{'s' * (len(in_sweeps) != 1)} of the sweeps above not listed again: "
@@ -197,14 +197,8 @@ def _shown_job(spec: str, run_dir: Path, as_json: bool) -> bool:
 
 def _print_run(path: Path, s: RunSummary) -> None:
     """One run of the ``bhfl runs`` listing: name, status, start, MLflow run; where it stopped; what a resume redoes."""
-    colour = {"finished": "green", "running": "cyan", "failed": "red", "interrupted": "yellow"}
-    started = datetime.fromtimestamp(s.started).strftime("%Y-%m-%d %H:%M")
-    out.print(
-        f"[bold]{s.name}/{path.name}[/]  [{colour.get(s.status, 'white')}]{s.status}[/]  "
-        f"started {started}  MLflow run {s.mlflow_run_id or '-'}",
-        highlight=False,
-    )
+    print_header(out, f"{s.name}/{path.name}", s.status, s.started, s.mlflow_run_id)
     if s.detail:
-        out.print(f"    {s.detail}", highlight=False)
+        out.print(f"    {s.detail}", markup=False, highlight=False)
     if s.status != "finished":
-        out.print(f"    a resume would redo: {s.redo}", highlight=False)
+        out.print(f"    a resume would redo: {s.redo}", markup=False, highlight=False)

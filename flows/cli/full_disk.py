@@ -172,7 +172,7 @@ def _mount_point(path: Path) -> str:
 def _mounts() -> dict[str, tuple[str, str]]:
     """Mount point -> (source, type), from ``/proc/self/mounts`` (the last mount on a point is the one seen)."""
     try:
-        lines = Path("/proc/self/mounts").read_text().splitlines()
+        lines = Path("/proc/self/mounts").read_text(encoding="utf-8").splitlines()
     except OSError:
         return {}
     mounts = {}
@@ -186,7 +186,7 @@ def _mounts() -> dict[str, tuple[str, str]]:
 
 def _json(path: Path) -> dict[str, object]:
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return {}
     return data if isinstance(data, dict) else {}

@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import typer
 
@@ -49,6 +49,7 @@ if TYPE_CHECKING:
     from flows.records.run_record import ProcessRecord
 
 Result = dict[str, Any]
+T = TypeVar("T")  # what a resume reads of its job before it starts: a sweep's or a pipeline's saved config
 Guard = Callable[[Callable[[], Result], Path | None, bool], Result]
 
 
@@ -201,20 +202,24 @@ def not_applied(overrides: Sequence[str]) -> str:
     return f"; {sets} not applied: nothing runs, its config is unchanged"
 
 
-def resumable(record_type: type[ProcessRecord], folder: Path, overrides: Sequence[str] = ()) -> ProcessRecord:
-    """The record of the job in ``folder`` if a resume has something to do; a finished job ends the command here
-    (nothing of its record is touched; ``overrides`` said not to apply), one that cannot be resumed fails it
-    (exit 2); before Prefect starts."""
+def resumable(
+    record_type: type[ProcessRecord], folder: Path, overrides: Sequence[str], read_config: Callable[[Path], T]
+) -> T:
+    """The saved config (``read_config``) of the job in ``folder`` if a resume has something to do; a finished
+    job ends the command here (nothing of its record is touched; ``overrides`` said not to apply), one that
+    cannot be resumed, or whose record or config is damaged, fails it in one line (exit 2: it was a traceback);
+    before Prefect starts."""
     from flows.records.run_state import RunStateError
 
-    if (record := record_type.read(folder)) is not None and record.status == "finished":
-        console.print(
-            f"[bold]bhfl[/] {record.NOUN} {folder} finished; nothing to resume" + not_applied(overrides),
-            highlight=False,
-        )
-        raise typer.Exit(0)
     try:
-        return record_type.resumable(folder)
+        if (record := record_type.read(folder)) is not None and record.status == "finished":
+            console.print(
+                f"[bold]bhfl[/] {record.NOUN} {folder} finished; nothing to resume" + not_applied(overrides),
+                highlight=False,
+            )
+            raise typer.Exit(0)
+        record_type.resumable(folder)
+        return read_config(folder)
     except RunStateError as exc:
         fail(str(exc))
         raise  # unreachable: fail exits

@@ -71,6 +71,17 @@ RunSpecArgument = Annotated[
 ]
 
 
+def ensure_run_dir(run_dir: Path, create: bool) -> None:
+    """Make ``run_dir`` (``create``), or only check that it could be made; NotADirectoryError (or the
+    FileExistsError of ``mkdir``) when it, or a folder above it, is a file."""
+    if create:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        return
+    nearest = next(p for p in (run_dir.absolute(), *run_dir.absolute().parents) if p.exists())
+    if not nearest.is_dir():
+        raise NotADirectoryError(run_dir)
+
+
 def runs_folder_of(run_spec: str | None, run_dir: Path) -> Path:
     """The runs folder a RUN typed as a folder path lives in, when ``--run-dir`` is left at its default.
 

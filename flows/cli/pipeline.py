@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import logging
 import math
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
+from flows.cli.job_lines import print_job
 from flows.cli.jobs import JobKind, command_seconds, resumable, run_job, start_forkserver
 from flows.cli.prefect_link import PIPELINE_FLOW
 from flows.cli.shell import console, fail, open_ui, out, prepare_environment, serve_on_schedule
@@ -129,13 +130,8 @@ def serve_pipeline_command(
 def resume_pipeline_command(folder: Path, overrides: list[str], run_dir: Path, verbose: bool) -> None:
     """Finish a pipeline: finished stages are kept, the interrupted stage resumes, the rest run."""
     from flows.records.pipeline_record import PipelineRecord, read_pipeline_config
-    from flows.records.run_state import RunStateError
 
-    resumable(PipelineRecord, folder, overrides)  # before Prefect or any worker starts
-    try:
-        pipeline = read_pipeline_config(folder)
-    except RunStateError as exc:
-        fail(str(exc))
+    pipeline = resumable(PipelineRecord, folder, overrides, read_pipeline_config)  # before Prefect or a worker starts
     start_forkserver([s.config for s in pipeline])
     from flows.pipeline import resume_pipeline
 
@@ -196,34 +192,37 @@ def _pipeline_folders(run_dir: Path) -> list[Path]:
     return PipelineRecord.find_all(run_dir)
 
 
-def pipeline_entry(folder: Path) -> dict[str, Any]:
-    """One pipeline of ``bhfl runs --json`` (keys: docs/cli.md): its record and its stages' status."""
+def _stages(folder: Path) -> tuple[Any, list[tuple[str, str, str, str]]]:
+    """The pipeline record in ``folder`` and each stage's name, status, run folder and MLflow run (RunStateError: a
+    damaged ``pipeline.json``). A stage's own ``run.json`` is the truth about it; a damaged one: ``unreadable``."""
     from flows.records.pipeline_record import PipelineRecord
-    from flows.records.run_record import RunRecord
+    from flows.records.run_record import RunRecord, RunStateError
 
-    record = PipelineRecord.read(folder)
-    assert record is not None
+    record = PipelineRecord.found(folder)
     stages = []
     for name, entry in record.stages.items():
-        run = RunRecord.read(Path(entry.run_path)) if entry.run_path else None
-        stages.append(
-            {
-                "name": name,
-                "status": run.effective_status if run is not None else entry.status,
-                "path": entry.run_path or None,
-                "mlflow_run_id": entry.run_id or None,
-            }
-        )
-    return {
-        "kind": "pipeline",
-        "name": record.name,
-        "folder": f"{folder.parent.name}/{folder.name}",
-        "path": str(folder.resolve()),
-        "status": record.effective_status,
-        "started": datetime.fromtimestamp(record.started, UTC).isoformat(timespec="seconds"),
-        "mlflow_run_id": record.run_id or None,
-        "stages": stages,
-    }
+        try:
+            run = RunRecord.read(Path(entry.run_path)) if entry.run_path else None
+            status = run.effective_status if run is not None else entry.status
+        except RunStateError:  # named where the run itself is listed (`unreadable: <file>: ...`)
+            status = "unreadable"
+        stages.append((name, status, entry.run_path, entry.run_id))
+    return record, stages
+
+
+def pipeline_entry(folder: Path) -> dict[str, Any]:
+    """One pipeline of ``bhfl runs --json`` (keys: docs/cli.md): its record and its stages' status."""
+    from flows.records.listing import read_entry
+
+    def read(folder: Path) -> tuple[Any, dict[str, Any]]:
+        record, stages = _stages(folder)
+        entries = [
+            {"name": name, "status": status, "path": path or None, "mlflow_run_id": run_id or None}
+            for name, status, path, run_id in stages
+        ]
+        return record, {"detail": None, "mlflow_run_id": record.run_id or None, "stages": entries}
+
+    return read_entry("pipeline", folder, read, mlflow_run_id=None, stages=[])
 
 
 def pipeline_entries(run_dir: Path) -> list[dict[str, Any]]:
@@ -231,26 +230,15 @@ def pipeline_entries(run_dir: Path) -> list[dict[str, Any]]:
     return [pipeline_entry(folder) for folder in _pipeline_folders(run_dir)]
 
 
-def print_pipelines(out: Console, run_dir: Path, only: Path | None = None) -> None:
-    """``bhfl runs``: every pipeline under ``run_dir`` (or ``only`` that one) with its stages' status."""
-    from flows.records.pipeline_record import PipelineRecord
-    from flows.records.run_record import RunRecord
+def print_pipelines(out: Console, run_dir: Path, only: Path | None = None) -> int:
+    """``bhfl runs``: every pipeline under ``run_dir`` (or ``only`` that one) with its stages' status; a damaged
+    record is one line naming its file, the rest of the listing intact. How many were listed."""
 
-    colour = {"finished": "green", "running": "cyan", "failed": "red", "interrupted": "yellow"}
-    for folder in [only] if only is not None else _pipeline_folders(run_dir):
-        record = PipelineRecord.read(folder)
-        if record is None:
-            continue
-        status = record.effective_status
-        started = datetime.fromtimestamp(record.started).strftime("%Y-%m-%d %H:%M")
-        out.print(
-            f"[bold]pipeline {record.name}/{folder.name}[/]  [{colour.get(status, 'white')}]{status}[/]  "
-            f"started {started}  MLflow run {record.run_id or '-'}",
-            highlight=False,
-        )
-        for name, entry in record.stages.items():
-            run = RunRecord.read(Path(entry.run_path)) if entry.run_path else None
-            stage_status = run.effective_status if run is not None else entry.status  # the stage's own record wins
-            out.print(f"    {name}: {stage_status}  {entry.run_path or '(not started)'}", highlight=False)
-        if status != "finished":
-            out.print(f"    continue with: bhfl resume {folder}", highlight=False)
+    def read(folder: Path) -> tuple[Any, list[str]]:
+        record, stages = _stages(folder)
+        return record, [escape(f"{name}: {status}  {path or '(not started)'}") for name, status, path, _ in stages]
+
+    folders = [only] if only is not None else _pipeline_folders(run_dir)
+    for folder in folders:
+        print_job(out, "pipeline", folder, read)
+    return len(folders)

@@ -198,7 +198,7 @@ def prepare(
             api()
             prepared = guarded(work, None, verbose)["prepared"]
     report = prepared.report_dir / "partition.md"
-    print(report.read_text() if report.exists() else "")
+    print(report.read_text(encoding="utf-8") if report.exists() else "")
     # A `kind: prepared` folder is used where it is, never cached: calling it a cache hit sent users to
     # <run-dir>/cache for data that was not there.
     state = "cache hit (no tokenisation)" if prepared.cached else "prepared"
@@ -246,18 +246,20 @@ def resume(
 def resume_job(run_spec: str, overrides: list[str], run_dir: Path, verbose: bool, force_eval: bool = False) -> None:
     """``bhfl resume``: a pipeline folder, a sweep folder or a run, each the way its kind resumes."""
     run_dir = runs_folder_of(run_spec, run_dir)
-    prepare_environment(run_dir, verbose)  # before anything imports prefect
     from flows.records.listing import resolve_pipeline, resolve_run, resolve_sweep
     from flows.records.run_state import RunStateError
 
     try:
         pipeline = resolve_pipeline(run_spec, run_dir)
         sweep_folder = None if pipeline is not None else resolve_sweep(run_spec, run_dir)
+        run_path = resolve_run(run_spec, run_dir) if pipeline is None and sweep_folder is None else None
     except RunStateError as exc:
         fail(str(exc))
     if force_eval and (pipeline is not None or sweep_folder is not None):
         fail(f"--force-eval evaluates one run again; {run_spec} is a pipeline or sweep folder: give one of its runs")
     check_overrides(overrides, "pipeline" if pipeline is not None else "sweep" if sweep_folder is not None else "run")
+    # once the job is found and the --sets pass (a refused resume left an empty run dir behind); before Prefect
+    prepare_environment(run_dir, verbose)
     if pipeline is not None:
         from flows.cli.pipeline import resume_pipeline_command
 
@@ -268,10 +270,7 @@ def resume_job(run_spec: str, overrides: list[str], run_dir: Path, verbose: bool
 
         resume_sweep_command(sweep_folder, overrides, run_dir, verbose)
         return
-    try:
-        run_path = resolve_run(run_spec, run_dir)
-    except RunStateError as exc:
-        fail(str(exc))
+    assert run_path is not None
     _resume_run(run_path, overrides, run_dir, verbose, force_eval)
 
 

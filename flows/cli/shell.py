@@ -23,6 +23,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from flows.cli.options import ensure_run_dir
 from flows.cli.stopping import STOP
 
 if TYPE_CHECKING:
@@ -126,10 +127,11 @@ def load_config(path: Path, overrides: list[str]) -> ExperimentConfig:
         raise  # unreachable: fail exits
 
 
-def prepare_environment(run_dir: Path, verbose: bool) -> None:
-    """Defaults for Prefect and HF libraries, set before they are imported; user settings win."""
+def prepare_environment(run_dir: Path, verbose: bool, create: bool = True) -> None:
+    """Defaults for Prefect and HF libraries, set before they are imported; user settings win. ``create``: make
+    ``run_dir`` (False for a command that only reads: a listing or a refused lookup leaves no folder behind)."""
     try:
-        run_dir.mkdir(parents=True, exist_ok=True)
+        ensure_run_dir(run_dir, create)
     except (FileExistsError, NotADirectoryError):  # the folder, or one above it, is a file (a config, say)
         fail(f"--run-dir {run_dir}: not a folder ({run_dir} or a folder above it is a file)")
     if "PREFECT_API_URL" not in os.environ:

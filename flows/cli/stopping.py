@@ -270,9 +270,11 @@ def run_command(load_app: Callable[[], Callable[[], object]]) -> None:
     ``python -m flows.cli.app``.
     """
     STOP.install()
+    from flows.cli.terminal import printable_output
     from tasks import collector
     from tasks.heap import give_back_freed_memory
 
+    printable_output()  # a non-UTF-8 terminal shows ? for a character it lacks (was: a traceback)
     give_back_freed_memory()  # before the command's heavy imports and allocations
     collected = collector.pause()  # until the job's work starts (flows/cli/jobs.py), or the command ends
     try:

@@ -200,8 +200,7 @@ def resume_sweep_command(folder: Path, overrides: list[str], run_dir: Path, verb
     """Finish a sweep: finished experiments are kept, interrupted ones resume, the rest run."""
     from flows.records.sweep_record import SweepRecord, read_sweep_config
 
-    resumable(SweepRecord, folder, overrides)  # before Prefect or any worker starts
-    sweep = read_sweep_config(folder)
+    sweep = resumable(SweepRecord, folder, overrides, read_sweep_config)  # before Prefect or any worker starts
     start_forkserver([p.config for p in sweep])
     from flows.sweep import resume_sweep
 

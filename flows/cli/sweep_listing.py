@@ -13,15 +13,15 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 
+from flows.cli.job_lines import coloured, print_job
+from flows.records.listing import read_entry
 from flows.records.run_record import RunRecord, RunStateError
-
-_COLOUR = {"finished": "green", "running": "cyan", "failed": "red", "interrupted": "yellow"}
 
 
 @dataclass(frozen=True)
@@ -40,13 +40,7 @@ def sweep_folders(run_dir: Path) -> list[Path]:
         return []
     from flows.records.sweep_record import SweepRecord
 
-    def started(folder: Path) -> float:
-        try:
-            return (SweepRecord.read(folder) or SweepRecord(name="")).started
-        except RunStateError:
-            return 0.0
-
-    return sorted((p.parent for p in run_dir.glob("*/*/sweep.json") if SweepRecord.holds(p.parent)), key=started)
+    return SweepRecord.find_all(run_dir)
 
 
 def points(folder: Path) -> tuple[Any, list[Point]]:
@@ -79,60 +73,32 @@ def print_sweeps(out: Console, run_dir: Path, only: Path | None = None) -> set[P
     """``bhfl runs``: every sweep under ``run_dir`` (or ``only`` that one) with its points; the points' run
     folders (which the flat listing of runs then leaves out)."""
     shown: set[Path] = set()
+
+    def read(folder: Path) -> tuple[Any, list[str]]:
+        record, found = points(folder)
+        shown.update(Path(p.path).resolve() for p in found if p.path)
+        return record, [counts(found), *(_point_line(p) for p in found)]
+
     for folder in [only] if only is not None else sweep_folders(run_dir):
-        try:
-            record, found = points(folder)
-        except RunStateError as exc:
-            out.print(f"sweep {folder}  unreadable: {exc}", highlight=False)
-            continue
-        status = record.effective_status
-        started = datetime.fromtimestamp(record.started).strftime("%Y-%m-%d %H:%M")
-        out.print(
-            f"[bold]sweep {record.name}/{folder.name}[/]  [{_COLOUR.get(status, 'white')}]{status}[/]  "
-            f"started {started}  MLflow run {record.run_id or '-'}",
-            highlight=False,
-        )
-        out.print(f"    {counts(found)}", highlight=False)
-        for p in found:
-            why = f"  ({p.error})" if p.error and p.status != "finished" else ""
-            out.print(
-                f"    {p.label}: [{_COLOUR.get(p.status, 'white')}]{p.status}[/]  {p.path or '(not started)'}{why}",
-                highlight=False,
-            )
-            if p.path:
-                shown.add(Path(p.path).resolve())
-        if status != "finished":
-            out.print(f"    continue with: bhfl resume {folder}", highlight=False)
+        print_job(out, "sweep", folder, read)
     return shown
+
+
+def _point_line(p: Point) -> str:
+    """``eta_down=3,seed=0: failed  <its run folder>  (<the first line of why>)``."""
+    why = f"  ({p.error})" if p.error and p.status != "finished" else ""
+    return f"{escape(p.label)}: {coloured(p.status)}  {escape(p.path or '(not started)')}{escape(why)}"
 
 
 def sweep_entry(folder: Path) -> dict[str, Any]:
     """One sweep of ``bhfl runs --json`` (keys: docs/cli.md): its record and its points' status."""
-    try:
+
+    def read(folder: Path) -> tuple[Any, dict[str, Any]]:
         record, found = points(folder)
-    except RunStateError as exc:
-        return {
-            "kind": "sweep",
-            "name": folder.parent.name,
-            "folder": f"{folder.parent.name}/{folder.name}",
-            "path": str(folder.resolve()),
-            "status": "unreadable",
-            "started": None,
-            "detail": str(exc),
-            "mlflow_run_id": None,
-            "points": [],
-        }
-    return {
-        "kind": "sweep",
-        "name": record.name,
-        "folder": f"{folder.parent.name}/{folder.name}",
-        "path": str(folder.resolve()),
-        "status": record.effective_status,
-        "started": datetime.fromtimestamp(record.started, UTC).isoformat(timespec="seconds"),
-        "detail": counts(found),
-        "mlflow_run_id": record.run_id or None,
-        "points": [
+        entries = [
             {"label": p.label, "status": p.status, "path": p.path or None, "mlflow_run_id": p.run_id or None}
             for p in found
-        ],
-    }
+        ]
+        return record, {"detail": counts(found), "mlflow_run_id": record.run_id or None, "points": entries}
+
+    return read_entry("sweep", folder, read, mlflow_run_id=None, points=[])

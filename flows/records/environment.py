@@ -64,10 +64,10 @@ def peak_rss_mb(reset: bool) -> float:
     processes are not included (benchmarks/throughput.py measures the process tree).
     """
     try:
-        status = Path("/proc/self/status").read_text()
+        status = Path("/proc/self/status").read_text(encoding="utf-8")
         peak = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM:")) / 1024
         if reset:
-            Path("/proc/self/clear_refs").write_text("5")
+            Path("/proc/self/clear_refs").write_text("5", encoding="utf-8")
         return peak
     except (OSError, StopIteration, ValueError):
         return float("nan")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -27,7 +28,7 @@ from bhfl_core.rng import sample_cohort
 from bhfl_core.store.run_layout import CONFIG_FILE, DATA_POINTER, STATE_DIR
 from bhfl_core.store.state_header import read_header
 from data_prep.manifest import Manifest
-from flows.records.run_record import RECORD_FILE, RunRecord
+from flows.records.run_record import RECORD_FILE, ProcessRecord, RunRecord
 from flows.records.run_state import RunStateError, load_run
 
 if TYPE_CHECKING:
@@ -60,7 +61,7 @@ class _Run:
 
 def _open(run_path: Path, config: ExperimentConfig) -> _Run:
     # the tree as tasks/context.py RunContext builds it, without importing the data libraries it needs
-    data_root = Path(json.loads((run_path / DATA_POINTER).read_text())["data_root"])
+    data_root = Path(json.loads((run_path / DATA_POINTER).read_text(encoding="utf-8"))["data_root"])
     tree = build_tree(config, Manifest.read(data_root).tree_clients())
     return _Run(tree, run_path / STATE_DIR, config.seed)
 
@@ -157,8 +158,41 @@ def summarize(run_path: Path) -> RunSummary:
     return RunSummary(run_path, config.name, status, record.started, detail, redo_summary(p), record.parent_run_id, p)
 
 
-def _iso(timestamp: float) -> str:
+def iso_utc(timestamp: float) -> str:
+    """``started`` in ``bhfl runs --json``: ISO 8601, UTC, to the second."""
     return datetime.fromtimestamp(timestamp, UTC).isoformat(timespec="seconds")
+
+
+def job_entry(kind: str, folder: Path, name: str, status: str, started: float | None, **own: Any) -> dict[str, Any]:
+    """A run, sweep or pipeline of ``bhfl runs --json`` (keys: docs/cli.md): the keys every job has, then
+    ``own``, the keys of its kind."""
+    return {
+        "kind": kind,
+        "name": name,
+        "folder": f"{folder.parent.name}/{folder.name}",
+        "path": str(folder.resolve()),
+        "status": status,
+        "started": None if started is None else iso_utc(started),
+        **own,
+    }
+
+
+def read_entry(
+    kind: str, folder: Path, read: Callable[[Path], tuple[ProcessRecord, dict[str, Any]]], **empty: Any
+) -> dict[str, Any]:
+    """A sweep or pipeline of ``bhfl runs --json``: ``read`` gives its record and the keys of its kind; a damaged
+    record (RunStateError) is an ``unreadable_entry`` with the keys ``empty``, the rest of the listing intact."""
+    try:
+        record, own = read(folder)
+    except RunStateError as exc:
+        return unreadable_entry(kind, folder, str(exc), **empty)
+    return job_entry(kind, folder, record.name, record.effective_status, record.started, **own)
+
+
+def unreadable_entry(kind: str, folder: Path, error: str, **empty: Any) -> dict[str, Any]:
+    """A job of ``bhfl runs --json`` whose files cannot be read: named by its folder, ``status`` unreadable, why
+    in ``detail``; ``empty``: the other keys of its kind, empty."""
+    return job_entry(kind, folder, folder.parent.name, "unreadable", None, detail=error, **empty)
 
 
 def run_entry(
@@ -167,28 +201,17 @@ def run_entry(
     """One run of ``bhfl runs --json`` (keys: docs/cli.md); ``summary`` None: an unreadable run folder."""
     if summary is None:
         assert path is not None
-        return {
-            "kind": "run",
-            "name": path.parent.name,
-            "folder": f"{path.parent.name}/{path.name}",
-            "path": str(path.resolve()),
-            "status": "unreadable",
-            "started": None,
-            "detail": error,
-            "redo": None,
-            "mlflow_run_id": None,
-        }
-    entry: dict[str, Any] = {
-        "kind": "run",
-        "name": summary.name,
-        "folder": f"{summary.path.parent.name}/{summary.path.name}",
-        "path": str(summary.path.resolve()),
-        "status": summary.status,
-        "started": _iso(summary.started),
-        "detail": summary.detail,
-        "redo": summary.redo,
-        "mlflow_run_id": summary.mlflow_run_id or None,
-    }
+        return unreadable_entry("run", path, error, redo=None, mlflow_run_id=None)
+    entry = job_entry(
+        "run",
+        summary.path,
+        summary.name,
+        summary.status,
+        summary.started,
+        detail=summary.detail,
+        redo=summary.redo,
+        mlflow_run_id=summary.mlflow_run_id or None,
+    )
     if with_plan:
         plan = summary.plan
         entry["plan"] = (
@@ -202,15 +225,7 @@ def run_entry(
 def find_runs(run_dir: Path) -> list[Path]:
     """Run folders under ``run_dir`` (``<name>/<stamp>/``), oldest first."""
     found = [p.parent for p in run_dir.glob(f"*/*/{CONFIG_FILE}") if (p.parent / RECORD_FILE).exists()]
-    return sorted(found, key=_started)
-
-
-def _started(folder: Path) -> float:
-    """When the run in ``folder`` started; 0 (listed first, then as unreadable) if its record is damaged."""
-    try:
-        return (RunRecord.read(folder) or RunRecord(name="")).started
-    except RunStateError:
-        return 0.0
+    return sorted(found, key=RunRecord.started_at)  # a damaged record first (then listed as unreadable)
 
 
 def is_id_prefix(spec: str) -> bool:
@@ -249,8 +264,7 @@ def resolve_run(spec: str, run_dir: Path) -> Path:
     for path in runs:
         if spec == path.name:
             return path.resolve()
-    ids = {path: record.parent_run_id for path in runs if (record := RunRecord.read(path)) is not None}
-    if (found := _by_run_id(spec, ids, "run")) is not None:
+    if (found := _by_run_id(spec, RunRecord.run_ids(runs, "parent_run_id"), "run")) is not None:
         return found
     raise RunStateError(
         f"no run {spec!r} under {run_dir}: give a run folder, <name>/<stamp>, `latest` or an "
@@ -278,5 +292,4 @@ def _resolve_job(kind: Any, spec: str, run_dir: Path) -> Path | None:
         return folder
     if not is_id_prefix(spec):
         return None
-    ids = {folder: record.run_id for folder in kind.find_all(run_dir) if (record := kind.read(folder))}
-    return _by_run_id(spec, ids, kind.NOUN)
+    return _by_run_id(spec, kind.run_ids(kind.find_all(run_dir)), kind.NOUN)

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from bhfl_core.config.base import ConfigError
 from bhfl_core.config.pipeline import Pipeline, pipeline_from_dict
 from bhfl_core.store.atomic import write_text_atomic
-from flows.records.run_record import ProcessRecord, RunStateError
+from flows.records.run_record import ProcessRecord, RunStateError, unreadable_config
 
 PIPELINE_RECORD = "pipeline.json"
 PIPELINE_CONFIG = "pipeline.yaml"
@@ -65,11 +65,6 @@ def read_pipeline_config(folder: Path) -> Pipeline:
     """
     path = folder / PIPELINE_CONFIG
     try:
-        return pipeline_from_dict(yaml.safe_load(path.read_text()), source=str(path))
-    except (OSError, yaml.YAMLError, ConfigError) as exc:
-        why = str(exc).removeprefix(f"{path}: ")
-        raise RunStateError(
-            f"{path} cannot be read as the pipeline it ran ({why}). bhfl wrote it when the pipeline started: "
-            f"put it back as it was to resume (a resume changes only runtime.* and eval.batch_size, with --set), or "
-            f"start a new pipeline from your pipeline file"
-        ) from None
+        return pipeline_from_dict(yaml.safe_load(path.read_text(encoding="utf-8")), source=str(path))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, ConfigError) as exc:
+        raise unreadable_config(path, "pipeline", exc) from None

@@ -105,7 +105,7 @@ class ProcessRecord(BaseModel):
         if not path.exists():
             return None
         try:
-            return cls.model_validate_json(path.read_text())
+            return cls.model_validate_json(path.read_text(encoding="utf-8"))
         except (ValidationError, UnicodeDecodeError) as exc:  # a truncated or hand-edited record: no traceback
             why = exc.errors()[0]["msg"] if isinstance(exc, ValidationError) else str(exc)
             raise RunStateError(f"{path}: damaged {cls.NOUN} record ({why})") from None
@@ -137,9 +137,30 @@ class ProcessRecord(BaseModel):
 
     @classmethod
     def find_all(cls, run_dir: Path) -> list[Path]:
-        """The job folders of this kind under ``run_dir`` (``<name>/<stamp>/``), oldest first."""
+        """The job folders of this kind under ``run_dir`` (``<name>/<stamp>/``), oldest first; one whose record
+        is damaged first (a listing shows it as unreadable, the others as they are)."""
         found = [p.parent for p in run_dir.glob(f"*/*/{cls.FILE}") if cls.holds(p.parent)]
-        return sorted(found, key=lambda p: (cls.read(p) or cls(name="")).started)
+        return sorted(found, key=cls.started_at)
+
+    @classmethod
+    def started_at(cls, folder: Path) -> float:
+        """When the job in ``folder`` started; 0 if its record is damaged (so one damaged record cannot stop a
+        listing or a lookup among all the others)."""
+        try:
+            return (cls.read(folder) or cls(name="")).started
+        except RunStateError:
+            return 0.0
+
+    @classmethod
+    def run_ids(cls, folders: list[Path], field: str = "run_id") -> dict[Path, str]:
+        """Each folder's MLflow run id (the record's ``field``); a damaged record has none here (it is named
+        as unreadable where it is listed, and looking up another job by its id must still work)."""
+        ids = {}
+        for folder in folders:
+            with contextlib.suppress(RunStateError):
+                if (record := cls.read(folder)) is not None:
+                    ids[folder] = str(getattr(record, field))
+        return ids
 
     @classmethod
     def found(cls, folder: Path) -> Self:
@@ -205,6 +226,17 @@ def failure_text(error: BaseException) -> str:
 
 class RunStateError(RuntimeError):
     """A job folder that cannot be resumed as asked (missing, still running, unreadable); says why."""
+
+
+def unreadable_config(path: Path, noun: str, exc: BaseException) -> RunStateError:
+    """Why a sweep's or a pipeline's saved config (``path``, which bhfl wrote) cannot be resumed from, and how
+    to go on: one paragraph (it was a traceback for a damaged or non-UTF-8 ``sweep.yaml``)."""
+    why = str(exc).removeprefix(f"{path}: ")
+    return RunStateError(
+        f"{path} cannot be read as the {noun} it ran ({why}). bhfl wrote it when the {noun} started: put it back "
+        f"as it was to resume (a resume changes only runtime.* and eval.batch_size, with --set), or start a new "
+        f"{noun} from your {noun} file"
+    )
 
 
 class RunRecord(ProcessRecord):

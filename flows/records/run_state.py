@@ -47,7 +47,9 @@ def load_run(run_path: Path) -> tuple[ExperimentConfig, RunRecord]:
     if not (run_path / CONFIG_FILE).is_file():
         raise RunStateError(f"{run_path} is not a run folder (no {CONFIG_FILE}); `bhfl runs` lists the runs")
     try:
-        config = ExperimentConfig.model_validate(yaml.load((run_path / CONFIG_FILE).read_text(), Loader=_SAFE))
+        config = ExperimentConfig.model_validate(
+            yaml.load((run_path / CONFIG_FILE).read_text(encoding="utf-8"), Loader=_SAFE)
+        )
     except ValidationError as exc:  # a saved config a newer rule refuses, or one edited by hand: its keys named
         raise RunStateError(_refused(run_path, format_validation_error(exc))) from None
     except (ValueError, yaml.YAMLError) as exc:

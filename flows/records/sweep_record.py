@@ -17,9 +17,10 @@ from typing import Any, ClassVar, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
+from bhfl_core.config.base import ConfigError
 from bhfl_core.config.sweep import Sweep, sweep_from_dump
 from bhfl_core.store.atomic import write_text_atomic
-from flows.records.run_record import ProcessRecord, RunRecord
+from flows.records.run_record import ProcessRecord, RunRecord, unreadable_config
 
 SWEEP_RECORD = "sweep.json"
 SWEEP_CONFIG = "sweep.yaml"
@@ -60,6 +61,10 @@ def write_sweep_config(folder: Path, sweep: Sweep) -> None:
 
 
 def read_sweep_config(folder: Path) -> Sweep:
-    """The resolved sweep of a sweep folder (every point's full config, validated again)."""
+    """The resolved sweep of a sweep folder (every point's full config, validated again); RunStateError (one
+    paragraph, exit 2 at the command line) if the file is missing, not UTF-8 or no longer a valid sweep."""
     path = folder / SWEEP_CONFIG
-    return sweep_from_dump(yaml.safe_load(path.read_text()), source=str(path))
+    try:
+        return sweep_from_dump(yaml.safe_load(path.read_text(encoding="utf-8")), source=str(path))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, ConfigError) as exc:
+        raise unreadable_config(path, "sweep", exc) from None

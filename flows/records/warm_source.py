@@ -88,7 +88,7 @@ def _source_config(value: str, folder: Path) -> dict[str, Any]:
     as written where it no longer validates (the comparison then names what differs).
     """
     try:
-        source = yaml.safe_load((folder / CONFIG_FILE).read_text())
+        source = yaml.safe_load((folder / CONFIG_FILE).read_text(encoding="utf-8"))
     except (OSError, yaml.YAMLError) as exc:
         raise _error(value, f"its {CONFIG_FILE} is unreadable ({exc})") from None
     if not isinstance(source, dict):
@@ -158,7 +158,7 @@ def warm_start(ctx: RunContext) -> list[str]:
     if not (folder / STATE_DIR).is_dir():
         raise _error(value, f"the source run folder {folder} (or its {STATE_DIR}/) is gone")
     try:
-        source_data = Path(json.loads((folder / DATA_POINTER).read_text())["data_root"])
+        source_data = Path(json.loads((folder / DATA_POINTER).read_text(encoding="utf-8"))["data_root"])
         theirs = Manifest.read(source_data)
     except (OSError, ValueError, KeyError) as exc:
         raise _error(value, f"the source run's prepared data cannot be read ({exc})") from None

@@ -46,7 +46,7 @@ def inline_figures(body: str, folder: Path) -> str:
 
 def write_report_html(markdown_file: Path, title: str) -> Path:
     """Render ``markdown_file`` (a report.md) to ``report.html`` beside it, figures inline; returns its path."""
-    body = markdown.markdown(markdown_file.read_text(), extensions=["tables", "fenced_code"])
+    body = markdown.markdown(markdown_file.read_text(encoding="utf-8"), extensions=["tables", "fenced_code"])
     page = (
         f'<!doctype html>\n<html><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
         f"<style>{_STYLE}</style></head>\n<body>\n{inline_figures(body, markdown_file.parent)}\n</body></html>\n"

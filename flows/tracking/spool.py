@@ -95,9 +95,9 @@ class Spool:
     def add(self, call: Call, stage: Stage | None = None) -> Entry:
         """Append ``call`` (its files first, written by ``stage``); durable when this returns."""
         with self.locked():
-            last = int(self._last_seq.read_text() or 0) if self._last_seq.exists() else 0
+            last = int(self._last_seq.read_text(encoding="utf-8") or 0) if self._last_seq.exists() else 0
             seq = max([last, *(e.seq for e in self._listed())]) + 1
-            self._last_seq.write_text(str(seq))
+            self._last_seq.write_text(str(seq), encoding="utf-8")
             path = self.pending / f"{seq:09d}.json"
             entry = Entry(path, seq, call)
             if stage is not None:
@@ -132,7 +132,7 @@ class Spool:
             for entry in listed:
                 done = entry.seq
                 with contextlib.suppress(FileNotFoundError):  # delivered meanwhile by `bhfl sync`
-                    yield Entry(entry.path, entry.seq, json.loads(entry.path.read_text()))
+                    yield Entry(entry.path, entry.seq, json.loads(entry.path.read_text(encoding="utf-8")))
 
     def mark_tried(self, entry: Entry) -> None:
         """Note that ``entry`` is about to be sent (it may arrive even if no answer does)."""

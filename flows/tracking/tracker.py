@@ -381,7 +381,7 @@ class Tracker:
         if not report.is_dir():
             return
         self.log_artifacts(report, "data")
-        summary = json.loads((report / "summary.json").read_text())
+        summary = json.loads((report / "summary.json").read_text(encoding="utf-8"))
         sizes, skew, proxy = summary.get("sizes", {}), summary.get("label_skew", {}), summary.get("proxy", {})
         values = {
             "data/clients": summary.get("clients"),

@@ -1,5 +1,6 @@
 """The one atomic writer: old content or new, never half, and no temporary file left behind."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -78,3 +79,32 @@ def test_no_overwrite_never_replaces_a_file_that_appeared(tmp_path):
         tmp.write_text("mine")
         raced.write_text("theirs")  # another process made it meanwhile: it wins
     assert raced.read_text() == "theirs" and sorted(p.name for p in tmp_path.iterdir()) == ["raced.db", "store.db"]
+
+
+def test_files_are_written_in_utf8_whatever_the_locale(tmp_path):
+    # Under a non-UTF-8 locale (here ASCII: the C locale with Python's UTF-8 mode off) a run's report, whose text
+    # has "·", "≥" and "–", failed the whole run at its end with a UnicodeEncodeError: files took the locale's
+    # encoding. They are UTF-8 now, whatever the locale, and read back as such.
+    text = "mean ± std · root ≥ parent – café"
+    code = (
+        "import sys\n"
+        "from pathlib import Path\n"
+        "from bhfl_core.store.atomic import write_text_atomic\n"
+        "from bhfl_core.store.tables import write_csv_atomic\n"
+        "folder, text = Path(sys.argv[1]), sys.argv[2].encode('ascii').decode('unicode_escape')\n"
+        "write_text_atomic(folder / 'report.md', text)\n"
+        "write_csv_atomic(folder / 'table.csv', ['label'], [[text]])\n"
+    )
+    ascii_locale = {"LC_ALL": "C", "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0"}
+    escaped = text.encode("unicode_escape").decode("ascii")  # the argument itself must pass the ASCII locale
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path), escaped],
+        cwd=Path(__file__).parents[2],
+        env={**os.environ, **ascii_locale},
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (tmp_path / "report.md").read_bytes() == text.encode("utf-8")
+    assert (tmp_path / "table.csv").read_bytes() == f"label\n{text}\n".encode()

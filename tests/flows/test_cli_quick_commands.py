@@ -184,6 +184,8 @@ def test_resume_of_a_run_whose_record_is_damaged_is_one_line_naming_the_file(tmp
     message = " ".join(out.output.split())
     assert f"{folder / 'run.json'}: damaged run record (Invalid JSON" in message
     assert (folder / "run.json").read_text() == '{"name": "itest", "sta'
+    synced = CliRunner().invoke(app, ["sync", str(folder), "--run-dir", str(tmp_path)])  # (was a traceback)
+    assert synced.exit_code == 2 and f"{folder / 'run.json'}: damaged run record" in " ".join(synced.output.split())
     listed = CliRunner().invoke(app, ["runs", "--run-dir", str(tmp_path)])  # the listing shows it, unreadable
     assert listed.exit_code == 0, listed.output
     assert "unreadable: " in listed.output and "damaged run record" in " ".join(listed.output.split())
