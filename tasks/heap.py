@@ -11,7 +11,10 @@ at 2,285 MB of PSS; with two arenas and the heap trimmed above 128 KB it peaked 
 
 The settings are process-wide by nature (``mallopt``): the command applies them to itself
 at its start and every local worker at its start (``tasks/worker_warmup.py``). A user's
-own ``MALLOC_ARENA_MAX`` / ``MALLOC_TRIM_THRESHOLD_`` win: with either set, nothing is changed.
+own ``MALLOC_ARENA_MAX`` / ``MALLOC_TRIM_THRESHOLD_`` wins over its own setting only: the
+command puts ``MALLOC_ARENA_MAX`` in the environment its servers and workers inherit
+(``flows/cli/shell.py::limit_malloc_arenas``), and a worker that read that as "the user
+tuned malloc" kept glibc's trim threshold, the half of the fix above that keeps its heap flat.
 """
 
 from __future__ import annotations
@@ -37,15 +40,14 @@ def _libc() -> ctypes.CDLL | None:
         return None
 
 
-def give_back_freed_memory() -> bool:
-    """Two arenas, and a heap trimmed above ``TRIM_THRESHOLD``; False where nothing was changed (not glibc, or
-    the user tuned malloc through the environment)."""
-    if any(name in os.environ for name in USER_SETTINGS):
-        return False
+def give_back_freed_memory() -> tuple[str, ...]:
+    """Two arenas, and a heap trimmed above ``TRIM_THRESHOLD``, each unless its variable is in the environment;
+    the variables of the settings applied (none: not glibc, or both set)."""
     mallopt = getattr(_libc(), "mallopt", None)
     if mallopt is None:  # not glibc (macOS, musl without mallopt)
-        return False
-    return bool(mallopt(_M_ARENA_MAX, ARENAS)) and bool(mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+        return ()
+    wanted = (("MALLOC_ARENA_MAX", _M_ARENA_MAX, ARENAS), ("MALLOC_TRIM_THRESHOLD_", _M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+    return tuple(name for name, param, value in wanted if name not in os.environ and mallopt(param, value))
 
 
 def release_garbage() -> bool:
