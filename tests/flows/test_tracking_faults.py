@@ -167,7 +167,9 @@ def _timestamps(server: MlflowServer, run_key: str) -> list[int]:
 
 
 def test_hung_then_crashed_server_costs_no_training_time_and_loses_nothing(server, reference, started):
-    run, run_path = _run(reference, server, {"BHFL_TRACKING_WAIT_S": "60"}, started)
+    # the run's end waits for the restarted server (exit 3 if the wait runs out first): the restart took 20 s idle,
+    # 44 s beside four busy loops, and ended 4 s into the run's wait there; a wait ends as soon as all arrived
+    run, run_path = _run(reference, server, {"BHFL_TRACKING_WAIT_S": "180"}, started)
     run.wait_for("root round 1/3 done")
     server.signal(signal.SIGSTOP)  # hung: connections are accepted, nothing answers
     stopped = time.time()
