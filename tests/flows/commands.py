@@ -65,8 +65,12 @@ def start(args: list[str], env: dict[str, str], log: Path, signal_at: Sequence[s
         )
 
 
-def wait_for(what: str, found: Callable[[], Any], proc: subprocess.Popen, log: Path, timeout_s: float = 180) -> Any:
-    """``found()`` once it is true; fails if the command ends first or ``timeout_s`` passes."""
+def wait_for(what: str, found: Callable[[], Any], proc: subprocess.Popen, log: Path, timeout_s: float = 420) -> Any:
+    """``found()`` once it is true; fails if the command ends first or ``timeout_s`` passes.
+
+    The default is 3x the slowest wait measured on a loaded 2-core machine (two busy loops beside other
+    helpers' tests): a sweep's second point's first root round (tests/flows/test_signals.py), 136 s (76 s at
+    a lighter load; the whole test took 78 s in CI) against the 180 s it had. It only bounds a failure's wait."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if result := found():

@@ -10,17 +10,32 @@ from flows.creation_gate import creation_gate, run_gated, signal_running
 pytestmark = pytest.mark.integration
 
 CREATE_S, RUN_S = 0.15, 0.4
+MEET_S = 60  # how long a call waits for the others at a meeting point: only a serialising gate makes it wait long
 
 
-def _fake_run(log: list[tuple[str, str, float]], name: str):
-    """What a Prefect run does: a creation phase, then Running (the hook), then its body."""
+def _fake_run(
+    log: list[tuple[str, str, float]],
+    name: str,
+    creating: threading.Barrier | None = None,
+    running: threading.Barrier | None = None,
+):
+    """What a Prefect run does: a creation phase, then Running (the hook), then its body.
+
+    ``creating``/``running``: the calls meet there, in that phase (each waits for the others): a barrier the
+    gate makes unreachable breaks after ``MEET_S`` and fails the call, where a measured time would depend on
+    how busy the machine is."""
 
     def call() -> str:
         log.append((name, "create", time.monotonic()))
+        if creating is not None:
+            creating.wait(MEET_S)
         time.sleep(CREATE_S)
-        signal_running()
-        log.append((name, "running", time.monotonic()))
-        time.sleep(RUN_S)
+        log.append((name, "running", time.monotonic()))  # before the hook: once it runs, the next creation may
+        signal_running()  # start and log its own time first
+        if running is not None:
+            running.wait(MEET_S)
+        else:
+            time.sleep(RUN_S)
         return name
 
     return call
@@ -29,23 +44,19 @@ def _fake_run(log: list[tuple[str, str, float]], name: str):
 def test_creations_do_not_overlap_but_runs_do():
     log: list[tuple[str, str, float]] = []
     with creation_gate():
-        started = time.monotonic()
-        futures = [run_gated(_fake_run(log, n)) for n in ("a", "b", "c")]
+        together = threading.Barrier(3)  # every run in its body at once: the runs overlap
+        futures = [run_gated(_fake_run(log, n, running=together)) for n in ("a", "b", "c")]
         assert [f.result() for f in futures] == ["a", "b", "c"]
-        elapsed = time.monotonic() - started
     at = {(name, what): t for name, what, t in log}
     for first, second in (("a", "b"), ("b", "c")):
         assert at[(second, "create")] >= at[(first, "running")]  # one creation at a time
-    assert elapsed < 3 * (CREATE_S + RUN_S)  # the runs overlapped
-    assert elapsed >= 3 * CREATE_S
 
 
 def test_without_a_gate_calls_start_at_once_and_errors_come_back():
     log: list[tuple[str, str, float]] = []
-    futures = [run_gated(_fake_run(log, n)) for n in ("a", "b")]
-    [f.result() for f in futures]
-    creates = sorted(t for _, what, t in log if what == "create")
-    assert creates[1] - creates[0] < CREATE_S  # not serialised
+    together = threading.Barrier(2)  # both creating at once: not serialised
+    futures = [run_gated(_fake_run(log, n, creating=together)) for n in ("a", "b")]
+    assert [f.result() for f in futures] == ["a", "b"]
 
     def fails() -> None:
         raise ValueError("boom")

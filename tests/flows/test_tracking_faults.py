@@ -28,7 +28,7 @@ from prefect.settings import PREFECT_API_URL
 from flows.cli.errors import explain
 from flows.experiment import PLAIN_CALLS, run_experiment
 from flows.records.run_record import RunRecord
-from flows.tracking.delivery import UNDELIVERED_EXIT, Courier, TrackingUnavailable, send
+from flows.tracking.delivery import SLOW_S, UNDELIVERED_EXIT, Courier, TrackingUnavailable, send
 from flows.tracking.spool import Spool
 from flows.tracking.tracker import RUN_KEY_TAG, Tracker, sqlite_file
 from tests.flows.kill_chain import node_files
@@ -167,19 +167,27 @@ def _timestamps(server: MlflowServer, run_key: str) -> list[int]:
 
 
 def test_hung_then_crashed_server_costs_no_training_time_and_loses_nothing(server, reference, started):
-    run, run_path = _run(reference, server, {"BHFL_TRACKING_WAIT_S": "60"}, started)
+    # the run's end waits for the restarted server (exit 3 if the wait runs out first): the restart took 20 s idle,
+    # 44 s beside four busy loops, and ended 4 s into the run's wait there; a wait ends as soon as all arrived
+    run, run_path = _run(reference, server, {"BHFL_TRACKING_WAIT_S": "180"}, started)
     run.wait_for("root round 1/3 done")
     server.signal(signal.SIGSTOP)  # hung: connections are accepted, nothing answers
     stopped = time.time()
-    # training goes on while the server answers nothing (a blocked run would wait here)
+    # training goes on while the server answers nothing (a blocked run would wait here) ...
     run.wait_for("root round 2/3 done", timeout_s=120)
+    # ... and the user is told once a call has waited SLOW_S for an answer. Waited for, not assumed: the crash
+    # below fails the waiting call at once, and whichever comes first is the outage's one notice (it was
+    # "not answering" when root round 2 took under 10 s, and the test failed when it took longer: 19 s beside
+    # four busy loops on 2 cores)
+    run.wait_for(f"has not answered for {SLOW_S:.0f} s", timeout_s=120)
     assert run.proc.poll() is None
     server.signal(signal.SIGKILL)  # ... then it crashes, and comes back on the same database
     time.sleep(1.0)
     server.start()
     restarted = time.time()
     assert run.finish() == 0, run.stderr[-3000:]
-    assert "not answering" in run.stderr and "answers again" in run.stderr, run.stderr[-3000:]
+    told = [line for _, line in run.lines if "MLflow tracking server" in line]
+    assert "has not answered" in told[0] and "answers again" in told[-1], run.stderr[-3000:]
     assert "Traceback" not in run.stderr
 
     _same_record(server, run_path, reference)
