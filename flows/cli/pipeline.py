@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.markup import escape
@@ -24,6 +24,10 @@ from flows.cli.prefect_link import PIPELINE_FLOW
 from flows.cli.shell import console, fail, open_ui, out, prepare_environment, serve_on_schedule
 from flows.cli.tables import print_table
 from flows.progress import RichReporter
+
+if TYPE_CHECKING:
+    from bhfl_core.config.pipeline import Pipeline
+    from flows.launch import Launch
 
 
 class StageReporter(RichReporter):
@@ -71,8 +75,8 @@ def run_pipeline_command(
     prepare_environment(run_dir, verbose)  # after the checks: a refused pipeline leaves no run dir behind
     configs = [s.config for s in pipeline]
     start_forkserver(configs)
-    from flows.pipeline import check_sources, start_pipeline
     from flows.records.run_record import new_run_path
+    from flows.records.warm_source import check_sources  # (flows.pipeline imports Prefect: see PIPELINE)
 
     try:
         pipeline = check_sources(pipeline, run_dir.resolve())
@@ -87,11 +91,17 @@ def run_pipeline_command(
         folder,
         run_dir,
         verbose,
-        lambda launch: start_pipeline(pipeline, launch, folder),
+        lambda launch: _start(pipeline, launch, folder),
         announce,
         {f"stage {stage.name!r}": stage.config for stage in pipeline},
         tracking_uri,
     )
+
+
+def _start(pipeline: Pipeline, launch: Launch, folder: Path) -> dict[str, Any]:
+    from flows.pipeline import start_pipeline  # imports Prefect: see PIPELINE
+
+    return start_pipeline(pipeline, launch, folder)
 
 
 def serve_pipeline_command(
@@ -133,10 +143,13 @@ def resume_pipeline_command(folder: Path, overrides: list[str], run_dir: Path, v
 
     pipeline = resumable(PipelineRecord, folder, overrides, read_pipeline_config)  # before Prefect or a worker starts
     start_forkserver([s.config for s in pipeline])
-    from flows.pipeline import resume_pipeline
 
-    announce = f"[bold]bhfl[/] resuming pipeline {folder} ..."
-    run_job(PIPELINE, folder, run_dir, verbose, lambda _: resume_pipeline(folder, overrides=overrides), announce)
+    def work(_: Launch) -> dict[str, Any]:
+        from flows.pipeline import resume_pipeline  # imports Prefect: see PIPELINE
+
+        return resume_pipeline(folder, overrides=overrides)
+
+    run_job(PIPELINE, folder, run_dir, verbose, work, f"[bold]bhfl[/] resuming pipeline {folder} ...")
 
 
 def _num(metrics: dict[str, float], key: str, digits: int = 3) -> str:
@@ -181,6 +194,9 @@ def print_summary(result: dict[str, Any], run_dir: Path) -> None:
     )
 
 
+# flows.pipeline imports Prefect, which reads PREFECT_API_URL once, when first imported: run_job imports it once the
+# command's Prefect API is in the environment, and nothing before may (imported earlier, a pipeline ran on a temporary
+# Prefect server of Prefect's own beside the command's, on the same database)
 PIPELINE = JobKind(PIPELINE_FLOW, "flows.pipeline", lambda: StageReporter(console), print_summary)
 
 

@@ -182,11 +182,12 @@ def run_sweep_command(
     configs = [p.config for p in sweep]
     start_forkserver(configs)
     from flows.records.run_record import new_run_path
-    from flows.sweep import start_sweep
 
     target = folder or new_run_path(run_dir.resolve(), sweep.name)
 
     def work(launch: Launch) -> dict[str, Any]:
+        from flows.sweep import start_sweep  # imports Prefect: only once run_job has set PREFECT_API_URL (_kind)
+
         return start_sweep(sweep, launch, target if folder is None else None, parallel, resume_from=folder)
 
     announce = f"[bold]bhfl[/] sweep [cyan]{sweep.name}[/] from {path}: {len(sweep)} experiment(s) " + (
@@ -202,14 +203,23 @@ def resume_sweep_command(folder: Path, overrides: list[str], run_dir: Path, verb
 
     sweep = resumable(SweepRecord, folder, overrides, read_sweep_config)  # before Prefect or any worker starts
     start_forkserver([p.config for p in sweep])
-    from flows.sweep import resume_sweep
 
-    announce = f"[bold]bhfl[/] resuming sweep {folder} ..."
-    run_job(_kind(len(sweep)), folder, run_dir, verbose, lambda _: resume_sweep(folder, overrides=overrides), announce)
+    def work(_: Launch) -> dict[str, Any]:
+        from flows.sweep import resume_sweep  # imports Prefect: only once run_job has set PREFECT_API_URL (_kind)
+
+        return resume_sweep(folder, overrides=overrides)
+
+    run_job(_kind(len(sweep)), folder, run_dir, verbose, work, f"[bold]bhfl[/] resuming sweep {folder} ...")
 
 
 def _kind(points: int) -> JobKind:
-    """A sweep at the terminal: a bar of its ``points`` experiments, failures that name the failed points."""
+    """A sweep at the terminal: a bar of its ``points`` experiments, failures that name the failed points.
+
+    ``flows.sweep`` imports Prefect, which reads ``PREFECT_API_URL`` once, when first
+    imported: ``run_job`` imports it once the command's Prefect API is in the environment,
+    and nothing before may (imported earlier, a sweep ran on a temporary Prefect server
+    of Prefect's own, started beside the command's on the same database, 13 s at its end).
+    """
     return JobKind(SWEEP_FLOW, "flows.sweep", lambda: SweepReporter(console, points), print_summary, _guarded)
 
 

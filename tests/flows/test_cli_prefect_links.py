@@ -155,3 +155,51 @@ def test_the_links_name_each_flow_and_its_folder_parameter():
         (SWEEP_FLOW, sweep_flow),
     ):
         assert flow_.name == name and parameter in inspect.signature(flow_.fn).parameters
+
+
+FIRST_PREFECT_IMPORT = """
+import os, sys
+
+class FirstPrefectImport:
+    '''Say whether the command's Prefect API was in the environment when Prefect was first imported, and end.'''
+
+    def find_spec(self, name, path=None, target=None):
+        if name.startswith("prefect."):  # the package's own imports: it is being imported (not a find_spec lookup)
+            print("PREFECT_API_URL " + ("set" if "PREFECT_API_URL" in os.environ else "unset"), flush=True)
+            os._exit(0)  # (the command's own server and workers die with it)
+
+sys.meta_path.insert(0, FirstPrefectImport())
+sys.argv[0] = "bhfl"
+from flows.cli.app import app
+from flows.cli.stopping import run_command
+
+run_command(lambda: app)
+"""
+
+
+def test_prefect_is_first_imported_once_the_commands_own_server_is_in_the_environment(tmp_path):
+    """Prefect reads PREFECT_API_URL once, when first imported. `bhfl sweep` and a pipeline imported their flow
+    modules (which import Prefect) before the command's own server was set: the job's flow-run lookup at its
+    end then started a temporary Prefect server of Prefect's own on the same database (13 s, also after Ctrl-C).
+    Both commands at once (each ends at Prefect's first import)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
+    env["HF_HUB_OFFLINE"] = "1"
+    sets = [arg for assignment in SMALL for arg in ("--set", assignment)]
+    jobs = {
+        "sweep": ["sweep", "configs/embedded.yaml", *sets, "--grid", "tree.edge.eta_down=1.0,0.5", "--seeds", "0"],
+        "pipeline": ["run", "configs/groupperfl.yaml"],
+    }
+    started = {
+        kind: subprocess.Popen(
+            [sys.executable, "-c", FIRST_PREFECT_IMPORT, *job, "--run-dir", str(tmp_path / kind)],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for kind, job in jobs.items()
+    }
+    for kind, proc in started.items():
+        out, err = proc.communicate(timeout=300)
+        assert out.splitlines()[-1:] == ["PREFECT_API_URL set"], (kind, out[-2000:], err[-3000:])
