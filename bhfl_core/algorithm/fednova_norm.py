@@ -15,7 +15,7 @@ gradients ``g_ik`` weighted by ``a_i``, and divides it by ``||a_i||_1``
   re-anchored at its own start (the first: the model it received, which is ``x_ref``:
   ``config/step_normalised_starts.py``), so its update is the sum of theirs and ``a_i`` is
   ``rounds`` copies of ``a``: ``||a_i||_1 = rounds · (1 - (1 - alpha)^s) / alpha``, ``s``
-  the call's ``planned_steps`` (``tree.local_steps``'s factors). Weight decay is part of
+  the call's steps (``tree.call_steps``). Weight decay is part of
   ``g_k`` (SGD adds ``weight_decay·p`` to the gradient, the reference implementation too):
   the gradient of the client's regularised objective, not a pull towards ``p0``.
 - **Plain SGD** (``mu = 0``): ``a_i`` is all ones, ``||a_i||_1 = tau_i``, the steps.
@@ -31,9 +31,7 @@ when ``alpha·s`` is small.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
-from bhfl_core.algorithm.tree import Node, held_out_rows, local_steps, planned_steps
+from bhfl_core.algorithm.tree import Node, call_steps, local_steps
 
 
 def proximal_norm(alpha: float, steps: int) -> float:
@@ -64,8 +62,4 @@ def local_norm(node: Node, epochs: int | None = None) -> float:
     params = node.settings.train
     if params is None or params.optimizer != "sgd" or params.mu == 0:
         return float(local_steps(node, epochs))
-    if epochs is not None:
-        params = replace(params, epochs=epochs)
-    rows = int(node.weight)
-    steps = planned_steps(rows - held_out_rows(rows, node.settings.holdout), params)
-    return node.settings.rounds * proximal_norm(params.lr * params.mu, steps)
+    return node.settings.rounds * proximal_norm(params.lr * params.mu, call_steps(node, epochs))

@@ -55,13 +55,13 @@ def held_out_rows(rows: int, fraction: float) -> int:
     return min(max(round(fraction * rows), 1), rows - 1) if fraction > 0 and rows >= 2 else 0
 
 
-def local_steps(node: Node, epochs: int | None = None) -> int:
-    """The optimiser steps of a client's execution: its rounds' TRAIN calls on its training rows (``fednova_norm``).
+def call_steps(node: Node, epochs: int | None = None) -> int:
+    """The optimiser steps of one of a client's TRAIN calls on its training rows (0 for a node that does not train).
 
     ``epochs``: its plan's local epochs (Tempo), instead of its ``train.epochs``. A pure
     function of the tree, so a client handed back from its checkpoint (a retried batch)
     reports the same count as one that trained: TRAIN takes exactly ``planned_steps``
-    (fixed batches, ``max_steps`` a cap). 0 for a node that does not train.
+    (fixed batches, ``max_steps`` a cap).
     """
     params = node.settings.train
     if params is None:
@@ -69,7 +69,12 @@ def local_steps(node: Node, epochs: int | None = None) -> int:
     if epochs is not None:
         params = replace(params, epochs=epochs)
     rows = int(node.weight)
-    return node.settings.rounds * planned_steps(rows - held_out_rows(rows, node.settings.holdout), params)
+    return planned_steps(rows - held_out_rows(rows, node.settings.holdout), params)
+
+
+def local_steps(node: Node, epochs: int | None = None) -> int:
+    """The optimiser steps of a client's execution: its rounds' TRAIN calls (``call_steps``; ``fednova_norm``)."""
+    return node.settings.rounds * call_steps(node, epochs)
 
 
 @dataclass(frozen=True)

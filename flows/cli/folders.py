@@ -179,8 +179,11 @@ def _shown_job(spec: str, run_dir: Path, as_json: bool) -> bool:
     from flows.cli.pipeline import pipeline_entry, print_pipelines
     from flows.cli.sweep_listing import print_sweeps, sweep_entry
     from flows.records.listing import resolve_pipeline, resolve_sweep
+    from flows.records.pipeline_record import PipelineRecord
+    from flows.records.sweep_record import SweepRecord
 
     if (pipeline := resolve_pipeline(spec, run_dir)) is not None:
+        PipelineRecord.found(pipeline)  # the one job asked for is damaged: an error, as a damaged run is
         if as_json:
             print_json([pipeline_entry(pipeline)])
         else:
@@ -188,6 +191,7 @@ def _shown_job(spec: str, run_dir: Path, as_json: bool) -> bool:
         return True
     if (sweep := resolve_sweep(spec, run_dir)) is None:
         return False
+    SweepRecord.found(sweep)
     if as_json:
         print_json([sweep_entry(sweep)])
     else:

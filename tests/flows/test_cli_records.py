@@ -108,6 +108,9 @@ def test_a_damaged_pipeline_record_is_one_line_and_the_rest_still_lists(tmp_path
         said = " ".join(out.output.split())
         assert said.startswith(f"error: {folders[stamp] / 'pipeline.json'}: damaged pipeline record (") and why in said
         assert (folders[stamp] / "pipeline.json").read_bytes() == record
+        shown = CliRunner().invoke(app, ["runs", str(folders[stamp]), "--run-dir", str(run_dir)])
+        assert shown.exit_code == 2, shown.output
+        assert " ".join(shown.output.split()).startswith(f"error: {folders[stamp] / 'pipeline.json'}: damaged")
     assert not (run_dir / ".prefect").exists()
 
 
@@ -128,6 +131,9 @@ def test_a_damaged_sweep_file_stops_its_resume_in_one_line(tmp_path):
 
     said = resume()
     assert said.startswith(f"error: {folder / 'sweep.json'}: damaged sweep record (Invalid JSON"), said
+    shown = CliRunner().invoke(app, ["runs", str(folder)])  # the one job asked for: an error, as a damaged run is
+    assert shown.exit_code == 2, shown.output
+    assert " ".join(shown.output.split()) == said
     SweepRecord(name="sw", status="interrupted").write(folder)
     for content, why in ((b"name: sw\npoints: [\n", "expected the node content"), (b"name: sw\xe9\n", "'utf-8'")):
         (folder / "sweep.yaml").write_bytes(content)
