@@ -258,6 +258,8 @@ class EvalConfig(Strict):
     during: Literal["servers", "all"] = "servers"  # the models those evaluations score (the final one: all)
     batch_size: Annotated[int, Field(ge=1)] = 256
     client_models: bool = True  # also evaluate persistent client models
+    # the report's figures (PNG + SVG); false: its tables and text only, the same numbers (docs/evaluation.md)
+    figures: bool = True
     # the population every model is scored on: every client, or a seeded sample of N (docs/evaluation.md "At scale")
     clients: Literal["all"] | Annotated[int, Field(ge=1)] = "all"
     # a client's models: its own split and up to K clients per ring of the tree around it ("all": every client)

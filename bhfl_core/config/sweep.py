@@ -51,19 +51,24 @@ TOP_KEYS = ("name", "base", "set", "configs", "grid", "seeds", "baseline")
 SWEEP_KEYS = ("grid", "seeds", "configs")  # any of these at the top level makes a file a sweep
 VARIANT_KEYS = ("base", "set")
 # keys that change where and how a run runs, not what it computes (as for `bhfl resume --set`): not hashed
-UNHASHED = ("runtime", "eval.batch_size")
+# and eval.figures, what the report draws of the same numbers (added later: hashes taken before it still match)
+UNHASHED = ("runtime", "eval.batch_size", "eval.figures")
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
 
 
 def config_hash(config: ExperimentConfig) -> str:
-    """16 hex digits of SHA-256 over the resolved config, ``runtime`` and ``eval.batch_size`` left out.
+    """16 hex digits of SHA-256 over the resolved config, the ``UNHASHED`` keys left out.
 
     The formula of the ``bhfl.config_hash`` tag every run carries, over what decides its
     results only: a sweep resumed on fewer workers still recognises its finished runs.
     """
     data = dump(config)
-    data.pop("runtime", None)
-    data.get("eval", {}).pop("batch_size", None)
+    for dotted in UNHASHED:
+        section, _, key = dotted.partition(".")
+        if key:
+            data.get(section, {}).pop(key, None)
+        else:
+            data.pop(section, None)
     _as_first_hashed(data.get("tree", {}))
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 

@@ -16,7 +16,8 @@ then to the parent run's artefacts (same layout):
     eval/proximity_clients.csv    per client: Spearman rho(distance, quality), path monotone
     eval/communication.csv        models and bytes per server, round, direction, kind
     eval/communication_levels.csv the same summed per level
-    eval/heatmap.png, eval/proximity.png, eval/clients_histogram.png (and an SVG beside each)
+    eval/heatmap.png, eval/proximity.png, eval/clients_histogram.png (and an SVG beside each; none with
+                                  ``eval.figures: false``, which leaves the rest as it is)
 
 Communication and evaluation time are read back from MLflow metric histories (not
 in-process counters), so a resumed run reports the whole run. The trivial baseline of
@@ -48,7 +49,14 @@ from bhfl_core.store.tables import table_csv, write_csv_atomic
 from data_prep.figures import save_png
 from flows.tracking import plots
 from flows.tracking.baselines import trivial_baseline
-from flows.tracking.privacy_report import CLIENT_EPSILON_MAX, client_epsilons, curve_csv, epsilon_max, privacy_rows
+from flows.tracking.privacy_report import (
+    CLIENT_EPSILON_MAX,
+    PrivacyRow,
+    client_epsilons,
+    curve_csv,
+    epsilon_max,
+    privacy_rows,
+)
 from flows.tracking.report_html import write_report_html
 from flows.tracking.report_markdown import RELATION_NAMES, ReportInputs, render_markdown
 from flows.tracking.tracker import Tracker
@@ -128,7 +136,7 @@ def _write_tables(
     rows: Sequence[comm.CommRow],
     levels: Sequence[comm.LevelSummary],
 ) -> None:
-    """The CSV tables and the two figures under ``folder``."""
+    """The CSV tables under ``folder``."""
     write_csv_atomic(folder / "eval" / "matrix.csv", MATRIX_HEADER, matrix_lines(ev.rows()))  # streamed: it is large
     files = {
         "eval/distribution.csv": distribution_csv(ev.distribution_rows()),
@@ -140,9 +148,25 @@ def _write_tables(
     }
     for name, text in files.items():
         write_text_atomic(folder / name, text)
+
+
+def _draw_figures(
+    folder: Path,
+    ev: Evaluation,
+    prox: proximity.Proximity,
+    curves: Mapping[str, Sequence[tta.CurvePoint]],
+    dp_rows: Sequence[PrivacyRow],
+) -> None:
+    """The report's figures under ``folder``: the heatmap, proximity and clients' histogram; quality against
+    virtual time and the DP servers' epsilon where there are any. The same numbers are in the CSV tables."""
     save_figure(plots.heatmap(ev), folder / "eval" / "heatmap.png")
     save_figure(plots.proximity_plot(ev, prox), folder / "eval" / "proximity.png")
     save_figure(plots.clients_histogram(ev), folder / "eval" / "clients_histogram.png")
+    if curves:
+        save_figure(plots.time_to_accuracy_plot(curves, ev.task.primary), folder / "eval" / "time_to_accuracy.png")
+    if dp_rows:
+        budgets = {r.node: r.budget for r in dp_rows if r.budget is not None}
+        save_figure(plots.epsilon_plot({r.node: r.curve for r in dp_rows}, budgets), folder / "eval" / "privacy.png")
 
 
 def write_report(
@@ -164,12 +188,11 @@ def write_report(
     curves = _time_curves(tracker, ev)
     if curves:
         write_text_atomic(folder / "eval" / "time_to_accuracy.csv", _curves_csv(curves))
-        save_figure(plots.time_to_accuracy_plot(curves, ev.task.primary), folder / "eval" / "time_to_accuracy.png")
     dp_rows = privacy_rows(tracker, ctx.tree, ctx.store)
     if dp_rows:
         write_text_atomic(folder / "eval" / "privacy_epsilon.csv", curve_csv(dp_rows))
-        budgets = {r.node: r.budget for r in dp_rows if r.budget is not None}
-        save_figure(plots.epsilon_plot({r.node: r.curve for r in dp_rows}, budgets), folder / "eval" / "privacy.png")
+    if ctx.config.eval.figures:  # (drawing them is most of a small run's report: docs/evaluation.md)
+        _draw_figures(folder, ev, prox, curves, dp_rows)
     dp_clients = client_epsilons(ctx.tree, ctx.store)
     privacy = {**epsilon_max(dp_rows), **({CLIENT_EPSILON_MAX: max(dp_clients.values())} if dp_clients else {})}
     headline = {

@@ -90,6 +90,7 @@ def _title(r: ReportInputs) -> list[str]:
         f"{len(tree.clients())} clients, {len(tree.servers())} servers, {tree.root.settings.rounds} root rounds · "
         f"model {cfg.model.name} ({r.num_params:,} trainable parameters) · data `{r.ctx.manifest.fingerprint}`",
         "",
+        *([] if cfg.eval.figures else ["No figures (`eval.figures: false`): their numbers are in `eval/*.csv`.", ""]),
     ]
 
 
@@ -198,17 +199,21 @@ def _proximity(r: ReportInputs) -> list[str]:
             f"towards the root); quality never falls going up for {by_test.path_share:.0%} of client paths; "
             "mean by depth " + ", ".join(f"{d}: {v:.3f}" for d, _, v in by_test.by_depth) + "."
         )
-    return [
-        *lines,
-        "",
+    figure = [
         "![proximity](eval/proximity.png)",
         "",
         "Vector copy for a paper: [eval/proximity.svg](eval/proximity.svg).",
-        "",
     ]
+    return [*lines, "", *_drawn(r, [*figure, ""])]
 
 
-def _heatmap(ev: Evaluation) -> list[str]:
+def _drawn(r: ReportInputs, lines: list[str]) -> list[str]:
+    """``lines`` (a figure and what links it) if the run draws its figures (``eval.figures``), else none."""
+    return lines if r.ctx.config.eval.figures else []
+
+
+def _heatmap(r: ReportInputs) -> list[str]:
+    ev = r.ev
     if len(ev.clients) > MAX_LABELS or len(ev.node_models()) > MAX_LABELS:
         what = (
             f"{len(ev.clients):,} clients are too many for a cell each: rows are the servers, then each edge "
@@ -220,17 +225,14 @@ def _heatmap(ev: Evaluation) -> list[str]:
             "Rows: node models in tree order; columns: client test splits (same order), subtree unions, "
             "the union of all clients, the proxy test."
         )
-    return [
-        "## Heatmap",
-        "",
-        what,
-        "",
+    figure = [
         "![heatmap](eval/heatmap.png)",
         "",
         "Vector copy: [eval/heatmap.svg](eval/heatmap.svg). How the clients fare under their own model, edge server "
         "and root: [eval/clients_histogram.png](eval/clients_histogram.png).",
         "",
     ]
+    return ["## Heatmap", "", what, "", *_drawn(r, figure)]
 
 
 def _communication(r: ReportInputs) -> list[str]:
@@ -282,8 +284,9 @@ def _time_to_accuracy(r: ReportInputs) -> list[str]:
         f"## Quality against virtual time ({r.metric})",
         "",
         "At every evaluation (`eval.every`), against the root's virtual clock (client steps over their "
-        "speed, `tree.clock`; a synchronous round waits for its slowest child). `eval/time_to_accuracy.csv`, "
-        "`eval/time_to_accuracy.png`; `bhfl compare --target X` gives the time to reach X.",
+        "speed, `tree.clock`; a synchronous round waits for its slowest child). `eval/time_to_accuracy.csv`"
+        + (", `eval/time_to_accuracy.png`" if r.ctx.config.eval.figures else "")
+        + "; `bhfl compare --target X` gives the time to reach X.",
         "",
         _table(["root round", "virtual s", *populations], rows),
         "",
@@ -304,8 +307,7 @@ def _privacy(r: ReportInputs) -> list[str]:
             "",
             _table(PRIVACY_HEADERS, [row.cells() for row in r.dp_rows]),
             "",
-            "![epsilon per round](eval/privacy.png)",
-            "",
+            *_drawn(r, ["![epsilon per round](eval/privacy.png)", ""]),
             "Epsilon after each round, per server: `eval/privacy_epsilon.csv` (and `privacy/epsilon` in each "
             "server's MLflow run).",
             "",
@@ -338,7 +340,7 @@ def render_markdown(r: ReportInputs) -> str:
         _clients(r),
         _servers(r),
         _proximity(r),
-        _heatmap(r.ev),
+        _heatmap(r),
         _communication(r),
         _time_to_accuracy(r),
         _privacy(r),

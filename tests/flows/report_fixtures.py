@@ -11,7 +11,9 @@ def evaluated_runs(tmp_path_factory):
     from tests.small import small_config
 
     root = tmp_path_factory.mktemp("report-runs")
-    tree = run_experiment(small_config("name=itest-report", "eval.local_only={}", "eval.local_adaptation={}"), root)
+    tree = run_experiment(
+        small_config("name=itest-report", "eval.local_only={}", "eval.local_adaptation={}", "eval.figures=true"), root
+    )
     flat = run_experiment(
         small_config("name=itest-flat", "tree.flat=true", "tree.groups={}", "eval.every=0"),
         root,

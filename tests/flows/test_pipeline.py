@@ -44,6 +44,7 @@ pytestmark = pytest.mark.integration
 # the small data and model of tests/small.py; training in this process (no worker cluster per stage: ~15 s less)
 SHRINK = [s for s in SMALL if not s.startswith(("name=", "tree.", "eval."))] + [
     "tree.client.train.epochs=1",
+    "eval.figures=false",
     "runtime.executor=inprocess",
     "runtime.transfer=run_folder",  # the models sent stay in the run folder: the tests look at them
 ]

@@ -43,7 +43,7 @@ def _plain(folder: Path, *overrides: str) -> dict:
 def runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("privacy")
     return {
-        "inprocess": _run(base / "a", "runtime.executor=inprocess"),
+        "inprocess": _run(base / "a", "runtime.executor=inprocess", "eval.figures=true"),
         "again": _run(base / "b", "runtime.executor=inprocess"),
         "workers": _run(base / "c", "runtime.executor=local", "runtime.workers=2"),
         "plain": run_experiment(small_config("runtime.executor=inprocess"), base / "d", orchestration=PLAIN_CALLS),
@@ -66,6 +66,25 @@ def test_a_dp_run_is_bit_identical_across_reruns_and_worker_layouts(runs):
     assert first == node_files(Path(runs["workers"]["run_path"]))  # clients clipped and folded on 2 worker processes
     plain = node_files(Path(runs["plain"]["run_path"]))
     assert first["root.safetensors"] != plain["root.safetensors"]  # the edges' noise reached the root
+
+
+def test_eval_figures_false_leaves_out_the_figures_and_nothing_else(runs):
+    # "inprocess" draws its figures, "again" (the same run) does not: tests/small.py turns them off
+    drawn, bare = (Path(runs[key]["run_path"]) / "report" for key in ("inprocess", "again"))
+    figures = {"heatmap", "proximity", "clients_histogram", "time_to_accuracy", "privacy"}
+    assert (
+        {p.stem for p in (drawn / "eval").glob("*.png")} == {p.stem for p in (drawn / "eval").glob("*.svg")} == figures
+    )
+    tables = sorted(p.relative_to(bare) for p in bare.rglob("*") if p.is_file() and p.suffix not in (".md", ".html"))
+    assert [p.suffix for p in tables] == [".csv"] * len(tables) and len(tables) >= 8  # no figure at all
+    for table in tables:  # every number the same
+        assert (bare / table).read_bytes() == (drawn / table).read_bytes(), table
+    with_figures, without = ((folder / "report.md").read_text().splitlines() for folder in (drawn, bare))
+    linked = [line for line in with_figures if ".png" in line or ".svg" in line]
+    assert len(linked) >= 4 and not set(linked) & set(without)  # each figure's image and link lines left out
+    assert [line for line in with_figures if line.startswith("#")] == [line for line in without if line.startswith("#")]
+    assert "No figures (`eval.figures: false`): their numbers are in `eval/*.csv`." in without
+    assert ".png" not in "".join(without) and "<img" not in (bare / "report.html").read_text()
 
 
 def test_each_edge_logs_its_clip_noise_and_growing_epsilon_and_keeps_the_adaptive_clip(runs):
