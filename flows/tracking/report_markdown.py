@@ -203,8 +203,9 @@ def _proximity(r: ReportInputs) -> list[str]:
         "![proximity](eval/proximity.png)",
         "",
         "Vector copy for a paper: [eval/proximity.svg](eval/proximity.svg).",
+        "",
     ]
-    return [*lines, "", *_drawn(r, [*figure, ""])]
+    return [*lines, "", *_drawn(r, figure)]
 
 
 def _drawn(r: ReportInputs, lines: list[str]) -> list[str]:
