@@ -34,7 +34,7 @@ from __future__ import annotations
 import functools
 import platform
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -290,7 +290,7 @@ def start_pipeline(pipeline: Pipeline, launch: Launch, folder: Path | None = Non
     launch.run_root.mkdir(parents=True, exist_ok=True)
     folder = (folder or new_run_path(launch.run_root, pipeline.name)).resolve()
     # the stages' run folders and data cache: beside the pipeline folder (<run_root>/<pipeline>/<stamp>)
-    return lifecycle.run(PipelineJob(pipeline), replace(launch, run_root=folder.parents[1]), folder)
+    return lifecycle.run(PipelineJob(pipeline), launch.under(folder.parents[1]), folder)
 
 
 def run_pipeline(

@@ -109,7 +109,7 @@ class _Attempt:
             starting = ClusterStart(cfg.runtime)
             stack.callback(starting.close)
         FaultPlan.for_run(path).hit("prepare")  # (the run context, with its plan, needs the data)
-        data_root = self.launch.orchestration.prepare(cfg, self.launch.run_root / "cache").root
+        data_root = self.launch.orchestration.prepare(cfg, self.launch.data_cache).root
         write_text_atomic(path / DATA_POINTER, json.dumps({"data_root": str(data_root)}))  # read by runs, resume
         mark_once(path, "data_ready")
         ctx = open_run(path, cfg)

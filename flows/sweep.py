@@ -36,7 +36,7 @@ import threading
 from collections.abc import Sequence
 from concurrent.futures import Future
 from contextlib import ExitStack
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -381,7 +381,7 @@ def start_sweep(
         return resume_sweep(resume_from, launch.orchestration, parallel=parallel, cluster=launch.cluster)
     folder = (folder or new_run_path(launch.run_root, sweep.name)).resolve()
     # the points' run folders and data cache: beside the sweep folder (<run_root>/<sweep>/<stamp>)
-    return lifecycle.run(SweepJob(sweep, parallel), replace(launch, run_root=folder.parents[1]), folder)
+    return lifecycle.run(SweepJob(sweep, parallel), launch.under(folder.parents[1]), folder)
 
 
 def run_sweep(

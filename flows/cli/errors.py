@@ -82,8 +82,8 @@ def _disk_full(exc: BaseException, run_path: Path | None) -> str | None:
         f"The disk is full{where}: {full.describe()}{held}. Files a resume reads (checkpoints, run records, the data "
         f"cache) are written under temporary names and renamed when complete, and Prefect's and MLflow's databases "
         f"undo a write that fails, so the last complete checkpoint of every node is intact and no half-written "
-        f"data is ever reused. Free some space there (`df -h {full.mount}`; the data cache under <run-dir>/cache "
-        f"and old runs can be deleted). {resume_hint(run_path)}"
+        f"data is ever reused. Free some space there (`df -h {full.mount}`; the data cache (<run-dir>/cache, or "
+        f"$BHFL_DATA_CACHE) and old runs can be deleted). {resume_hint(run_path)}"
     )
 
 

@@ -178,9 +178,10 @@ def prepare(
     cfg = load_config(config, set_)
     prepare_environment(run_dir, verbose)
     preflight(cfg, run_dir)
+    from data_prep.cache_folder import data_cache_folder
     from data_prep.prepare import PreparedData, cached_data, prepare_data
 
-    cache = (run_dir / "cache").resolve()
+    cache = data_cache_folder(run_dir)
     if "PREFECT_API_URL" not in os.environ and cached_data(cfg, cache) is not None:
         # A cache hit runs no preparation step, so no Prefect flow: starting Prefect's temporary
         # server for a flow run nobody sees took ~15 s. (With a Prefect server of your own, the

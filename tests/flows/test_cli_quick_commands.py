@@ -26,6 +26,7 @@ from tests.small import REPO, SMALL, small_config
 pytestmark = pytest.mark.integration
 
 
+@pytest.mark.own_data_cache  # a hit of the run dir's own cache
 def test_prepare_on_a_cache_hit_is_quick_and_reports_on_stdout(tmp_path):
     from data_prep.prepare import prepare_data
     from tests.small import SMALL
@@ -48,6 +49,29 @@ def test_prepare_on_a_cache_hit_is_quick_and_reports_on_stdout(tmp_path):
     assert not (tmp_path / "elsewhere" / "cache").exists()
 
 
+def test_one_data_cache_serves_every_run_dir_and_a_file_in_its_place_is_refused(tmp_path, monkeypatch):
+    """``BHFL_DATA_CACHE``: data prepared under one run dir is a cache hit under another, in that folder alone;
+    a file where the folder should be is one line naming the variable, exit 2, nothing written."""
+    from data_prep.cache_folder import DATA_CACHE_ENV
+    from data_prep.prepare import prepare_data
+
+    shared = tmp_path / "shared"
+    monkeypatch.setenv(DATA_CACHE_ENV, str(shared))
+    prepared = prepare_data(small_config(), shared, log=lambda _: None)  # as another run dir's command left it
+    out = cli("prepare", *sets(), "--run-dir", str(tmp_path / "b"))
+    assert out.returncode == 0 and "cache hit (no tokenisation) in " in out.stdout, out.stderr
+    assert f"  manifest: {prepared.root / 'manifest.json'}\n" in out.stdout
+    assert not (tmp_path / "b" / "cache").exists()
+
+    (tmp_path / "file").write_text("not a folder")
+    monkeypatch.setenv(DATA_CACHE_ENV, str(tmp_path / "file"))
+    refused = cli("run", *sets(), "--run-dir", str(tmp_path / "c"))
+    error = " ".join(refused.stderr.split())
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr[-3000:]
+    assert f"error: {DATA_CACHE_ENV}={tmp_path / 'file'}: {tmp_path / 'file'} is a file, not a folder" in error, error
+    assert not list((tmp_path / "c").glob("itest/*"))  # refused before a run folder was made
+
+
 @pytest.fixture(scope="module")
 def prepared_run(tmp_path_factory):
     """A run dir with a data cache and an interrupted run: its config, record, data pointer, the root's checkpoint."""
@@ -56,11 +80,12 @@ def prepared_run(tmp_path_factory):
     from bhfl_core.algorithm.node_state import NodeState
     from bhfl_core.store.node_store import StateStore
     from bhfl_core.store.run_layout import DATA_POINTER, STATE_DIR
+    from data_prep.cache_folder import data_cache_folder
     from data_prep.prepare import prepare_data
 
     run_dir = tmp_path_factory.mktemp("prepared")
     cfg = small_config()
-    prepared = prepare_data(cfg, run_dir / "cache", log=lambda _: None)
+    prepared = prepare_data(cfg, data_cache_folder(run_dir), log=lambda _: None)  # where its run left it
     path = run_dir / "itest" / "20260101-000000-001"
     path.mkdir(parents=True)
     (path / "config.yaml").write_text(yaml.safe_dump(dump(cfg), sort_keys=False))

@@ -26,7 +26,8 @@ from tests.data.xglue_fixtures import write_xglue_nc
 from tests.flows.commands import scored_with
 from tests.small import small_config
 
-pytestmark = pytest.mark.integration
+# own_data_cache: the cold and warm preparations of each run dir are checked
+pytestmark = [pytest.mark.integration, pytest.mark.own_data_cache]
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = {

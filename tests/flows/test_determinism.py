@@ -21,7 +21,8 @@ from tasks import faults
 from tasks.context import open_run, opened_runs
 from tests.small import small_config
 
-pytestmark = pytest.mark.integration
+# own_data_cache: each run prepares its data afresh in its own folder
+pytestmark = [pytest.mark.integration, pytest.mark.own_data_cache]
 
 BASE = ("tree.root.rounds=2", "eval.every=0", "model.tiny.dropout=0.1")
 

@@ -23,7 +23,8 @@ from tests.flows.kill_chain import uninterrupted
 from tests.mount_namespace import NO_NAMESPACE, namespace_prefix, tmpfs_mount
 from tests.small import REPO
 
-pytestmark = pytest.mark.integration
+# own_data_cache: the "run folder" disk holds the data cache too
+pytestmark = [pytest.mark.integration, pytest.mark.own_data_cache]
 
 CASES = {  # what the paragraph says the full filesystem holds
     "everything": "it holds the run folder, the data cache, the MLflow store and Prefect's database.",

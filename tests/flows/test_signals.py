@@ -111,6 +111,7 @@ def _one_line(out: str, line: str) -> None:
     assert out.count(line) == 1 and "Traceback" not in out and not re.search(r"Error|\bERROR\b", out), out[-3000:]
 
 
+@pytest.mark.own_data_cache  # stopped while it prepares: nothing half-prepared left in the run dir's cache
 def test_sigterm_as_prefect_starts_a_task_ends_with_one_line_and_leaves_nothing(tmp_path):
     """`bhfl prepare` (its own Prefect server, as a user without one runs it) stopped inside Prefect's task engine
     before the task run exists: it used to end with Prefect's `ValueError: Task run is not set`, exit 1."""
