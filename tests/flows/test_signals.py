@@ -127,6 +127,7 @@ def test_sigterm_as_prefect_starts_a_task_ends_with_one_line_and_leaves_nothing(
     assert [p.name for p in (run_dir / "cache").iterdir() if not p.name.startswith(".")] == [], "a partial entry"
 
 
+@pytest.mark.own_data_cache  # `bhfl prepare` afresh: its steps are the Prefect tasks signalled
 @pytest.mark.parametrize(
     ("where", "code"),
     [
@@ -152,6 +153,7 @@ def test_a_signal_anywhere_in_prefects_engines_exits_128_plus_the_first(tmp_path
     _one_line(out, "interrupted.")
 
 
+@pytest.mark.own_data_cache  # `bhfl prepare` afresh: its first step is the Prefect task signalled
 def test_a_stop_that_cannot_finish_ends_as_a_kill_after_the_grace_period(tmp_path):
     """Clean-up that hangs (here: stopping the command's own Prefect server) does not hold the command: after
     BHFL_STOP_GRACE_S it ends as a kill does, with its processes killed, exit 143."""
