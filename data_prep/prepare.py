@@ -38,6 +38,7 @@ from bhfl_core.config.schema import ExperimentConfig
 from bhfl_core.learning.models import check_available as check_model
 from bhfl_core.learning.models import check_hub as check_model_hub
 from data_prep.cache_entry import building, disk_full_named, locked
+from data_prep.cache_folder import check_data_cache_folder
 from data_prep.manifest import MANIFEST_NAME, Manifest
 from data_prep.report import write_report
 from data_prep.shards import file_rows, load_shard, parse_path
@@ -189,12 +190,14 @@ def cached_data(config: ExperimentConfig, cache_root: Path) -> PreparedData | No
 
 
 def check_hub(config: ExperimentConfig, cache_root: Path) -> None:
-    """Seconds at most: fail when the model or, on a cache miss, the data comes from a hub that cannot be reached.
+    """Seconds at most: fail when the cache folder is a file, or the model or, on a cache miss, the data comes
+    from a hub that cannot be reached.
 
     Without ``HF_HUB_OFFLINE`` the hub client retries for ~30 s before it fails; this
     one quick probe (``bhfl_core/learning/hub.py``) lets the CLI stop before it starts
     Prefect and the workers, whose start-up it would otherwise wait for.
     """
+    check_data_cache_folder(cache_root)
     check_model_hub(config.model)
     if cached_data(config, cache_root) is None:
         check_hubs(config)

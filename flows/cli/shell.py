@@ -192,13 +192,11 @@ def hub_check(cfg: ExperimentConfig, run_dir: Path, where: str = "") -> None:
     first wait for the workers to come up.
     """
     from bhfl_core.config.base import ConfigError
-    from data_prep.cache_folder import check_data_cache_folder, data_cache_folder
+    from data_prep.cache_folder import data_cache_folder
     from data_prep.prepare import check_hub
 
     try:
-        cache = data_cache_folder(run_dir)
-        check_data_cache_folder(cache)
-        check_hub(cfg, cache)
+        check_hub(cfg, data_cache_folder(run_dir))
     except ConfigError as exc:
         fail(f"{where}{exc}")
 
@@ -207,13 +205,11 @@ def preflight(cfg: ExperimentConfig, run_dir: Path, where: str = "") -> None:
     """Model and (unless cached) data reachable, a ``tls://`` cluster's certificates readable? Checked beside
     Prefect's start: one paragraph (after ``where``: which of a job's experiments), exit 2."""
     from bhfl_core.config.base import ConfigError
-    from data_prep.cache_folder import check_data_cache_folder, data_cache_folder
+    from data_prep.cache_folder import data_cache_folder
     from data_prep.prepare import preflight
 
     try:
-        cache = data_cache_folder(run_dir)
-        check_data_cache_folder(cache)
-        preflight(cfg, cache)
+        preflight(cfg, data_cache_folder(run_dir))
         if cfg.model.quantization is not None and cfg.runtime.executor != "cluster":  # the workers are this machine
             from bhfl_core.learning.backbone_precision import check_quantization
 
